@@ -1,0 +1,197 @@
+"""The one config object, built in one place, with the source of every value.
+
+Sources, lowest to highest precedence: `default`, `profile:<name>`, `config file`, `env`
+(variables `KESTREL_<NAME>`), `cli`. The supervisor hands its resolved config to the child
+processes as a JSON file (`--resolved-config`), which keeps each value's original source.
+
+Code reads settings from a `KestrelConfig`; only this module reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Field:
+    """One setting: its name (snake_case), type, default and help text."""
+
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: tuple | None = None
+
+
+def _bool(s: str | bool) -> bool:
+    if isinstance(s, bool):
+        return s
+    v = str(s).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {s!r}")
+
+
+FIELDS: list[Field] = [
+    Field("model", str, "models/SmolLM2-135M-Instruct", "Hugging Face model folder"),
+    Field("served_model_name", str, None, "model name shown by the API (default: folder name)"),
+    Field("host", str, "127.0.0.1", "HTTP bind address"),
+    Field("port", int, 8000, "HTTP port"),
+    Field("device", str, "auto", "cpu, cuda or auto", ("auto", "cpu", "cuda")),
+    Field("dtype", str, "auto", "weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)",
+          ("auto", "float32", "bfloat16", "float16")),
+    Field("max_model_len", int, None, "max prompt + output tokens (default: model's, capped at 8192)"),
+    Field("block_size", int, 16, "tokens per KV block"),
+    Field("max_num_seqs", int, 64, "max requests running at once"),
+    Field("max_num_batched_tokens", int, 2048, "token budget of one step (prefill chunks + decodes)"),
+    Field("kv_cache_gib", float, 1.0, "KV cache memory of each worker on the CPU path, GiB"),
+    Field("num_threads", int, 0, "torch intra-op threads of the worker (0: all cores)"),
+    Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
+    Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
+    Field("runtime_dir", str, None, "folder for ipc sockets (default: /tmp/kestrel-<instance>)"),
+    Field("engine_address", str, None, "ZMQ address the engine binds for frontends"),
+    Field("worker_address", str, None, "ZMQ address the engine binds for worker results"),
+    Field("ring_chunks", int, 8, "chunks in the engine->worker plan ring"),
+    Field("ring_chunk_bytes", int, 1 << 20, "bytes per ring chunk; larger plans go over ZMQ"),
+    Field("keepalive_s", float, 10.0, "seconds between SSE keep-alive comments"),
+    Field("log_level", str, "INFO", "logging level"),
+    Field("startup_timeout_s", float, 300.0, "seconds the supervisor waits for readiness"),
+]
+
+FIELD_BY_NAME = {f.name: f for f in FIELDS}
+
+
+@dataclass
+class Setting:
+    value: Any
+    source: str
+
+
+@dataclass
+class KestrelConfig:
+    """Effective settings with their sources. Attribute access gives the value."""
+
+    settings: dict[str, Setting] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["settings"][name].value
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def source(self, name: str) -> str:
+        return self.settings[name].source
+
+    def set(self, name: str, value: Any, source: str) -> None:
+        self.settings[name] = Setting(value, source)
+
+    def to_json(self) -> str:
+        return json.dumps({k: [s.value, s.source] for k, s in self.settings.items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "KestrelConfig":
+        data = json.loads(text)
+        return cls({k: Setting(v, s) for k, (v, s) in data.items()})
+
+    def table(self) -> str:
+        """The effective settings, one per line: name, value, source."""
+        width = max(len(k) for k in self.settings)
+        return "\n".join(f"  {k:<{width}}  {s.value!r:<40} [{s.source}]"
+                         for k, s in sorted(self.settings.items()))
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every setting as a `--flag` whose absence is recorded as None (not a default)."""
+    for f in FIELDS:
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{f.help} (default: {f.default})"}
+        if f.type is _bool:
+            kw["type"] = _bool
+        else:
+            kw["type"] = f.type
+        if f.choices:
+            kw["choices"] = f.choices
+        parser.add_argument(flag, **kw)
+    parser.add_argument("--config-file", default=None, help="JSON file of settings")
+    parser.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
+
+
+def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 config_file: str | None = None) -> KestrelConfig:
+    """Merge defaults, config file, environment and CLI into one `KestrelConfig`.
+
+    cli: parsed arguments (None for a flag not given).
+    Raises ValueError naming the setting for a value of the wrong type or an unknown key.
+    """
+    env = dict(os.environ) if env is None else env
+    cli = cli or {}
+    if cli.get("resolved_config"):
+        with open(cli["resolved_config"]) as fh:
+            return KestrelConfig.from_json(fh.read())
+    cfg = KestrelConfig()
+    for f in FIELDS:
+        cfg.set(f.name, f.default, "default")
+    path = config_file or cli.get("config_file")
+    if path:
+        with open(path) as fh:
+            data = json.load(fh)
+        for k, v in data.items():
+            if k not in FIELD_BY_NAME:
+                raise ValueError(f"unknown setting {k!r} in {path}")
+            cfg.set(k, _convert(FIELD_BY_NAME[k], v), "config file")
+    for f in FIELDS:
+        key = "KESTREL_" + f.name.upper()
+        if key in env and env[key] != "":
+            cfg.set(f.name, _convert(f, env[key]), "env")
+    for f in FIELDS:
+        if cli.get(f.name) is not None:
+            cfg.set(f.name, _convert(f, cli[f.name]), "cli")
+    _derive(cfg)
+    return cfg
+
+
+def _convert(f: Field, v: Any) -> Any:
+    if v is None:
+        return None
+    try:
+        out = f.type(v) if not isinstance(v, bool) or f.type is _bool else v
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"setting {f.name}: {e}") from None
+    if f.choices and out not in f.choices:
+        raise ValueError(f"setting {f.name}: {out!r} is not one of {f.choices}")
+    return out
+
+
+def _derive(cfg: KestrelConfig) -> None:
+    """Fill settings whose default depends on others (source `derived`)."""
+    if cfg.instance_id is None:
+        cfg.set("instance_id", uuid.uuid4().hex[:8], "derived")
+    if cfg.runtime_dir is None:
+        cfg.set("runtime_dir", f"/tmp/kestrel-{cfg.instance_id}", "derived")
+    if cfg.engine_address is None:
+        cfg.set("engine_address", f"ipc://{cfg.runtime_dir}/engine.sock", "derived")
+    if cfg.worker_address is None:
+        cfg.set("worker_address", f"ipc://{cfg.runtime_dir}/worker.sock", "derived")
+    if cfg.served_model_name is None:
+        cfg.set("served_model_name", os.path.basename(os.path.normpath(cfg.model)), "derived")
+    if cfg.device == "auto":
+        try:
+            import torch
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        except Exception:  # torch missing in a tool-only environment
+            dev = "cpu"
+        cfg.set("device", dev, "derived")
+    if cfg.dtype == "auto":
+        cfg.set("dtype", "bfloat16" if cfg.device == "cuda" else "float32", "derived")
+
+
+def ring_name(instance_id: str, ring: str) -> str:
+    """The /dev/shm name of one ring of an instance (DESIGN §3)."""
+    return f"kestrel-{instance_id}-{ring}"

@@ -1,0 +1,230 @@
+"""Every message that crosses a process boundary in Kestrel.
+
+Encoding: msgspec MessagePack. Each direction is a tagged union, so a receiver decodes with
+one typed decoder and dispatches on the type. No pickle anywhere. A message that fails to
+decode is logged with the peer's identity and dropped (see `shared.zmq_utils.safe_decode`).
+
+Directions:
+- frontend -> engine (ZMQ DEALER -> ROUTER): `FrontendToEngine`
+- engine -> frontend (same socket pair, routed by frontend identity): `EngineToFrontend`
+- engine -> workers (shm ring broadcast): `EngineToWorker`
+- worker rank 0 -> engine (ZMQ PUSH -> PULL): `WorkerToEngine`
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Per-request sampling and stopping parameters.
+
+    Sampling (used by the worker): temperature (0 = greedy), top_p in (0, 1], top_k
+    (0 = off), min_p in [0, 1), seed (always set by the engine: a request without a seed gets
+    a random one at admission, so that recompute after preemption samples the same tokens).
+    Stopping (used by the engine): max_tokens (generated tokens), min_tokens, stop_token_ids,
+    ignore_eos. Stop *strings* are checked by the frontend on text, which then aborts.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+# ---------------------------------------------------------------- frontend -> engine
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """First message of a frontend. A new identity with the same name means a restart:
+    the engine aborts every request of the earlier identity."""
+
+    frontend_id: str
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    """A new request for the engine. Token ids are prompt tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float  # seconds, time.time() on the frontend
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    """Abort requests (client gone, stop string matched). Unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
+    """Liveness beat from a frontend. Time in seconds (time.time())."""
+
+    time: float
+
+
+class UtilityCall(msgspec.Struct, tag="call", array_like=True):
+    """A control call (stats, reset_prefix_cache, debug hooks). The reply is a
+    `UtilityResult` with the same call_id."""
+
+    call_id: int
+    method: str
+    args: dict[str, Any] = {}
+
+
+FrontendToEngine = Hello | AddRequest | Abort | Heartbeat | UtilityCall
+
+
+# ---------------------------------------------------------------- engine -> frontend
+
+
+class EngineInfo(msgspec.Struct, tag="info", array_like=True):
+    """The engine's facts, sent in answer to `Hello`."""
+
+    engine_id: str
+    model_name: str
+    model_path: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    eos_token_ids: list[int]
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request since the last output.
+
+    finish_reason: None while running; "stop" (EOS or stop token), "length" (max_tokens or
+    max_model_len), "abort", or "error" (then `error` says why).
+    stop_token_id: the token that ended the request on "stop", if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+
+class Outputs(msgspec.Struct, tag="out", array_like=True):
+    """A batch of request outputs, one engine step's worth, for one frontend."""
+
+    outputs: list[RequestOutput]
+
+
+class UtilityResult(msgspec.Struct, tag="callres", array_like=True, omit_defaults=True):
+    """Answer to a `UtilityCall`. `error` is set when the call failed."""
+
+    call_id: int
+    result: dict[str, Any] = {}
+    error: str | None = None
+
+
+EngineToFrontend = EngineInfo | Outputs | UtilityResult | Heartbeat
+
+
+# ---------------------------------------------------------------- engine -> worker
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's share of a step.
+
+    token_ids: the tokens to run now (a prefill chunk, or the last sampled token for decode).
+    start_pos: the position of token_ids[0]; tokens [0, start_pos) are already in the KV
+        cache. The KV of token_ids is written at positions start_pos .. start_pos+len-1.
+    block_table: the request's KV block ids, covering at least start_pos + len(token_ids)
+        tokens (block b holds positions [b*block_size, (b+1)*block_size)).
+    sample: True when a token is sampled after this chunk (last prefill chunk, or decode).
+    output_index: index of the token to be sampled among the request's outputs (0 for the
+        first). Seeded sampling draws from (seed, output_index), so recompute is exact.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    output_index: int = 0
+
+
+class StepPlan(msgspec.Struct, tag="step", array_like=True):
+    """The plan of one engine step, broadcast to every worker over the shm ring."""
+
+    step_id: int
+    seqs: list[ScheduledSeq]
+
+
+class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Tells the workers to exit cleanly."""
+
+    reason: str = ""
+
+
+EngineToWorker = StepPlan | WorkerShutdown
+
+
+# ---------------------------------------------------------------- worker -> engine
+
+
+class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
+    """Sent once by each worker after loading weights and sizing the KV cache."""
+
+    rank: int
+    pid: int
+    num_blocks: int  # KV blocks the worker allocated (the engine uses the minimum)
+    block_size: int
+    device: str
+    report: dict[str, Any] = {}
+
+
+class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True):
+    """The sampled tokens of one step, from worker rank 0.
+
+    sampled_token_ids: one token per ScheduledSeq with sample=True, in plan order.
+    error: set when the step failed; the engine fails the step's requests.
+    """
+
+    step_id: int
+    sampled_token_ids: list[int]
+    error: str | None = None
+    cpu_time: float = 0.0  # seconds the worker spent on this step
+
+
+class WorkerHeartbeat(msgspec.Struct, tag="whb", array_like=True):
+    """Liveness beat of a worker while idle."""
+
+    rank: int
+    time: float
+
+
+WorkerToEngine = WorkerReady | StepResult | WorkerHeartbeat
+
+
+# ---------------------------------------------------------------- codecs
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    """One encoder for every message type (msgspec encoders are not thread-safe)."""
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(union: Any) -> msgspec.msgpack.Decoder:
+    """A typed decoder for one direction's union, e.g. `decoder(FrontendToEngine)`."""
+    return msgspec.msgpack.Decoder(union)
