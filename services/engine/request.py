@@ -1,0 +1,75 @@
+"""The engine's view of one request: its tokens, progress, blocks and state machine.
+
+States: WAITING (admitted, not scheduled, or preempted) -> RUNNING -> FINISHED.
+A preempted request goes back to WAITING with num_computed_tokens = 0 and recomputes
+prompt + outputs so far (recompute preemption, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from shared.protocol import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One generation request inside the engine.
+
+    prompt_token_ids / output_token_ids: token ids. num_computed_tokens: tokens whose KV is
+    in the cache. block_ids: the request's block table (KV block ids, in order).
+    frontend: ZMQ identity of the frontend that owns the request (outputs go there).
+    """
+
+    __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
+                 "arrival_time", "num_computed_tokens", "block_ids", "status", "finish_reason",
+                 "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens")
+
+    def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
+                 sampling: SamplingParams, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.frontend = frontend
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.num_preemptions = 0
+        self.first_scheduled: float | None = None
+        self.sent_tokens = 0  # output tokens already sent to the frontend
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

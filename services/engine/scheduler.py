@@ -1,0 +1,217 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+Each step (DESIGN §5):
+1. Running requests in decode go first (one token each, or more later with spec decode).
+2. Running requests still in prefill get chunks of what is left of the budget. While
+   decodes are in the batch, prefill tokens are capped at `prefill_cap_with_decodes` so
+   that inter-token latency stays bounded.
+3. Waiting requests are admitted in arrival order while the budget, `max_num_seqs` and
+   free blocks allow.
+Under memory pressure the newest running request is preempted: its blocks are freed and it
+goes back to the front of the waiting queue to recompute from token 0.
+
+After the worker returns the sampled tokens, `update` appends them and applies the stop
+conditions: EOS (unless ignore_eos, and not before min_tokens), stop token ids, max_tokens,
+and max_model_len.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.request import Request, RequestStatus
+from shared.protocol import ScheduledSeq, StepPlan
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the plan for the workers and the requests in plan order."""
+
+    plan: StepPlan
+    requests: list[Request]
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager.
+
+    max_num_seqs: requests running at once. max_num_batched_tokens: tokens per step.
+    max_model_len: prompt + output tokens of one request. eos_token_ids: ids that end a
+    request (unless ignore_eos).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int]):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.prefill_cap_with_decodes = max(block_manager.block_size, max_num_batched_tokens // 2)
+        self.max_model_len = max_model_len
+        self.eos = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+
+    # ------------------------------------------------------------------ queue management
+
+    def add(self, request: Request) -> None:
+        """Admit a request to the waiting queue. Raises ValueError on a duplicate id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (any state): free its blocks and drop it from the queues."""
+        if request.is_finished:
+            return
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.bm.free(request)
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.requests.pop(request.request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Plan the next step. Returns None when nothing can run."""
+        budget = self.budget
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]
+        prefills = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
+
+        taken: set[str] = set()
+        for req in decodes:
+            if req.status != RequestStatus.RUNNING or budget <= 0:
+                continue
+            if not self._allocate_or_preempt(req, req.num_tokens, taken, preempted):
+                continue
+            scheduled.append((req, req.num_tokens - req.num_computed_tokens))
+            taken.add(req.request_id)
+            budget -= scheduled[-1][1]
+
+        prefill_budget = min(budget, self.prefill_cap_with_decodes) if scheduled else budget
+        for req in prefills:
+            if req.status != RequestStatus.RUNNING or prefill_budget <= 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
+            if not self._allocate_or_preempt(req, req.num_computed_tokens + n, taken, preempted):
+                continue
+            scheduled.append((req, n))
+            taken.add(req.request_id)
+            prefill_budget -= n
+
+        while self.waiting and prefill_budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
+            if not self.bm.allocate(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled is None:
+                req.first_scheduled = time.time()
+            self.running.append(req)
+            scheduled.append((req, n))
+            prefill_budget -= n
+
+        if not scheduled:
+            return None
+        self.step_id += 1
+        seqs = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            seqs.append(ScheduledSeq(
+                request_id=req.request_id,
+                token_ids=req.token_slice(start, end),
+                start_pos=start,
+                block_table=req.block_ids,
+                sample=end == req.num_tokens,
+                sampling=req.sampling,
+                output_index=len(req.output_token_ids),
+            ))
+        return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs),
+                               requests=[r for r, _ in scheduled],
+                               num_tokens={r.request_id: n for r, n in scheduled},
+                               preempted=preempted)
+
+    def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
+                             preempted: list[Request]) -> bool:
+        """Grow req's blocks to `num_tokens`, preempting the newest running request not yet
+        scheduled this step while blocks are short. If no other request can give blocks
+        back, req itself is preempted. Returns True when req can run."""
+        while not self.bm.allocate(req, num_tokens):
+            others = [r for r in self.running if r is not req and r.request_id not in taken]
+            victim = max(others, key=lambda r: r.arrival_time) if others else req
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        """Free the victim's blocks and put it first in line to recompute from token 0."""
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    # ------------------------------------------------------------------ after the step
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Apply a step's results. Returns the requests that got a new token or finished.
+
+        sampled: one token id per scheduled request whose chunk ends a prefill or decodes,
+        in plan order. Raises ValueError if the count does not match the plan.
+        """
+        expected = sum(1 for s in out.plan.seqs if s.sample)
+        if len(sampled) != expected:
+            raise ValueError(f"step {out.plan.step_id}: {len(sampled)} tokens for {expected} samples")
+        changed = []
+        it = iter(sampled)
+        for req, seq in zip(out.requests, out.plan.seqs):
+            if req.is_finished or req.status != RequestStatus.RUNNING:
+                if seq.sample:
+                    next(it)
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            tok = next(it)
+            req.output_token_ids.append(tok)
+            changed.append(req)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.finish(req, reason)
+        return changed
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        sp = req.sampling
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and tok in self.eos:
+                req.stop_token_id = tok
+                return "stop"
+            if tok in sp.stop_token_ids:
+                req.stop_token_id = tok
+                return "stop"
+        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,114 @@
+"""The worker process: reads step plans from the shm ring, runs the model, returns tokens.
+
+Loop: attach to the engine's plan ring, load the model (`ModelRunner`), send `WorkerReady`,
+then for each `StepPlan` run `ModelRunner.execute` and (rank 0) push a `StepResult` to the
+engine. A background thread sends `WorkerHeartbeat` every second on its own socket, so the
+engine can tell a slow step from a dead worker. An exception inside a step is reported in
+the result (the engine fails that step's requests) and the worker carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+
+import zmq
+
+from shared import protocol as P
+from shared.config import KestrelConfig, ring_name
+from shared.procutil import die_with_parent, set_title, setup_logging
+from shared.shm_ring import ShmRingReader
+from shared.zmq_utils import make_socket, safe_decode
+
+log = logging.getLogger("kestrel.worker")
+
+
+def _attach_ring(cfg: KestrelConfig, rank: int, timeout: float) -> ShmRingReader:
+    """Attach to the plan ring, waiting for the engine to create it. Raises TimeoutError."""
+    name = ring_name(cfg.instance_id, "plan")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ShmRingReader(name, reader_index=rank, runtime_dir=cfg.runtime_dir)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"plan ring {name} did not appear within {timeout:.0f} s") from None
+            time.sleep(0.05)
+
+
+def _heartbeats(ctx: zmq.Context, address: str, rank: int, stop: threading.Event) -> None:
+    sock = make_socket(ctx, zmq.PUSH, address, bind=False)
+    enc = P.encoder()
+    try:
+        while not stop.wait(1.0):
+            sock.send(enc.encode(P.WorkerHeartbeat(rank, time.time())), flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+    finally:
+        sock.close(0)
+
+
+def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
+    """Entry point of `kestrel worker`. Returns the process exit code."""
+    set_title(f"kestrel:worker:{rank}")
+    die_with_parent()
+    setup_logging(f"worker:{rank}", cfg.log_level)
+    stopping = threading.Event()
+
+    def on_term(signum, frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+    from services.worker.model_runner import ModelRunner  # heavy import after the title is set
+
+    t0 = time.monotonic()
+    runner = ModelRunner(cfg)
+    ring = _attach_ring(cfg, rank, cfg.startup_timeout_s)
+    ctx = zmq.Context()
+    push = make_socket(ctx, zmq.PUSH, cfg.worker_address, bind=False)
+    enc = P.encoder()
+    dec = P.decoder(P.EngineToWorker)
+    report = dict(runner.report())
+    report["startup_s"] = round(time.monotonic() - t0, 3)
+    push.send(enc.encode(P.WorkerReady(rank, os.getpid(), runner.num_blocks, runner.block_size,
+                                       str(cfg.device), report)))
+    hb = threading.Thread(target=_heartbeats, args=(ctx, cfg.worker_address, rank, stopping),
+                          daemon=True, name="heartbeat")
+    hb.start()
+    code = 0
+    try:
+        while not stopping.is_set():
+            data = ring.read(timeout=0.5)
+            if data is None:
+                continue
+            msg = safe_decode(dec, data, "engine")
+            if isinstance(msg, P.WorkerShutdown):
+                log.info("shutdown requested: %s", msg.reason)
+                break
+            if not isinstance(msg, P.StepPlan):
+                continue
+            c0 = time.process_time()
+            try:
+                sampled = runner.execute(msg)
+                result = P.StepResult(msg.step_id, sampled)
+            except Exception as e:
+                log.error("step %d failed: %s\n%s", msg.step_id, e, traceback.format_exc())
+                result = P.StepResult(msg.step_id, [], error=f"{type(e).__name__}: {e}")
+            result.cpu_time = time.process_time() - c0
+            if rank == 0:
+                push.send(enc.encode(result))
+    except Exception:
+        log.exception("worker failed")
+        code = 1
+    finally:
+        stopping.set()
+        ring.close()
+        ctx.destroy(linger=0)
+    log.info("worker stopped")
+    return code
