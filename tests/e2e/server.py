@@ -1,0 +1,91 @@
+"""Start `kestrel serve` as a user would (a subprocess on a free port) and tear it down."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import httpx
+import psutil
+
+KESTREL = os.path.join(os.path.dirname(sys.executable), "kestrel")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def segments(instance_id: str) -> list[str]:
+    return glob.glob(f"/dev/shm/kestrel-{instance_id}-*")
+
+
+class KestrelServer:
+    """One `kestrel serve` subprocess. Logs go to a temp file (shown on failure)."""
+
+    def __init__(self, model_dir: str, *extra: str, port: int | None = None):
+        self.port = port or free_port()
+        self.instance_id = "t" + uuid.uuid4().hex[:8]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.argv = [KESTREL, "serve", "--model", model_dir, "--host", "127.0.0.1",
+                     "--port", str(self.port), "--instance-id", self.instance_id, *extra]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-serve-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> "KestrelServer":
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kestrel serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        raise TimeoutError(f"kestrel serve not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        with open(self.log.name) as fh:
+            return "".join(fh.readlines()[-n:])
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        kids = self.children()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        for k in kids:  # never leave anything behind a failed test
+            try:
+                k.wait(10)
+            except psutil.TimeoutExpired:
+                k.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
