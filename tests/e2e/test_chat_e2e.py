@@ -30,7 +30,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    srv = KestrelServer(smollm2_dir).start()
+    srv = KestrelServer(str(smollm2_dir)).start()
     yield srv
     srv.stop()
 
@@ -142,7 +142,7 @@ def _wait_gone(pids, timeout):
 
 
 def test_sigterm_stops_everything_and_leaves_no_segments(smollm2_dir):
-    srv = KestrelServer(smollm2_dir).start()
+    srv = KestrelServer(str(smollm2_dir)).start()
     try:
         kids = [p.pid for p in srv.children()]
         assert len(kids) >= 3
@@ -157,7 +157,7 @@ def test_sigterm_stops_everything_and_leaves_no_segments(smollm2_dir):
 
 
 def test_kill9_supervisor_takes_children_down(smollm2_dir):
-    srv = KestrelServer(smollm2_dir).start()
+    srv = KestrelServer(str(smollm2_dir)).start()
     try:
         kids = [p.pid for p in srv.children()]
         srv.proc.send_signal(signal.SIGKILL)

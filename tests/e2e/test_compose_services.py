@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 
@@ -53,7 +54,7 @@ def test_each_compose_service_command_serves(smollm2_dir, tmp_path):
     doc = load()
     iid = "c" + uuid.uuid4().hex[:8]
     port = free_port()
-    runtime = str(tmp_path / "run")
+    runtime = tempfile.mkdtemp(prefix="krun-")  # short: unix socket paths are limited to ~100 bytes
     procs = []
     try:
         for name in ("engine", "worker", "frontend"):
@@ -61,7 +62,7 @@ def test_each_compose_service_command_serves(smollm2_dir, tmp_path):
             env = dict(os.environ)
             env.update({k: str(v) for k, v in svc["environment"].items()})
             # the container paths become local ones; the instance id is made unique
-            env["KESTREL_MODEL"] = smollm2_dir
+            env["KESTREL_MODEL"] = str(smollm2_dir)
             env["KESTREL_RUNTIME_DIR"] = runtime
             env["KESTREL_INSTANCE_ID"] = iid
             argv = [KESTREL] + [str(a) for a in svc["command"][1:]]
