@@ -1,0 +1,73 @@
+"""Session-wide fixtures: the repo root and the default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> pathlib.Path:
+    """The repository's root folder."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def models_dir(repo_root) -> pathlib.Path:
+    """The repo's `models/` folder (git-ignored), where fetched models live."""
+    return repo_root / "models"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(models_dir) -> pathlib.Path:
+    """The converted HF folder of SmolLM2-135M-Instruct, fetched once (a no-op when present)."""
+    from services.worker.fetch_model import fetch_model
+
+    return pathlib.Path(fetch_model(str(models_dir)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir, models_dir) -> pathlib.Path:
+    """The kept GGUF the folder was converted from (`models/.gguf/...Q4_1.gguf`)."""
+    from services.worker.fetch_model import fetch_gguf
+
+    return pathlib.Path(fetch_gguf(str(models_dir)))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' own GGUF loader on the original file: (tokenizer, model), fp32, eval.
+
+    The independent reference for parity and end-to-end tests (loads in ~18 s, once).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm2):
+    """`hf_greedy(user_message, max_new_tokens) -> str`: transformers' greedy reply to one
+    user message under the model's chat template (special tokens skipped). Cached."""
+    import torch
+
+    tok, model = hf_smollm2
+    cache: dict = {}
+
+    def run(prompt: str, n: int) -> str:
+        if (prompt, n) not in cache:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+            with torch.inference_mode():
+                out = model.generate(**ids, max_new_tokens=n, do_sample=False)
+            cache[(prompt, n)] = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        return cache[(prompt, n)]
+
+    return run
