@@ -1,0 +1,279 @@
+"""The frontend's async client of the engine (DESIGN §2), on zmq.asyncio.
+
+Socket: one DEALER, connected to the engine's ROUTER at `engine_address`, with a fresh ZMQ
+identity per process start. Each message is one frame: a msgspec MessagePack encoding of
+`shared.protocol.FrontendToEngine` (frontend -> engine) or `EngineToFrontend` (engine ->
+frontend; if the engine sends several frames, the last one is decoded).
+
+What the client expects of the engine:
+- `Hello` is answered with `EngineInfo`. Hello may be sent more than once with the same
+  frontend_id and identity (while waiting for the engine, and after the engine has been
+  silent): the engine treats a repeat from the same identity as harmless.
+- Every `Heartbeat` (about one a second) is answered with a `Heartbeat`. Any message from
+  the engine counts as a sign of life.
+- `AddRequest` is answered by `Outputs` with the request's `RequestOutput`s; the last one
+  has a finish_reason. `Abort` of an unknown id is ignored.
+- `UtilityCall` is answered by a `UtilityResult` with the same call_id.
+If the engine is silent for `dead_after_s`, every request in flight is finished with an
+error, so that no client hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shared import protocol as p
+
+log = logging.getLogger("kestrel.frontend.engine_client")
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEALTHY_WITHIN_S = 5.0    # /health is 200 only if the engine spoke within this many seconds
+DEAD_AFTER_S = 30.0       # silence after which requests in flight fail
+HELLO_RETRY_S = 2.0       # Hello is re-sent this often while no EngineInfo has come
+CONNECT_POLL_S = 0.1      # retry interval while the engine's socket is not there yet
+
+
+class EngineCallError(Exception):
+    """A utility call failed on the engine (its `UtilityResult.error`)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take a request now (not connected, or silent too long)."""
+
+
+class RequestStream:
+    """The outputs of one request, in engine order. Iterate with `async for`; iteration
+    ends after the output that carries a finish_reason."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.finished = False
+        self._queue: asyncio.Queue[p.RequestOutput] = asyncio.Queue()
+
+    def put(self, out: p.RequestOutput) -> None:
+        """Queue one output (called by the client's reader task)."""
+        self._queue.put_nowait(out)
+
+    async def get(self, timeout: float | None = None) -> p.RequestOutput:
+        """The next output. Raises TimeoutError if none comes within `timeout` seconds."""
+        out = await asyncio.wait_for(self._queue.get(), timeout)
+        if out.finish_reason is not None:
+            self.finished = True
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[p.RequestOutput]:
+        while not self.finished:
+            yield await self.get()
+
+
+class EngineClient:
+    """Talks to the engine for one frontend process.
+
+    address: the engine's ZMQ address (cfg.engine_address). name: this frontend's stable
+    name (the Hello's frontend_id; a new process with the same name replaces the old one).
+    Use: `info = await client.connect(deadline_s)`, then `open_request`, `abort`,
+    `call_utility`; `close()` at shutdown.
+    """
+
+    def __init__(self, address: str, name: str, *, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
+                 healthy_within_s: float = HEALTHY_WITHIN_S, dead_after_s: float = DEAD_AFTER_S):
+        self.address = address
+        self.name = name
+        self.identity = f"{name}-{uuid.uuid4().hex[:12]}"
+        self.info: p.EngineInfo | None = None
+        self.last_seen = 0.0  # time.monotonic() of the engine's last message
+        self._heartbeat_s = heartbeat_s
+        self._healthy_within_s = healthy_within_s
+        self._dead_after_s = dead_after_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.connect(address)
+        self._encoder = p.encoder()
+        self._decoder = p.decoder(p.EngineToFrontend)
+        self._streams: dict[str, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._info_event = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def connect(self, deadline_s: float) -> p.EngineInfo:
+        """Handshake: send Hello until EngineInfo arrives; start the reader and heartbeat
+        tasks. Logs while waiting. Raises TimeoutError after `deadline_s` seconds."""
+        self._tasks.append(asyncio.create_task(self._reader(), name="engine-reader"))
+        start = last_log = time.monotonic()
+        while True:
+            sent = self._send(p.Hello(frontend_id=self.name, pid=os.getpid()))
+            try:
+                await asyncio.wait_for(self._info_event.wait(),
+                                       HELLO_RETRY_S if sent else CONNECT_POLL_S)
+                break
+            except TimeoutError:
+                now = time.monotonic()
+                if now - start >= deadline_s:
+                    raise TimeoutError(f"no answer from the engine at {self.address} "
+                                       f"after {now - start:.0f} s") from None
+                if now - last_log >= HELLO_RETRY_S:
+                    last_log = now
+                    log.info("waiting for the engine at %s (%.0f s)", self.address, now - start)
+        self._tasks.append(asyncio.create_task(self._heartbeats(), name="engine-heartbeat"))
+        assert self.info is not None
+        return self.info
+
+    async def close(self) -> None:
+        """Stop the tasks, fail requests in flight, close the socket."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all("the frontend is shutting down")
+        self._sock.close(0)
+        self._ctx.term()
+
+    def is_healthy(self) -> bool:
+        """True when the handshake is done and the engine spoke within healthy_within_s."""
+        return (self.info is not None
+                and time.monotonic() - self.last_seen < self._healthy_within_s)
+
+    def is_dead(self) -> bool:
+        """True when the engine has been silent for dead_after_s (or never answered)."""
+        return self.info is None or time.monotonic() - self.last_seen >= self._dead_after_s
+
+    # ------------------------------------------------------------ requests
+
+    def open_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: p.SamplingParams) -> RequestStream:
+        """Send an AddRequest; return the stream its outputs arrive on.
+
+        Raises EngineUnavailable if the engine is not connected or not answering."""
+        if self.is_dead():
+            raise EngineUnavailable("the engine is not responding")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        if not self._send(p.AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                       sampling=sampling, arrival_time=time.time())):
+            del self._streams[request_id]
+            raise EngineUnavailable("the engine is not connected")
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone, stop string): forget its stream and send Abort.
+        Safe to call from a finally block of a cancelled task (it does not await)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._send(p.Abort(request_ids=[request_id]))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's stream (no message is sent)."""
+        self._streams.pop(request_id, None)
+
+    async def call_utility(self, method: str, args: dict[str, Any] | None = None,
+                           timeout: float = 10.0) -> dict[str, Any]:
+        """Run a control method on the engine and return its result dict.
+
+        Raises TimeoutError after `timeout` seconds, EngineCallError if the engine reports
+        an error, EngineUnavailable if it is not connected."""
+        if self.is_dead():
+            raise EngineUnavailable("the engine is not responding")
+        call_id = next(self._call_ids)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        if not self._send(p.UtilityCall(call_id=call_id, method=method, args=args or {})):
+            del self._calls[call_id]
+            raise EngineUnavailable("the engine is not connected")
+        try:
+            res: p.UtilityResult = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if res.error is not None:
+            raise EngineCallError(res.error)
+        return res.result
+
+    # ------------------------------------------------------------ internals
+
+    def _send(self, msg: Any) -> bool:
+        """Send one message without waiting. False when the engine is not connected or the
+        send queue is full (IMMEDIATE is set, so nothing piles up for an absent engine)."""
+        fut = self._sock.send(self._encoder.encode(msg), flags=zmq.DONTWAIT)
+        if fut.done() and fut.exception() is not None:
+            return False
+        return True
+
+    async def _reader(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = self._decoder.decode(frames[-1])
+            except msgspec.DecodeError as e:
+                log.warning("dropped an undecodable message from the engine (%d bytes): %s",
+                            len(frames[-1]), e)
+                continue
+            self.last_seen = time.monotonic()
+            try:
+                self._dispatch(msg)
+            except Exception:  # a bug in dispatch must not stop the reader
+                log.exception("failed to handle a %s from the engine", type(msg).__name__)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, p.Outputs):
+            for out in msg.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted or unknown: the engine may still send a last output
+                if out.finish_reason is not None:
+                    del self._streams[out.request_id]
+                stream.put(out)
+        elif isinstance(msg, p.UtilityResult):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, p.EngineInfo):
+            self._on_info(msg)
+        # A Heartbeat only refreshes last_seen.
+
+    def _on_info(self, info: p.EngineInfo) -> None:
+        if self.info is not None and info.engine_id != self.info.engine_id:
+            log.warning("engine restarted (%s -> %s); failing %d requests in flight",
+                        self.info.engine_id, info.engine_id, len(self._streams))
+            self._fail_all("the engine restarted")
+        elif self.info is None:
+            log.info("connected to engine %s: model %s, max_model_len %d",
+                     info.engine_id, info.model_name, info.max_model_len)
+        self.info = info
+        self._info_event.set()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            self._send(p.Heartbeat(time=time.time()))
+            silent = time.monotonic() - self.last_seen
+            if silent >= self._healthy_within_s:
+                # Perhaps a new engine that does not know us: say hello again.
+                self._send(p.Hello(frontend_id=self.name, pid=os.getpid()))
+            if silent >= self._dead_after_s and self._streams:
+                log.error("engine silent for %.0f s; failing %d requests in flight",
+                          silent, len(self._streams))
+                self._fail_all("the engine is not responding")
+
+    def _fail_all(self, reason: str) -> None:
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put(p.RequestOutput(request_id=rid, new_token_ids=[], num_prompt_tokens=0,
+                                       finish_reason="error", error=reason))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineCallError(reason))

@@ -1,0 +1,92 @@
+"""Typed API errors of the frontend and OpenAI's error envelope.
+
+A client's mistake is raised as one of these at the edge (request parsing, model lookup,
+chat template, length checks); `error_response` turns it into the HTTP response and
+`error_body` into the JSON object of an SSE error event. Both follow OpenAI's envelope:
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+Messages are plain sentences for the client: no Python reprs, no tracebacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+
+class APIError(Exception):
+    """An error that ends one request with an HTTP status and OpenAI's envelope.
+
+    status: HTTP status code. type / code: OpenAI's `error.type` and `error.code`.
+    param: the request field at fault (dotted path such as "messages.0.role"), or None.
+    """
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(APIError):
+    """A bad request (invalid JSON, a missing or bad field, a prompt too long): HTTP 400."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, param: str | None, message: str, *, code: str | None = None):
+        super().__init__(message, param=param, code=code)
+
+
+class NotFound(APIError):
+    """An unknown model or route: HTTP 404, type invalid_request_error (as OpenAI answers
+    for an unknown model, with code "model_not_found")."""
+
+    status = 404
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(APIError):
+    """A known route called with the wrong HTTP method: HTTP 405."""
+
+    status = 405
+    type = "invalid_request_error"
+
+
+class ServiceUnavailable(APIError):
+    """The engine is not answering or dropped the request: HTTP 503."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class InternalError(APIError):
+    """A fault inside Kestrel (engine error, bug): HTTP 500, type server_error."""
+
+    status = 500
+    type = "server_error"
+
+
+def model_not_found(model: str) -> NotFound:
+    """The error OpenAI returns for an unknown `model` (404, code model_not_found)."""
+    return NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    """OpenAI's error envelope for `err` as a dict (also the payload of an SSE error event)."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param,
+                      "code": err.code}}
+
+
+def error_response(err: APIError) -> Response:
+    """The HTTP response for `err`: its status and the JSON envelope."""
+    return Response(orjson.dumps(error_body(err)), status_code=err.status,
+                    media_type="application/json")

@@ -1,0 +1,93 @@
+"""Bad requests and engine failures over HTTP: OpenAI's error envelope and status, SSE error
+events, and a server that keeps serving afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.unit.test_frontend_support import (HI, MAX_MODEL_LEN, MODEL,  # noqa: F401
+                                              client, stack)
+
+# ---------------------------------------------------------------- errors
+
+BAD_REQUESTS = [
+    ("invalid json", b"{not json", 400, None, None),
+    ("missing messages", {"model": MODEL}, 400, "messages", None),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages", None),
+    ("bad role", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages[0].role", None),
+    ("image part", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type",
+     None),
+    ("temperature", {"model": MODEL, "messages": HI, "temperature": 3}, 400, "temperature", None),
+    ("top_p zero", {"model": MODEL, "messages": HI, "top_p": 0}, 400, "top_p", None),
+    ("max_tokens string", {"model": MODEL, "messages": HI, "max_tokens": "9"}, 400, "max_tokens",
+     None),
+    ("n=2", {"model": MODEL, "messages": HI, "n": 2}, 400, "n", None),
+    ("stream_options without stream", {"model": MODEL, "messages": HI,
+                                       "stream_options": {"include_usage": True}}, 400,
+     "stream_options", None),
+    ("too long", {"model": MODEL, "messages": HI, "max_tokens": MAX_MODEL_LEN}, 400,
+     "messages", "context_length_exceeded"),
+    ("too long streamed", {"model": MODEL, "messages": HI, "stream": True,
+                           "max_tokens": MAX_MODEL_LEN}, 400, "messages",
+     "context_length_exceeded"),
+    ("template refuses", {"model": MODEL, "messages": HI + HI}, 400, "messages", None),
+    ("unknown model", {"model": "gpt-9", "messages": HI}, 404, "model", "model_not_found"),
+    ("tools", {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]}, 400, "tools",
+     None),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param,code", BAD_REQUESTS,
+                         ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_gets_openai_error_envelope_then_server_still_serves(
+        stack, name, body, status, param, code):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10,
+                   headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code)
+    assert err["message"] and "Traceback" not in err["message"] and "<" not in err["message"]
+    ok = httpx.post(f"{stack.url}/v1/chat/completions", json={"model": MODEL, "messages": HI},
+                    timeout=10)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_unknown_model_raises_not_found_in_openai_sdk(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=HI)
+    assert e.value.code == "model_not_found"
+
+
+def test_unknown_route_is_404_with_envelope(stack):
+    r = httpx.get(f"{stack.url}/v1/nothing", timeout=5)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_engine_error_is_500_when_not_streaming(stack):
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "please fail"}]})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert "simulated worker fault" in r.json()["error"]["message"]
+
+
+def test_engine_error_is_an_sse_error_event_then_done_when_streaming(stack):
+    body = {"model": MODEL, "stream": True,
+            "messages": [{"role": "user", "content": "please fail"}]}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_bytes())
+    events = [e for e in raw.split(b"\n\n") if e and e != b": keep-alive"]
+    assert events[-1] == b"data: [DONE]"
+    assert events[-2].startswith(b'data: {"error":')
+    assert b"simulated worker fault" in events[-2]
+
+
