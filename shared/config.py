@@ -52,6 +52,8 @@ FIELDS: list[Field] = [
     Field("max_num_seqs", int, 64, "max requests running at once"),
     Field("max_num_batched_tokens", int, 2048, "token budget of one step (prefill chunks + decodes)"),
     Field("kv_cache_gib", float, 1.0, "KV cache memory of each worker on the CPU path, GiB"),
+    Field("enable_prefix_caching", _bool, True,
+          "keep freed full KV blocks and reuse them for requests sharing a prefix"),
     Field("num_threads", int, 0, "torch intra-op threads of the worker (0: all cores)"),
     Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
     Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
@@ -108,17 +110,24 @@ class KestrelConfig:
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every setting as a `--flag` whose absence is recorded as None (not a default)."""
+    """Add every setting as a `--flag` whose absence is recorded as None (not a default).
+
+    A bool setting takes a value (`--enable-prefix-caching false`) or none (`--flag` alone
+    means true), and also gets a negative flag `--no-<flag>` that sets it false.
+    """
     for f in FIELDS:
         flag = "--" + f.name.replace("_", "-")
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{f.help} (default: {f.default})"}
         if f.type is _bool:
-            kw["type"] = _bool
+            kw.update(type=_bool, nargs="?", const=True, metavar="{true,false}")
         else:
             kw["type"] = f.type
         if f.choices:
             kw["choices"] = f.choices
         parser.add_argument(flag, **kw)
+        if f.type is _bool:
+            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
+                                default=None, help=f"set {flag} false")
     parser.add_argument("--config-file", default=None, help="JSON file of settings")
     parser.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
 

@@ -28,6 +28,7 @@ from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
+from shared.hashing import model_identity_hash
 from shared.model_info import load_model_info
 from shared.procutil import die_with_parent, set_title, setup_logging
 from shared.shm_ring import ShmRingWriter
@@ -92,7 +93,11 @@ class EngineCore:
     def start(self) -> None:
         workers = self.wait_for_workers(self.cfg.startup_timeout_s)
         num_blocks = min(w.num_blocks for w in workers)
-        bm = BlockManager(num_blocks, self.cfg.block_size)
+        # The KV dtype is the model dtype until KV dtypes arrive (DESIGN §4); one rank for now.
+        root = model_identity_hash(self.info.path, self.cfg.dtype, self.cfg.dtype,
+                                   self.cfg.block_size, tensor_parallel_size=1)
+        bm = BlockManager(num_blocks, self.cfg.block_size,
+                          enable_prefix_caching=self.cfg.enable_prefix_caching, root_hash=root)
         kv_tokens = num_blocks * self.cfg.block_size
         if self.max_model_len > kv_tokens:
             raise SystemExit(f"max_model_len {self.max_model_len} exceeds the KV cache "
@@ -177,7 +182,12 @@ class EngineCore:
                 "num_blocks": s.bm.num_blocks, "num_free_blocks": s.bm.num_free_blocks,
                 "kv_usage": s.bm.usage(), "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
-                "num_frontends": len(self.frontends)})
+                "num_frontends": len(self.frontends), **s.bm.stats()})
+        if msg.method == "reset_prefix_cache":
+            # False while any request holds blocks (BlockManager.reset_prefix_cache).
+            ok = s.bm.reset_prefix_cache()
+            log.info("reset_prefix_cache: %s", "done" if ok else "refused, blocks in use")
+            return P.UtilityResult(msg.call_id, {"ok": ok})
         return P.UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
     def _drop_frontend(self, ident: bytes) -> None:
@@ -212,7 +222,8 @@ class EngineCore:
         new = req.output_token_ids[req.sent_tokens:]
         req.sent_tokens = len(req.output_token_ids)
         return P.RequestOutput(req.request_id, new, req.num_prompt_tokens, req.finish_reason,
-                               req.stop_token_id)
+                               req.stop_token_id,
+                               num_cached_tokens=max(req.num_cached_tokens, 0))
 
     def _wait_result(self, step_id: int) -> P.StepResult:
         """Wait for rank 0's result of `step_id`, serving frontends meanwhile.

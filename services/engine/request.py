@@ -2,7 +2,8 @@
 
 States: WAITING (admitted, not scheduled, or preempted) -> RUNNING -> FINISHED.
 A preempted request goes back to WAITING with num_computed_tokens = 0 and recomputes
-prompt + outputs so far (recompute preemption, as in vLLM).
+prompt + outputs so far (recompute preemption, as in vLLM); on re-admission it first takes
+whatever of that prefix is still in the prefix cache, like any new request.
 """
 
 from __future__ import annotations
@@ -25,11 +26,17 @@ class Request:
     prompt_token_ids / output_token_ids: token ids. num_computed_tokens: tokens whose KV is
     in the cache. block_ids: the request's block table (KV block ids, in order).
     frontend: ZMQ identity of the frontend that owns the request (outputs go there).
+    block_hashes: chained names (shared.hashing) of the full blocks of prompt + outputs,
+    filled lazily by the block manager; they depend only on the tokens, so they survive
+    preemption. num_registered_blocks: leading blocks of block_ids already offered to the
+    prefix cache (reset when the blocks are freed). num_cached_tokens: prefix cache hit of
+    the first admission, in tokens (-1 before it is admitted).
     """
 
     __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
                  "arrival_time", "num_computed_tokens", "block_ids", "status", "finish_reason",
-                 "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens")
+                 "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
+                 "block_hashes", "num_registered_blocks", "num_cached_tokens")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -47,6 +54,9 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled: float | None = None
         self.sent_tokens = 0  # output tokens already sent to the frontend
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens = -1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,13 +6,17 @@ Each step (DESIGN §5):
    decodes are in the batch, prefill tokens are capped at `prefill_cap_with_decodes` so
    that inter-token latency stays bounded.
 3. Waiting requests are admitted in arrival order while the budget, `max_num_seqs` and
-   free blocks allow.
-Under memory pressure the newest running request is preempted: its blocks are freed and it
-goes back to the front of the waiting queue to recompute from token 0.
+   free blocks allow. An admitted request first takes its longest cached prefix from the
+   block manager's prefix cache (DESIGN §4): it starts with num_computed_tokens = the hit
+   length and the hit blocks at the head of its table, and its first chunk starts there
+   (ScheduledSeq.start_pos = hit length). Hit tokens cost no budget.
+Under memory pressure the newest running request is preempted: its blocks are freed (the
+full ones stay cached until evicted) and it goes back to the front of the waiting queue to
+recompute from token 0, taking whatever of its prefix is still cached when re-admitted.
 
-After the worker returns the sampled tokens, `update` appends them and applies the stop
-conditions: EOS (unless ignore_eos, and not before min_tokens), stop token ids, max_tokens,
-and max_model_len.
+After the worker returns the sampled tokens, `update` registers the blocks that became
+full in the prefix cache, appends the tokens and applies the stop conditions: EOS (unless
+ignore_eos, and not before min_tokens), stop token ids, max_tokens, and max_model_len.
 """
 
 from __future__ import annotations
@@ -118,9 +122,14 @@ class Scheduler:
 
         while self.waiting and prefill_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
-            if not self.bm.allocate(req, req.num_computed_tokens + n):
+            # A waiting request holds no blocks and has computed nothing (new or preempted).
+            hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
+            n = min(req.num_tokens - hit_tokens, prefill_budget)
+            if not self.bm.allocate(req, hit_tokens + n, computed_blocks=hit_blocks):
                 break
+            req.num_computed_tokens = hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled is None:
@@ -192,6 +201,7 @@ class Scheduler:
                     next(it)
                 continue
             req.num_computed_tokens += len(seq.token_ids)
+            self.bm.cache_full_blocks(req)  # before a finish frees the blocks
             if not seq.sample:
                 continue
             tok = next(it)
