@@ -1,0 +1,180 @@
+"""Paged attention over the paged KV cache, for prefill chunks and decodes in one batch.
+
+KV cache layout (DESIGN §4), per layer: k_cache, v_cache [num_blocks, block_size,
+num_kv_heads, head_dim]. Token position p of a sequence lives in slot
+block_table[p // block_size] * block_size + p % block_size.
+
+A step's tokens are flattened: sequence i owns query tokens cu_seqlens_q[i] ..
+cu_seqlens_q[i+1]-1, which sit at the last q_len positions of its seq_lens[i] cached
+tokens (the KV of the new tokens is stored first with `store_kv`). Query token j of
+sequence i sees cache positions 0 .. seq_lens[i] - q_len + j (causal on top of the
+cached prefix).
+
+Dispatchers `store_kv` and `paged_attention` pick the torch references on the CPU. The
+Triton kernels land with the GPU issue; until `*_triton` is set every device runs the
+reference. The reference gathers each sequence's KV blocks into a contiguous tensor and calls
+torch SDPA: decodes (q_len == 1) as one batch with the query heads grouped by KV head
+(GQA without copying K/V per query head), prefill chunks one sequence at a time. The
+index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+store_kv_triton = None  # set by the GPU issue: same signature as store_kv_ref
+paged_attention_triton = None  # same signature as paged_attention_ref, minus `plan`
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write new keys and values into the cache, in place.
+
+    k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+    slot_mapping: [num_tokens] int64, every slot in [0, num_blocks * block_size).
+    """
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Dispatcher for `store_kv_ref` (see there for shapes)."""
+    if k.is_cuda and store_kv_triton is not None:
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+@dataclass
+class _Prefill:
+    start: int  # first query token in the flattened batch
+    end: int  # one past the last query token
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64, the sequence's blocks
+    mask: torch.Tensor | None  # [q_len, num_blocks * block_size] bool (True = attend);
+    # None = causal from position 0 (SDPA's top-left `is_causal` also hides the padding)
+
+
+@dataclass
+class RefAttentionPlan:
+    """Layer-independent index work of `paged_attention_ref` for one step.
+
+    Built once per step by `build_ref_plan`; every layer reuses it. K/V are gathered by
+    whole blocks (a contiguous block_size * num_kv_heads * head_dim copy each), and the
+    positions past a sequence's end are masked.
+    """
+
+    num_tokens: int
+    dec_tokens: torch.Tensor | None = None  # [num_decodes] int64 token rows; None = all rows
+    dec_blocks: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
+    dec_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[_Prefill] = field(default_factory=list)
+
+
+def build_ref_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int) -> RefAttentionPlan:
+    """Precompute gather indices and masks for `paged_attention_ref`.
+
+    cu_seqlens_q: [num_seqs + 1] int32, query token offsets (cu_seqlens_q[0] = 0).
+    seq_lens: [num_seqs] int32, cached tokens of each sequence including this step's.
+    block_tables: [num_seqs, max_blocks] int32, -1 past each table's end; must cover
+        seq_lens[i] tokens. The plan's tensors live on block_tables' device (pass
+        cu_seqlens_q and seq_lens on the CPU to avoid device syncs).
+    Raises ValueError if a query is longer than its sequence.
+    """
+    dev = block_tables.device
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(cu, cu[1:])]
+    if any(q > s for q, s in zip(q_lens, lens)):
+        raise ValueError(f"query longer than its sequence: q_lens={q_lens}, seq_lens={lens}")
+    plan = RefAttentionPlan(num_tokens=cu[-1])
+    tables = block_tables.long().clamp(min=0)  # -1 -> block 0: finite values, masked below
+    dec = [i for i, q in enumerate(q_lens) if q == 1]
+    if dec:
+        nb = -(-max(lens[i] for i in dec) // block_size)
+        idx = torch.tensor(dec, dtype=torch.long, device=dev) if len(dec) != len(q_lens) else None
+        plan.dec_blocks = (tables if idx is None else tables[idx])[:, :nb].contiguous()
+        if idx is not None:
+            plan.dec_tokens = torch.tensor([cu[i] for i in dec], dtype=torch.long, device=dev)
+        if any(lens[i] != nb * block_size for i in dec):
+            dl = torch.tensor([lens[i] for i in dec], dtype=torch.long, device=dev)
+            plan.dec_mask = (torch.arange(nb * block_size, device=dev) < dl[:, None])[:, None, None, :]
+    for i, q in enumerate(q_lens):
+        if q <= 1:
+            continue
+        s = lens[i]
+        nb = -(-s // block_size)
+        mask = None
+        if q != s:  # cached prefix: query j sees keys 0 .. s - q + j
+            keys = torch.arange(nb * block_size, device=dev)
+            mask = keys[None, :] <= (s - q + torch.arange(q, device=dev))[:, None]
+        plan.prefills.append(_Prefill(cu[i], cu[i + 1], tables[i, :nb].contiguous(), mask))
+    return plan
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, scale: float,
+                        plan: RefAttentionPlan | None = None) -> torch.Tensor:
+    """Causal attention of a step's query tokens over their sequences' paged KV.
+
+    q: [num_tokens, num_heads, head_dim] (fp32/bf16/fp16).
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, already
+        holding this step's keys and values.
+    cu_seqlens_q, seq_lens, block_tables: see `build_ref_plan`.
+    scale: softmax scale (usually head_dim ** -0.5).
+    plan: the step's `build_ref_plan` result; built here when None.
+    Returns [num_tokens, num_heads, head_dim], q's dtype.
+    Raises ValueError if num_heads is not a multiple of num_kv_heads.
+    """
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    if h % kvh:
+        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
+    g = h // kvh
+    if plan is None:
+        plan = build_ref_plan(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    if plan.dec_blocks is not None and plan.dec_tokens is None and not plan.prefills:
+        return _decode(q, k_cache, v_cache, plan, g, scale)  # decode-only step: no scatter
+    out = torch.empty_like(q)
+    if plan.dec_blocks is not None:
+        qd = q.index_select(0, plan.dec_tokens) if plan.dec_tokens is not None else q
+        od = _decode(qd, k_cache, v_cache, plan, g, scale)
+        if plan.dec_tokens is None:
+            out.copy_(od)
+        else:
+            out.index_copy_(0, plan.dec_tokens, od)
+    for p in plan.prefills:
+        k = k_cache.index_select(0, p.blocks).view(-1, kvh, d).transpose(0, 1)  # [kvh, S, d]
+        v = v_cache.index_select(0, p.blocks).view(-1, kvh, d).transpose(0, 1)
+        qp = q[p.start:p.end].transpose(0, 1)  # [h, q_len, d]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale, enable_gqa=g > 1)
+        out[p.start:p.end] = o.transpose(0, 1)
+    return out
+
+
+def _decode(q, k_cache, v_cache, plan: RefAttentionPlan, g: int, scale: float) -> torch.Tensor:
+    """One query per sequence; query heads grouped by KV head: [b, kvh, g, d] x [b, kvh, S, d]."""
+    b, h, d = q.shape
+    kvh = h // g
+    blocks = plan.dec_blocks.reshape(-1)
+    k = k_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+    v = v_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(b, kvh, g, d), k, v, attn_mask=plan.dec_mask,
+                                       scale=scale)
+    return o.reshape(b, h, d)
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                    plan: RefAttentionPlan | None = None) -> torch.Tensor:
+    """Dispatcher for `paged_attention_ref` (see there for shapes)."""
+    if q.is_cuda and paged_attention_triton is not None:
+        return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                      block_tables, scale)
+    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                               scale, plan)

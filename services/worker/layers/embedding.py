@@ -1,0 +1,43 @@
+"""Token embedding and the LM head (which may share the embedding's weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.layers.linear import to_cpu_gemm_layout
+
+
+class VocabEmbedding(nn.Module):
+    """weight [vocab, hidden]; input_ids [num_tokens] int64 -> [num_tokens, hidden]."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Logits of the given hidden states: [n, hidden] -> [n, vocab] fp32.
+
+    tie_to: an embedding whose weight this head shares (tied embeddings), or None for a
+    weight of its own. Call it only on the positions to be sampled. On the CPU the weight
+    is re-laid column-major after loading (see `to_cpu_gemm_layout`); a tied embedding then
+    looks rows up with a strided gather, which costs little next to the matmuls.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, tie_to: VocabEmbedding | None = None):
+        super().__init__()
+        if tie_to is not None:
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()
+
+    def process_weights_after_loading(self) -> None:
+        to_cpu_gemm_layout(self.weight)

@@ -1,0 +1,123 @@
+"""Weight loading from a Hugging Face folder of safetensors files (DESIGN §6).
+
+Files: every shard listed in `model.safetensors.index.json` (paths relative to the folder,
+subfolders included), else `model.safetensors`. Each checkpoint tensor goes to one
+parameter, or to one shard of a stacked parameter (the model's `packed_modules`, e.g.
+q_proj -> shard 0 of qkv_proj). Loading fails loudly:
+- FileNotFoundError naming the file when a listed shard (or the only file) is missing;
+- ValueError naming the tensor and file on a shape mismatch, on a checkpoint tensor that no
+  parameter takes, and naming the parameters that stay unloaded (a tied lm_head excepted).
+After loading, each module's `process_weights_after_loading()` runs, if it has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.worker.layers.linear import shard_rows
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a model folder, in load order.
+
+    Raises FileNotFoundError naming the missing file (listed shard, or model.safetensors
+    when there is no index).
+    """
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh)["weight_map"]
+        files = [os.path.join(path, f) for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not os.path.isfile(f):
+                raise FileNotFoundError(f"shard {os.path.relpath(f, path)!r} listed in {index} is missing")
+        return files
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path!r}")
+    return [single]
+
+
+def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """Checkpoint tensor name -> (parameter name, shard index or None)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            stacked, shard = packed[part]
+            return ".".join(parts[:i] + [stacked] + parts[i + 1:]), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, path: str) -> int:
+    """Fill every parameter of `model` from the folder's safetensors files.
+
+    Tensors are converted to each parameter's dtype and device on copy.
+    Returns the number of bytes of the model's parameters (each shared tensor once).
+    Raises as described in the module docstring.
+    """
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    packed = getattr(model, "packed_modules", {})
+    ignored = getattr(model, "ignored_tensors", ())
+    tied = getattr(model, "tied_lm_head", False)
+    loaded: set[tuple[str, int | None]] = set()
+    unused: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(ignored) or (tied and name == "lm_head.weight"):
+                    continue
+                pname, shard = _target(name, packed)
+                if pname not in params:
+                    unused.append(f"{name} ({os.path.relpath(file, path)})")
+                    continue
+                dst = shard_rows(params[pname], shard)
+                src = f.get_tensor(name)
+                if src.shape != dst.shape:
+                    raise ValueError(f"tensor {name} in {file}: shape {tuple(src.shape)}, "
+                                     f"parameter {pname} expects {tuple(dst.shape)}")
+                dst.copy_(src)
+                loaded.add((pname, shard))
+    if unused:
+        raise ValueError(f"checkpoint tensors not used by {type(model).__name__}: {unused}")
+    missing = [n if s is None else f"{n}[shard {s}]" for n, p in params.items()
+               for s in _shards(p) if (n, s) not in loaded]
+    if missing:
+        raise ValueError(f"parameters not loaded from {path!r}: {missing}")
+    process_weights_after_loading(model)
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def load_dummy_weights(model: nn.Module, seed: int) -> int:
+    """Fill every parameter with seeded random values (normal, std 0.02; norms = 1), for
+    benchmarks of published shapes without a checkpoint. Returns parameter bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        total += p.numel() * p.element_size()
+    process_weights_after_loading(model)
+    return total
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each module re-lay its loaded weights (e.g. `Linear`'s CPU gemm layout)."""
+    for m in model.modules():
+        hook = getattr(m, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+
+
+def _shards(p: torch.Tensor) -> list[int | None]:
+    sizes = getattr(p, "shard_sizes", None)
+    return [None] if sizes is None else list(range(len(sizes)))

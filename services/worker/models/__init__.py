@@ -1,0 +1,30 @@
+"""Model registry: Hugging Face architecture name (config.json `architectures[0]`) -> class.
+
+Each architecture lives in its own file. A class exposes `packed_modules`,
+`ignored_tensors`, `tied_lm_head`, `forward`, `compute_logits`, `attention_layers` and
+`kv_shape` (see `llama.LlamaForCausalLM`).
+"""
+
+from __future__ import annotations
+
+from services.worker.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+
+# model_type -> architecture, for config files whose `architectures` is missing or null
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM"}
+
+
+def model_class(hf_config: dict) -> type:
+    """The class for a config.json dict.
+
+    Raises ValueError naming the architecture and the supported ones when it is unknown.
+    """
+    archs = hf_config.get("architectures") or [_BY_MODEL_TYPE.get(hf_config.get("model_type", ""), "")]
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported architecture {archs} (model_type {hf_config.get('model_type')!r}); "
+                     f"supported: {sorted(MODEL_REGISTRY)}")

@@ -1,0 +1,171 @@
+"""Llama (LlamaForCausalLM): GQA attention with RoPE, RMSNorm, SwiGLU MLP, optional tied
+embeddings. Also serves checkpoints of the same shape (SmolLM2, Llama 2/3).
+
+Source of the architecture: Touvron et al. 2023 and Hugging Face's `modeling_llama.py`
+(parameter names follow its checkpoints; q/k/v and gate/up are stacked here, see
+`packed_modules`).
+
+Inputs are flattened over the step's sequences: input_ids and positions [num_tokens], plus
+the step's `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.worker.layers.activation import SiluAndMul
+from services.worker.layers.attention import Attention, AttentionMetadata
+from services.worker.layers.embedding import LMHead, VocabEmbedding
+from services.worker.layers.linear import Linear
+from services.worker.layers.norm import RMSNorm
+from services.worker.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The config.json fields a Llama model uses (Hugging Face LlamaConfig names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "LlamaArgs":
+        """Read a config.json dict. Rope settings come from `rope_parameters`
+        (transformers >= 5) or from `rope_theta` / `rope_scaling` (older files).
+        Raises ValueError for an activation other than SiLU."""
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (silu only)")
+        rope = dict(c.get("rope_parameters") or {})
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
+        super().__init__()
+        self.q_size = a.num_attention_heads * a.head_dim
+        self.kv_size = a.num_key_value_heads * a.head_dim
+        self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.qkv_proj = Linear(a.hidden_size, [self.q_size, self.kv_size, self.kv_size], a.attention_bias)
+        self.o_proj = Linear(self.q_size, a.hidden_size, a.attention_bias)
+        self.rotary = [rotary]  # a list, so that the shared module is not registered per layer
+        self.attn = Attention(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = self.rotary[0](positions, qk.view(t, self.heads + self.kv_heads, self.head_dim))
+        q, k = qk[:, :self.heads], qk[:, self.heads:]  # q and k rotated in one call
+        o = self.attn(q, k, v.view(t, self.kv_heads, self.head_dim), meta)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias)
+        self.down_proj = Linear(a.intermediate_size, a.hidden_size, a.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = LlamaAttention(a, rotary)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = LlamaMLP(a)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: LlamaArgs, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
+        self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, max_positions, a.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, self.rotary) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. Build it under the target device and default dtype; the loader
+    fills its (uninitialised) parameters.
+
+    hf_config: config.json as a dict. max_positions: rows of the rotary table (at least
+    max_model_len).
+    forward(input_ids [T] int64, positions [T] int64, meta) -> hidden [T, hidden_size].
+    compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] fp32.
+    """
+
+    # checkpoint module name -> (our stacked module name, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that are not parameters and are skipped on purpose
+    ignored_tensors = ("rotary_emb.inv_freq",)
+
+    def __init__(self, hf_config: dict, max_positions: int | None = None):
+        super().__init__()
+        a = self.args = LlamaArgs.from_hf(hf_config)
+        self.model = LlamaModel(a, max(max_positions or 0, a.max_position_embeddings))
+        self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
+        self.tied_lm_head = a.tie_word_embeddings
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention layers in order; the KV cache binds one cache pair to each."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the KV cache."""
+        return self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim
