@@ -31,11 +31,11 @@ from services.frontend.errors import (APIError, InternalError, MethodNotAllowed,
 from services.frontend.openai_api import OpenAIServing
 from services.frontend.tokenizer import Tokenizer
 from shared.config import KestrelConfig, add_cli_arguments, build_config
+from shared.procutil import die_with_parent, set_title, setup_logging
 
 log = logging.getLogger("kestrel.frontend")
 
 PROCESS_TITLE = "kestrel:frontend"
-LOG_FORMAT = "%(asctime)s " + PROCESS_TITLE + " %(levelname)s %(name)s: %(message)s"
 
 
 def _endpoint(method: str):
@@ -118,14 +118,12 @@ def run_frontend(cfg: KestrelConfig) -> None:
     Exits non-zero (uvicorn's startup failure, status 3) if the engine does not answer
     within cfg.startup_timeout_s or the model folder cannot be read.
     """
-    try:
-        import setproctitle
-        setproctitle.setproctitle(PROCESS_TITLE)
-    except ImportError:  # optional in tool-only environments
-        pass
-    logging.basicConfig(level=cfg.log_level.upper(), format=LOG_FORMAT, force=True)
+    set_title(PROCESS_TITLE)
+    die_with_parent()
+    setup_logging("frontend", cfg.log_level)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None,
-                log_level=cfg.log_level.lower(), timeout_keep_alive=30)
+                log_level=cfg.log_level.lower(), timeout_keep_alive=30,
+                timeout_graceful_shutdown=5)
 
 
 def main(argv: list[str] | None = None) -> None:
