@@ -65,6 +65,28 @@ FIELDS: list[Field] = [
     Field("keepalive_s", float, 10.0, "seconds between SSE keep-alive comments"),
     Field("log_level", str, "INFO", "logging level"),
     Field("startup_timeout_s", float, 300.0, "seconds the supervisor waits for readiness"),
+    # --- API limits and behaviour (OpenAI / Anthropic issues)
+    Field("max_num_waiting", int, 256, "waiting-queue bound; beyond it requests get 503 + Retry-After"),
+    Field("max_request_body_bytes", int, 8 << 20, "HTTP request body limit in bytes (413 beyond)"),
+    Field("chat_template", str, None, "chat template: a file path or a name under services/frontend/templates"),
+    Field("tool_call_parser", str, None, "tool call parser", ("hermes", "qwen3_coder")),
+    Field("reasoning_parser", str, None, "reasoning parser", ("qwen3",)),
+    Field("api_key", str, None, "require this key on API routes (Bearer or x-api-key)"),
+    # --- operations (supervision, watchdog, shutdown, profile)
+    Field("frontends", int, 1, "frontend processes sharing the port (SO_REUSEPORT)"),
+    Field("shutdown_timeout", float, 30.0, "seconds to drain in-flight requests on SIGTERM"),
+    Field("restart_max", int, 5, "restarts of one process within restart_window_s before giving up"),
+    Field("restart_window_s", float, 60.0, "window for restart_max, seconds"),
+    Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
+    Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
+    Field("watchdog_dump_dir", str, None, "folder for stack dumps (default: <runtime_dir>/dumps)"),
+    Field("profile", str, "auto", "settings profile (auto: by device and model size)"),
+    Field("debug_utilities", _bool, False, "enable debug-only utility calls (e.g. sleep in a step)"),
+    # --- GPU path
+    Field("load_format", str, "auto", "auto (safetensors) or dummy (seeded random weights)", ("auto", "dummy")),
+    Field("enforce_eager", _bool, False, "disable CUDA graphs"),
+    Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
+    Field("kv_cache_dtype", str, "auto", "KV cache dtype", ("auto", "fp8_e4m3", "int8")),
 ]
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
@@ -191,11 +213,9 @@ def _derive(cfg: KestrelConfig) -> None:
     if cfg.served_model_name is None:
         cfg.set("served_model_name", os.path.basename(os.path.normpath(cfg.model)), "derived")
     if cfg.device == "auto":
-        try:
-            import torch
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        except Exception:  # torch missing in a tool-only environment
-            dev = "cpu"
+        # No torch import here (the frontend and engine never need it): an NVIDIA device
+        # node means a GPU host; the worker checks torch.cuda itself.
+        dev = "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
         cfg.set("device", dev, "derived")
     if cfg.dtype == "auto":
         cfg.set("dtype", "bfloat16" if cfg.device == "cuda" else "float32", "derived")

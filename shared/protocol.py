@@ -23,6 +23,32 @@ PROTOCOL_VERSION = 1
 # ---------------------------------------------------------------- shared pieces
 
 
+class StructuredSpec(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A constraint on the generated text, compiled by the engine (xgrammar).
+
+    kind: "json_schema" (spec = the schema as JSON text), "json_object" (spec unused),
+    "regex" (spec = the pattern) or "grammar" (spec = EBNF/GBNF text).
+    """
+
+    kind: str
+    spec: str = ""
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Log-probability of one token (the chosen one) and the top alternatives at its position.
+
+    logprob: natural log of the probability under the model's distribution after
+    temperature-free softmax of the raw logits (as OpenAI reports). rank: 1 = argmax.
+    top_ids / top_logprobs: the k most likely tokens at this position, best first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int = 0
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """Per-request sampling and stopping parameters.
 
@@ -42,7 +68,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top alternatives per output token (0: chosen token only)
+    prompt_logprobs: int | None = None  # same for prompt tokens (echo with logprobs)
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    repetition_penalty: float = 1.0  # CTRL (Keskar et al. 2019), over prompt + output tokens
+    logit_bias: dict[int, float] = {}  # token id -> added to the logit
+    structured: StructuredSpec | None = None
 
 
 # ---------------------------------------------------------------- frontend -> engine
@@ -120,6 +152,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_id: int | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []  # one per new token when sampling.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] = []  # first output only; None for token 0
 
 
 class Outputs(msgspec.Struct, tag="out", array_like=True):
@@ -162,6 +196,12 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     sample: bool
     sampling: SamplingParams
     output_index: int = 0
+    # Only when penalties are set: the tokens they count (prompt + outputs so far).
+    penalty_token_ids: list[int] = []
+    num_prompt_tokens: int = 0
+    # Only for structured output: allowed next tokens, a packed little-endian int32 bitmask
+    # of ceil(vocab/32) words (xgrammar's layout); bit t set = token t allowed.
+    allowed_token_bitmask: bytes | None = None
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True):
@@ -205,6 +245,10 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     sampled_token_ids: list[int]
     error: str | None = None
     cpu_time: float = 0.0  # seconds the worker spent on this step
+    # Aligned with sampled_token_ids when any request asked for logprobs (None otherwise).
+    logprobs: list[TokenLogprob | None] = []
+    # request_id -> logprobs of the prompt tokens run this step (positions start_pos+1 ..).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = {}
 
 
 class WorkerHeartbeat(msgspec.Struct, tag="whb", array_like=True):
