@@ -152,6 +152,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_id: int | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    # With finish_reason "error": "invalid" (the request's own fault: 400), "overloaded"
+    # (queue full: 503 + Retry-After) or "internal" (500).
+    error_kind: str | None = None
     logprobs: list[TokenLogprob] = []  # one per new token when sampling.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = []  # first output only; None for token 0
 
