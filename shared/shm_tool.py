@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from shared.shm_ring import PREAMBLE, SHM_DIR, RingHeader, owner_alive, read_header, shm_path
+from shared.shm_layout import PREAMBLE, SHM_DIR, RingHeader, owner_alive, read_header, shm_path
 
 PREFIX = "kestrel-"
 
