@@ -48,7 +48,7 @@ def hf_smollm2(smollm2_gguf):
 
     folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return tok, model
 
 

@@ -14,12 +14,9 @@ from services.worker import fetch_model as fm
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(smollm2_gguf):
+def hf_gguf_model(hf_smollm2):
     """transformers' GGUF-loaded model (it dequantises and un-permutes the weights itself)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    return hf_smollm2[1]
 
 
 @pytest.fixture(scope="module")

@@ -134,12 +134,10 @@ RAW_PROMPTS = ["The quick brown fox", "def fibonacci(n):\n    ", "Once upon a ti
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_dir, smollm2_gguf):
+def smol(smollm2_dir, hf_smollm2):
     """(tokenizer, transformers model from the GGUF, Kestrel runner on the converted folder)."""
     tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
-    return tok, hf, _runner(smollm2_dir, kv_cache_gib=0.1)
+    return tok, hf_smollm2[1], _runner(smollm2_dir, kv_cache_gib=0.1)
 
 
 def _chat_ids(tok, text):

@@ -41,11 +41,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(smollm2_gguf):
+def hf_tokenizer(hf_smollm2):
     """transformers' tokenizer built from the GGUF (independent of our converter)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    return hf_smollm2[0]
 
 
 @pytest.fixture(scope="module")
