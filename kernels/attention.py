@@ -10,9 +10,8 @@ tokens (the KV of the new tokens is stored first with `store_kv`). Query token j
 sequence i sees cache positions 0 .. seq_lens[i] - q_len + j (causal on top of the
 cached prefix).
 
-Dispatchers `store_kv` and `paged_attention` pick the torch references on the CPU. The
-Triton kernels land with the GPU issue; until `*_triton` is set every device runs the
-reference. The reference gathers each sequence's KV blocks into a contiguous tensor and calls
+Dispatchers `store_kv` and `paged_attention` pick the torch references on the CPU and the
+Triton kernels of `kernels.attention_triton` on CUDA tensors when Triton imports. The reference gathers each sequence's KV blocks into a contiguous tensor and calls
 torch SDPA: decodes (q_len == 1) as one batch with the query heads grouped by KV head
 (GQA without copying K/V per query head), prefill chunks one sequence at a time. The
 index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
@@ -25,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-store_kv_triton = None  # set by the GPU issue: same signature as store_kv_ref
-paged_attention_triton = None  # same signature as paged_attention_ref, minus `plan`
+store_kv_triton = None  # set at the bottom when Triton imports: same signature as store_kv_ref
+paged_attention_triton = None  # paged_attention_ref's, `plan` replaced by max_q_len, max_seq_len
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,10 +170,18 @@ def _decode(q, k_cache, v_cache, plan: RefAttentionPlan, g: int, scale: float) -
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    plan: RefAttentionPlan | None = None) -> torch.Tensor:
-    """Dispatcher for `paged_attention_ref` (see there for shapes)."""
-    if q.is_cuda and paged_attention_triton is not None:
+                    plan: RefAttentionPlan | None = None, max_q_len: int | None = None,
+                    max_seq_len: int | None = None) -> torch.Tensor:
+    """Dispatcher for `paged_attention_ref` (see there for shapes). max_q_len, max_seq_len:
+    host-side bounds for the Triton kernel (None: read from the tensors, a device sync)."""
+    if q.is_cuda and paged_attention_triton is not None and plan is None:
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                      block_tables, scale)
+                                      block_tables, scale, max_q_len, max_seq_len)
     return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                scale, plan)
+
+
+try:  # the Triton kernels (CUDA); CPU-only installs keep the references
+    from kernels.attention_triton import paged_attention_triton, store_kv_triton  # noqa: E402,F811
+except ImportError:
+    pass

@@ -1,8 +1,7 @@
 """RMSNorm, alone and fused with the residual add.
 
 Dispatchers `rms_norm` and `fused_add_rms_norm` pick the torch references (`*_ref`) on the
-CPU. A Triton kernel for CUDA lands with the GPU issue; until `*_triton` is set, every
-device runs the reference.
+CPU and `*_triton` (bottom of this file) on CUDA tensors when Triton imports.
 
 Algorithm: RMSNorm (Zhang & Sennrich 2019), y = x / sqrt(mean(x^2) + eps) * w, computed in
 fp32 and cast back before the weight multiply, in the order of Hugging Face's LlamaRMSNorm
@@ -56,3 +55,60 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x.is_cuda and fused_add_rms_norm_triton is not None:
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+# ---------------------------------------------------------------- Triton (CUDA)
+# One program per row; the row (hidden <= 16384) fits one tile. Same arithmetic order as the
+# reference: fp32 sum of squares, x * rsqrt(mean + eps) cast to the dtype, then times w
+# (rounded once more to the dtype, as torch does for a bf16 product).
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the dispatchers keep the references
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride,
+                         n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * res_stride + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add in the model dtype
+            tl.store(res_out_ptr + row * n_cols + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / n_cols
+        y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        tl.store(out_ptr + row * n_cols + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=m)
+
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """x as [rows, hidden] with unit column stride (copies only when it must)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+    def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Triton `rms_norm_ref` (same shapes). x may be a strided view (e.g. per-head q)."""
+        x2 = _rows(x)
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        if x2.shape[0]:
+            _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, x2.shape[1],
+                                             eps, HAS_RES=False, BLOCK=triton.next_power_of_2(x2.shape[1]))
+        return out.view(x.shape)
+
+    def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Triton `fused_add_rms_norm_ref`: one pass reads x and residual, writes both outputs."""
+        x2, r2 = _rows(x), _rows(residual)
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        res_out = torch.empty_like(out)
+        if x2.shape[0]:
+            _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
+                                             x2.shape[1], eps, HAS_RES=True,
+                                             BLOCK=triton.next_power_of_2(x2.shape[1]))
+        return out.view(x.shape), res_out.view(x.shape)

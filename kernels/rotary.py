@@ -4,8 +4,10 @@ The rotated pairs are (x[i], x[i + rot_dim/2]), the layout of Hugging Face's `ro
 (Llama checkpoints in HF format are permuted for it). The frequency table comes from
 `rope_inv_freq`, with Llama 3 scaling (`rope_type: llama3`) when asked.
 
-Dispatcher `apply_rotary` picks the torch reference on the CPU; a Triton kernel for CUDA
-lands with the GPU issue.
+Dispatchers `apply_rotary` (out of place) and `rotary_and_store_kv` (q and k rotated in
+place, then k and v written to the paged KV cache through the slot mapping, one launch on
+the GPU) pick the torch references on the CPU and the Triton kernels at the bottom of this
+file on CUDA tensors when Triton imports.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import math
 
 import torch
 
-apply_rotary_triton = None  # set by the GPU issue: same signature as apply_rotary_ref
+from kernels.attention import store_kv_ref
+
+apply_rotary_triton = None  # set below when Triton imports: same signature as apply_rotary_ref
+rotary_and_store_kv_triton = None  # same signature as rotary_and_store_kv_ref
 
 
 def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -80,3 +85,134 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and apply_rotary_triton is not None:
         return apply_rotary_triton(x, cos_sin)
     return apply_rotary_ref(x, cos_sin)
+
+
+def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotate q and k in place by their tokens' angles, then store k and v in the KV cache.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (views
+    of the fused qkv output are fine: the last dim must have unit stride).
+    positions: [num_tokens] int64. cos_sin: the whole `rope_cos_sin` table, fp32
+    [max_positions, rot_dim]. k_cache, v_cache, slot_mapping: see `store_kv_ref`.
+    Math as `apply_rotary_ref`.
+    """
+    cs = cos_sin.index_select(0, positions)
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    if (k.dim() == 3 and q.stride() == k.stride() and k.data_ptr() == q.data_ptr()
+            + h * q.stride(1) * q.element_size() and q.stride(1) == d):
+        qk = q.as_strided((t, h + kvh, d), q.stride())  # q and k adjacent: rotate in one call
+        qk.copy_(apply_rotary_ref(qk, cs))
+    else:
+        q.copy_(apply_rotary_ref(q, cs))
+        k.copy_(apply_rotary_ref(k, cs))
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
+    """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes)."""
+    if q.is_cuda and rotary_and_store_kv_triton is not None:
+        return rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    rotary_and_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------- Triton (CUDA)
+# One program per token: it rotates the token's q heads and k heads (fp32 math, cast back),
+# writes them back in place and, when a cache is given, stores the rotated k and v rows at
+# the token's slot. A slot < 0 (padding rows of a CUDA graph) stores nothing.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the dispatchers keep the references
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(x_ptr, tok, sx_t, sx_h, n_heads, cos, sin, half,
+                      c_ptr, slot, sc_s, sc_h, STORE: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        ii = tl.arange(0, BLOCK_HALF)[None, :]
+        m = (hh < n_heads) & (ii < half)
+        p1 = x_ptr + tok * sx_t + hh * sx_h + ii
+        x1 = tl.load(p1, mask=m, other=0.0)
+        x2 = tl.load(p1 + half, mask=m, other=0.0)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (x1f * cos - x2f * sin).to(x1.dtype)
+        o2 = (x2f * cos + x1f * sin).to(x1.dtype)
+        tl.store(p1, o1, mask=m)
+        tl.store(p1 + half, o2, mask=m)
+        if STORE:
+            c1 = c_ptr + slot * sc_s + hh * sc_h + ii
+            tl.store(c1, o1, mask=m)
+            tl.store(c1 + half, o2, mask=m)
+
+    @triton.jit
+    def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h, cs_stride,
+                       n_q, n_k, half, head_dim, HAS_K: tl.constexpr, STORE: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        ii = tl.arange(0, BLOCK_HALF)[None, :]
+        cos = tl.load(cs_ptr + pos * cs_stride + ii, mask=ii < half, other=0.0)
+        sin = tl.load(cs_ptr + pos * cs_stride + half + ii, mask=ii < half, other=0.0)
+        _rotate_heads(q_ptr, tok, sq_t, sq_h, n_q, cos, sin, half, q_ptr, 0, 0, 0, False,
+                      BLOCK_H, BLOCK_HALF)
+        if HAS_K:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if STORE and slot >= 0:
+                _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, slot,
+                              sc_s, sc_h, True, BLOCK_H, BLOCK_HALF)
+                hh = tl.arange(0, BLOCK_H)[:, None]
+                dd = tl.arange(0, BLOCK_D)[None, :]
+                m = (hh < n_k) & (dd < head_dim)
+                vv = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m, other=0.0)
+                tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, vv, mask=m)
+                mp = m & (dd >= 2 * half)  # partial rotary: pass-through dims of k
+                kp = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=mp, other=0.0)
+                tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, kp, mask=mp)
+            else:
+                _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, 0, 0, 0,
+                              False, BLOCK_H, BLOCK_HALF)
+
+    def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        t, nq, d = q.shape
+        half = cos_sin.shape[-1] // 2
+        has_k, store = k is not None, k_cache is not None
+        nk = k.shape[1] if has_k else 0
+        if (q.stride(-1) != 1 or (has_k and k.stride(-1) != 1) or (store and v.stride(-1) != 1)
+                or cos_sin.stride(-1) != 1):
+            raise ValueError("rotary kernel: the last dim of q, k, v and cos_sin needs unit stride")
+        if store and (k_cache.stride(2) != k_cache.shape[3] or k_cache.stride(1) != k_cache.shape[2] * k_cache.shape[3]):
+            raise ValueError("rotary kernel: the KV cache must be contiguous per block")
+        if t == 0:
+            return
+        kk = k if has_k else q
+        vv = v if store else q
+        kc = k_cache if store else q
+        vc = v_cache if store else q
+        sl = slot_mapping if store else positions
+        _rotary_kernel[(t,)](
+            q, kk, vv, positions, cos_sin, kc, vc, sl,
+            q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
+            kc.stride(1) if store else 0, kc.stride(2) if store else 0, cos_sin.stride(0),
+            nq, nk, half, d, HAS_K=has_k, STORE=store,
+            BLOCK_H=triton.next_power_of_2(max(nq, nk)), BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(d))
+
+    def rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
+        """Triton `rotary_and_store_kv_ref` (same shapes); one launch, one program per token.
+        Slots < 0 are skipped (CUDA-graph padding). Raises ValueError on a strided last dim."""
+        _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+    def apply_rotary_triton(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Triton `apply_rotary_ref` (same shapes): cos_sin holds the tokens' rows."""
+        out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+        pos = torch.arange(x.shape[0], device=x.device)
+        _launch(out, None, None, pos, cos_sin.contiguous(), None, None, None)
+        return out

@@ -89,3 +89,106 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds) -> torch.Tensor:
     if logits.is_cuda and sample_triton is not None:
         return sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
     return sample_ref(logits, temperature, top_k, top_p, min_p, seeds)
+
+
+# ---------------------------------------------------------------- logits processors
+#
+# Applied by the sampler before `sample`, in this order (as vLLM V1 does): logit_bias,
+# min_tokens (stop ids masked), penalties (repetition, then frequency/presence), and the
+# structured-output mask. Each works on a whole batch at once; rows that do not use a
+# processor are either left out by the caller or get neutral parameters.
+
+apply_penalties_triton = None  # optional GPU kernel, same signature as apply_penalties_ref
+
+
+def apply_logit_bias_ref(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                         values: torch.Tensor) -> torch.Tensor:
+    """Add OpenAI `logit_bias` values: logits[rows[j], cols[j]] += values[j], in place.
+
+    logits: [n, vocab] fp32. rows, cols: [m] int64 (a flattened sparse matrix, one entry
+    per (request, token) pair). values: [m] fp32 (OpenAI allows -100..100; +100 in practice
+    forces the token, -100 bans it). Returns logits.
+    """
+    if rows.numel():
+        logits.index_put_((rows, cols), values.to(logits.dtype), accumulate=True)
+    return logits
+
+
+def apply_penalties_ref(logits: torch.Tensor, token_ids: torch.Tensor, is_output: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor,
+                        repetition: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties for a batch of rows.
+
+    logits: [n, vocab] fp32. token_ids: [n, L] int64, each row's prompt + output tokens,
+    padded with `vocab` (an id past the end, ignored). is_output: [n, L] bool, True where
+    the token is an output token (the padding's value does not matter).
+    presence, frequency: [n] fp32 (0 = off). repetition: [n] fp32 > 0 (1 = off).
+    Returns a new [n, vocab] fp32 tensor.
+
+    Formulas:
+    - repetition (CTRL, Keskar et al. 2019, as in HF transformers and vLLM): every token
+      seen in prompt or output has its logit divided by `repetition` when positive and
+      multiplied by it when negative.
+    - frequency / presence (OpenAI's documented formula, over output tokens only):
+      logit -= count * frequency + (count > 0) * presence.
+    """
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, token_ids, is_output.to(torch.float32))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, token_ids, True)
+    seen = seen[:, :vocab]
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - counts * frequency[:, None] - (counts > 0).to(torch.float32) * presence[:, None]
+
+
+def apply_penalties(logits, token_ids, is_output, presence, frequency, repetition) -> torch.Tensor:
+    """Dispatcher for `apply_penalties_ref` (see there for shapes)."""
+    if logits.is_cuda and apply_penalties_triton is not None:
+        return apply_penalties_triton(logits, token_ids, is_output, presence, frequency, repetition)
+    return apply_penalties_ref(logits, token_ids, is_output, presence, frequency, repetition)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Unpack xgrammar's token bitmask into a boolean mask.
+
+    words: [n, W] int32, bit b of word w (little-endian bit order, LSB first) set when
+    token 32*w + b is allowed (xgrammar's `allocate_token_bitmask` layout, W =
+    ceil(vocab_size / 32)). vocab: logits width; tokens past 32*W are disallowed.
+    Returns [n, vocab] bool, True = allowed.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words[:, :, None] >> shifts) & 1).bool().reshape(words.shape[0], -1)
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    pad = torch.zeros(words.shape[0], vocab - bits.shape[1], dtype=torch.bool, device=words.device)
+    return torch.cat([bits, pad], dim=1)
+
+
+def apply_allowed_mask_ref(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [n, vocab] fp32, allowed [n, vocab] bool: disallowed logits become -inf, in place.
+    Returns logits."""
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def token_logprobs_ref(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
+    """Logprob, rank and top-k alternatives of given tokens.
+
+    logprobs: [n, vocab] fp32, log_softmax of the logits. token_ids: [n] int64.
+    k: alternatives per row (0..vocab; 0 = none).
+    Returns (chosen [n] fp32, rank [n] int64 with 1 = the argmax (1 + number of tokens with a
+    strictly larger logprob, as vLLM counts), top_logprobs [n, k] fp32 best first,
+    top_ids [n, k] int64).
+    """
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    rank = (logprobs > chosen[:, None]).sum(dim=1) + 1
+    if k > 0:
+        top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
+        return chosen, rank, top.values, top.indices
+    empty = logprobs.new_zeros(logprobs.shape[0], 0)
+    return chosen, rank, empty, empty.long()

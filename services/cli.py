@@ -1,4 +1,4 @@
-"""The `kestrel` command: serve, frontend, engine, worker, fetch-model, shm."""
+"""The `kestrel` command: serve, frontend, engine, worker, kvstore, fetch-model, shm."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ commands:
   frontend     run one API frontend process (connects to a running engine)
   engine       run the engine core process
   worker       run one model worker process
+  kvstore      run the KV tier store (CPU pool in shm, disk tier; outlives engine restarts)
   fetch-model  download and convert the default model (SmolLM2-135M-Instruct)
   shm          inspect Kestrel shared-memory segments (ls, inspect, watch, clean)
 """
@@ -41,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         from shared.shm_tool import main as shm_main
 
         return shm_main(rest)
-    if cmd not in ("serve", "frontend", "engine", "worker"):
+    if cmd not in ("serve", "frontend", "engine", "worker", "kvstore"):
         print(f"kestrel: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    extra = (lambda p: p.add_argument("--rank", type=int, default=0)) if cmd == "worker" else None
+    extra = None
+    if cmd == "worker":
+        extra = lambda p: p.add_argument("--rank", type=int, default=0)  # noqa: E731
+    elif cmd == "frontend":  # the supervisor's index: name frontend-<i>, SO_REUSEPORT if > 1
+        extra = lambda p: p.add_argument("--frontend-index", type=int, default=0)  # noqa: E731
     args = _config_parser(f"kestrel {cmd}", extra).parse_args(rest)
     try:
         cfg = build_config(vars(args))
@@ -59,13 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         from services.engine.core import run_engine
 
         return run_engine(cfg)
+    if cmd == "kvstore":
+        from services.kvstore.server import run_kvstore
+
+        return run_kvstore(cfg)
     if cmd == "worker":
         from services.worker.worker import run_worker
 
         return run_worker(cfg, args.rank)
     from services.frontend.server import run_frontend
 
-    return run_frontend(cfg) or 0
+    return run_frontend(cfg, args.frontend_index) or 0
 
 
 if __name__ == "__main__":

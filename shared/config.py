@@ -79,14 +79,25 @@ FIELDS: list[Field] = [
     Field("restart_window_s", float, 60.0, "window for restart_max, seconds"),
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
     Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
-    Field("watchdog_dump_dir", str, None, "folder for stack dumps (default: <runtime_dir>/dumps)"),
-    Field("profile", str, "auto", "settings profile (auto: by device and model size)"),
+    Field("watchdog_dump_dir", str, None, "folder for stack dumps (default: /tmp/kestrel-<instance>-dumps)"),
+    Field("worker_timeout_s", float, None,
+          "engine: a step with no word from the workers this long has failed; the engine "
+          "fails its requests and exits for a restart (default: 10 on cpu, 30 on cuda)"),
+    Field("profile", str, "auto", "settings profile: auto (by device and model size), cpu, sm90, "
+          "gpu or none (shared/profile.py)", ("auto", "cpu", "sm90", "gpu", "none")),
     Field("debug_utilities", _bool, False, "enable debug-only utility calls (e.g. sleep in a step)"),
     # --- GPU path
     Field("load_format", str, "auto", "auto (safetensors) or dummy (seeded random weights)", ("auto", "dummy")),
     Field("enforce_eager", _bool, False, "disable CUDA graphs"),
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
     Field("kv_cache_dtype", str, "auto", "KV cache dtype", ("auto", "fp8_e4m3", "int8")),
+    # --- KV tier store (services/kvstore; DESIGN §4 "Tiers")
+    Field("kv_offload_cpu_gib", float, 0.0, "CPU tier of the kvstore: shm pool size, GiB (0: no offload)"),
+    Field("kv_offload_disk_dir", str, None, "disk tier folder of the kvstore (needs --kv-offload-disk-gib)"),
+    Field("kv_offload_disk_gib", float, None, "size limit of the disk tier, GiB (block files included)"),
+    Field("kvstore_address", str, None, "ZMQ address the kvstore binds (default: ipc://<runtime_dir>/kvstore.sock)"),
+    Field("kv_offload_block_bytes", int, None,
+          "bytes of one KV block across all layers and ranks (default: from the model's config.json)"),
 ]
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}
@@ -103,6 +114,8 @@ class KestrelConfig:
     """Effective settings with their sources. Attribute access gives the value."""
 
     settings: dict[str, Setting] = field(default_factory=dict)
+    # Why the profile was chosen (device, model size); set by build_config, not serialized.
+    profile_detail: str = ""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -127,8 +140,18 @@ class KestrelConfig:
     def table(self) -> str:
         """The effective settings, one per line: name, value, source."""
         width = max(len(k) for k in self.settings)
-        return "\n".join(f"  {k:<{width}}  {s.value!r:<40} [{s.source}]"
+        return "\n".join(f"  {k:<{width}}  {_shown(k, s.value):<40} [{s.source}]"
                          for k, s in sorted(self.settings.items()))
+
+
+SECRET_SETTINGS = frozenset({"api_key"})
+
+
+def _shown(name: str, value: Any) -> str:
+    """A setting's value as printed in the startup table: secrets are masked."""
+    if name in SECRET_SETTINGS and value is not None:
+        return "'***'"
+    return repr(value)
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,12 +178,20 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                 config_file: str | None = None) -> KestrelConfig:
-    """Merge defaults, config file, environment and CLI into one `KestrelConfig`.
+                 config_file: str | None = None, *, probe: Any = None) -> KestrelConfig:
+    """Merge defaults, profile, config file, environment and CLI into one `KestrelConfig`.
 
-    cli: parsed arguments (None for a flag not given).
+    Precedence, lowest first: `default`, `profile:<name>`, `config file`, `env`, `cli`.
+    The profile (shared/profile.py) is chosen from the merged `profile`, `device`, `model`,
+    `dtype` and `max_model_len` of the explicit sources, and only fills settings that no
+    explicit source set. With `profile` auto, the chosen name is stored with source
+    `derived`. cli: parsed arguments (None for a flag not given). env: the environment
+    (default os.environ). probe: a `shared.profile.DeviceInfo` to use instead of probing this
+    host (tests). A `--resolved-config` file (from the supervisor) is returned as it is.
     Raises ValueError naming the setting for a value of the wrong type or an unknown key.
     """
+    from shared.profile import choose_profile
+
     env = dict(os.environ) if env is None else env
     cli = cli or {}
     if cli.get("resolved_config"):
@@ -169,23 +200,58 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
     cfg = KestrelConfig()
     for f in FIELDS:
         cfg.set(f.name, f.default, "default")
+    explicit: list[tuple[str, Any, str]] = []  # (name, value, source), in precedence order
     path = config_file or cli.get("config_file")
     if path:
         with open(path) as fh:
             data = json.load(fh)
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path}: expected a JSON object of settings")
         for k, v in data.items():
             if k not in FIELD_BY_NAME:
                 raise ValueError(f"unknown setting {k!r} in {path}")
-            cfg.set(k, _convert(FIELD_BY_NAME[k], v), "config file")
+            explicit.append((k, _convert(FIELD_BY_NAME[k], v), "config file"))
     for f in FIELDS:
         key = "KESTREL_" + f.name.upper()
         if key in env and env[key] != "":
-            cfg.set(f.name, _convert(f, env[key]), "env")
+            explicit.append((f.name, _convert(f, env[key]), "env"))
     for f in FIELDS:
         if cli.get(f.name) is not None:
-            cfg.set(f.name, _convert(f, cli[f.name]), "cli")
+            explicit.append((f.name, _convert(f, cli[f.name]), "cli"))
+    merged = {f.name: f.default for f in FIELDS}
+    merged.update({k: v for k, v, _ in explicit})
+    profile = choose_profile(merged["profile"], merged["device"], merged["model"],
+                             dtype=merged["dtype"], max_model_len=merged["max_model_len"],
+                             probe=probe)
+    if profile is not None:
+        for k, v in profile.values.items():
+            cfg.set(k, _convert(FIELD_BY_NAME[k], v), f"profile:{profile.name}")
+        cfg.profile_detail = profile.reason
+    for k, v, source in explicit:
+        cfg.set(k, v, source)
+    if profile is not None and cfg.profile == "auto":
+        cfg.set("profile", profile.name, "derived")
+    _validate(cfg)
     _derive(cfg)
     return cfg
+
+
+def _validate(cfg: KestrelConfig) -> None:
+    """Range checks of numeric settings. Raises ValueError naming the setting."""
+    positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
+                "ring_chunk_bytes", "frontends", "max_request_body_bytes")
+    for name in positive:
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            raise ValueError(f"setting {name}: must be positive, got {getattr(cfg, name)!r}")
+    if not 0 < cfg.port < 65536:
+        raise ValueError(f"setting port: {cfg.port} is not a TCP port")
+    if cfg.kv_cache_gib is not None and cfg.kv_cache_gib <= 0:
+        raise ValueError(f"setting kv_cache_gib: must be positive, got {cfg.kv_cache_gib!r}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ValueError("setting gpu_memory_utilization: must be in (0, 1], got "
+                         f"{cfg.gpu_memory_utilization!r}")
+    if cfg.max_model_len is not None and cfg.max_model_len <= 0:
+        raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
 
 
 def _convert(f: Field, v: Any) -> Any:
@@ -210,6 +276,8 @@ def _derive(cfg: KestrelConfig) -> None:
         cfg.set("engine_address", f"ipc://{cfg.runtime_dir}/engine.sock", "derived")
     if cfg.worker_address is None:
         cfg.set("worker_address", f"ipc://{cfg.runtime_dir}/worker.sock", "derived")
+    if cfg.kvstore_address is None:
+        cfg.set("kvstore_address", f"ipc://{cfg.runtime_dir}/kvstore.sock", "derived")
     if cfg.served_model_name is None:
         cfg.set("served_model_name", os.path.basename(os.path.normpath(cfg.model)), "derived")
     if cfg.device == "auto":
@@ -219,6 +287,8 @@ def _derive(cfg: KestrelConfig) -> None:
         cfg.set("device", dev, "derived")
     if cfg.dtype == "auto":
         cfg.set("dtype", "bfloat16" if cfg.device == "cuda" else "float32", "derived")
+    if cfg.worker_timeout_s is None:
+        cfg.set("worker_timeout_s", 30.0 if cfg.device == "cuda" else 10.0, "derived")
 
 
 def ring_name(instance_id: str, ring: str) -> str:

@@ -105,9 +105,15 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
 
 
 class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
-    """Liveness beat from a frontend. Time in seconds (time.time())."""
+    """Liveness beat from a frontend, and the engine's answer. Time in seconds (time.time()).
+
+    In the engine's answer: progress counts the engine's completed steps, busy says whether
+    it has requests to run. A busy engine whose progress stands still is stuck (/health).
+    """
 
     time: float
+    progress: int = 0
+    busy: bool = False
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
@@ -250,7 +256,8 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     cpu_time: float = 0.0  # seconds the worker spent on this step
     # Aligned with sampled_token_ids when any request asked for logprobs (None otherwise).
     logprobs: list[TokenLogprob | None] = []
-    # request_id -> logprobs of the prompt tokens run this step (positions start_pos+1 ..).
+    # request_id -> logprobs of the prompt tokens scored this step, in position order: the
+    # chunk's tokens after its first, plus its first (scored by the previous chunk's last row).
     prompt_logprobs: dict[str, list[TokenLogprob]] = {}
 
 
@@ -275,3 +282,156 @@ def encoder() -> msgspec.msgpack.Encoder:
 def decoder(union: Any) -> msgspec.msgpack.Decoder:
     """A typed decoder for one direction's union, e.g. `decoder(FrontendToEngine)`."""
     return msgspec.msgpack.Decoder(union)
+
+
+# ---------------------------------------------------------------- engine <-> kvstore
+# Engine (ZMQ DEALER, one per client session) -> kvstore ROUTER at `kvstore_address`, and
+# the replies back. Block names are the 32-byte chained hashes of `shared.hashing`; slots are
+# indices into the kvstore's shm pool (layout in `services.kvstore.cpu_tier`). Every request
+# carries a client-chosen req_id that its reply repeats. A request before a successful
+# KVHello is answered with KVError. Tiers are "cpu" (a pool slot) or "disk" (a file).
+
+
+class KVHello(msgspec.Struct, tag="kv_hello", array_like=True):
+    """First message of a client. model_identity (32 bytes) and block_bytes (bytes of one
+    block across all layers and ranks) must equal the store's, or it is refused. A hello
+    with a known client_id and a new session releases the old session's pins and slots
+    (the client restarted). Answer: KVInfo."""
+
+    client_id: str
+    session: str
+    pid: int
+    model_identity: bytes
+    block_bytes: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class KVLookup(msgspec.Struct, tag="kv_lookup", array_like=True):
+    """Which of `hashes` (a chain, first block first) the store holds. Answer: KVLookupResult."""
+
+    req_id: int
+    hashes: list[bytes]
+
+
+class KVReserveLoad(msgspec.Struct, tag="kv_reserve", array_like=True):
+    """Pin a pool slot for each block of the longest available run from hashes[0]; disk
+    blocks are promoted into their slot. Answer: KVLoadReserved (then KVLoadReady when it
+    is not ready)."""
+
+    req_id: int
+    hashes: list[bytes]
+
+
+class KVCompleteLoad(msgspec.Struct, tag="kv_loaded", array_like=True):
+    """The client has copied these reserved slots out: unpin them (one pin each). Answer: KVAck."""
+
+    req_id: int
+    slots: list[int]
+
+
+class KVPrepareStore(msgspec.Struct, tag="kv_prepare", array_like=True):
+    """Slots to write `hashes` into (for blocks the store lacks). Answer: KVStorePrepared."""
+
+    req_id: int
+    hashes: list[bytes]
+
+
+class KVCompleteStore(msgspec.Struct, tag="kv_stored", array_like=True):
+    """The client wrote these prepared slots (ok: they become valid blocks) or gave up
+    (not ok: the slots are freed). Answer: KVAck."""
+
+    req_id: int
+    slots: list[int]
+    ok: bool = True
+
+
+class KVStats(msgspec.Struct, tag="kv_stats", array_like=True):
+    """Ask for the store's counters. Answer: KVAck with stats."""
+
+    req_id: int
+
+
+class KVBye(msgspec.Struct, tag="kv_bye", array_like=True):
+    """The client session ends: release its pins and slots being written. Answer: KVAck."""
+
+    req_id: int
+
+
+EngineToKVStore = (KVHello | KVLookup | KVReserveLoad | KVCompleteLoad | KVPrepareStore
+                   | KVCompleteStore | KVStats | KVBye)
+
+
+class KVInfo(msgspec.Struct, tag="kv_info", array_like=True, omit_defaults=True):
+    """Answer to KVHello. ok False: refused, `error` says why (other fields unset).
+
+    pool_name: the shm segment (/dev/shm/<pool_name>); slot i starts at byte
+    header_bytes + i * slot_stride and holds slot_bytes bytes. disk_tier: a disk tier is on.
+    """
+
+    ok: bool
+    error: str = ""
+    store_pid: int = 0
+    pool_name: str = ""
+    n_slots: int = 0
+    slot_bytes: int = 0
+    slot_stride: int = 0
+    header_bytes: int = 0
+    disk_tier: bool = False
+
+
+class KVLookupResult(msgspec.Struct, tag="kv_lookup_res", array_like=True):
+    """tiers[i] is the tier of hashes[i] for the longest run of hits from hashes[0]
+    (len(tiers) is the hit count). A lookup reserves nothing: blocks may leave before a
+    KVReserveLoad."""
+
+    req_id: int
+    tiers: list[str]
+
+
+class KVLoadReserved(msgspec.Struct, tag="kv_reserved", array_like=True):
+    """slots[i] (pinned) will hold hashes[i] for i < len(slots) (the available run, which
+    can be shorter than the lookup said). ready: every slot holds its block now; else a
+    KVLoadReady with the same req_id follows when the disk reads finish."""
+
+    req_id: int
+    slots: list[int]
+    ready: bool
+
+
+class KVLoadReady(msgspec.Struct, tag="kv_ready", array_like=True):
+    """The disk blocks of a reservation are in their slots. num_ok: slots[:num_ok] are valid;
+    slots[num_ok:] were released by the store (a corrupt or missing file) and must not be
+    read or completed."""
+
+    req_id: int
+    num_ok: int
+
+
+class KVStorePrepared(msgspec.Struct, tag="kv_prepared", array_like=True):
+    """slots[i]: where to write hashes[i], or -1 (already stored, being stored, or no room).
+    The client completes every slot it got with KVCompleteStore. evicted: blocks that left
+    the store entirely to make room (demoted blocks are not listed)."""
+
+    req_id: int
+    slots: list[int]
+    evicted: list[bytes] = []
+
+
+class KVAck(msgspec.Struct, tag="kv_ack", array_like=True, omit_defaults=True):
+    """Answer to KVCompleteLoad / KVCompleteStore / KVBye (count: slots affected) and
+    KVStats (stats: the store's counters)."""
+
+    req_id: int
+    count: int = 0
+    stats: dict[str, Any] = {}
+
+
+class KVError(msgspec.Struct, tag="kv_error", array_like=True):
+    """A request the store refused (no hello yet, or invalid arguments)."""
+
+    req_id: int
+    error: str
+
+
+KVStoreToEngine = (KVInfo | KVLookupResult | KVLoadReserved | KVLoadReady | KVStorePrepared
+                   | KVAck | KVError)

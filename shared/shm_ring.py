@@ -75,6 +75,7 @@ from shared.shm_layout import (CHUNK, CHUNK_HDR, HEADER_SIZE, MAGIC, MAX_READERS
                                SLOT, SLOTS_OFF, STATE_CLOSED, STATE_OPEN, VERSION, WRITTEN, _U32,
                                _U64, RingClosed, RingHeader, _pack_text, _pidns, owner_alive,
                                read_header, shm_path)
+from shared.zmq_utils import restrict_ipc_file
 
 __all__ = ["ShmRingWriter", "ShmRingReader", "RingClosed", "RingHeader", "read_header",
            "close_all_writers", "owner_alive", "shm_path"]
@@ -187,9 +188,11 @@ class ShmRingWriter:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind("ipc://" + self._ipc[0])
+            restrict_ipc_file("ipc://" + self._ipc[0])  # mode 0600 (the folder is 0700)
             side = self._ctx.socket(zmq.ROUTER)
             side.setsockopt(zmq.LINGER, 0)
             side.bind("ipc://" + self._ipc[1])
+            restrict_ipc_file("ipc://" + self._ipc[1])
             self._stop = self._ctx.socket(zmq.PAIR)
             self._stop.bind(f"inproc://stop-{id(self)}")
             self._thread = threading.Thread(target=self._serve_side, args=(side,),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class SegmentInfo:
     owner_alive: bool | None
     size: int
     inode: int
+    detail: str = ""      # kind-specific occupancy, e.g. a kvpool's slots used/free
 
     @property
     def stale(self) -> bool:
@@ -48,8 +50,16 @@ def _read_preamble(path: str) -> SegmentInfo:
     if len(raw) == PREAMBLE.size and raw[:4] == b"KSTR":
         _, _, _, pid, pidns, created, kind, inst = PREAMBLE.unpack(raw)
         kind_s = kind.rstrip(b"\0").decode("utf-8", "replace") or "unknown"
+        detail = ""
+        if kind_s == "kvpool":   # slots used/free (services/kvstore/cpu_tier.py header, offset 72)
+            with open(path, "rb") as fh:
+                pool = fh.read(112)
+            if len(pool) == 112:
+                n_slots, = struct.unpack_from("<I", pool, 72)
+                used, free = struct.unpack_from("<QQ", pool, 96)
+                detail = f"slots {used} used / {free} free of {n_slots}"
         return SegmentInfo(name, path, kind_s, inst.rstrip(b"\0").decode("utf-8", "replace"),
-                           pid, owner_alive(pid, pidns, created), st.st_size, st.st_ino)
+                           pid, owner_alive(pid, pidns, created), st.st_size, st.st_ino, detail)
     return SegmentInfo(name, path, "unknown", "", 0, None, st.st_size, st.st_ino)
 
 
@@ -91,11 +101,12 @@ def _state(seg: SegmentInfo) -> str:
 
 
 def format_ls(segs: list[SegmentInfo]) -> str:
-    """A table: name, kind, owner pid, alive/dead/?, size in bytes, `stale` flag."""
-    rows = [("NAME", "KIND", "PID", "OWNER", "BYTES", "")]
+    """A table: name, kind, owner pid, alive/dead/?, size in bytes, `stale` flag, detail
+    (a kvpool's slots used/free)."""
+    rows = [("NAME", "KIND", "PID", "OWNER", "BYTES", "", "")]
     for s in segs:
         rows.append((s.name, s.kind, str(s.owner_pid or "-"), _state(s), str(s.size),
-                     "stale" if s.stale else ""))
+                     "stale" if s.stale else "", s.detail))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

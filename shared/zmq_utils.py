@@ -40,6 +40,10 @@ def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool,
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if bind:
+        host = address[len("tcp://"):].rsplit(":", 1)[0] if address.startswith("tcp://") else None
+        if host is not None and host not in ("127.0.0.1", "localhost", "[::1]", "::1"):
+            log.warning("binding %s: this ZMQ endpoint is reachable from other hosts (it was "
+                        "configured so; the default is an ipc:// socket)", address)
         ensure_ipc_dir(address)
         sock.bind(address)
         restrict_ipc_file(address)

@@ -9,10 +9,17 @@ Sockets (DESIGN §2):
 A step is synchronous: write the plan, wait for worker rank 0's `StepResult`, apply it.
 While waiting, frontend messages are still read: new requests join the waiting queue at
 once; aborts are applied after the step (their blocks are in use by it).
+
+An AddRequest is refused with an error output when the waiting queue holds
+cfg.max_num_waiting requests (error_kind "overloaded": the frontend answers 503), when it
+is invalid (empty, too long, token ids out of range, bad logprobs counts, a grammar that
+fails to compile: "invalid", 400). A worker fault fails the step's requests ("internal").
+Structured-output grammars are compiled at add time (`services.engine.structured`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -20,16 +27,17 @@ import signal
 import time
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.structured import GrammarError, StructuredOutputManager
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.hashing import model_identity_hash
 from shared.model_info import load_model_info
+from shared.liveness import Beacon
 from shared.procutil import die_with_parent, set_title, setup_logging
 from shared.shm_ring import ShmRingWriter
 from shared.zmq_utils import make_socket, safe_decode
@@ -37,7 +45,15 @@ from shared.zmq_utils import make_socket, safe_decode
 log = logging.getLogger("kestrel.engine")
 
 FRONTEND_TIMEOUT_S = 5.0  # a frontend silent this long is dead: its requests are aborted
-WORKER_TIMEOUT_S = 60.0  # no message from a worker this long during a step: the step failed
+# cfg.worker_timeout_s: no message from a worker this long during a step: the step failed.
+# A step running longer than this many worker timeouts is stuck even while the workers'
+# heartbeat threads still beat (e.g. a collective that never returns).
+STEP_LIMIT_FACTOR = 6
+DEBUG_SLEEP_MAX_S = 600.0
+
+
+class EngineStopping(Exception):
+    """SIGTERM arrived while the engine waited for a step's result."""
 
 
 @dataclass
@@ -71,6 +87,18 @@ class EngineCore:
         self.engine_id = f"{cfg.instance_id}-{os.getpid()}"
         self.rng = random.Random(cfg.seed ^ os.getpid())
         self.num_steps = 0
+        self.worker_timeout_s = float(cfg.worker_timeout_s or 10.0)
+        self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
+        self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps
+        self._structured: StructuredOutputManager | None = None  # built on first use
+
+    def structured(self) -> StructuredOutputManager:
+        """The grammar compiler, built on the first structured request (0.2 s: reads the
+        tokenizer's vocabulary). Raises FileNotFoundError without tokenizer.json."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.info.path, self.info.vocab_size,
+                                                       list(self.info.eos_token_ids))
+        return self._structured
 
     # ------------------------------------------------------------------ startup
 
@@ -80,6 +108,7 @@ class EngineCore:
         deadline = time.monotonic() + timeout
         while len(ready) < self.num_workers:
             left = deadline - time.monotonic()
+            self.beacon.beat()
             if left <= 0 or self.stopping:
                 raise TimeoutError(f"{len(ready)}/{self.num_workers} workers ready after {timeout:.0f} s")
             if self.worker_sock.poll(min(left, 0.5) * 1000):
@@ -91,7 +120,9 @@ class EngineCore:
         return list(ready.values())
 
     def start(self) -> None:
+        t0 = time.monotonic()
         workers = self.wait_for_workers(self.cfg.startup_timeout_s)
+        t_workers = time.monotonic() - t0
         num_blocks = min(w.num_blocks for w in workers)
         # The KV dtype is the model dtype until KV dtypes arrive (DESIGN §4); one rank for now.
         root = model_identity_hash(self.info.path, self.cfg.dtype, self.cfg.dtype,
@@ -108,6 +139,35 @@ class EngineCore:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         log.info("engine ready: %d KV blocks (%d tokens), max_model_len %d, listening at %s",
                  num_blocks, kv_tokens, self.max_model_len, self.cfg.engine_address)
+        self._startup_report(workers, num_blocks, kv_tokens,
+                             {"engine wait for workers": t_workers,
+                              "engine ready": time.monotonic() - t0})
+
+    def _startup_report(self, workers: list[P.WorkerReady], num_blocks: int, kv_tokens: int,
+                        phases: dict[str, float]) -> None:
+        """Log the startup report (DESIGN §8) and write it to
+        `<runtime_dir>/startup_report.json` (mode 0600) for the supervisor to print.
+        phases: seconds since this engine started, per phase. Never raises."""
+        from shared.profile import detect_device
+
+        try:
+            report = {
+                "device": detect_device().describe(),
+                "workers": [dict(w.report, rank=w.rank, pid=w.pid)
+                            for w in sorted(workers, key=lambda w: w.rank)],
+                "num_blocks": num_blocks, "block_size": self.cfg.block_size,
+                "kv_tokens": kv_tokens, "max_model_len": self.max_model_len,
+                "phases": {k: round(v, 3) for k, v in phases.items()}}
+            # One line here; the supervisor prints it formatted once the server is ready.
+            log.info("startup report: %s", json.dumps(report, default=str))
+            path = os.path.join(self.cfg.runtime_dir, "startup_report.json")
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(report, fh, default=str)
+            os.replace(tmp, path)
+        except Exception as e:  # the report must never stop the engine
+            log.warning("startup report failed: %s", e)
 
     # ------------------------------------------------------------------ frontend messages
 
@@ -138,7 +198,9 @@ class EngineCore:
             elif isinstance(msg, P.UtilityCall):
                 self._send(ident, self._on_utility(msg))
             elif isinstance(msg, P.Heartbeat):
-                self._send(ident, P.Heartbeat(time.time()))
+                # progress/busy let the frontend tell a stuck engine from an idle one
+                self._send(ident, P.Heartbeat(time.time(), progress=self.num_steps,
+                                              busy=self.scheduler.has_work()))
         if not in_step:
             self._apply_aborts()
 
@@ -148,32 +210,65 @@ class EngineCore:
                 log.info("frontend %s reconnected with a new identity: aborting its old requests",
                          msg.frontend_id)
                 self._drop_frontend(old_ident)
+        known = ident in self.frontends  # a repeated hello (the frontend saw us silent)
         self.frontends[ident] = FrontendState(msg.frontend_id, time.monotonic())
-        log.info("frontend %s (pid %d) attached", msg.frontend_id, msg.pid)
+        (log.debug if known else log.info)("frontend %s (pid %d) attached", msg.frontend_id,
+                                           msg.pid)
         self._send(ident, P.EngineInfo(
             engine_id=self.engine_id, model_name=self.cfg.served_model_name,
             model_path=self.info.path, max_model_len=self.max_model_len,
             block_size=self.cfg.block_size, num_blocks=self.scheduler.bm.num_blocks,
             eos_token_ids=list(self.info.eos_token_ids)))
 
+    def _validate(self, msg: P.AddRequest) -> str | None:
+        """Why an AddRequest is invalid (the client's fault), or None."""
+        sp = msg.sampling
+        n = len(msg.prompt_token_ids)
+        vocab = self.info.vocab_size
+        if n == 0:
+            return "empty prompt"
+        if n + max(sp.max_tokens, 1) > self.max_model_len:
+            return f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds max_model_len {self.max_model_len}"
+        if any(t < 0 or t >= vocab for t in msg.prompt_token_ids):
+            return "prompt token id out of range"
+        if sp.max_tokens < 0 or sp.min_tokens < 0:
+            return "max_tokens and min_tokens must be >= 0"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sp, name)
+            if k is not None and not 0 <= k <= 20:
+                return f"{name} must be in 0..20"
+        if any(t < 0 or t >= vocab for t in list(sp.logit_bias) + list(sp.stop_token_ids)):
+            return "logit_bias / stop_token_ids token id out of range"
+        if sp.repetition_penalty <= 0:
+            return "repetition_penalty must be > 0"
+        if msg.request_id in self.scheduler.requests:
+            return "duplicate request id"
+        return None
+
     def _on_add(self, ident: bytes, msg: P.AddRequest) -> None:
         sp = msg.sampling
-        error = None
         n = len(msg.prompt_token_ids)
-        if n == 0:
-            error = "empty prompt"
-        elif n + max(sp.max_tokens, 1) > self.max_model_len:
-            error = f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds max_model_len {self.max_model_len}"
-        elif any(t < 0 or t >= self.info.vocab_size for t in msg.prompt_token_ids):
-            error = "prompt token id out of range"
-        elif msg.request_id in self.scheduler.requests:
-            error = "duplicate request id"
+        kind, error = "invalid", self._validate(msg)
+        if error is None and len(self.scheduler.waiting) >= self.cfg.max_num_waiting:
+            kind, error = "overloaded", f"waiting queue full ({self.cfg.max_num_waiting} requests)"
+        grammar = None
+        if error is None and sp.structured is not None:
+            try:
+                grammar = self.structured().grammar_for(sp.structured)
+            except GrammarError as e:
+                error = str(e)
+            except Exception as e:  # no tokenizer.json, xgrammar fault: not the client's fault
+                log.exception("request %s: structured output unavailable", msg.request_id)
+                kind, error = "internal", f"structured output unavailable: {e}"
         if error:
-            self._send(ident, P.Outputs([P.RequestOutput(msg.request_id, [], n, "error", error=error)]))
+            self._send(ident, P.Outputs([P.RequestOutput(msg.request_id, [], n, "error", error=error,
+                                                         error_kind=kind)]))
             return
         if sp.seed is None:
             sp.seed = self.rng.getrandbits(63)
-        self.scheduler.add(Request(msg.request_id, ident, msg.prompt_token_ids, sp, msg.arrival_time))
+        req = Request(msg.request_id, ident, msg.prompt_token_ids, sp, msg.arrival_time)
+        req.grammar = grammar
+        self.scheduler.add(req)
 
     def _on_utility(self, msg: P.UtilityCall) -> P.UtilityResult:
         s = self.scheduler
@@ -183,6 +278,21 @@ class EngineCore:
                 "kv_usage": s.bm.usage(), "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
                 "num_frontends": len(self.frontends), **s.bm.stats()})
+        if msg.method == "debug_sleep":
+            # Debug only (--debug-utilities): the engine sleeps inside its next step for
+            # args["seconds"] (<= DEBUG_SLEEP_MAX_S), as a hang for watchdog/liveness tests.
+            if not self.cfg.debug_utilities:
+                return P.UtilityResult(msg.call_id, error="debug utilities are off "
+                                       "(start with --debug-utilities)")
+            try:
+                secs = float(msg.args.get("seconds", 0))
+            except (TypeError, ValueError):
+                secs = -1.0
+            if not 0 < secs <= DEBUG_SLEEP_MAX_S:
+                return P.UtilityResult(msg.call_id, error=f"seconds must be in (0, {DEBUG_SLEEP_MAX_S:.0f}]")
+            self.debug_sleep_s = secs
+            log.warning("debug_sleep: the engine will sleep %.1f s inside its next step", secs)
+            return P.UtilityResult(msg.call_id, {"ok": True, "seconds": secs})
         if msg.method == "reset_prefix_cache":
             # False while any request holds blocks (BlockManager.reset_prefix_cache).
             ok = s.bm.reset_prefix_cache()
@@ -219,22 +329,39 @@ class EngineCore:
     # ------------------------------------------------------------------ steps
 
     def _output(self, req: Request) -> P.RequestOutput:
-        new = req.output_token_ids[req.sent_tokens:]
+        """New tokens since the last output, their logprobs (aligned), and once, when the
+        whole prompt is scored, the prompt logprobs ([None] for token 0, then tokens 1..)."""
+        sent = req.sent_tokens
+        new = req.output_token_ids[sent:]
         req.sent_tokens = len(req.output_token_ids)
-        return P.RequestOutput(req.request_id, new, req.num_prompt_tokens, req.finish_reason,
-                               req.stop_token_id,
-                               num_cached_tokens=max(req.num_cached_tokens, 0))
+        o = P.RequestOutput(req.request_id, new, req.num_prompt_tokens, req.finish_reason,
+                            req.stop_token_id, num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.sampling.logprobs is not None:
+            o.logprobs = req.output_logprobs[sent:sent + len(new)]
+        if req.wants_prompt_logprobs and len(req.prompt_logprobs) >= req.num_prompt_tokens - 1:
+            o.prompt_logprobs = [None] + req.prompt_logprobs[:req.num_prompt_tokens - 1]
+            req.prompt_logprobs_sent = True
+            req.prompt_logprobs = []
+        if req.finish_reason == "error":
+            o.error_kind = "internal"
+            o.error = "internal error"
+        return o
 
     def _wait_result(self, step_id: int) -> P.StepResult:
         """Wait for rank 0's result of `step_id`, serving frontends meanwhile.
 
-        Raises TimeoutError when no worker message arrives for WORKER_TIMEOUT_S.
+        Raises TimeoutError when no worker message arrives for cfg.worker_timeout_s seconds,
+        or the step runs longer than STEP_LIMIT_FACTOR times that; EngineStopping on SIGTERM.
         """
         poller = zmq.Poller()
         poller.register(self.worker_sock, zmq.POLLIN)
         poller.register(self.router, zmq.POLLIN)
-        last = time.monotonic()
+        last = started = time.monotonic()
+        limit = self.worker_timeout_s * STEP_LIMIT_FACTOR
         while True:
+            self.beacon.beat()
+            if self.stopping:
+                raise EngineStopping(f"stopped while waiting for step {step_id}")
             events = dict(poller.poll(100))
             if self.router in events:
                 self._drain_frontends(in_step=True)
@@ -244,8 +371,18 @@ class EngineCore:
                     last = time.monotonic()
                     if isinstance(msg, P.StepResult) and msg.step_id == step_id:
                         return msg
-            if time.monotonic() - last > WORKER_TIMEOUT_S:
-                raise TimeoutError(f"no word from the workers for {WORKER_TIMEOUT_S:.0f} s in step {step_id}")
+            now = time.monotonic()
+            if now - last > self.worker_timeout_s:
+                raise TimeoutError(f"no word from the workers for {self.worker_timeout_s:.0f} s "
+                                   f"in step {step_id}")
+            if now - started > limit:
+                raise TimeoutError(f"step {step_id} still running after {limit:.0f} s")
+
+    def _debug_sleep_in_step(self) -> None:
+        """The debug_sleep hang: block the engine's loop (no beats, no answers)."""
+        secs, self.debug_sleep_s = self.debug_sleep_s, 0.0
+        time.sleep(secs)
+        log.warning("debug_sleep: woke up after %.1f s", secs)
 
     def step(self, out: SchedulerOutput) -> None:
         self.ring.write(self.enc.encode(out.plan), msg_type="step")
@@ -257,7 +394,8 @@ class EngineCore:
                 self.scheduler.finish(req, "error")
             self._emit(out.requests, error=f"internal error in the model worker: {result.error}")
             return
-        changed = self.scheduler.update(out, result.sampled_token_ids)
+        changed = self.scheduler.update(out, result.sampled_token_ids, result.logprobs,
+                                        result.prompt_logprobs)
         self._emit(changed)
 
     def _emit(self, reqs: list[Request], error: str | None = None) -> None:
@@ -266,6 +404,7 @@ class EngineCore:
             o = self._output(req)
             if error:
                 o.error = error
+                o.error_kind = "internal"
             by_frontend.setdefault(req.frontend, []).append(o)
         for ident, outs in by_frontend.items():
             if ident in self.frontends:
@@ -279,6 +418,9 @@ class EngineCore:
         poller.register(self.worker_sock, zmq.POLLIN)
         last_check = time.monotonic()
         while not self.stopping:
+            self.beacon.beat()
+            if self.debug_sleep_s:
+                self._debug_sleep_in_step()
             busy = self.scheduler.has_work()
             events = dict(poller.poll(0 if busy else 100))
             if self.router in events:
@@ -298,8 +440,9 @@ class EngineCore:
                     self.step(out)
                     self._apply_aborts()
 
-    def shutdown(self, reason: str = "engine stopping") -> None:
-        """Fail what is in flight, stop the workers, unlink the ring, close sockets."""
+    def shutdown(self, reason: str = "the engine stopped before the request finished") -> None:
+        """Fail what is in flight with `reason`, stop the workers, unlink the ring, close
+        sockets (the frontends get up to 1 s to receive the failed outputs)."""
         if self.scheduler is not None and self.router is not None:
             reqs = list(self.scheduler.requests.values())
             for req in reqs:
@@ -310,6 +453,8 @@ class EngineCore:
         except Exception as e:  # a dead worker cannot drain the ring
             log.debug("could not send shutdown to workers: %s", e)
         self.ring.close()
+        if self.router is not None:
+            self.router.close(linger=1000)
         self.ctx.destroy(linger=0)
 
 
@@ -326,11 +471,15 @@ def run_engine(cfg: KestrelConfig) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = 0
+    reason = "the engine stopped (server shutdown or restart) before the request finished"
     try:
         engine.start()
         engine.run()
+    except EngineStopping as e:
+        log.info("%s", e)
     except TimeoutError as e:
-        log.error("%s", e)
+        log.error("%s: failing the requests in flight and exiting for a restart", e)
+        reason = f"the model worker stopped answering ({e}); the engine is restarting"
         code = 1
     except SystemExit as e:
         log.error("%s", e.code)
@@ -339,6 +488,6 @@ def run_engine(cfg: KestrelConfig) -> int:
         log.exception("engine failed")
         code = 1
     finally:
-        engine.shutdown()
-    log.info("engine stopped")
+        engine.shutdown(reason)
+    log.info("engine stopped (exit code %d)", code)
     return code

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from shared.protocol import SamplingParams
+from shared.protocol import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -31,12 +31,18 @@ class Request:
     preemption. num_registered_blocks: leading blocks of block_ids already offered to the
     prefix cache (reset when the blocks are freed). num_cached_tokens: prefix cache hit of
     the first admission, in tokens (-1 before it is admitted).
+    output_logprobs: one TokenLogprob per output token when sampling.logprobs is set.
+    prompt_logprobs: logprobs of prompt tokens 1.. gathered over prefill chunks (when
+    sampling.prompt_logprobs is set); sent once, with the first output
+    (prompt_logprobs_sent). grammar: the structured-output matcher
+    (`services.engine.structured.RequestGrammar`) or None.
     """
 
     __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
                  "arrival_time", "num_computed_tokens", "block_ids", "status", "finish_reason",
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
-                 "block_hashes", "num_registered_blocks", "num_cached_tokens")
+                 "block_hashes", "num_registered_blocks", "num_cached_tokens",
+                 "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -57,6 +63,20 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_tokens = -1
+        self.output_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs_sent = False
+        self.grammar = None
+
+    @property
+    def has_penalty(self) -> bool:
+        sp = self.sampling
+        return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while the prompt's logprobs are still to be computed and sent."""
+        return self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_prompt_tokens(self) -> int:

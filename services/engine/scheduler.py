@@ -17,6 +17,15 @@ recompute from token 0, taking whatever of its prefix is still cached when re-ad
 After the worker returns the sampled tokens, `update` registers the blocks that became
 full in the prefix cache, appends the tokens and applies the stop conditions: EOS (unless
 ignore_eos, and not before min_tokens), stop token ids, max_tokens, and max_model_len.
+
+Per-request extras in the plan, only where used (plans stay small otherwise):
+- penalties: `penalty_token_ids` (prompt + outputs so far) and `num_prompt_tokens`;
+- prompt logprobs: `num_prompt_tokens`; such a request skips the prefix cache (the worker
+  must run every prompt position to score it), and its logprobs are gathered chunk by chunk;
+- structured output: `allowed_token_bitmask` from the request's grammar, for sampled seqs;
+  each accepted token advances the grammar, and its termination ends the request ("stop");
+- `max_tokens == 0` (score the prompt only): the last prefill chunk samples nothing and the
+  request finishes with "length".
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
-from shared.protocol import ScheduledSeq, StepPlan
+from shared.protocol import ScheduledSeq, StepPlan, TokenLogprob
 
 
 @dataclass
@@ -123,7 +132,11 @@ class Scheduler:
         while self.waiting and prefill_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # A waiting request holds no blocks and has computed nothing (new or preempted).
-            hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
+            if req.wants_prompt_logprobs:  # every prompt position must run to be scored
+                hit_blocks, hit_tokens = [], 0
+                req.prompt_logprobs = []  # a preempted request scores its prompt again
+            else:
+                hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
             n = min(req.num_tokens - hit_tokens, prefill_budget)
             if not self.bm.allocate(req, hit_tokens + n, computed_blocks=hit_blocks):
                 break
@@ -145,15 +158,23 @@ class Scheduler:
         for req, n in scheduled:
             start = req.num_computed_tokens
             end = start + n
-            seqs.append(ScheduledSeq(
+            seq = ScheduledSeq(
                 request_id=req.request_id,
                 token_ids=req.token_slice(start, end),
                 start_pos=start,
                 block_table=req.block_ids,
-                sample=end == req.num_tokens,
+                sample=end == req.num_tokens and req.sampling.max_tokens > 0,
                 sampling=req.sampling,
                 output_index=len(req.output_token_ids),
-            ))
+            )
+            if req.has_penalty:
+                seq.penalty_token_ids = req.prompt_token_ids + req.output_token_ids
+                seq.num_prompt_tokens = req.num_prompt_tokens
+            elif req.wants_prompt_logprobs:
+                seq.num_prompt_tokens = req.num_prompt_tokens
+            if seq.sample and req.grammar is not None:
+                seq.allowed_token_bitmask = req.grammar.bitmask()
+            seqs.append(seq)
         return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs),
                                requests=[r for r, _ in scheduled],
                                num_tokens={r.request_id: n for r, n in scheduled},
@@ -184,12 +205,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: list[int],
+               logprobs: list[TokenLogprob | None] | None = None,
+               prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> list[Request]:
         """Apply a step's results. Returns the requests that got a new token or finished.
 
         sampled: one token id per scheduled request whose chunk ends a prefill or decodes,
-        in plan order. Raises ValueError if the count does not match the plan.
+        in plan order. logprobs: aligned with sampled, or empty/None (StepResult.logprobs).
+        prompt_logprobs: request id -> logprobs of the prompt tokens scored this step, in
+        position order (StepResult.prompt_logprobs).
+        Raises ValueError if the count does not match the plan.
         """
+        logprobs = logprobs or []
+        prompt_logprobs = prompt_logprobs or {}
+        k = 0
         expected = sum(1 for s in out.plan.seqs if s.sample)
         if len(sampled) != expected:
             raise ValueError(f"step {out.plan.step_id}: {len(sampled)} tokens for {expected} samples")
@@ -199,13 +228,23 @@ class Scheduler:
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 if seq.sample:
                     next(it)
+                    k += 1
                 continue
             req.num_computed_tokens += len(seq.token_ids)
             self.bm.cache_full_blocks(req)  # before a finish frees the blocks
+            if req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
+                req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
             if not seq.sample:
+                if req.sampling.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+                    self.finish(req, "length")  # scored the prompt; nothing to generate
+                    changed.append(req)
                 continue
             tok = next(it)
+            lp = logprobs[k] if k < len(logprobs) else None
+            k += 1
             req.output_token_ids.append(tok)
+            if req.sampling.logprobs is not None and lp is not None:
+                req.output_logprobs.append(lp)
             changed.append(req)
             reason = self._stop_reason(req, tok)
             if reason is not None:
@@ -215,6 +254,12 @@ class Scheduler:
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         sp = req.sampling
         n_out = len(req.output_token_ids)
+        if req.grammar is not None:
+            if not req.grammar.accept(tok):
+                return "error"  # the worker's mask forbids this; a fault, not the client's
+            if req.grammar.is_terminated():  # the grammar accepted its stop token (EOS)
+                req.stop_token_id = tok
+                return "stop"
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and tok in self.eos:
                 req.stop_token_id = tok

@@ -15,7 +15,8 @@ What the client expects of the engine:
   has a finish_reason. `Abort` of an unknown id is ignored.
 - `UtilityCall` is answered by a `UtilityResult` with the same call_id.
 If the engine is silent for `dead_after_s`, every request in flight is finished with an
-error, so that no client hangs.
+error, so that no client hangs. The engine's Heartbeat answer carries its step count and
+whether it is busy: a busy engine whose count stands still for `stuck_after_s` is unhealthy.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from shared import protocol as p
 
 log = logging.getLogger("kestrel.frontend.engine_client")
 
-HEARTBEAT_INTERVAL_S = 1.0
-HEALTHY_WITHIN_S = 5.0    # /health is 200 only if the engine spoke within this many seconds
-DEAD_AFTER_S = 30.0       # silence after which requests in flight fail
+HEARTBEAT_INTERVAL_S = 0.5
+HEALTHY_WITHIN_S = 3.0    # /health is 200 only if the engine spoke within this many seconds
+DEAD_AFTER_S = 3.0        # silence after which requests in flight fail (engine died or hung)
+STUCK_AFTER_S = 10.0      # a busy engine whose step count stands still this long is stuck
+REHELLO_AFTER_S = 1.5     # silence after which Hello is re-sent (a restarted engine)
 HELLO_RETRY_S = 2.0       # Hello is re-sent this often while no EngineInfo has come
 CONNECT_POLL_S = 0.1      # retry interval while the engine's socket is not there yet
 
@@ -57,6 +60,7 @@ class RequestStream:
 
     def __init__(self, request_id: str):
         self.request_id = request_id
+        self.created = time.monotonic()  # submission time (metrics: TTFT, e2e)
         self.finished = False
         self._queue: asyncio.Queue[p.RequestOutput] = asyncio.Queue()
 
@@ -86,7 +90,8 @@ class EngineClient:
     """
 
     def __init__(self, address: str, name: str, *, heartbeat_s: float = HEARTBEAT_INTERVAL_S,
-                 healthy_within_s: float = HEALTHY_WITHIN_S, dead_after_s: float = DEAD_AFTER_S):
+                 healthy_within_s: float = HEALTHY_WITHIN_S, dead_after_s: float = DEAD_AFTER_S,
+                 stuck_after_s: float = STUCK_AFTER_S):
         self.address = address
         self.name = name
         self.identity = f"{name}-{uuid.uuid4().hex[:12]}"
@@ -95,6 +100,10 @@ class EngineClient:
         self._heartbeat_s = heartbeat_s
         self._healthy_within_s = healthy_within_s
         self._dead_after_s = dead_after_s
+        self._stuck_after_s = stuck_after_s
+        self.engine_progress = 0       # the engine's step count, from its Heartbeat answers
+        self.engine_busy = False       # whether it had requests to run at that answer
+        self._progress_at = time.monotonic()  # when engine_progress last changed
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, self.identity.encode())
@@ -145,9 +154,12 @@ class EngineClient:
         self._ctx.term()
 
     def is_healthy(self) -> bool:
-        """True when the handshake is done and the engine spoke within healthy_within_s."""
+        """True when the handshake is done, the engine spoke within healthy_within_s, and it
+        is idle or its step count moved within stuck_after_s (seconds)."""
+        now = time.monotonic()
         return (self.info is not None
-                and time.monotonic() - self.last_seen < self._healthy_within_s)
+                and now - self.last_seen < self._healthy_within_s
+                and not (self.engine_busy and now - self._progress_at >= self._stuck_after_s))
 
     def is_dead(self) -> bool:
         """True when the engine has been silent for dead_after_s (or never answered)."""
@@ -243,7 +255,10 @@ class EngineClient:
                 fut.set_result(msg)
         elif isinstance(msg, p.EngineInfo):
             self._on_info(msg)
-        # A Heartbeat only refreshes last_seen.
+        elif isinstance(msg, p.Heartbeat):
+            if msg.progress != self.engine_progress or not msg.busy:
+                self._progress_at = time.monotonic()
+            self.engine_progress, self.engine_busy = msg.progress, msg.busy
 
     def _on_info(self, info: p.EngineInfo) -> None:
         if self.info is not None and info.engine_id != self.info.engine_id:
@@ -261,7 +276,7 @@ class EngineClient:
             await asyncio.sleep(self._heartbeat_s)
             self._send(p.Heartbeat(time=time.time()))
             silent = time.monotonic() - self.last_seen
-            if silent >= self._healthy_within_s:
+            if silent >= min(REHELLO_AFTER_S, self._healthy_within_s):
                 # Perhaps a new engine that does not know us: say hello again.
                 self._send(p.Hello(frontend_id=self.name, pid=os.getpid()))
             if silent >= self._dead_after_s and self._streams:

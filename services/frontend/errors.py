@@ -62,10 +62,27 @@ class MethodNotAllowed(APIError):
 
 
 class ServiceUnavailable(APIError):
-    """The engine is not answering or dropped the request: HTTP 503."""
+    """The engine is not answering or dropped the request: HTTP 503 with a Retry-After
+    header (seconds)."""
 
     status = 503
     type = "service_unavailable"
+    retry_after_s = 2
+
+
+class PayloadTooLarge(APIError):
+    """A request body over cfg.max_request_body_bytes: HTTP 413."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(ServiceUnavailable):
+    """The engine's waiting queue is full: HTTP 503 with a Retry-After header (seconds)."""
+
+    code = "overloaded"
+    retry_after_s = 1
 
 
 class InternalError(APIError):
@@ -87,6 +104,9 @@ def error_body(err: APIError) -> dict[str, Any]:
 
 
 def error_response(err: APIError) -> Response:
-    """The HTTP response for `err`: its status and the JSON envelope."""
+    """The HTTP response for `err`: its status and the JSON envelope (plus Retry-After,
+    in seconds, for ServiceUnavailable and Overloaded)."""
+    headers = ({"Retry-After": str(err.retry_after_s)} if isinstance(err, ServiceUnavailable)
+               else None)
     return Response(orjson.dumps(error_body(err)), status_code=err.status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)

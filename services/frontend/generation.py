@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient, RequestStream
+from services.frontend.metrics import RequestTimer
 from services.frontend.tokenizer import Tokenizer
+from shared.protocol import TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.generation")
 
@@ -62,14 +64,21 @@ class StopStringMatcher:
 class TextDelta:
     """A piece of a request's output. text: new final text ('' allowed).
     finish_reason: None while running; "stop" or "length" at the end.
-    error: set (with finish_reason "error") when the engine failed or dropped the request.
-    completion_tokens / prompt_tokens: counts so far."""
+    error: set (with finish_reason "error") when the engine failed or dropped the request;
+    error_kind: the engine's "invalid" / "overloaded" / "internal" (None: internal).
+    completion_tokens / prompt_tokens: counts so far.
+    logprobs: the engine's TokenLogprob of each output token that arrived with this delta
+    (empty unless the request asked for logprobs; the text of the last tokens may still be
+    held back). prompt_logprobs: the prompt's, on the first delta only (None for token 0)."""
 
     text: str
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    error_kind: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestStream,
@@ -87,6 +96,11 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     matcher = StopStringMatcher(stop) if stop else None
     n_prompt, n_out, finished = len(prompt_ids), 0, False
+    # Prometheus TTFT / ITL / TPOT / e2e and token counters (metrics.py), timed from the
+    # request's submission to the engine.
+    timer, reason = RequestTimer(getattr(stream, "created", None)), None
+    pending_lps: list[TokenLogprob] = []
+    prompt_lps: list[TokenLogprob | None] = []
     try:
         while True:
             try:
@@ -96,6 +110,10 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
                 continue
             ids = out.new_token_ids
             n_out += len(ids)
+            timer.tokens(len(ids))
+            pending_lps.extend(out.logprobs)
+            if out.prompt_logprobs:
+                prompt_lps = list(out.prompt_logprobs)
             if (out.finish_reason == "stop" and out.stop_token_id is not None and ids
                     and ids[-1] == out.stop_token_id):
                 ids = ids[:-1]  # the stop token's text is not part of the answer
@@ -105,7 +123,7 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
                 finished = True
                 error = out.error or "The request was aborted by the engine."
                 log.error("%s failed in the engine: %s", request_id, error)
-                yield TextDelta(text, "error", error, n_prompt, n_out)
+                yield TextDelta(text, "error", error, n_prompt, n_out, out.error_kind)
                 return
             if reason is not None:
                 text += detok.flush()
@@ -121,11 +139,15 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
                     engine.abort(request_id)  # a stop string matched: the engine stops too
                 log.info("%s finished: %s, %d prompt + %d completion tokens, %.2f s",
                          request_id, reason, n_prompt, n_out, time.monotonic() - started)
-                yield TextDelta(text, reason, None, n_prompt, n_out)
+                yield TextDelta(text, reason, None, n_prompt, n_out, None, pending_lps,
+                                prompt_lps)
                 return
-            if text:
-                yield TextDelta(text, None, None, n_prompt, n_out)
+            if text or prompt_lps:
+                yield TextDelta(text, None, None, n_prompt, n_out, None, pending_lps,
+                                prompt_lps)
+                pending_lps, prompt_lps = [], []
     finally:
+        timer.finish(reason if finished else "abort", n_prompt, n_out)
         if not finished:
             log.info("%s aborted after %d tokens (client gone)", request_id, n_out)
             engine.abort(request_id)

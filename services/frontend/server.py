@@ -13,24 +13,32 @@ Run alone: `python -m services.frontend.server --engine-address ipc://... --port
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 from typing import AsyncIterator
 
-import uvicorn
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.frontend.chat_template import ChatTemplate
-from services.frontend.engine_client import EngineClient
+from services.frontend.auth import APIKeyMiddleware
+from services.frontend.anthropic_api import ANY_METHOD, AnthropicServing, anthropic_endpoint
+from services.frontend.chat_features import ChatFeatures, load_chat_template
+from services.frontend.engine_client import EngineCallError, EngineClient, EngineUnavailable
+from services.frontend.lifecycle import (DrainMiddleware, beat_forever, debug_routes,
+                                         frontend_name, serve)
 from services.frontend.errors import (APIError, InternalError, MethodNotAllowed, NotFound,
                                       error_response)
+from services.frontend.metrics import MetricsEndpoint
 from services.frontend.openai_api import OpenAIServing
 from services.frontend.tokenizer import Tokenizer
 from shared.config import KestrelConfig, add_cli_arguments, build_config
+from shared.liveness import Beacon
 from shared.procutil import die_with_parent, set_title, setup_logging
 
 log = logging.getLogger("kestrel.frontend")
@@ -67,63 +75,112 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(InternalError("Internal server error."))
 
 
+async def _metrics(request: Request) -> Response:
+    """GET /metrics: Prometheus text (services/frontend/metrics.py). Open without a key."""
+    return await request.app.state.metrics(request)
+
+
+async def _reset_prefix_cache(request: Request) -> Response:
+    """POST /reset_prefix_cache: drop every cached KV block of the engine's prefix cache.
+
+    Calls the engine's `reset_prefix_cache` utility. 200 `{"ok": true}` when done; 409
+    `{"ok": false, "error": {...}}` (type `conflict`) when requests still hold blocks (the
+    engine refuses; retry when idle); 503 when the engine does not answer within 10 s.
+    """
+    engine = request.app.state.serving.engine
+    try:
+        result = await engine.call_utility("reset_prefix_cache", timeout=10.0)
+    except (EngineUnavailable, EngineCallError, TimeoutError) as e:
+        return Response(orjson.dumps({"ok": False, "error": {
+            "message": f"The engine did not reset its prefix cache: {e or 'timeout'}.",
+            "type": "service_unavailable", "param": None, "code": None}}),
+            status_code=503, media_type="application/json")
+    if result.get("ok"):
+        return Response(orjson.dumps({"ok": True}), media_type="application/json")
+    return Response(orjson.dumps({"ok": False, "error": {
+        "message": "Requests are using KV blocks; the prefix cache was not reset. Retry when "
+                   "the server is idle.", "type": "conflict", "param": None, "code": None}}),
+        status_code=409, media_type="application/json")
+
+
 async def _build_serving(cfg: KestrelConfig, engine: EngineClient) -> OpenAIServing:
     """Handshake with the engine, then load the tokenizer and chat template it names."""
     info = await engine.connect(cfg.startup_timeout_s)
     tokenizer = Tokenizer(info.model_path)
     template = None
-    if tokenizer.chat_template is None:
-        log.warning("model at %s has no chat template; chat completions will fail",
-                    info.model_path)
-    else:
-        try:
-            template = ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens)
-        except ValueError as e:
-            log.error("%s; chat completions will fail", e)
+    try:  # --chat-template (a bundled name or a path), else the model's own
+        template = load_chat_template(cfg.chat_template, tokenizer)
+        if template is None:
+            log.warning("model at %s has no chat template; chat completions will fail",
+                        info.model_path)
+    except ValueError as e:
+        log.error("%s; chat completions will fail", e)
     name = cfg.served_model_name or info.model_name
-    return OpenAIServing(engine, tokenizer, template, name, info.max_model_len, cfg.keepalive_s)
+    return OpenAIServing(engine, tokenizer, template, name, info.max_model_len, cfg.keepalive_s,
+                         cfg.max_request_body_bytes)
 
 
-def create_app(cfg: KestrelConfig) -> Starlette:
-    """The ASGI app. Its lifespan connects to the engine at cfg.engine_address (raising
-    TimeoutError after cfg.startup_timeout_s without an answer) and closes the client at
-    shutdown."""
+def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
+    """The ASGI app of frontend `index` (named `frontend-<index>` to the engine and the
+    watchdog). Its lifespan connects to the engine at cfg.engine_address (raising
+    TimeoutError after cfg.startup_timeout_s without an answer), beats the watchdog beacon,
+    and closes the client at shutdown (lifecycle.py: draining, debug routes)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine = EngineClient(cfg.engine_address, name=f"frontend@{cfg.host}:{cfg.port}")
+        name = frontend_name(index)
+        engine = EngineClient(cfg.engine_address, name=name)
+        app.state.draining = False
+        beats = asyncio.create_task(beat_forever(Beacon(cfg.runtime_dir, name)))
         try:
             app.state.serving = await _build_serving(cfg, engine)
+            app.state.anthropic = AnthropicServing(app.state.serving, ChatFeatures(
+                cfg.tool_call_parser, cfg.reasoning_parser))
+            app.state.metrics = MetricsEndpoint(engine, app.state.serving.model_name,
+                                                cfg.runtime_dir)
             log.info("serving %s on http://%s:%d", app.state.serving.model_name, cfg.host,
                      cfg.port)
             yield
         finally:
+            beats.cancel()
             await engine.close()
 
     routes = [
         Route("/health", _endpoint("health"), methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", _reset_prefix_cache, methods=["POST"]),
         Route("/v1/models", _endpoint("list_models"), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint("get_model"), methods=["GET"]),
         Route("/v1/chat/completions", _endpoint("chat_completions"), methods=["POST"]),
+        Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
+        Route("/v1/messages", anthropic_endpoint("messages"), methods=ANY_METHOD),
+        Route("/v1/messages/count_tokens", anthropic_endpoint("count_tokens"), methods=ANY_METHOD),
+        Route("/tokenize", _endpoint("tokenize"), methods=["POST"]),
+        Route("/detokenize", _endpoint("detokenize"), methods=["POST"]),
+        Route("/openapi.json", _endpoint("openapi"), methods=["GET"]),
+        Route("/internal/stats", _endpoint("internal_stats"), methods=["GET"]),
+        *debug_routes(cfg),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
+    # Every route but /health and /metrics needs the key when one is set (auth.py).
+    middleware = [Middleware(APIKeyMiddleware, api_key=cfg.api_key)] if cfg.api_key else []
+    middleware.insert(0, Middleware(DrainMiddleware))  # 503 to everything while draining
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
 
-def run_frontend(cfg: KestrelConfig) -> None:
-    """Run the frontend process until SIGINT/SIGTERM.
+def run_frontend(cfg: KestrelConfig, index: int = 0) -> None:
+    """Run frontend `index` until SIGINT/SIGTERM (then drain up to cfg.shutdown_timeout s).
 
-    Sets the process title `kestrel:frontend`, configures logging at cfg.log_level, and
-    serves HTTP on cfg.host:cfg.port once the engine at cfg.engine_address has answered.
+    Sets the process title `kestrel:frontend:<index>`, configures logging at cfg.log_level,
+    and serves HTTP on cfg.host:cfg.port (SO_REUSEPORT when cfg.frontends > 1) once the
+    engine at cfg.engine_address has answered.
     Exits non-zero (uvicorn's startup failure, status 3) if the engine does not answer
     within cfg.startup_timeout_s or the model folder cannot be read.
     """
-    set_title(PROCESS_TITLE)
+    set_title(f"{PROCESS_TITLE}:{index}")
     die_with_parent()
-    setup_logging("frontend", cfg.log_level)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None,
-                log_level=cfg.log_level.lower(), timeout_keep_alive=30,
-                timeout_graceful_shutdown=5)
+    setup_logging(frontend_name(index), cfg.log_level)
+    serve(create_app(cfg, index), cfg, index)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -75,6 +75,10 @@ class Tokenizer:
             with open(jinja_path, encoding="utf-8") as fh:
                 self.chat_template = fh.read()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Byte-level BPE (GPT-2 style): vocabulary strings map bytes to printable chars.
+        self.byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+        self.added_tokens = {i: t.content for i, t in
+                             self._tok.get_added_tokens_decoder().items()}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (such as `<|im_start|>`
@@ -85,6 +89,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`. An incomplete UTF-8 sequence at either end decodes as U+FFFD."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of one id (byte-level BPE keeps its byte-to-char mapping),
+        or None for an id outside the vocabulary."""
+        return self._tok.id_to_token(token_id)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary token, or None."""

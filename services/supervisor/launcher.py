@@ -5,10 +5,22 @@ children, start engine + worker + frontend, wait until the frontend's /health sa
 print the URL. Every child asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG), so a kill -9 of the supervisor leaves no orphan.
 
-Stop (SIGTERM or Ctrl-C): frontend first, then the engine (which tells the workers to exit
-and unlinks its ring), then whatever is left; SIGKILL after a grace period. Then the
-instance's runtime folder and any of its shm segments are removed.
-If a child dies on its own, everything is stopped and `serve` exits 1.
+Policies (DESIGN §8):
+- A frontend dies: only that frontend is restarted, under the same name (`frontend-<i>`),
+  so the engine aborts the dead one's requests at its hello. `--frontends N` runs N of them
+  on one port (SO_REUSEPORT); the others keep serving.
+- The engine or a worker dies: the rest of the engine group is stopped (the engine fails its
+  requests in flight), stale segments are swept, and engine + workers start again. The
+  frontends answer 503 + Retry-After meanwhile and re-attach to the new engine by themselves.
+- Restarts back off exponentially (restart.py). A unit that fails more than restart_max
+  times within restart_window_s makes `serve` stop everything and exit 1. Restart counts
+  per process are in `<runtime_dir>/restarts.json` (restart.read_restart_counts).
+- A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress.
+
+Stop (SIGTERM or Ctrl-C): the frontends drain (new requests are refused, requests in flight
+get up to --shutdown-timeout seconds), then the engine (which tells the workers to exit and
+unlinks its ring), then the workers; SIGKILL after a grace period. Then the instance's
+runtime folder and any of its shm segments are removed; the exit code is 0.
 """
 
 from __future__ import annotations
@@ -24,6 +36,8 @@ import time
 import urllib.error
 import urllib.request
 
+from services.supervisor.restart import RestartPolicy, write_restart_counts
+from services.supervisor.watchdog import Watchdog, load_watchdog_config
 from shared.config import KestrelConfig
 from shared.procutil import set_title, setup_logging
 
@@ -89,14 +103,144 @@ def _sweep(instance_id: str | None) -> None:
         log.warning("stale segment sweep failed: %s", e)
 
 
+class Supervisor:
+    """The children of one `kestrel serve` and the policies that restart them.
+
+    Restart units: the engine group (engine + workers, always restarted together, with
+    the instance's stale shm segments swept in between) and each frontend alone.
+    """
+
+    def __init__(self, cfg: KestrelConfig, resolved: str, env: dict[str, str]):
+        self.cfg = cfg
+        base = [sys.executable, "-m", "services.cli"]
+        self.engine_group = [
+            Child("engine", base + ["engine", "--resolved-config", resolved], env),
+            Child("worker-0", base + ["worker", "--rank", "0", "--resolved-config", resolved], env),
+        ]
+        self.frontends = [
+            Child(f"frontend-{i}", base + ["frontend", "--frontend-index", str(i),
+                                           "--resolved-config", resolved], env)
+            for i in range(max(cfg.frontends, 1))]
+        self.children = self.engine_group + self.frontends
+        self.policies = {u: RestartPolicy(cfg.restart_max, cfg.restart_window_s)
+                         for u in ["engine"] + [f.role for f in self.frontends]}
+        self.restarts = {c.role: 0 for c in self.children}
+        self.pending: dict[str, float] = {}  # unit -> time.monotonic() to start it at
+        self.gave_up = False
+
+    def start_all(self) -> None:
+        for c in self.children:
+            c.start()
+        self._write_counts()
+
+    def _write_counts(self) -> None:
+        try:
+            write_restart_counts(self.cfg.runtime_dir, self.restarts)
+        except OSError as e:
+            log.warning("could not write restart counts: %s", e)
+
+    def _schedule(self, unit: str) -> None:
+        delay = self.policies[unit].on_failure()
+        if delay is None:
+            log.error("%s failed %d times within %.0f s: giving up", unit,
+                      self.cfg.restart_max + 1, self.cfg.restart_window_s)
+            self.gave_up = True
+            return
+        log.info("restarting %s in %.1f s", unit, delay)
+        self.pending[unit] = time.monotonic() + delay
+
+    def poll(self) -> None:
+        """Notice dead children, schedule and run restarts. Sets gave_up when a unit
+        failed more than restart_max times within restart_window_s."""
+        for f in self.frontends:
+            if f.role not in self.pending and not f.alive():
+                log.error("%s (pid %d) exited with code %s; the engine keeps running",
+                          f.role, f.proc.pid, f.proc.returncode)
+                self._schedule(f.role)
+        if "engine" not in self.pending:
+            dead = [c for c in self.engine_group if not c.alive()]
+            if dead:
+                for c in dead:
+                    log.error("%s (pid %d) exited with code %s", c.role, c.proc.pid,
+                              c.proc.returncode)
+                self._stop_engine_group()
+                self._schedule("engine")
+        now = time.monotonic()
+        for unit, at in list(self.pending.items()):
+            if now < at or self.gave_up:
+                continue
+            del self.pending[unit]
+            group = self.engine_group if unit == "engine" else \
+                [f for f in self.frontends if f.role == unit]
+            for c in group:
+                self.restarts[c.role] += 1
+                c.start()
+            self._write_counts()
+
+    def _stop_engine_group(self) -> None:
+        """Stop what is left of the engine group (the engine first: it fails the requests
+        in flight and unlinks its ring), then sweep the instance's stale segments."""
+        _stop_group(self.engine_group[:1], 5.0)
+        _stop_group(self.engine_group[1:], 3.0)
+        _sweep(self.cfg.instance_id)
+
+    def stop_all(self) -> None:
+        """Graceful stop: frontends drain for up to cfg.shutdown_timeout seconds, then the
+        engine, then the workers; SIGKILL for any that outstay their grace."""
+        self.pending.clear()
+        _stop_group(self.frontends, self.cfg.shutdown_timeout + GRACE_S)
+        _stop_group(self.engine_group[:1], GRACE_S)
+        _stop_group(self.engine_group[1:], GRACE_S)
+
+
+def _stop_group(group: list[Child], grace: float) -> None:
+    """SIGTERM every live child of `group`, wait up to `grace` seconds, then SIGKILL."""
+    deadline = time.monotonic() + grace
+    for c in group:
+        c.signal(signal.SIGTERM)
+    for c in group:
+        c.wait(deadline - time.monotonic())
+    for c in group:
+        if c.alive():
+            log.warning("%s did not stop in %.0f s: killing it", c.role, grace)
+            c.signal(signal.SIGKILL)
+            c.wait(5.0)
+
+
+def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
+    """Print the engine's startup report (`<runtime_dir>/startup_report.json`, written by
+    EngineCore.start) with the supervisor's own phase `ready` (seconds from the start of
+    the children to the first healthy /health) added."""
+    from shared.profile import format_startup_report
+
+    try:
+        with open(os.path.join(cfg.runtime_dir, "startup_report.json")) as fh:
+            report = json.load(fh)
+    except (OSError, ValueError) as e:
+        log.warning("no startup report from the engine: %s", e)
+        return
+    report.setdefault("phases", {})["ready"] = round(ready_s, 3)
+    for line in format_startup_report(report):
+        log.info("%s", line)
+
+
 def serve(cfg: KestrelConfig) -> int:
-    """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code."""
+    """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code:
+    0 after a signal, 1 when a process kept failing (restart policy gave up) or the server
+    was not ready within cfg.startup_timeout_s, 2 for a bad model folder or watchdog config."""
     set_title("kestrel:supervisor")
     setup_logging("supervisor", cfg.log_level)
     log.info("effective settings:\n%s", cfg.table())
+    if cfg.profile_detail:
+        log.info("%s", cfg.profile_detail)
     if not os.path.isfile(os.path.join(cfg.model, "config.json")):
         log.error("model folder %r not found (no config.json). Run `kestrel fetch-model` for "
                   "the default model, or pass --model DIR.", cfg.model)
+        return 2
+    try:
+        wc = load_watchdog_config(cfg)
+    except ValueError as e:
+        log.error("%s", e)
         return 2
     _sweep(None)
     os.makedirs(cfg.runtime_dir, mode=0o700, exist_ok=True)
@@ -105,12 +249,8 @@ def serve(cfg: KestrelConfig) -> int:
     with os.fdopen(fd, "w") as fh:
         fh.write(cfg.to_json())
     env = dict(os.environ, KESTREL_SUPERVISOR_PID=str(os.getpid()))
-    base = [sys.executable, "-m", "services.cli"]
-    children = [
-        Child("engine", base + ["engine", "--resolved-config", resolved], env),
-        Child("worker:0", base + ["worker", "--rank", "0", "--resolved-config", resolved], env),
-        Child("frontend", base + ["frontend", "--resolved-config", resolved], env),
-    ]
+    sup = Supervisor(cfg, resolved, env)
+    watchdog = Watchdog(cfg.runtime_dir, wc)
     stop = {"sig": None}
 
     def on_signal(signum, frame):
@@ -119,17 +259,15 @@ def serve(cfg: KestrelConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     t0 = time.monotonic()
-    for c in children:
-        c.start()
     code = 0
     url = _health_url(cfg)
     ready = False
     try:
+        sup.start_all()
+        watchdog.start()
         while stop["sig"] is None:
-            dead = [c for c in children if not c.alive()]
-            if dead:
-                for c in dead:
-                    log.error("%s exited with code %s", c.role, c.proc.returncode)
+            sup.poll()
+            if sup.gave_up:
                 code = 1
                 break
             if not ready:
@@ -137,34 +275,23 @@ def serve(cfg: KestrelConfig) -> int:
                     ready = True
                     base_url = url[: -len("/health")]
                     log.info("ready in %.1f s", time.monotonic() - t0)
+                    _log_startup_report(cfg, time.monotonic() - t0)
                     print(f"Kestrel is serving {cfg.served_model_name} at {base_url}/v1", flush=True)
                 elif time.monotonic() - t0 > cfg.startup_timeout_s:
                     log.error("not ready after %.0f s", cfg.startup_timeout_s)
                     code = 1
                     break
             time.sleep(0.1)
+        if stop["sig"] is not None:
+            log.info("%s received: draining for up to %.0f s", signal.Signals(stop["sig"]).name,
+                     cfg.shutdown_timeout)
     finally:
-        _stop_all(children)
+        watchdog.stop()
+        sup.stop_all()
         shutil.rmtree(cfg.runtime_dir, ignore_errors=True)
         _sweep(cfg.instance_id)
     log.info("stopped (exit code %d)", code)
     return code
-
-
-def _stop_all(children: list[Child]) -> None:
-    by_role = {c.role: c for c in children}
-    order = [["frontend"], ["engine"], [r for r in by_role if r.startswith("worker")]]
-    deadline = time.monotonic() + GRACE_S
-    for group in order:
-        for role in group:
-            by_role[role].signal(signal.SIGTERM)
-        for role in group:
-            by_role[role].wait(deadline - time.monotonic())
-    for c in children:
-        if c.alive():
-            log.warning("%s did not stop in %.0f s: killing it", c.role, GRACE_S)
-            c.signal(signal.SIGKILL)
-            c.wait(5.0)
 
 
 def dump_config(cfg: KestrelConfig) -> str:

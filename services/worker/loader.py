@@ -96,15 +96,24 @@ def load_weights(model: nn.Module, path: str) -> int:
 
 
 def load_dummy_weights(model: nn.Module, seed: int) -> int:
-    """Fill every parameter with seeded random values (normal, std 0.02; norms = 1), for
-    benchmarks of published shapes without a checkpoint. Returns parameter bytes."""
-    gen = torch.Generator().manual_seed(seed)
+    """Fill every parameter with seeded random values, for benchmarks of published shapes
+    without a checkpoint (`--load-format dummy`). Returns parameter bytes.
+
+    Values are drawn on each parameter's device at its dtype, from one generator seeded
+    with `seed` (same seed, device and shapes -> same weights): norm weights (1-D, name
+    containing "norm") = 1, biases = 0, every other weight ~ N(0, 0.02^2) (GPT-2's init
+    scale; with unit norms the activations stay finite through any depth).
+    """
+    devices = {p.device for p in model.parameters()}
+    gens = {d: torch.Generator(device=d).manual_seed(seed) for d in devices}
     total = 0
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if p.dim() == 1 and "norm" in name:
             p.data.fill_(1.0)
+        elif name.endswith("bias"):
+            p.data.zero_()
         else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            p.data.normal_(0.0, 0.02, generator=gens[p.device])
         total += p.numel() * p.element_size()
     process_weights_after_loading(model)
     return total

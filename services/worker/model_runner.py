@@ -2,7 +2,9 @@
 
 A step flattens its sequences' tokens (prefill chunks and decodes together), builds the
 attention metadata once, runs the model, computes logits only at the sampled positions and
-samples one token per sequence with `sample=True`.
+samples one token per sequence with `sample=True` (`Sampler.sample`: processors, draw and
+raw logprobs). A prefill chunk of a request with `prompt_logprobs` also gets the lm_head over
+all its positions, to score the prompt tokens (see `_prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ import torch
 from kernels import attention as attn_kernels
 from services.worker.kv_cache import KVCache, block_bytes, num_blocks_for
 from services.worker.layers.attention import AttentionMetadata
-from services.worker.loader import load_weights
+from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.gpu_memory import profile_kv_budget
+from services.worker.loader import load_dummy_weights, load_weights
 from services.worker.models import model_class
-from services.worker.sampler import Sampler
+from services.worker.sampler import Sampler, make_token_logprobs
 from shared.config import KestrelConfig
-from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
+from shared.model_info import load_model_info
+from shared.protocol import SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_MODEL_LEN_CAP = 8192  # default cap of max_model_len (config.py: "capped at 8192")
+MAX_PROMPT_CARRY = 256  # requests whose last prompt-chunk logits wait for their next chunk
 
 
 @contextlib.contextmanager
@@ -61,17 +67,35 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or min(max_pos, MAX_MODEL_LEN_CAP)
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(hf_config)(hf_config, self.max_model_len)
-        self.weight_bytes = load_weights(self.model, cfg.model)
+        if cfg.load_format == "dummy":
+            self.weight_bytes = load_dummy_weights(self.model, cfg.seed)
+        else:
+            self.weight_bytes = load_weights(self.model, cfg.model)
         self.model.eval()
         layers = self.model.attention_layers()
         num_layers, kv_heads, head_dim = self.model.kv_shape()
         self.block_size = cfg.block_size
-        self.num_blocks = num_blocks_for(cfg.kv_cache_gib, block_bytes(
-            num_layers, self.block_size, kv_heads, head_dim, self.dtype))
+        per_block = block_bytes(num_layers, self.block_size, kv_heads, head_dim, self.dtype)
+        self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
+        self.activation_peak_bytes = 0
+        if self.device.type == "cuda":  # KV sized from gpu_memory_utilization (gpu_memory.py)
+            self.activation_peak_bytes, kv_budget = profile_kv_budget(self, cfg, layers, kv_heads, head_dim)
+            self.num_blocks = kv_budget // per_block
+            if self.num_blocks < 1:
+                raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "
+                                 f"{kv_budget} bytes, less than one KV block of {per_block}")
+        else:
+            self.num_blocks = num_blocks_for(cfg.kv_cache_gib, per_block)
         self.kv = KVCache(layers, self.num_blocks, self.block_size, kv_heads, head_dim,
                           self.dtype, self.device)
-        self.sampler = Sampler(cfg.seed)
-        self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
+        self.graphs = None
+        if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
+            self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs, self.max_model_len,
+                                       self.block_size, self.device)
+        self.sampler = Sampler(cfg.seed, load_model_info(cfg.model).eos_token_ids)
+        # request id -> logits [vocab] of the last position of its previous prompt chunk,
+        # which scores the first token of its next chunk (prompt_logprobs across chunks)
+        self._prompt_carry: dict[str, torch.Tensor] = {}
         self.load_seconds = time.perf_counter() - t0
 
     def report(self) -> dict:
@@ -84,6 +108,9 @@ class ModelRunner:
             "num_blocks": self.num_blocks, "block_size": self.block_size,
             "kv_tokens": self.num_blocks * self.block_size,
             "max_model_len": self.max_model_len, "load_seconds": round(self.load_seconds, 3),
+            "activation_peak_bytes": self.activation_peak_bytes,
+            "cuda_graph_sizes": self.graphs.sizes if self.graphs else [],
+            "cuda_graph_capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0.0,
         }
 
     @torch.inference_mode()
@@ -93,12 +120,49 @@ class ModelRunner:
         Raises ValueError when a sequence's block table does not cover its tokens or its
         length passes max_model_len.
         """
-        logits, rows = self._forward(plan)
+        return self.run_step(plan).sampled_token_ids
+
+    @torch.inference_mode()
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """Run one step and return its full result: the sampled tokens (plan order), their
+        logprobs where asked (`Sampler.sample`), and the prompt logprobs of prefill chunks
+        of requests with `prompt_logprobs` set. Raises like `execute`."""
+        logits, rows, prompt_logits = self._forward(plan)
+        seqs = plan.seqs
+        result = StepResult(plan.step_id, [])
+        if rows:
+            out = self.sampler.sample(logits, [seqs[i] for i in rows])
+            result.sampled_token_ids = out.token_ids
+            result.logprobs = out.logprobs
+        for i, chunk_logits in prompt_logits.items():
+            result.prompt_logprobs[seqs[i].request_id] = self._prompt_logprobs(seqs[i], chunk_logits)
+        return result
+
+    def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list[TokenLogprob]:
+        """Logprobs of the prompt tokens of one chunk (token i given tokens < i).
+
+        logits: [len(s.token_ids), vocab] fp32, one row per chunk position. Row j predicts the
+        token at position start_pos + j + 1, so the chunk scores positions start_pos + 1 ..
+        min(start_pos + len, num_prompt_tokens) - 1 itself; the token at start_pos is scored
+        with the previous chunk's last row, kept in `_prompt_carry`. Token 0 has no logprob.
+        Returns them in position order (k = sampling.prompt_logprobs alternatives each).
+        """
+        n, p, start = len(s.token_ids), s.num_prompt_tokens, s.start_pos
+        rows = [logits[j] for j in range(max(0, min(n, p - start) - 1))]
+        targets = list(s.token_ids[1:1 + len(rows)])
+        carry = self._prompt_carry.pop(s.request_id, None)
+        if start > 0 and carry is not None:
+            rows.insert(0, carry)
+            targets.insert(0, s.token_ids[0])
+        if start + n < p:  # the next chunk's first token is scored by this chunk's last row
+            while len(self._prompt_carry) >= MAX_PROMPT_CARRY:
+                self._prompt_carry.pop(next(iter(self._prompt_carry)))
+            self._prompt_carry[s.request_id] = logits[n - 1].clone()
         if not rows:
             return []
-        seqs = plan.seqs
-        return self.sampler(logits, [seqs[i].sampling for i in rows],
-                            [seqs[i].output_index for i in rows])
+        lp = torch.log_softmax(torch.stack(rows).float(), dim=-1)
+        ids = torch.tensor(targets, dtype=torch.long, device=lp.device)
+        return make_token_logprobs(lp, ids, [s.sampling.prompt_logprobs or 0] * len(rows))
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
@@ -106,22 +170,33 @@ class ModelRunner:
         logits instead of sampling: [num sample=True seqs, vocab] fp32, plan order."""
         return self._forward(plan)[0]
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[int]]:
-        """Forward the step; logits only at the last token of each sample=True sequence."""
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[int], dict[int, torch.Tensor]]:
+        """Forward the step; logits at the last token of each sample=True sequence, plus
+        {seq index: [chunk len, vocab] logits} for prompt chunks that want prompt logprobs."""
         seqs = plan.seqs
         if not seqs:
-            return None, []
+            return None, [], {}
+        hidden = self._decode_graph(seqs) if self.graphs is not None else None
+        if hidden is not None:  # decode-only step replayed from a CUDA graph
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+                                             if len(rows) != len(seqs) else hidden), rows, {}
         input_ids, positions, meta = self._prepare(seqs)
         hidden = self.model(input_ids, positions, meta)
+        prompt_logits: dict[int, torch.Tensor] = {}
+        for i, s in enumerate(seqs):
+            if s.sampling.prompt_logprobs is not None and s.start_pos < s.num_prompt_tokens:
+                a, b = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
+                prompt_logits[i] = self.model.compute_logits(hidden[a:b]).float()
         rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
-            return None, rows
+            return None, rows, prompt_logits
         if len(rows) == len(seqs) and hidden.shape[0] == len(seqs):
             picked = hidden  # decode-only step: every row is sampled
         else:
             last = meta.cu_seqlens_q[1:].long() - 1
             picked = hidden.index_select(0, last[rows])
-        return self.model.compute_logits(picked), rows
+        return self.model.compute_logits(picked), rows, prompt_logits
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         """Flatten the step: input_ids [T], positions [T] int64, and the attention metadata."""
@@ -157,10 +232,38 @@ class ModelRunner:
         slots = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         dev = self.device
+        if not self.use_ref_attention:  # GPU kernels: one host->device copy of all int inputs
+            packed = torch.cat([torch.tensor(ids, dtype=torch.long), positions, slots, cu.long(),
+                                seq_lens_t.long(), block_tables.long().flatten()])
+            packed = packed.pin_memory() if dev.type == "cuda" else packed
+            d = packed.to(dev, non_blocking=True)
+            ids_d, pos_d, slots_d, cu_d, sl_d, bt_d = d.split([t, t, t, b + 1, b, b * width])
+            meta = AttentionMetadata(cu_d, sl_d, bt_d.view(b, width), slots_d, None,
+                                     max_q_len=max(q_lens), max_seq_len=max(seq_lens))
+            return ids_d, pos_d, meta
         tables_dev = block_tables.to(dev)
         plan = attn_kernels.build_ref_plan(cu, seq_lens_t, tables_dev, bs) if self.use_ref_attention else None
         meta = AttentionMetadata(cu.to(dev), seq_lens_t.to(dev), tables_dev, slots.to(dev), plan)
         return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta
+
+
+    def _decode_graph(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Hidden states [b, hidden] of a decode-only step from its CUDA graph, or None when
+        the step is not one (a prefill chunk, too many sequences, prompt logprobs asked).
+        Raises ValueError like `_prepare`."""
+        if len(seqs) > self.graphs.max_bs or any(len(s.token_ids) != 1 for s in seqs):
+            return None
+        if any(s.sampling.prompt_logprobs is not None and s.start_pos < s.num_prompt_tokens for s in seqs):
+            return None
+        bs = self.block_size
+        pos = [s.start_pos for s in seqs]
+        for s, p in zip(seqs, pos):
+            if p + 1 > len(s.block_table) * bs or p + 1 > self.max_model_len:
+                raise ValueError(f"request {s.request_id}: 1 token at {p} does not fit its "
+                                 f"{len(s.block_table)} blocks of {bs} or max_model_len {self.max_model_len}")
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        return self.graphs.run([s.token_ids[0] for s in seqs], pos, slots, [p + 1 for p in pos],
+                               [s.block_table for s in seqs])
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], n: int,

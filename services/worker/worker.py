@@ -1,7 +1,7 @@
 """The worker process: reads step plans from the shm ring, runs the model, returns tokens.
 
 Loop: attach to the engine's plan ring, load the model (`ModelRunner`), send `WorkerReady`,
-then for each `StepPlan` run `ModelRunner.execute` and (rank 0) push a `StepResult` to the
+then for each `StepPlan` run `ModelRunner.run_step` and (rank 0) push a `StepResult` to the
 engine. A background thread sends `WorkerHeartbeat` every second on its own socket, so the
 engine can tell a slow step from a dead worker. An exception inside a step is reported in
 the result (the engine fails that step's requests) and the worker carries on.
@@ -20,8 +20,9 @@ import zmq
 
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
+from shared.liveness import Beacon
 from shared.procutil import die_with_parent, set_title, setup_logging
-from shared.shm_ring import ShmRingReader
+from shared.shm_ring import RingClosed, ShmRingReader
 from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.worker")
@@ -58,9 +59,12 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     die_with_parent()
     setup_logging(f"worker:{rank}", cfg.log_level)
     stopping = threading.Event()
+    serving = threading.Event()
 
     def on_term(signum, frame):
         stopping.set()
+        if not serving.is_set():  # still loading or attaching: nothing to finish, just go
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
@@ -70,6 +74,7 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     t0 = time.monotonic()
     runner = ModelRunner(cfg)
     ring = _attach_ring(cfg, rank, cfg.startup_timeout_s)
+    beacon = Beacon(cfg.runtime_dir, f"worker-{rank}")  # watchdog: progress + stack dumps
     ctx = zmq.Context()
     push = make_socket(ctx, zmq.PUSH, cfg.worker_address, bind=False)
     enc = P.encoder()
@@ -81,9 +86,11 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     hb = threading.Thread(target=_heartbeats, args=(ctx, cfg.worker_address, rank, stopping),
                           daemon=True, name="heartbeat")
     hb.start()
+    serving.set()
     code = 0
     try:
         while not stopping.is_set():
+            beacon.beat()
             data = ring.read(timeout=0.5)
             if data is None:
                 continue
@@ -95,14 +102,16 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
                 continue
             c0 = time.process_time()
             try:
-                sampled = runner.execute(msg)
-                result = P.StepResult(msg.step_id, sampled)
+                result = runner.run_step(msg)  # tokens, logprobs, prompt logprobs
             except Exception as e:
                 log.error("step %d failed: %s\n%s", msg.step_id, e, traceback.format_exc())
                 result = P.StepResult(msg.step_id, [], error=f"{type(e).__name__}: {e}")
             result.cpu_time = time.process_time() - c0
             if rank == 0:
                 push.send(enc.encode(result))
+    except RingClosed as e:  # the engine died or closed the ring without a shutdown message
+        log.error("%s: exiting", e)
+        code = 1
     except Exception:
         log.exception("worker failed")
         code = 1

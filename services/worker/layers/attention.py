@@ -31,6 +31,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     ref_plan: RefAttentionPlan | None = None
+    max_q_len: int | None = None  # host-side bounds for the GPU kernels (no device sync)
+    max_seq_len: int | None = None
 
 
 class Attention(nn.Module):
@@ -53,6 +55,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the cache, this step's K/V already stored: -> [T, heads * head_dim]."""
         o = paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                            meta.block_tables, self.scale, meta.ref_plan)
+                            meta.block_tables, self.scale, meta.ref_plan, meta.max_q_len,
+                            meta.max_seq_len)
         return o.reshape(q.shape[0], -1)

@@ -8,13 +8,15 @@ Each architecture lives in its own file. A class exposes `packed_modules`,
 from __future__ import annotations
 
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 # model_type -> architecture, for config files whose `architectures` is missing or null
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM"}
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def model_class(hf_config: dict) -> type:

@@ -22,6 +22,7 @@ from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
+from kernels.rotary import rotary_and_store_kv
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = self.rotary[0](positions, qk.view(t, self.heads + self.kv_heads, self.head_dim))
-        q, k = qk[:, :self.heads], qk[:, self.heads:]  # q and k rotated in one call
-        o = self.attn(q, k, v.view(t, self.kv_heads, self.head_dim), meta)
-        return self.o_proj(o)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.rope_attend(positions, q.view(t, self.heads, self.head_dim),
+                                k.view(t, self.kv_heads, self.head_dim),
+                                v.view(t, self.kv_heads, self.head_dim), meta)
+
+    def rope_attend(self, positions, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place, store k and v
+        in the cache (one kernel on the GPU), attend and project: -> [T, hidden]."""
+        a = self.attn
+        rotary_and_store_kv(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
+                            meta.slot_mapping)
+        return self.o_proj(a.attend(q, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -98,10 +106,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention  # subclasses of other architectures swap it (qwen3.py)
+
     def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = LlamaAttention(a, rotary)
+        self.self_attn = self.attention_cls(a, rotary)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = LlamaMLP(a)
 
@@ -116,11 +126,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
     def __init__(self, a: LlamaArgs, max_positions: int):
         super().__init__()
         self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
         self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, max_positions, a.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, self.rotary) for _ in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(a, self.rotary) for _ in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -148,11 +160,13 @@ class LlamaForCausalLM(nn.Module):
     }
     # checkpoint tensors that are not parameters and are skipped on purpose
     ignored_tensors = ("rotary_emb.inv_freq",)
+    model_cls = LlamaModel
+    args_cls = LlamaArgs
 
     def __init__(self, hf_config: dict, max_positions: int | None = None):
         super().__init__()
-        a = self.args = LlamaArgs.from_hf(hf_config)
-        self.model = LlamaModel(a, max(max_positions or 0, a.max_position_embeddings))
+        a = self.args = self.args_cls.from_hf(hf_config)
+        self.model = self.model_cls(a, max(max_positions or 0, a.max_position_embeddings))
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings
 

@@ -1,0 +1,120 @@
+"""Batch-1 decode latency (TPOT) at 1K context, against the memory roofline.
+
+Model: a config of benchmarks/configs with dummy weights (default Qwen3-0.6B, bf16).
+One sequence: a 1024-token random prompt is prefilled, then `--steps` tokens are decoded
+(greedy). TPOT = median wall time of one `ModelRunner.execute` decode step (host prepare,
+forward, logits, sampling, the copy of the token back), with CUDA graphs and eager on
+the same runner; also the median GPU time (CUDA events) of the forward + logits alone.
+Roofline: bytes per token = every parameter once (a tied embedding once, read whole by the
+lm_head) + the KV cache read at the context length; time = bytes / copy bandwidth, the
+bandwidth measured in this run (device-to-device copy of 2 GiB, read + write bytes).
+Writes JSON to --out and stdout.
+
+Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import device_name, model_dir  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from shared.config import build_config  # noqa: E402
+from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of reps."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+def decode_steps(runner, prompt, table, steps) -> tuple[list[float], list[float]]:
+    """Prefill prompt, decode `steps` tokens. Returns (wall seconds per step, GPU seconds of
+    forward + logits per step)."""
+    runner.execute(StepPlan(0, [ScheduledSeq("r", prompt, 0, table, True, GREEDY)]))
+    tok, pos, walls, gpus = 1, len(prompt), [], []
+    for i in range(steps):
+        plan = StepPlan(i + 1, [ScheduledSeq("r", [tok], pos, table, True, GREEDY, i + 1)])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tok = runner.execute(plan)[0]
+        walls.append(time.perf_counter() - t0)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        runner.logits(plan)  # same position again: rewrites the same KV slot
+        b.record()
+        b.synchronize()
+        gpus.append(a.elapsed_time(b) / 1e3)
+        pos += 1
+    return walls, gpus
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="qwen3-0.6b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
+           "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 4096,
+           "gpu_memory_utilization": 0.3}
+    runner = ModelRunner(build_config(cli=cli, env={}))
+    report = runner.report()
+    bw = copy_bandwidth()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 10000, (a.context,), generator=g).tolist()
+    table = list(range(-(-(a.context + a.steps + 1) // runner.block_size)))
+    res = {"benchmark": "decode_latency", "device": device_name(), "config": a.config,
+           "weights": "dummy", "context": a.context, "steps": a.steps, "runner": report,
+           "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__}
+    # roofline: params once + KV of the context (K and V, every layer)
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
+    layers, kvh, hd = runner.model.kv_shape()
+    kv_bytes = 2 * layers * kvh * hd * runner.dtype.itemsize * (a.context + a.steps // 2)
+    bytes_per_token = sum(params.values()) + kv_bytes
+    roof = bytes_per_token / bw
+    res.update(bytes_per_token=bytes_per_token, roofline_ms=round(roof * 1e3, 4))
+    graphs = runner.graphs
+    for mode in (["graphs"] if graphs else []) + ["eager"]:
+        runner.graphs = graphs if mode == "graphs" else None
+        decode_steps(runner, prompt, table, 8)  # warm-up
+        walls, gpus = decode_steps(runner, prompt, table, a.steps)
+        tpot, gpu = statistics.median(walls), statistics.median(gpus)
+        res[mode] = {"tpot_ms": round(tpot * 1e3, 4), "tok_per_s": round(1 / tpot, 1),
+                     "gpu_forward_ms": round(gpu * 1e3, 4),
+                     "fraction_of_roofline": round(roof / tpot, 3),
+                     "gpu_fraction_of_roofline": round(roof / gpu, 3)}
+    runner.graphs = graphs
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

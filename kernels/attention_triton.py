@@ -1,0 +1,238 @@
+"""Triton kernels of `kernels.attention` (the torch references and dispatchers live there;
+this file is split off to keep each file near the 300-line mark of CONVENTIONS.md).
+
+- `store_kv_triton`: one program per token copies its K and V rows to their cache slot
+  (slot < 0 = padding row of a CUDA graph, skipped).
+- `paged_attention_triton`: decode-only steps (every q_len == 1) run a split-K kernel in
+  the manner of FlashDecoding (Dao et al. 2023): program (seq, kv_head, split) attends the
+  G = num_heads / num_kv_heads query heads of one KV head (GQA: K/V are read once per KV
+  head) over one partition of the context with an online softmax (Milakov & Gimelshein
+  2018), and a second kernel merges the partitions by their log-sum-exp. Other steps run a
+  varlen causal kernel in the manner of FlashAttention-2 (Dao 2023): program (query tile,
+  seq, head) walks the key tiles up to its causal limit on top of the cached prefix.
+  Keys are gathered token by token through the block table, so any block size works.
+  Scores use exp2 with log2(e) folded into the scale. Dots take the cache dtype
+  (bf16/fp16 on tensor cores; fp32 runs as tf32 on the GPU) and accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NUM_SMS: dict[int, int] = {}
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h,
+                     n_kv, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        dd = tl.arange(0, BLOCK_D)[None, :]
+        m = (hh < n_kv) & (dd < head_dim)
+        k = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=m)
+        v = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m)
+        tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, k, mask=m)
+        tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, v, mask=m)
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Triton `store_kv_ref` (same shapes); k/v may be strided views with unit last stride."""
+    t, kvh, d = k.shape
+    if t:
+        _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+                               v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), kvh, d,
+                               BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                   sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
+                   partition, n_splits, n_heads, head_dim, G: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ONE_SPLIT: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seqlen_ptr + seq)
+    start = split * partition
+    end = tl.minimum(start + partition, seq_len)
+    gg = tl.arange(0, BLOCK_G)
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < head_dim
+    heads = kvh * G + gg
+    q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dd[None, :],
+                mask=(gg < G)[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        nn = n0 + tl.arange(0, BLOCK_N)
+        nm = nn < end
+        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        kv_mask = nm[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    hm = (gg < G)[:, None] & dmask[None, :]
+    if ONE_SPLIT:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + seq * so_t + heads[:, None] * so_h + dd[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hm)
+    else:
+        row = (seq * n_heads + heads) * n_splits + split  # [BLOCK_G]
+        tl.store(m_ptr + row, m_i, mask=gg < G)
+        tl.store(l_ptr + row, l_i, mask=gg < G)
+        tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
+
+
+@triton.jit
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, so_t, so_h, n_heads, n_splits, head_dim,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ss = tl.arange(0, BLOCK_S)
+    dd = tl.arange(0, BLOCK_D)
+    sm = ss < n_splits
+    row = (seq * n_heads + h) * n_splits + ss
+    m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+    l = tl.load(l_ptr + row, mask=sm, other=0.0)
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
+    total = tl.sum(l * w, 0)
+    acc = tl.load(acc_ptr + row[:, None] * head_dim + dd[None, :],
+                  mask=sm[:, None] & (dd < head_dim)[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * so_t + h * so_h + dd, o.to(out_ptr.dtype.element_ty), mask=dd < head_dim)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
+                    sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
+                    head_dim, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    mblk = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if mblk * BLOCK_M >= q_len:
+        return
+    kvh = h // G
+    seq_len = tl.load(seqlen_ptr + seq)
+    ctx = seq_len - q_len  # cached prefix before this chunk
+    mm = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < head_dim
+    rows = (q_start + mm).to(tl.int64)
+    qmask = (mm < q_len)[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + dd[None, :], mask=qmask, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(seq_len, ctx + (mblk + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        nn = n0 + tl.arange(0, BLOCK_N)
+        nm = nn < seq_len
+        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        kv_mask = nm[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = (nn[None, :] <= (ctx + mm)[:, None]) & nm[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * so_t + h * so_h + dd[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=qmask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter on CPU tensors: a few splits exercise the merge
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                  block_n: int = 64) -> tuple[int, int]:
+    """(num_splits, partition tokens) of the split-K decode: about two programs per SM, each
+    partition a multiple of block_n tokens. Depends only on host ints, so a CUDA graph
+    captured with max_seq_len = max_model_len stays valid for every shorter context."""
+    n_tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads)))
+    partition = triton.cdiv(n_tiles, splits) * block_n
+    return triton.cdiv(max_seq_len, partition), partition
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float, max_q_len: int | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """Triton `paged_attention_ref` (same shapes and meaning), all index tensors on q's device.
+
+    max_q_len, max_seq_len: host-side bounds of the step's query and sequence lengths (the
+        model runner knows them); None reads them from the tensors (a device sync). The
+        decode kernel runs when max_q_len == 1. A larger max_seq_len than the true one is
+        valid (CUDA graphs pass max_model_len): empty partitions exit at once.
+    Raises ValueError if num_heads is not a multiple of num_kv_heads.
+    """
+    t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    if h % kvh:
+        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kvh}")
+    g = h // kvh
+    b = seq_lens.shape[0]
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if b else 0
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if b else 0
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0 or max_seq_len == 0:
+        return out
+    qk_scale = scale * _LOG2E
+    bd = triton.next_power_of_2(d)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               block_tables.stride(0), out.stride(0), out.stride(1))
+    if max_q_len == 1:
+        block_n = 64 if bd <= 128 else 32
+        splits, partition = decode_splits(b, kvh, max_seq_len, q.device, block_n)
+        one = splits == 1
+        m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
+        l_ = torch.empty_like(m) if not one else out
+        acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device) if not one else out
+        _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+                                         *strides, qk_scale, k_cache.shape[1], partition, splits, h, d,
+                                         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
+                                         BLOCK_D=bd, ONE_SPLIT=one, num_warps=4)
+        if not one:
+            _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d,
+                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd)
+        return out
+    block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
+    _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, *strides, qk_scale,
+        k_cache.shape[1], d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, num_warps=4)
+    return out

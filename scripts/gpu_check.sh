@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU check for the device machine: environment, tests/gpu, then the benchmarks; every
+# result lands under $OUT (default ./gpu_out). Run from the repo root:
+#   bash scripts/gpu_check.sh
+# Uses the system python3 with PYTHONPATH=. (the project venv does not travel); installs
+# carried wheels from .whl/ (msgspec) into /tmp/site when present.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+t0=$(date +%s)
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/tests_gpu.txt"
+echo "tests/gpu took $(( $(date +%s) - t0 )) s"
+timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/decode_latency.py --out "$OUT/decode_latency.json" 2>&1 | tail -40 | tee "$OUT/decode_latency.txt"
+timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/offline_throughput.py --out "$OUT/offline_throughput.json" 2>&1 | tail -30 | tee "$OUT/offline_throughput.txt"
+echo "== summary"
+python3 - "$OUT" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+for f in ("decode_latency.json", "offline_throughput.json"):
+    p = os.path.join(d, f)
+    if os.path.exists(p):
+        r = json.load(open(p))
+        keep = {k: r[k] for k in r if k in ("output_tok_per_s", "seconds", "steps", "run_step_seconds",
+                "copy_bandwidth_TBps", "roofline_ms", "graphs", "eager")}
+        print(f, json.dumps(keep))
+    else:
+        print(f, "missing")
+PY

@@ -1,0 +1,351 @@
+"""Anthropic Messages API routes: POST /v1/messages and POST /v1/messages/count_tokens.
+
+Shapes follow Anthropic's API reference. A response is a `message` object with content
+blocks (`thinking`, `text`, `tool_use`), `stop_reason` (end_turn, max_tokens, stop_sequence
+with `stop_sequence` set, tool_use) and `usage` (input_tokens, output_tokens). With
+`stream: true` the answer is Server-Sent Events `event: <type>\\ndata: <JSON>\\n\\n` in the
+documented order: message_start, ping, then per content block content_block_start,
+content_block_delta (text_delta / thinking_delta / input_json_delta), content_block_stop,
+then message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop; a
+`ping` event is also sent every keepalive_s while waiting. The non-streaming content is built
+from the same events as the stream, so both agree (a tool call cut by max_tokens included:
+its input is the partial JSON closed, parsed with partial-json-parser if needed).
+
+count_tokens renders system, tools and messages exactly as /v1/messages does and returns
+{"input_tokens": N}, equal to that route's usage.input_tokens for the same body.
+
+Errors use Anthropic's envelope {"type": "error", "error": {"type", "message"}} with its
+types: invalid_request_error 400 (also other 4xx), authentication_error 401,
+permission_error 403, not_found_error 404, request_too_large 413 (bodies over --max-request-body-bytes),
+rate_limit_error 429, api_error 500, overloaded_error 529 (engine busy or not answering).
+An error after the stream started is an `error` event. The `x-api-key` and
+`anthropic-version` headers are accepted (the key is checked by the server's auth, if set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+import orjson
+import partial_json_parser
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from services.frontend.anthropic_protocol import MessagesRequest, parse_messages_request
+from services.frontend.chat_features import ChatFeatures
+from services.frontend.engine_client import EngineUnavailable
+from services.frontend.errors import APIError, InternalError, InvalidRequest, NotFound
+from services.frontend.generation import generate
+from services.frontend.parsers.output import Finish, OutEvent, Reasoning, run_parsed
+from services.frontend.parsers.tool_choice import forced_call_constraint
+from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
+from shared.protocol import SamplingParams
+
+log = logging.getLogger("kestrel.frontend.anthropic")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+# Routes take every method, so that a wrong one gets Anthropic's envelope (405).
+ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+STOP_REASONS = {"length": "max_tokens", "stop_string": "stop_sequence"}
+
+
+def anthropic_error_body(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, Anthropic error envelope) for a status; 503 becomes 529 overloaded."""
+    if status == 503:
+        status = 529
+    kind = ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error_response(status: int, message: str) -> Response:
+    """The HTTP response of an error on the Anthropic routes (for other modules too, e.g.
+    authentication failures on paths under /v1/messages)."""
+    status, body = anthropic_error_body(status, message)
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def _tool_input(args: str) -> Any:
+    """A tool_use block's input from its arguments JSON text. Valid JSON objects are kept
+    verbatim (big integers exact); anything else goes through partial-json-parser."""
+    try:
+        if isinstance(json.loads(args), dict):
+            return orjson.Fragment(args)
+    except ValueError:
+        pass
+    try:
+        value = partial_json_parser.loads(args)
+        return value if isinstance(value, dict) else {}
+    except Exception:  # the library raises several types on text it cannot complete
+        return {}
+
+
+class _Blocks:
+    """Content blocks built from parser events, with the stream events that build them."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open = False
+
+    def _start(self, block: dict[str, Any], out: list[bytes]) -> None:
+        self.close(out)
+        self.blocks.append(block)
+        self._open = True
+        out.append(_sse("content_block_start", {"type": "content_block_start",
+                                                "index": len(self.blocks) - 1,
+                                                "content_block": block}))
+        self.blocks[-1] = dict(block)  # the start event shows the empty block
+
+    def _delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
+        out.append(_sse("content_block_delta", {"type": "content_block_delta",
+                                                "index": len(self.blocks) - 1, "delta": delta}))
+
+    def close(self, out: list[bytes]) -> None:
+        if self._open:
+            out.append(_sse("content_block_stop", {"type": "content_block_stop",
+                                                   "index": len(self.blocks) - 1}))
+            self._open = False
+
+    def _current(self, kind: str) -> dict[str, Any] | None:
+        return self.blocks[-1] if self._open and self.blocks[-1]["type"] == kind else None
+
+    def add(self, events: list[OutEvent]) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            if isinstance(e, Reasoning):
+                if self._current("thinking") is None:
+                    self._start({"type": "thinking", "thinking": "", "signature": ""}, out)
+                self.blocks[-1]["thinking"] += e.text
+                self._delta({"type": "thinking_delta", "thinking": e.text}, out)
+            elif isinstance(e, Content):
+                if self._current("text") is None:
+                    self._start({"type": "text", "text": ""}, out)
+                self.blocks[-1]["text"] += e.text
+                self._delta({"type": "text_delta", "text": e.text}, out)
+            elif isinstance(e, ToolCallStart):
+                self._start({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+                             "name": e.name, "input": {}}, out)
+                self.blocks[-1]["_args"] = ""
+            elif isinstance(e, ToolCallArgs):
+                self.blocks[-1]["_args"] += e.text
+                self._delta({"type": "input_json_delta", "partial_json": e.text}, out)
+        return out
+
+    def final(self) -> list[dict[str, Any]]:
+        """The blocks as the non-streaming message shows them."""
+        out = []
+        for b in self.blocks:
+            if b["type"] == "tool_use":
+                b = {k: v for k, v in b.items() if k != "_args"} | {"input": _tool_input(b["_args"])}
+            out.append(b)
+        return out
+
+    def has_tool_use(self) -> bool:
+        return any(b["type"] == "tool_use" for b in self.blocks)
+
+
+class AnthropicServing:
+    """The Anthropic routes, sharing the engine client, tokenizer, chat template and limits
+    of the OpenAI routes (`openai`, an OpenAIServing). features: tool and reasoning parsers."""
+
+    def __init__(self, openai: Any, features: ChatFeatures):
+        self.engine = openai.engine
+        self.tokenizer = openai.tokenizer
+        self.template = openai.template
+        self.model_name = openai.model_name
+        self.max_model_len = openai.max_model_len
+        self.keepalive_s = openai.keepalive_s
+        self.features = features
+        self._openai = openai
+
+    async def _read(self, request: Request, count_only: bool) -> MessagesRequest:
+        if request.method != "POST":
+            err = APIError(f"Method {request.method} is not allowed on {request.url.path}; use POST.")
+            err.status = 405
+            raise err
+        # 413 past --max-request-body-bytes (the OpenAI routes' reader and limit)
+        return parse_messages_request(await self._openai.read_body(request), count_only)
+
+    def _render(self, req: MessagesRequest) -> tuple[str, list[int]]:
+        if req.model != self.model_name:
+            raise NotFound(f"model: {req.model} (this server serves {self.model_name})")
+        if self.template is None:
+            raise InternalError("The model has no chat template.")
+        tools = req.tools if req.tool_choice != "none" and req.tools else None
+        kwargs = self.features.template_kwargs() | {"enable_thinking": req.thinking}
+        prompt = self.template.render(req.messages, add_generation_prompt=True, tools=tools,
+                                      **kwargs)
+        return prompt, self.tokenizer.encode(prompt)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens: {"input_tokens": N}."""
+        try:
+            req = await self._read(request, count_only=True)
+            _, ids = self._render(req)
+            return Response(orjson.dumps({"input_tokens": len(ids)}),
+                            media_type="application/json")
+        except APIError as e:
+            return self._error(None, e)
+        except Exception:
+            log.exception("count_tokens failed with an internal error")
+            return anthropic_error_response(500, "Internal server error.")
+
+    def _error(self, request_id: str | None, e: APIError) -> Response:
+        status = e.status
+        if status >= 500:
+            log.error("%s failed: %s", request_id, e.message)
+        else:
+            log.info("%s rejected (%d): %s", request_id, status, e.message)
+        return anthropic_error_response(status, e.message)
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic Messages, streaming and not). Errors: 400 bad body or
+        prompt too long, 404 unknown model, 413 body too large, 529 engine unavailable,
+        500 internal faults (logged with the request id)."""
+        request_id = f"msg_{uuid.uuid4().hex[:24]}"
+        try:
+            req = await self._read(request, count_only=False)
+            prompt, ids = self._render(req)
+            n = len(ids)
+            if n + req.max_tokens > self.max_model_len:
+                raise InvalidRequest("messages", f"prompt is too long: {n} tokens + max_tokens "
+                                     f"{req.max_tokens} > {self.max_model_len} maximum")
+            forced = req.tool_choice in ("any", "tool")
+            sampling = SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=req.max_tokens,
+                structured=forced_call_constraint(req.tool_schemas, req.tool_name,
+                                                  req.parallel_tool_use) if forced else None)
+            parser = self.features.output_parser(
+                prompt, req.stop_sequences, req.thinking,
+                req.tool_schemas if req.tool_choice != "none" else None, forced)
+            stream = self.engine.open_request(request_id, ids, sampling)
+            gen = generate(self.engine, self.tokenizer, stream, ids, [],
+                           tick_s=self.keepalive_s if req.stream else None)
+            log.info("%s added: %d prompt tokens, max_tokens %d, stream %s", request_id, n,
+                     req.max_tokens, req.stream)
+            events = run_parsed(gen, parser)
+            if req.stream:
+                return StreamingResponse(self._stream(request_id, n, gen, events),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache",
+                                                  "request-id": request_id})
+            return await self._complete(request, request_id, n, gen, events)
+        except APIError as e:
+            return self._error(request_id, e)
+        except EngineUnavailable as e:
+            log.warning("%s refused: %s", request_id, e)
+            return anthropic_error_response(529, f"The engine is unavailable: {e}.")
+        except Exception:
+            log.exception("%s failed with an internal error", request_id)
+            return anthropic_error_response(500, f"Internal error (request {request_id}).")
+
+    def _message(self, request_id: str, content: list[dict[str, Any]], stop_reason: str | None,
+                 stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+        return {"id": request_id, "type": "message", "role": "assistant",
+                "model": self.model_name, "content": content, "stop_reason": stop_reason,
+                "stop_sequence": stop_sequence,
+                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+
+    @staticmethod
+    def _stop_reason(fin: Finish, blocks: _Blocks) -> str:
+        if fin.reason == "stop" and blocks.has_tool_use():
+            return "tool_use"
+        return STOP_REASONS.get(fin.reason, "end_turn")
+
+    async def _stream(self, request_id: str, n_prompt: int, gen: AsyncIterator,
+                      events: AsyncIterator) -> AsyncIterator[bytes]:
+        blocks = _Blocks()
+        try:
+            yield _sse("message_start", {"type": "message_start", "message": self._message(
+                request_id, [], None, None, n_prompt, 0)})
+            yield _sse("ping", {"type": "ping"})
+            async for item in events:
+                if item is None:
+                    yield _sse("ping", {"type": "ping"})
+                elif isinstance(item, Finish):
+                    if item.error is not None:
+                        _, body = anthropic_error_body(500, f"The request failed: {item.error}")
+                        yield _sse("error", body)
+                        return
+                    out: list[bytes] = []
+                    blocks.close(out)
+                    for chunk in out:
+                        yield chunk
+                    yield _sse("message_delta", {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": self._stop_reason(item, blocks),
+                                  "stop_sequence": item.stop_string},
+                        "usage": {"output_tokens": item.completion_tokens}})
+                    yield _sse("message_stop", {"type": "message_stop"})
+                    return
+                else:
+                    for chunk in blocks.add(item):
+                        yield chunk
+        except Exception:
+            log.exception("%s failed while streaming", request_id)
+            _, body = anthropic_error_body(500, f"Internal error (request {request_id}).")
+            yield _sse("error", body)
+        finally:
+            await gen.aclose()
+            self.engine.abort(request_id)  # no-op unless the request is still running
+
+    async def _complete(self, request: Request, request_id: str, n_prompt: int,
+                        gen: AsyncIterator, events: AsyncIterator) -> Response:
+        """Collect the whole answer; abort the request if the client disconnects first."""
+        blocks = _Blocks()
+
+        async def collect() -> Finish:
+            try:
+                async for item in events:
+                    if isinstance(item, Finish):
+                        return item
+                    if item is not None:
+                        blocks.add(item)
+                raise InternalError("The output ended without a finish reason.")
+            finally:
+                await gen.aclose()
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            self.engine.abort(request_id)
+            log.info("%s: client disconnected", request_id)
+            return Response(status_code=499)
+        fin = work.result()
+        if fin.error is not None:
+            raise InternalError(f"The request failed: {fin.error}")
+        body = self._message(request_id, blocks.final(), self._stop_reason(fin, blocks),
+                             fin.stop_string, n_prompt, fin.completion_tokens)
+        return Response(orjson.dumps(body), media_type="application/json",
+                        headers={"request-id": request_id})
+
+
+def anthropic_endpoint(method: str):
+    """A route endpoint calling `method` of the AnthropicServing at app.state.anthropic."""
+
+    async def endpoint(request: Request) -> Response:
+        return await getattr(request.app.state.anthropic, method)(request)
+
+    endpoint.__name__ = f"anthropic_{method}"
+    return endpoint

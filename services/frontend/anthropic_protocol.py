@@ -1,0 +1,290 @@
+"""Validation of Anthropic Messages API requests (POST /v1/messages and
+/v1/messages/count_tokens), following Anthropic's API reference.
+
+Accepted: model, max_tokens (required on /v1/messages, >= 1), messages (roles user and
+assistant; content a string or blocks `text`, `image` (base64 source), `tool_use`,
+`tool_result`, and `thinking` / `redacted_thinking` in assistant turns, which are not
+replayed), system (a string or text blocks), stop_sequences, temperature [0, 1], top_p
+(0, 1], top_k >= 0, stream, tools (custom tools: name, description, input_schema),
+tool_choice (auto / any / tool with name / none, disable_parallel_tool_use), metadata
+(user_id, accepted and unused), thinking ({"type": "enabled", "budget_tokens": N >= 1024 and
+< max_tokens} or {"type": "disabled"}; the budget is not enforced: the reasoning ends when
+the model closes it).
+
+Images: the served models are text-only. An image block is decoded and checked with Pillow
+(a bad one is a 400 "invalid image"); a valid one is then rejected with a 400 saying that the
+model does not support images.
+
+The body is parsed with Python's json module, so integers of any size in tool inputs stay
+exact. Every error is an `InvalidRequest` naming the field (`messages.0.content.1.source`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.frontend.errors import InvalidRequest
+
+IMAGE_MEDIA_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/gif": "GIF",
+                     "image/webp": "WEBP"}
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+@dataclass
+class MessagesRequest:
+    """A validated request. messages: template-ready dicts ({"role", "content": str} plus
+    "tool_calls" for assistant tool_use, role "tool" with "tool_call_id" for tool_result).
+    tools: template-ready [{"type": "function", "function": {...}}]; tool_schemas: name ->
+    input_schema. tool_choice: "auto" | "any" | "tool" | "none"; tool_name for "tool"."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    stop_sequences: list[str] = field(default_factory=list)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stream: bool = False
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_use: bool = True
+    thinking: bool = False
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(v), "a number")
+
+
+def _need(cond: bool, param: str, message: str) -> None:
+    if not cond:
+        raise InvalidRequest(param, f"{param}: {message}")
+
+
+def _text_of(blocks: Any, param: str) -> str:
+    """A string, or a list of text blocks joined with newlines."""
+    if isinstance(blocks, str):
+        return blocks
+    _need(isinstance(blocks, list), param, f"Input should be a string or an array of text blocks, not {_type_name(blocks)}.")
+    texts = []
+    for j, b in enumerate(blocks):
+        p = f"{param}.{j}"
+        _need(isinstance(b, dict) and b.get("type") == "text", p, "Input should be a text block.")
+        _need(isinstance(b.get("text"), str), f"{p}.text", "Field required (a string).")
+        texts.append(b["text"])
+    return "\n".join(texts)
+
+
+def check_image(block: dict[str, Any], param: str) -> None:
+    """Decode and verify a base64 image block with Pillow, then reject it (text-only model).
+    Raises InvalidRequest: a bad source / media type / image, or "does not support images"."""
+    src = block.get("source")
+    _need(isinstance(src, dict), f"{param}.source", "Field required (an object).")
+    _need(src.get("type") == "base64", f"{param}.source.type",
+          "Only base64 image sources are supported.")
+    media = src.get("media_type")
+    _need(media in IMAGE_MEDIA_TYPES, f"{param}.source.media_type",
+          f"Input should be one of {', '.join(IMAGE_MEDIA_TYPES)}.")
+    data = src.get("data")
+    _need(isinstance(data, str) and data, f"{param}.source.data", "Field required (base64 text).")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{param}.source.data", f"{param}.source.data: The image is not valid base64.") from None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            fmt = img.format
+            img.verify()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise InvalidRequest(f"{param}.source.data",
+                             f"{param}.source.data: Invalid image: the data is not a readable {media} image.") from None
+    _need(fmt == IMAGE_MEDIA_TYPES[media], f"{param}.source.media_type",
+          f"The image is {fmt}, but media_type says {media}.")
+    raise InvalidRequest(param, f"{param}: This model does not support images (it is text-only).")
+
+
+def _tool_result_text(content: Any, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    _need(isinstance(content, list), param, "Input should be a string or an array of blocks.")
+    texts = []
+    for j, b in enumerate(content):
+        p = f"{param}.{j}"
+        _need(isinstance(b, dict), p, "Input should be an object.")
+        if b.get("type") == "image":
+            check_image(b, p)
+        _need(b.get("type") == "text" and isinstance(b.get("text"), str), p,
+              "Input should be a text block.")
+        texts.append(b["text"])
+    return "\n".join(texts)
+
+
+def _message(i: int, msg: Any) -> list[dict[str, Any]]:
+    """One Anthropic message as template messages (tool results become role "tool")."""
+    param = f"messages.{i}"
+    _need(isinstance(msg, dict), param, "Input should be an object.")
+    role = msg.get("role")
+    _need(role in ("user", "assistant"), f"{param}.role", "Input should be 'user' or 'assistant'.")
+    content = msg.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    _need(isinstance(content, list), f"{param}.content",
+          f"Input should be a string or an array of content blocks, not {_type_name(content)}.")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        p = f"{param}.content.{j}"
+        _need(isinstance(b, dict), p, "Input should be a content block object.")
+        kind = b.get("type")
+        if kind == "text":
+            _need(isinstance(b.get("text"), str), f"{p}.text", "Field required (a string).")
+            texts.append(b["text"])
+        elif kind == "image":
+            check_image(b, p)
+        elif kind == "tool_use":
+            _need(role == "assistant", p, "tool_use blocks belong to assistant messages.")
+            _need(isinstance(b.get("id"), str), f"{p}.id", "Field required (a string).")
+            _need(isinstance(b.get("name"), str), f"{p}.name", "Field required (a string).")
+            _need(isinstance(b.get("input"), dict), f"{p}.input", "Field required (an object).")
+            calls.append({"id": b["id"], "type": "function",
+                          "function": {"name": b["name"], "arguments": b["input"]}})
+        elif kind == "tool_result":
+            _need(role == "user", p, "tool_result blocks belong to user messages.")
+            _need(isinstance(b.get("tool_use_id"), str), f"{p}.tool_use_id", "Field required (a string).")
+            text = _tool_result_text(b.get("content"), f"{p}.content")
+            if b.get("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "content": text, "tool_call_id": b["tool_use_id"]})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning is not replayed
+        else:
+            raise InvalidRequest(f"{p}.type", f"{p}.type: Unsupported content block type {kind!r}.")
+    out = list(results)
+    if texts or calls or not results:
+        m: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    _need(ok and (lo < v if lo_open else lo <= v) and v <= hi, name,
+          f"Input should be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}].")
+    return float(v)
+
+
+def _tools(body: dict, req: MessagesRequest) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        _need(isinstance(tools, list), "tools", "Input should be an array of tools.")
+        for j, t in enumerate(tools):
+            p = f"tools.{j}"
+            _need(isinstance(t, dict), p, "Input should be an object.")
+            _need(t.get("type") in (None, "custom"), f"{p}.type",
+                  f"Tool type {t.get('type')!r} is not supported; only custom tools are.")
+            name = t.get("name")
+            _need(isinstance(name, str) and name, f"{p}.name", "Field required (a string).")
+            _need(name not in req.tool_schemas, f"{p}.name", f"Tool names must be unique ({name!r}).")
+            schema = t.get("input_schema")
+            _need(isinstance(schema, dict), f"{p}.input_schema", "Field required (a JSON schema object).")
+            desc = t.get("description")
+            _need(desc is None or isinstance(desc, str), f"{p}.description", "Input should be a string.")
+            fn = {"name": name, "parameters": schema}
+            if desc:
+                fn["description"] = desc
+            req.tools.append({"type": "function", "function": fn})
+            req.tool_schemas[name] = schema
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    _need(isinstance(choice, dict) and choice.get("type") in TOOL_CHOICES, "tool_choice.type",
+          f"Input should be one of {', '.join(TOOL_CHOICES)}.")
+    req.tool_choice = choice["type"]
+    dp = choice.get("disable_parallel_tool_use")
+    _need(dp is None or isinstance(dp, bool), "tool_choice.disable_parallel_tool_use", "Input should be a boolean.")
+    req.parallel_tool_use = not dp
+    if req.tool_choice == "tool":
+        _need(isinstance(choice.get("name"), str), "tool_choice.name", "Field required (a string).")
+        _need(choice["name"] in req.tool_schemas, "tool_choice.name",
+              f"Tool {choice['name']!r} is not in 'tools'.")
+        req.tool_name = choice["name"]
+    if req.tool_choice in ("any", "tool"):
+        _need(bool(req.tool_schemas), "tool_choice", "tool_choice requires 'tools'.")
+
+
+def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequest:
+    """Parse and validate a body (JSON bytes). count_only: the count_tokens route (no
+    max_tokens, no sampling fields). Raises InvalidRequest."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest(None, "The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(None, "The request body must be a JSON object.")
+    model = body.get("model")
+    _need(isinstance(model, str) and model, "model", "Field required (a string).")
+    max_tokens = body.get("max_tokens")
+    if not count_only:
+        _need(max_tokens is not None, "max_tokens", "Field required.")
+        _need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
+              "max_tokens", "Input should be an integer greater than or equal to 1.")
+    msgs = body.get("messages")
+    _need(isinstance(msgs, list) and msgs, "messages", "Field required (a non-empty array of messages).")
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_of(system, "system")
+        if text:
+            messages.append({"role": "system", "content": text})
+    for i, m in enumerate(msgs):
+        messages += _message(i, m)
+    req = MessagesRequest(model=model, messages=messages,
+                          max_tokens=None if count_only else max_tokens)
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        _need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
+              "stop_sequences", "Input should be an array of non-empty strings.")
+        req.stop_sequences = list(dict.fromkeys(stops))
+    if not count_only:
+        req.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
+        req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+        top_k = body.get("top_k")
+        _need(top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0),
+              "top_k", "Input should be an integer greater than or equal to 0.")
+        req.top_k = top_k or 0
+        stream = body.get("stream", False)
+        _need(isinstance(stream, bool), "stream", "Input should be a boolean.")
+        req.stream = stream
+    meta = body.get("metadata")
+    _need(meta is None or isinstance(meta, dict), "metadata", "Input should be an object.")
+    _tools(body, req)
+    thinking = body.get("thinking")
+    if thinking is not None:
+        _need(isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"),
+              "thinking.type", "Input should be 'enabled' or 'disabled'.")
+        if thinking["type"] == "enabled":
+            budget = thinking.get("budget_tokens")
+            _need(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1024,
+                  "thinking.budget_tokens", "Input should be an integer greater than or equal to 1024.")
+            if max_tokens is not None and not count_only:
+                _need(budget < max_tokens, "thinking.budget_tokens", "Must be less than max_tokens.")
+            req.thinking = True
+    return req

@@ -1,0 +1,70 @@
+"""Chat features shared by the OpenAI and Anthropic routes: the chat template chosen with
+`--chat-template`, and per request the output parser (reasoning with `--reasoning-parser`,
+tool calls with `--tool-call-parser`, stop strings).
+
+`--chat-template` is a name of a file under services/frontend/templates/ without `.jinja`
+(`qwen3`), or a path to a Jinja file; without it, the model's own template is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from services.frontend.chat_template import ChatTemplate
+from services.frontend.parsers.output import ChatOutputParser
+from services.frontend.parsers.reasoning import REASONING_PARSERS, THINK_OPEN
+from services.frontend.parsers.tool_parsers import make_tool_parser
+from services.frontend.tokenizer import Tokenizer
+
+log = logging.getLogger("kestrel.frontend.chat")
+
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+
+
+def load_chat_template(setting: str | None, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The chat template to use: `setting` (a bundled name or a file path) or the model's.
+    Returns None when there is none (chat requests then fail with 500).
+    Raises ValueError when `setting` names no file, or its template does not compile."""
+    source = tokenizer.chat_template
+    if setting:
+        path = setting if os.path.isfile(setting) else os.path.join(TEMPLATES_DIR, f"{setting}.jinja")
+        if not os.path.isfile(path):
+            raise ValueError(f"chat template {setting!r} is neither a file nor one of "
+                             f"{sorted(f[:-6] for f in os.listdir(TEMPLATES_DIR))}")
+        with open(path, encoding="utf-8") as fh:
+            source = fh.read()
+    if source is None:
+        return None
+    return ChatTemplate(source, tokenizer.special_tokens)
+
+
+class ChatFeatures:
+    """The frontend's tool-call and reasoning settings (None: off)."""
+
+    def __init__(self, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra template variables: the tool-call format the parser reads (Kestrel's
+        templates describe that format to the model)."""
+        return {"tool_call_format": "xml" if self.tool_call_parser == "qwen3_coder" else "json"}
+
+    def output_parser(self, prompt: str, stops: list[str], thinking: bool,
+                      tools: dict[str, dict[str, Any]] | None, forced: bool) -> ChatOutputParser:
+        """The parser of one response. prompt: the rendered prompt (a prompt that ends with
+        `<think>` starts the output inside the reasoning). thinking: enable_thinking.
+        tools: name -> parameter schema of the request's tools (None: no tool parsing).
+        forced: the output is constrained to the forced-call JSON (tool_choice)."""
+        reasoning = None
+        if self.reasoning_parser and thinking and not forced:
+            reasoning = REASONING_PARSERS[self.reasoning_parser](
+                True, starts_inside=prompt.rstrip().endswith(THINK_OPEN))
+        tool_parser = None
+        if forced:
+            tool_parser = make_tool_parser("forced", tools)
+        elif tools and self.tool_call_parser:
+            tool_parser = make_tool_parser(self.tool_call_parser, tools)
+        return ChatOutputParser(reasoning, tool_parser, stops)

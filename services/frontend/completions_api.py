@@ -1,0 +1,204 @@
+"""POST /v1/completions: OpenAI's (legacy) Completions API.
+
+Each prompt of `prompt` (string, strings, token ids, lists of token ids) gets `n` choices,
+choice index = prompt_index * n + j, each its own engine request. String prompts are
+tokenized with the tokenizer's special tokens (BOS where the model has one), as vLLM does.
+`echo` puts the prompt text before each choice's text; `max_tokens: 0` with `echo` scores
+the prompt: no text is generated (one token is sampled in the engine and dropped) and, with
+`logprobs`, the prompt's logprobs come back (`SamplingParams.prompt_logprobs`; the first
+prompt token has none, as in OpenAI's format). max_tokens defaults to OpenAI's 16.
+
+Response objects are `text_completion` (non-streaming and each SSE chunk):
+{"id", "object", "created", "model", "choices": [{"index", "text", "logprobs",
+"finish_reason"}], "usage"}; streams end with a `choices: []` usage chunk when
+stream_options.include_usage is set, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.frontend.errors import error_body, model_not_found
+from services.frontend.fanout import FanOut
+from services.frontend.generation import TextDelta
+from services.frontend.logprobs import merge_completion
+from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, SSE_KEEPALIVE,
+                                          OpenAIServing, context_error, delta_error,
+                                          json_response, sse)
+from services.frontend.openai_protocol import CompletionRequest, parse_completion_request
+
+log = logging.getLogger("kestrel.frontend.completions")
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class _Choice:
+    """Per-choice state while building text and completions-format logprobs."""
+
+    def __init__(self, prompt_ids: list[int], prompt_text: str):
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.parts: list[str] = []
+        self.logprobs: dict[str, list] | None = None
+        self.offset = 0
+        self.final: TextDelta | None = None
+
+
+class CompletionsServing:
+    """The /v1/completions route, on top of an OpenAIServing's machinery."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.s = serving
+
+    def _prepare(self, req: CompletionRequest) -> list[tuple[list[int], str, int]]:
+        """(token ids, text, max_tokens to send (>= 1)) of each prompt; raises APIError."""
+        s = self.s
+        if req.model != s.model_name:
+            raise model_not_found(req.model)
+        out = []
+        want = req.sampling.max_tokens
+        for p in req.prompts:
+            ids = s.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+            text = p if isinstance(p, str) else s.tokenizer.decode(
+                p, skip_special_tokens=req.sampling.skip_special_tokens)
+            room = s.max_model_len - len(ids)
+            if room < 1 or (want is not None and max(want, 1) > room):
+                raise context_error("prompt", s.max_model_len, len(ids), want, "prompt")
+            out.append((ids, text, max(want, 1) if want is not None
+                        else min(DEFAULT_MAX_TOKENS, room)))
+        return out
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions. Errors as for chat (400 naming the field, 404, 413, 503)."""
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        async def handle() -> Response:
+            s = self.s
+            req = parse_completion_request(await s.read_body(request), s.tokenizer.vocab_size)
+            prepared = self._prepare(req)
+            sp = req.sampling
+            prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+            choices, states = [], []
+            for pi, (ids, text, max_tokens) in enumerate(prepared):
+                for j in range(sp.n):
+                    choices.append((ids, sp.to_params(max_tokens, pi * sp.n + j,
+                                                      logprobs=req.logprobs,
+                                                      prompt_logprobs=prompt_lp)))
+                    states.append(_Choice(ids, text))
+            fan = s.fan_out(request_id, choices, sp)
+            log.info("%s added: %d prompts, n %d, max_tokens %d, stream %s", request_id,
+                     len(prepared), sp.n, max_tokens, sp.stream)
+            n_prompt = sum(len(p[0]) for p in prepared)
+            if sp.stream:
+                return await s.stream(request, request_id, fan, lambda first, f: self._events(
+                    request_id, req, states, n_prompt, first, f))
+            res = await s.collect(request, request_id, fan, len(choices))
+            if res is None:
+                return Response(status_code=CLIENT_CLOSED)
+            out = []
+            for i, (st, c) in enumerate(zip(states, res)):
+                assert c.final is not None
+                d = TextDelta(c.text, None, None, 0, 0, None, c.logprobs, c.prompt_logprobs)
+                text, lps = self._piece(req, st, d, first=True)
+                out.append({"index": i, "text": text, "logprobs": lps,
+                            "finish_reason": self._finish(req, c.final)})
+            completion = self._completion_tokens(req, [c.final for c in res])
+            return json_response({
+                "id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": s.model_name, "choices": out,
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                          "total_tokens": n_prompt + completion}})
+
+        return await self.s.guard(request_id, handle)
+
+    @staticmethod
+    def _scoring(req: CompletionRequest) -> bool:
+        return req.sampling.max_tokens == 0
+
+    def _finish(self, req: CompletionRequest, d: TextDelta) -> str | None:
+        return "length" if self._scoring(req) else d.finish_reason
+
+    def _completion_tokens(self, req: CompletionRequest, finals: list) -> int:
+        if self._scoring(req):
+            return 0
+        return sum(d.completion_tokens for d in finals if d is not None)
+
+    def _piece(self, req: CompletionRequest, st: _Choice, d: TextDelta,
+               first: bool) -> tuple[str, dict | None]:
+        """Text and completions-format logprobs of one delta of a choice (with the echoed
+        prompt on its first piece)."""
+        lp = self.s.lp
+        text, lps = "", None
+        top = req.logprobs or 0
+        if first and req.echo:
+            text = st.prompt_text
+            if req.logprobs is not None:
+                plps = list(d.prompt_logprobs) or [None] * len(st.prompt_ids)
+                plps = (plps + [None] * len(st.prompt_ids))[:len(st.prompt_ids)]
+                lps, st.offset = lp.completion(plps, st.prompt_ids, top, st.offset)
+            else:
+                st.offset += len(text)
+        if self._scoring(req):
+            return text, lps
+        text += d.text
+        if req.logprobs is not None:
+            gen, st.offset = lp.completion(list(d.logprobs), [t.token_id for t in d.logprobs],
+                                           top, st.offset)
+            lps = merge_completion(lps, gen)
+        return text, lps
+
+    async def _events(self, request_id: str, req: CompletionRequest, states: list[_Choice],
+                      n_prompt: int, first: tuple[int, TextDelta] | None, fan: FanOut
+                      ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        sp = req.sampling
+        started = [False] * len(states)
+        finals: list[TextDelta | None] = [None] * len(states)
+
+        def chunk(index: int, text: str, lps, finish: str | None) -> bytes:
+            c: dict[str, Any] = {
+                "id": request_id, "object": "text_completion", "created": created,
+                "model": self.s.model_name,
+                "choices": [{"index": index, "text": text, "logprobs": lps,
+                             "finish_reason": finish}]}
+            if sp.include_usage:
+                c["usage"] = None
+            return sse(c)
+
+        async def items():
+            if first is not None:
+                yield first
+            async for item in fan:
+                yield item
+
+        async for item in items():
+            if item is None:
+                yield SSE_KEEPALIVE
+                continue
+            i, d = item
+            if d.error is not None:
+                yield sse(error_body(delta_error(d)))
+                yield SSE_DONE
+                return
+            text, lps = self._piece(req, states[i], d, first=not started[i])
+            started[i] = True
+            if d.finish_reason is not None:
+                finals[i] = d
+                if text or lps:
+                    yield chunk(i, text, lps, None)
+                yield chunk(i, "", None, self._finish(req, d))
+            elif text or lps:
+                yield chunk(i, text, lps, None)
+        if sp.include_usage:
+            completion = self._completion_tokens(req, finals)
+            yield sse({"id": request_id, "object": "text_completion", "created": created,
+                       "model": self.s.model_name, "choices": [],
+                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                 "total_tokens": n_prompt + completion}})
+        yield SSE_DONE

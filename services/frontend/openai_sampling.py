@@ -1,0 +1,256 @@
+"""Sampling and stopping fields shared by /v1/chat/completions and /v1/completions.
+
+Fields (OpenAI's, plus vLLM's extensions), with the ranges enforced here (400 naming the
+field in `param` otherwise):
+- n: integer in [1, 16]; seed: 64-bit integer (choice i of n samples with seed + i);
+- temperature [0, 2], top_p (0, 1], top_k -1/0 = off or >= 1, min_p [0, 1];
+- presence_penalty, frequency_penalty [-2, 2]; repetition_penalty (0, 2];
+- logit_bias: {"<token id>": bias in [-100, 100]}, ids inside the vocabulary, at most 300;
+- max_tokens / max_completion_tokens >= 0 (0 only for completions scoring with echo),
+  min_tokens >= 0 and <= max_tokens;
+- stop: a string or a list of at most MAX_STOP_STRINGS non-empty strings of at most
+  MAX_STOP_CHARS characters each; stop_token_ids: ids inside the vocabulary;
+- ignore_eos, skip_special_tokens: booleans;
+- response_format: {"type": "text"} | {"type": "json_object"} |
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; a schema that
+  xgrammar cannot compile is a 400 on `response_format.json_schema.schema`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from services.frontend.errors import InvalidRequest
+from shared.protocol import SamplingParams, StructuredSpec
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300
+MAX_TOP_LOGPROBS = 20
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(float(v)))
+
+
+def get_int(body: dict, name: str, lo: int, hi: int = INT64_MAX,
+            param: str | None = None) -> int | None:
+    """body[name] as an int in [lo, hi], None when absent or null; raises InvalidRequest."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not is_int(v) or not lo <= v <= hi:
+        bound = ("in the 64-bit range" if lo == INT64_MIN else
+                 f"at least {lo}" if hi == INT64_MAX else f"between {lo} and {hi}")
+        raise InvalidRequest(param or name, f"'{name}' must be an integer {bound}.")
+    return v
+
+
+def get_number(body: dict, name: str, default: float, lo: float, hi: float,
+               lo_open: bool = False) -> float:
+    """body[name] as a finite float in [lo, hi] (or (lo, hi]); default when absent."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_number(v) or not (lo < v if lo_open else lo <= v) or not v <= hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise InvalidRequest(name, f"'{name}' must be a number in {interval}.")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequest(param or name, f"'{name}' must be a boolean.")
+    return v
+
+
+@dataclass
+class SamplingRequest:
+    """The validated sampling fields of one request. max_tokens None: not given (chat then
+    uses the rest of the context, completions OpenAI's default of 16)."""
+
+    n: int = 1
+    seed: int | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+    def to_params(self, max_tokens: int, index: int, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams for choice `index` (seed + index when seeded)."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p,
+            seed=None if self.seed is None else (self.seed + index) % (2**63),
+            max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+            structured=self.structured)
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if (not isinstance(value, list) or len(value) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in value)):
+        raise InvalidRequest("stop", "'stop' must be a non-empty string or a list of at most "
+                             f"{MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters.")
+    return list(dict.fromkeys(value))
+
+
+def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
+        raise InvalidRequest(name, f"'{name}' must be a list of token ids.")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(name, f"Token id {bad[0]} is outside the vocabulary "
+                             f"({vocab_size} tokens).")
+    return list(value)
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", "'logit_bias' must be an object of at most "
+                             f"{MAX_LOGIT_BIAS} token ids (as strings) to biases.")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            tid = -1
+        if not 0 <= tid < vocab_size or str(tid) != key.strip():
+            raise InvalidRequest("logit_bias", f"logit_bias key {key!r} is not a token id "
+                                 f"of the vocabulary ({vocab_size} tokens).")
+        if not is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest("logit_bias", "logit_bias values must be numbers in "
+                                 "[-100, 100].")
+        out[tid] = float(bias)
+    return out
+
+
+def _check_schema(schema_text: str) -> None:
+    """Compile a JSON schema with xgrammar; raise InvalidRequest if it cannot."""
+    try:
+        import xgrammar
+        xgrammar.Grammar.from_json_schema(schema_text)
+    except ImportError:  # pragma: no cover - xgrammar is a runtime dependency
+        raise InvalidRequest("response_format", "Structured output is not available "
+                             "(xgrammar is not installed).") from None
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
+        reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise InvalidRequest("response_format.json_schema.schema",
+                             f"The JSON schema cannot be compiled: {reason}") from None
+
+
+def parse_response_format(value: Any) -> StructuredSpec | None:
+    """`response_format` -> StructuredSpec (None for text). Raises InvalidRequest."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in (
+            "text", "json_object", "json_schema"):
+        raise InvalidRequest("response_format.type", "'response_format.type' must be 'text', "
+                             "'json_object' or 'json_schema'.")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec(kind="json_object")
+    js = value.get("json_schema")
+    if not isinstance(js, dict):
+        raise InvalidRequest("response_format.json_schema",
+                             "'response_format.json_schema' must be an object.")
+    if not isinstance(js.get("name", ""), str):
+        raise InvalidRequest("response_format.json_schema.name", "'name' must be a string.")
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format.json_schema.schema",
+                             "'response_format.json_schema.schema' must be an object.")
+    text = orjson.dumps(schema).decode()
+    _check_schema(text)
+    return StructuredSpec(kind="json_schema", spec=text)
+
+
+def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> SamplingRequest:
+    """The shared sampling fields of a request body (see the module docstring).
+
+    min_max_tokens: the smallest max_tokens allowed (0 for completions, for scoring).
+    Raises InvalidRequest naming the first bad field."""
+    n = get_int(body, "n", 1, MAX_N)
+    max_tokens = get_int(body, "max_tokens", min_max_tokens)
+    max_completion = get_int(body, "max_completion_tokens", min_max_tokens)
+    if max_completion is not None:
+        max_tokens = max_completion
+    top_k = get_int(body, "top_k", -1)
+    min_tokens = get_int(body, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequest("min_tokens", "'min_tokens' must not exceed 'max_tokens'.")
+    stream = get_bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise InvalidRequest("stream_options",
+                                 "'stream_options' is only allowed when 'stream' is true.")
+        if not isinstance(stream_options, dict):
+            raise InvalidRequest("stream_options", "'stream_options' must be an object.")
+        include_usage = get_bool(stream_options, "include_usage", False,
+                                 "stream_options.include_usage")
+    return SamplingRequest(
+        n=n or 1,
+        seed=get_int(body, "seed", INT64_MIN),
+        max_tokens=max_tokens,
+        temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=min_tokens,
+        presence_penalty=get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=get_number(body, "repetition_penalty", 1.0, 0.0, 2.0,
+                                      lo_open=True),
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
+        stop=_stop(body.get("stop")),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        structured=parse_response_format(body.get("response_format")),
+        stream=stream,
+        include_usage=include_usage,
+    )

@@ -1,0 +1,178 @@
+"""The OpenAPI 3.1 document of Kestrel's HTTP API, served at GET /openapi.json.
+
+Written by hand from the validators (`openai_protocol`, `openai_sampling`,
+`tokenize_api`): request bodies list the main fields with their constraints; every route
+documents its success response and the OpenAI error envelope for 4xx/5xx. Routes added by
+other modules (Anthropic, metrics) are described where their module registers them through
+`extra_paths`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.frontend.openai_sampling import (MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                               MAX_TOP_LOGPROBS)
+
+_ERR = {"$ref": "#/components/schemas/Error"}
+
+
+def _num(lo: float, hi: float, excl_lo: bool = False) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": ["number", "null"], "maximum": hi}
+    s["exclusiveMinimum" if excl_lo else "minimum"] = lo
+    return s
+
+
+_INT64 = {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**63 - 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+SAMPLING_PROPS: dict[str, Any] = {
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
+    "seed": _INT64,
+    "temperature": _num(0, 2), "top_p": _num(0, 1, excl_lo=True),
+    "top_k": {"type": ["integer", "null"], "minimum": -1},
+    "min_p": _num(0, 1),
+    "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
+    "repetition_penalty": _num(0, 2, excl_lo=True),
+    "logit_bias": {"type": ["object", "null"], "maxProperties": 300,
+                   "additionalProperties": {"type": "number", "minimum": -100,
+                                            "maximum": 100},
+                   "description": "token id (as a string) -> bias added to its logit"},
+    "min_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                       {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                        "items": {"type": "string", "minLength": 1,
+                                  "maxLength": MAX_STOP_CHARS}},
+                       {"type": "null"}]},
+    "stop_token_ids": {"anyOf": [_TOKEN_IDS, {"type": "null"}]},
+    "ignore_eos": {"type": ["boolean", "null"]},
+    "skip_special_tokens": {"type": ["boolean", "null"]},
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"],
+                       "properties": {"include_usage": {"type": "boolean"}},
+                       "description": "only with stream: true"},
+    "response_format": {"type": ["object", "null"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}}}, "required": ["type"]},
+}
+
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    "name": {"type": "string"}}}
+
+CHAT_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": {"type": "string"},
+    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "logprobs": {"type": ["boolean", "null"]},
+    "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                     "description": "needs logprobs: true"},
+    "chat_template_kwargs": {"type": ["object", "null"]},
+    **SAMPLING_PROPS}}
+
+_PROMPT = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                               "items": {"type": "integer", "minimum": 0}}}]}
+
+COMPLETION_REQUEST = {"type": "object", "required": ["model", "prompt"], "properties": {
+    "model": {"type": "string"}, "prompt": _PROMPT,
+    "echo": {"type": ["boolean", "null"]},
+    "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "best_of": {"type": ["integer", "null"], "minimum": 1, "description": "must equal n"},
+    "suffix": {"type": ["string", "null"], "description": "not supported: 400 unless empty"},
+    **SAMPLING_PROPS}}
+
+TOKENIZE_REQUEST = {"anyOf": [
+    {"type": "object", "required": ["prompt"], "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"},
+        "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}},
+    {"type": "object", "required": ["messages"], "properties": {
+        "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1,
+                                                  "items": _MESSAGE},
+        "add_generation_prompt": {"type": "boolean"}, "add_special_tokens": {"type": "boolean"},
+        "chat_template_kwargs": {"type": "object"}, "return_token_strs": {"type": "boolean"}}}]}
+
+DETOKENIZE_REQUEST = {"type": "object", "required": ["tokens"], "properties": {
+    "model": {"type": "string"}, "tokens": _TOKEN_IDS}}
+
+_USAGE = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                           "completion_tokens": {"type": "integer"},
+                                           "total_tokens": {"type": "integer"}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    desc = {400: "invalid request (error.param names the field)", 404: "unknown model",
+            413: "request body too large", 500: "internal error",
+            503: "engine unavailable or overloaded (Retry-After)"}
+    return {str(c): {"description": desc[c],
+                     "content": {"application/json": {"schema": _ERR}}} for c in codes}
+
+
+def _json_ok(desc: str, schema: dict[str, Any], sse: bool = False) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": schema}}
+    if sse:
+        content["text/event-stream"] = {"schema": {"type": "string"},
+                                        "description": "with stream: true"}
+    return {"200": {"description": desc, "content": content}}
+
+
+def _post(summary: str, body: dict[str, Any], ok: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "requestBody": {
+        "required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {**ok, **_errors(400, 404, 413, 500, 503)}}}
+
+
+def _get(summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {**ok, **_errors(*errors)}}}
+
+
+def openapi_document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a JSON-ready dict)."""
+    obj = {"type": "object"}
+    paths: dict[str, Any] = {
+        "/health": _get("Ready when the engine answers", _json_ok("ready", obj), 503),
+        "/v1/models": _get("The served model (with max_model_len)", _json_ok("list", obj)),
+        "/v1/models/{model}": {"get": {
+            "summary": "One model card", "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {**_json_ok("model", obj), **_errors(404)}}},
+        "/v1/chat/completions": _post("OpenAI Chat Completions", CHAT_REQUEST, _json_ok(
+            "chat.completion, or chat.completion.chunk SSE events",
+            {"type": "object", "properties": {"usage": _USAGE}}, sse=True)),
+        "/v1/completions": _post("OpenAI Completions", COMPLETION_REQUEST, _json_ok(
+            "text_completion, or SSE events", {"type": "object",
+                                               "properties": {"usage": _USAGE}}, sse=True)),
+        "/tokenize": _post("Token ids of a prompt or of chat messages", TOKENIZE_REQUEST,
+                           _json_ok("tokens", {"type": "object", "properties": {
+                               "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                               "tokens": _TOKEN_IDS}})),
+        "/detokenize": _post("Text of token ids", DETOKENIZE_REQUEST, _json_ok(
+            "text", {"type": "object", "properties": {"prompt": {"type": "string"}}})),
+        "/openapi.json": _get("This document", _json_ok("OpenAPI 3.1", obj)),
+        "/internal/stats": _get("Engine stats (loopback clients only)", _json_ok(
+            "stats", {"type": "object", "properties": {
+                "num_free_blocks": {"type": "integer"}, "num_blocks": {"type": "integer"}}}),
+            404, 500, 503),
+    }
+    paths.update(extra_paths or {})
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Kestrel", "version": "0.1.0",
+                 "description": "OpenAI-compatible LLM inference server."},
+        "paths": paths,
+        "components": {"schemas": {"Error": {
+            "type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type"], "properties": {
+                    "message": {"type": "string"}, "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]}}}}}}},
+    }

@@ -1,0 +1,155 @@
+"""One chat response's text turned into reasoning, content and tool-call events.
+
+The pipeline, per request: raw text -> reasoning parser (optional) -> stop strings, on the
+content only (a stop string inside the reasoning does not stop it) -> tool parser
+(optional). Both APIs stream these events and build their non-streaming answer from the same
+events, so the two always agree (a call cut by max_tokens included).
+
+`run_parsed(gen, parser)` follows `generation.generate` (started with no stop strings: they
+are applied here) and yields lists of events, None for keep-alive ticks, then a `Finish`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from services.frontend.generation import StopStringMatcher, TextDelta
+from services.frontend.parsers.reasoning import Qwen3ReasoningParser
+from services.frontend.parsers.tool_parsers import (Content, Event, ToolCallArgs, ToolCallStart,
+                                                    ToolParser)
+
+
+@dataclass
+class Reasoning:
+    text: str
+
+
+OutEvent = Event | Reasoning
+
+
+class _StopMatcher(StopStringMatcher):
+    """StopStringMatcher that also records which stop string matched (Anthropic reports it)."""
+
+    matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self._held + text
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if hits:
+            i, self.matched = min(hits)
+            self._held = ""
+            return buf[:i], True
+        return super().feed(text)
+
+
+class ChatOutputParser:
+    """reasoning: a reasoning parser or None. tools: a tool parser or None. stops: stop
+    strings (applied to content). After a stop string matched, `stopped` holds it and the
+    rest of the output must be dropped (the caller aborts the request)."""
+
+    def __init__(self, reasoning: Qwen3ReasoningParser | None, tools: ToolParser | None,
+                 stops: list[str]):
+        self._reasoning = reasoning
+        self._tools = tools
+        self._stop = _StopMatcher(stops) if stops else None
+        self.stopped: str | None = None
+        self._finished = False
+
+    def _content(self, text: str, final: bool) -> list[OutEvent]:
+        out: list[OutEvent] = []
+        if self._stop is not None and self.stopped is None:
+            text, matched = self._stop.feed(text)
+            if matched:
+                self.stopped, final = self._stop.matched, True
+            elif final:
+                text += self._stop.flush()
+        if self._tools is None:
+            if text:
+                out.append(Content(text))
+        else:
+            out += self._tools.feed(text) if text else []
+            if final:
+                out += self._tools.finish()
+        return out
+
+    def feed(self, text: str) -> list[OutEvent]:
+        """Events for new raw text (nothing once stopped)."""
+        if self.stopped is not None or self._finished:
+            return []
+        if self._reasoning is None:
+            return self._content(text, False)
+        reasoning, content = self._reasoning.feed(text)
+        out: list[OutEvent] = [Reasoning(reasoning)] if reasoning else []
+        return out + self._content(content, False)
+
+    def finish(self) -> list[OutEvent]:
+        """The remaining events at the end of the output."""
+        if self.stopped is not None or self._finished:
+            return []
+        self._finished = True
+        out: list[OutEvent] = []
+        content = ""
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.finish()
+            if reasoning:
+                out.append(Reasoning(reasoning))
+        return out + self._content(content, True)
+
+
+@dataclass
+class ParsedMessage:
+    """The events of a whole response, gathered. calls: [name, arguments JSON text]."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[list[str]] = field(default_factory=list)
+
+    def add(self, events: list[OutEvent]) -> None:
+        for e in events:
+            if isinstance(e, Reasoning):
+                self.reasoning += e.text
+            elif isinstance(e, Content):
+                self.content += e.text
+            elif isinstance(e, ToolCallStart):
+                self.calls.append([e.name, ""])
+            elif isinstance(e, ToolCallArgs):
+                self.calls[e.index][1] += e.text
+
+
+@dataclass
+class Finish:
+    """The end of a response. reason: "stop" (EOS / stop token), "length", "stop_string"
+    (then stop_string is set) or "error" (then error is set)."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_string: str | None = None
+    error: str | None = None
+
+
+async def run_parsed(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
+                     ) -> AsyncIterator[list[OutEvent] | None | Finish]:
+    """Yield event lists (never empty), None for keep-alive ticks, and finally a Finish.
+    The caller closes `gen` afterwards (which aborts the request in the engine when a stop
+    string ended it early)."""
+    async for d in gen:
+        if d is None:
+            yield None
+            continue
+        if d.error is not None:
+            yield Finish("error", d.prompt_tokens, d.completion_tokens, error=d.error)
+            return
+        events = parser.feed(d.text) if d.text else []
+        if parser.stopped is None and d.finish_reason is not None:
+            events += parser.finish()
+        if events:
+            yield events
+        if parser.stopped is not None:
+            yield Finish("stop_string", d.prompt_tokens, d.completion_tokens,
+                         stop_string=parser.stopped)
+            return
+        if d.finish_reason is not None:
+            yield Finish(d.finish_reason, d.prompt_tokens, d.completion_tokens)
+            return

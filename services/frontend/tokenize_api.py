@@ -1,0 +1,93 @@
+"""POST /tokenize and POST /detokenize, in vLLM's request and response shapes.
+
+/tokenize: {"model"?, "prompt": str, "add_special_tokens": bool = true,
+"return_token_strs": bool = false} or {"model"?, "messages": [...],
+"add_generation_prompt": bool = true, "add_special_tokens": bool = false,
+"chat_template_kwargs"?: {}, "return_token_strs"?} -> {"count", "max_model_len", "tokens",
+"token_strs" (null unless asked)}.
+/detokenize: {"model"?, "tokens": [int]} -> {"prompt": str}. An id outside the vocabulary is
+a 400 naming `tokens`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.frontend.errors import InternalError, InvalidRequest, model_not_found
+from services.frontend.openai_api import OpenAIServing, json_response
+from services.frontend.openai_protocol import parse_messages
+from services.frontend.openai_sampling import get_bool, is_int
+
+
+def _body(raw: bytes, serving: OpenAIServing) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest(None, "The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(None, "The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and model != serving.model_name:
+        raise model_not_found(str(model))
+    return body
+
+
+class TokenizeServing:
+    """The /tokenize and /detokenize routes of one frontend."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.s = serving
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (see the module docstring). 400 on a bad field."""
+
+        async def handle() -> Response:
+            s = self.s
+            body = _body(await s.read_body(request), s)
+            if body.get("messages") is not None:
+                messages = parse_messages(body["messages"])
+                if s.template is None:
+                    raise InternalError("The model has no chat template.")
+                kwargs = body.get("chat_template_kwargs") or {}
+                if not isinstance(kwargs, dict):
+                    raise InvalidRequest("chat_template_kwargs",
+                                         "'chat_template_kwargs' must be an object.")
+                text = s.template.render(
+                    messages, add_generation_prompt=get_bool(body, "add_generation_prompt",
+                                                             True), **kwargs)
+                ids = s.tokenizer.encode(text, get_bool(body, "add_special_tokens", False))
+            elif isinstance(body.get("prompt"), str):
+                ids = s.tokenizer.encode(body["prompt"],
+                                         get_bool(body, "add_special_tokens", True))
+            else:
+                raise InvalidRequest("prompt", "Give 'prompt' (a string) or 'messages'.")
+            strs = None
+            if get_bool(body, "return_token_strs", False):
+                strs = [s.lp.token(t)[0] for t in ids]
+            return json_response({"count": len(ids), "max_model_len": s.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+        return await self.s.guard(f"tokenize-{uuid.uuid4().hex[:12]}", handle)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (see the module docstring). 400 on a bad token id."""
+
+        async def handle() -> Response:
+            s = self.s
+            body = _body(await s.read_body(request), s)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+                raise InvalidRequest("tokens", "'tokens' must be a list of token ids.")
+            bad = [t for t in tokens if not 0 <= t < s.tokenizer.vocab_size]
+            if bad:
+                raise InvalidRequest("tokens", f"Token id {bad[0]} is outside the vocabulary "
+                                     f"({s.tokenizer.vocab_size} tokens).")
+            return json_response({"prompt": s.tokenizer.decode(tokens,
+                                                                skip_special_tokens=False)})
+
+        return await self.s.guard(f"detokenize-{uuid.uuid4().hex[:12]}", handle)

@@ -1,0 +1,306 @@
+"""The kvstore service: a ZMQ ROUTER at `kvstore_address` over the index, the pool and the
+disk tier (`kestrel kvstore`; DESIGN §2, §4).
+
+One main thread owns the index (`store.BlockStore`) and the socket; disk reads and writes
+run on a small thread pool and report back through a queue plus a wake-up pipe that the
+main loop polls next to the socket. Messages are `shared.protocol`'s "engine <-> kvstore"
+section; an undecodable message is logged and dropped, a valid one from a peer without a
+hello gets a KVError. Clients may come and go: the contents stay, and a client's pins are
+released when it says KVBye or comes back with a new session.
+
+Exit paths: SIGTERM / SIGINT stop the loop; `close()` then waits for queued disk writes,
+unlinks the pool segment and closes the socket (also on an error, and at exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+
+from services.kvstore.cpu_tier import HEADER_SIZE, KVPool
+from services.kvstore.disk_tier import CorruptBlock, DiskTier
+from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
+from services.kvstore.store import Actions, BlockStore
+from shared.config import KestrelConfig
+from shared.procutil import die_with_parent, set_title, setup_logging
+from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
+                             KVCompleteStore, KVError, KVHello, KVInfo, KVLoadReady,
+                             KVLoadReserved, KVLookup, KVLookupResult, KVPrepareStore,
+                             KVReserveLoad, KVStats, KVStorePrepared, decoder, encoder)
+from shared.zmq_utils import make_socket, safe_decode
+
+log = logging.getLogger("kestrel.kvstore")
+DISK_THREADS = 2
+
+
+class KVStoreServer:
+    """The service. cfg: the config (instance_id, kvstore_address); setup: from
+    `settings.resolve_setup(cfg)`. Creates the pool, rebuilds the disk index and binds.
+    Raises FileExistsError (a live pool of this instance exists), zmq.ZMQError (address in
+    use), OSError (disk folder unreadable)."""
+
+    def __init__(self, cfg: KestrelConfig, setup: StoreSetup):
+        self.cfg, self.setup = cfg, setup
+        self.stopping = False
+        self._closed = False
+        self.pool = KVPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
+                                  setup.model_identity)
+        self.ctx = zmq.Context()
+        self.router = None
+        self._io = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-disk")
+        try:
+            self.store = BlockStore(setup.n_slots, setup.disk_capacity)
+            self.disk = None
+            if setup.disk_dir:
+                self.disk = DiskTier(setup.disk_dir, setup.model_identity, setup.block_bytes)
+                found = self.disk.scan()
+                self._unlink(self.store.add_disk_blocks([h for h, _ in found]))
+                log.info("disk tier %s: %d block files indexed (capacity %d)", self.disk.folder,
+                         len(self.store.disk), setup.disk_capacity)
+            self._done: queue.SimpleQueue = queue.SimpleQueue()
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            self.router = make_socket(self.ctx, zmq.ROUTER, cfg.kvstore_address, bind=True)
+            self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        except BaseException:
+            self.close()
+            raise
+        self.enc, self.dec = encoder(), decoder(EngineToKVStore)
+        self.peer_session: dict[bytes, str] = {}      # routing id -> session
+        self.session_peer: dict[str, bytes] = {}      # session -> routing id (latest)
+        self.client_session: dict[str, str] = {}      # client_id -> its current session
+        self.pool.set_counters(0)
+        log.info("kvstore ready at %s: pool %s, %d slots of %d bytes", cfg.kvstore_address,
+                 self.pool.name, setup.n_slots, setup.block_bytes)
+
+    # ------------------------------------------------------------ main loop
+    def serve_forever(self) -> None:
+        """Serve until `stopping` is set (signal handler or another thread)."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        used = -1
+        while not self.stopping:
+            events = dict(poller.poll(200))
+            if self.router in events:
+                for _ in range(256):
+                    try:
+                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frames(frames)
+            if self._wake_r in events or not self._done.empty():
+                self._drain_done()
+            if self.store.slots_used != used:
+                used = self.store.slots_used
+                self.pool.set_counters(used)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropped a message of %d frames from %r", len(frames), frames[0])
+            return
+        rid, data = frames
+        msg = safe_decode(self.dec, data, rid)
+        if msg is None:
+            return
+        try:
+            self._handle(rid, msg)
+        except (ValueError, IndexError, TypeError) as e:   # bad arguments inside a valid message
+            log.warning("refused %s from %r: %s", type(msg).__name__, rid, e)
+            self._send(rid, KVError(getattr(msg, "req_id", 0), str(e)))
+
+    def _send(self, rid: bytes, msg) -> None:
+        try:
+            self.router.send_multipart([rid, self.enc.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:   # peer gone or its queue full: it will ask again
+            log.warning("could not answer %r: %s", rid, e)
+
+    def _handle(self, rid: bytes, msg) -> None:
+        if isinstance(msg, KVHello):
+            self._hello(rid, msg)
+            return
+        session = self.peer_session.get(rid)
+        if session is None:
+            self._send(rid, KVError(msg.req_id, "send KVHello first"))
+            return
+        st = self.store
+        if isinstance(msg, KVLookup):
+            self._send(rid, KVLookupResult(msg.req_id, st.lookup(_hashes(msg.hashes))))
+        elif isinstance(msg, KVReserveLoad):
+            slots, resv, acts = st.reserve_load(session, msg.req_id, _hashes(msg.hashes))
+            self._run(acts)
+            self._send(rid, KVLoadReserved(msg.req_id, slots, resv is None))
+        elif isinstance(msg, KVCompleteLoad):
+            self._send(rid, KVAck(msg.req_id, st.complete_load(session, msg.slots)))
+        elif isinstance(msg, KVPrepareStore):
+            slots, evicted, acts = st.prepare_store(session, _hashes(msg.hashes))
+            self._run(acts)
+            self._send(rid, KVStorePrepared(msg.req_id, slots, evicted))
+        elif isinstance(msg, KVCompleteStore):
+            self._send(rid, KVAck(msg.req_id, st.complete_store(session, msg.slots, msg.ok)))
+        elif isinstance(msg, KVStats):
+            self._send(rid, KVAck(msg.req_id, 0, st.stats()))
+        elif isinstance(msg, KVBye):
+            n = st.drop_session(session)
+            self.peer_session.pop(rid, None)
+            self.session_peer.pop(session, None)
+            self._send(rid, KVAck(msg.req_id, n))
+
+    def _hello(self, rid: bytes, msg: KVHello) -> None:
+        s = self.setup
+        err = ""
+        if msg.protocol_version != PROTOCOL_VERSION:
+            err = f"protocol version {msg.protocol_version}, the store speaks {PROTOCOL_VERSION}"
+        elif msg.model_identity != s.model_identity:
+            err = (f"model identity {msg.model_identity.hex()[:16]}.. differs from the store's "
+                   f"{s.model_identity.hex()[:16]}.. (model, dtype, KV dtype, block size or "
+                   "parallel layout differ)")
+        elif msg.block_bytes != s.block_bytes:
+            err = f"block_bytes {msg.block_bytes}, the store's blocks are {s.block_bytes} bytes"
+        if err:
+            log.warning("refused client %s (pid %d): %s", msg.client_id, msg.pid, err)
+            self._send(rid, KVInfo(False, err))
+            return
+        old = self.client_session.get(msg.client_id)
+        if old is not None and old != msg.session:
+            n = self.store.drop_session(old)
+            log.info("client %s restarted: released %d slots of its old session", msg.client_id, n)
+            self.peer_session.pop(self.session_peer.pop(old, b""), None)
+        self.client_session[msg.client_id] = msg.session
+        self.peer_session[rid] = msg.session
+        self.session_peer[msg.session] = rid
+        log.info("client %s (pid %d) connected", msg.client_id, msg.pid)
+        self._send(rid, KVInfo(True, "", os.getpid(), self.pool.name, s.n_slots, s.block_bytes,
+                               self.pool.stride, HEADER_SIZE, self.disk is not None))
+
+    # ------------------------------------------------------------ disk I/O
+    def _run(self, acts: Actions) -> None:
+        """Carry out a store call's I/O: copy demoted slots now, delete evicted files, then
+        queue the writes and reads."""
+        demoted = [(h, bytes(self.pool.slot(slot))) for h, slot in acts.demote]
+        self._unlink(acts)
+        for h, data in demoted:
+            self._io.submit(self._write_job, h, data)
+        for h, slot in acts.read:
+            self._io.submit(self._read_job, h, slot)
+
+    def _unlink(self, acts: Actions) -> None:
+        for h in acts.unlink:
+            self.disk.remove(h)
+
+    def _post(self, item) -> None:
+        self._done.put(item)
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _write_job(self, h: bytes, data: bytes) -> None:
+        try:
+            self.disk.write(h, data)
+            ok = True
+        except Exception as e:
+            log.warning("demotion of %s failed: %s", h.hex()[:16], e)
+            ok = False
+        self._post(("w", h, ok))
+
+    def _read_job(self, h: bytes, slot: int) -> None:
+        try:
+            self.disk.read_into(h, self.pool.slot(slot))
+            ok = True
+        except CorruptBlock as e:
+            log.warning("disk block is corrupt, removed (a miss): %s", e)
+            ok = False
+        except Exception as e:
+            log.warning("promotion of %s failed: %s", h.hex()[:16], e)
+            ok = False
+        self._post(("r", h, ok))
+
+    def _drain_done(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                kind, h, ok = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "w":
+                self.store.write_done(h, ok)
+                continue
+            for r in self.store.read_done(h, ok):
+                rid = self.session_peer.get(r.session)
+                if rid is not None:
+                    self._send(rid, KVLoadReady(r.req_id, r.num_ok))
+
+    # ------------------------------------------------------------ exit
+    def close(self) -> None:
+        """Wait for queued disk I/O, unlink the pool, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._io.shutdown(wait=True)
+        finally:
+            self.pool.close()
+            if self.router is not None:
+                self.router.close(linger=0)
+            self.ctx.destroy(linger=0)
+
+
+def _hashes(hashes: list[bytes]) -> list[bytes]:
+    for h in hashes:
+        if len(h) != 32:
+            raise ValueError(f"a block hash has {len(h)} bytes, expected 32")
+    return hashes
+
+
+def run_kvstore(cfg: KestrelConfig) -> int:
+    """Entry point of `kestrel kvstore`. Returns the exit code: 0 after SIGTERM / SIGINT,
+    2 for a configuration that cannot work (message on stderr), 1 for any other failure."""
+    set_title("kestrel:kvstore")
+    die_with_parent()
+    setup_logging("kvstore", cfg.log_level)
+    try:
+        setup = resolve_setup(cfg)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    try:
+        server = KVStoreServer(cfg, setup)
+    except (FileExistsError, zmq.ZMQError, OSError, ValueError) as e:
+        log.error("cannot start the kvstore: %s", e)
+        return 1
+
+    def on_term(signum, frame):
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    code = 0
+    try:
+        server.serve_forever()
+    except Exception:
+        log.exception("kvstore failed")
+        code = 1
+    finally:
+        server.close()
+    log.info("kvstore stopped (exit code %d)", code)
+    return code
+
+
+def serve_in_thread(cfg: KestrelConfig, setup: StoreSetup) -> tuple[KVStoreServer, threading.Thread]:
+    """Start a server on a thread (tests, embedding). Stop with `server.stopping = True`,
+    join the thread, then `server.close()`."""
+    server = KVStoreServer(cfg, setup)
+    t = threading.Thread(target=server.serve_forever, name="kvstore", daemon=True)
+    t.start()
+    return server, t

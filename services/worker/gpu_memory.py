@@ -1,0 +1,64 @@
+"""KV cache sizing on a GPU from `--gpu-memory-utilization` (DESIGN §4, §6).
+
+The KV cache gets what is left of `utilization * total GPU memory` after the memory already
+in use (CUDA context, weights, other processes) and the activation peak of the largest
+step: a prefill of `max_num_batched_tokens` tokens (in sequences of at most max_model_len)
+plus the logits and softmax of `max_num_seqs` rows. That peak is measured by running the
+step once on a temporary KV cache (which also compiles the Triton kernels). A margin of
+256 MiB stays free for CUDA graphs' pools and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.worker.kv_cache import KVCache
+from shared.protocol import SamplingParams, ScheduledSeq
+
+log = logging.getLogger("kestrel.worker")
+MARGIN_BYTES = 256 << 20
+
+
+@torch.inference_mode()
+def profile_kv_budget(runner, cfg, layers, kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(activation peak bytes, KV cache budget bytes) for `runner` on its CUDA device.
+
+    runner: a ModelRunner with model, device, dtype, block_size, max_model_len set.
+    cfg: gpu_memory_utilization, max_num_batched_tokens, max_num_seqs.
+    The budget may be <= 0 when the weights leave no room (the caller raises).
+    """
+    dev, bs = runner.device, runner.block_size
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    used_before = total - free
+    lens, left = [], max(1, cfg.max_num_batched_tokens)
+    while left > 0:
+        lens.append(min(left, runner.max_model_len))
+        left -= lens[-1]
+    blocks = [-(-n // bs) for n in lens]
+    tmp = KVCache(layers, sum(blocks), bs, kv_heads, head_dim, runner.dtype, dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    seqs, nxt = [], 0
+    greedy = SamplingParams(temperature=0.0)
+    for i, (n, nb) in enumerate(zip(lens, blocks)):
+        seqs.append(ScheduledSeq(f"profile{i}", [1] * n, 0, list(range(nxt, nxt + nb)), True, greedy))
+        nxt += nb
+    ids, pos, meta = runner._prepare(seqs)
+    hidden = runner.model(ids, pos, meta)
+    rows = hidden[:1].expand(cfg.max_num_seqs, -1).contiguous()
+    logits = runner.model.compute_logits(rows)
+    torch.softmax(logits, dim=-1).argmax(-1)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del tmp, hidden, rows, logits
+    for layer in layers:
+        layer.k_cache = layer.v_cache = torch.empty(0)
+    torch.cuda.empty_cache()
+    budget = int(total * cfg.gpu_memory_utilization) - used_before - peak - MARGIN_BYTES
+    log.info("gpu memory: total %.2f GiB, in use before KV %.2f GiB, activation peak %.2f GiB, "
+             "KV budget %.2f GiB", total / 2**30, used_before / 2**30, peak / 2**30, budget / 2**30)
+    return peak, budget

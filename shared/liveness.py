@@ -1,0 +1,74 @@
+"""Per-process progress beacons and stack-dump hooks, read by the supervisor's watchdog.
+
+Every Kestrel child process (engine, worker, frontend) creates one `Beacon` at startup.
+It makes two files in `<runtime_dir>/watchdog/`:
+
+- `<role>-<pid>.beat`: 16 bytes, little-endian: u64 progress counter, f64 time.time() of
+  the last beat (seconds). The process's main loop calls `beat()` (a struct pack into a
+  shared mapping: cheap enough for every loop iteration).
+- `<role>-<pid>.stacks`: a file opened once at startup and handed to
+  `faulthandler.register(SIGUSR1, all_threads=True)`. On SIGUSR1 the interpreter appends the
+  Python stacks of every thread to it, even when the main thread is stuck in C code or
+  sleeping; the watchdog copies the new bytes into a timestamped dump file.
+
+`role` uses only [a-z0-9-] (e.g. `engine`, `worker-0`, `frontend-1`), so the file names
+parse back as `<role>-<pid>`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import mmap
+import os
+import signal
+import struct
+import time
+
+BEAT = struct.Struct("<Qd")
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def watchdog_dir(runtime_dir: str) -> str:
+    """The folder of beacon and stack files of an instance."""
+    return os.path.join(runtime_dir, "watchdog")
+
+
+def read_beat(path: str) -> tuple[int, float] | None:
+    """(counter, last beat time.time() seconds) of a `.beat` file; None if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(BEAT.size)
+    except OSError:
+        return None
+    return BEAT.unpack(raw) if len(raw) == BEAT.size else None
+
+
+class Beacon:
+    """The progress counter and SIGUSR1 stack-dump hook of this process.
+
+    runtime_dir: the instance's runtime folder (created 0700 if missing). role: the
+    process's name in dump file names. Raises OSError if the files cannot be created.
+    """
+
+    def __init__(self, runtime_dir: str, role: str):
+        folder = watchdog_dir(runtime_dir)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        base = os.path.join(folder, f"{role}-{os.getpid()}")
+        self.path = base + ".beat"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, BEAT.size)
+            self._mm = mmap.mmap(fd, BEAT.size)
+        finally:
+            os.close(fd)
+        self.count = 0
+        # Kept open for the life of the process: faulthandler writes to its fd from a
+        # signal handler, where nothing can be opened.
+        self._stacks = open(base + ".stacks", "w")
+        faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+        self.beat()
+
+    def beat(self) -> None:
+        """Record one unit of progress (the counter goes up, the time is now)."""
+        self.count += 1
+        BEAT.pack_into(self._mm, 0, self.count, time.time())

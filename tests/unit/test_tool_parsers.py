@@ -1,0 +1,94 @@
+"""Tool-call parsers on hand-written model outputs: one-shot results against the expected
+calls (parsed with Python's json, exact integers), and streaming split at every position
+equal to one-shot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.frontend.parsers.output import ChatOutputParser, ParsedMessage
+from services.frontend.parsers.tool_parsers import make_tool_parser
+
+BIG = 2**53 + 12345678901234567890
+SCHEMAS = {"f": {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                                  "b": {"type": "boolean"}, "o": {"type": "object"},
+                                                  "a": {"type": "array"}, "s": {"type": "string"}}},
+           "g": {"type": "object", "properties": {"s": {"type": "string"}}}}
+
+HERMES = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"n": ' + str(BIG) +
+          ', "s": "quote \\" and </tool_call> tag", "o": {"deep": [1, {"k": null}]}}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "g", "arguments": {"s": "two"}}\n</tool_call>')
+QWEN3_CODER = ('Let me check.\n<tool_call>\n<function=f>\n<parameter=n>\n' + str(BIG) + '\n</parameter>\n'
+               '<parameter=s>\nsays </parameter> inside\n</parameter>\n<parameter=b>\nTrue\n</parameter>\n'
+               '<parameter=o>\n{"deep": [1, {"k": null}]}\n</parameter>\n<parameter=x>\n1.5\n</parameter>\n'
+               '</function>\n</tool_call>\n<tool_call>\n<function=g>\n<parameter=s>\ntwo\n</parameter>\n'
+               '</function>\n</tool_call>')
+
+
+def run(name: str, text: str, cuts: list[int] = ()) -> ParsedMessage:
+    parser = ChatOutputParser(None, make_tool_parser(name, SCHEMAS), [])
+    msg = ParsedMessage()
+    prev = 0
+    for c in [*cuts, len(text)]:
+        msg.add(parser.feed(text[prev:c]))
+        prev = c
+    msg.add(parser.finish())
+    return msg
+
+
+def calls(msg: ParsedMessage) -> list[tuple[str, object]]:
+    return [(n, json.loads(a)) for n, a in msg.calls]
+
+
+def test_hermes_parses_nested_json_quotes_tags_and_big_integers_exactly():
+    msg = run("hermes", HERMES)
+    assert msg.content == "Let me check."
+    assert calls(msg) == [("f", {"n": BIG, "s": 'quote " and </tool_call> tag',
+                                 "o": {"deep": [1, {"k": None}]}}), ("g", {"s": "two"})]
+    assert str(BIG) in msg.calls[0][1]  # written as digits, never through a float
+
+
+def test_qwen3_coder_converts_values_by_schema_and_keeps_big_integers():
+    msg = run("qwen3_coder", QWEN3_CODER)
+    assert msg.content == "Let me check."
+    assert calls(msg) == [("f", {"n": BIG, "s": "says </parameter> inside", "b": True,
+                                 "o": {"deep": [1, {"k": None}]}, "x": 1.5}), ("g", {"s": "two"})]
+    assert str(BIG) in msg.calls[0][1]
+
+
+@pytest.mark.parametrize("name,text", [("hermes", HERMES), ("qwen3_coder", QWEN3_CODER)])
+def test_streaming_split_at_every_position_equals_one_shot(name, text):
+    whole = run(name, text)
+    for i in range(len(text) + 1):
+        assert run(name, text, [i]) == whole, i
+    assert run(name, text, list(range(len(text)))) == whole  # one character at a time
+
+
+@pytest.mark.parametrize("name,text", [("hermes", HERMES), ("qwen3_coder", QWEN3_CODER)])
+def test_a_call_cut_mid_argument_is_closed_into_valid_json_at_every_cut(name, text):
+    start = text.index("<tool_call>")
+    for end in range(start, len(text)):
+        for cuts in ([], [end // 2]):
+            msg = run(name, text[:end], [c for c in cuts if c < end])
+            for _, args in msg.calls:
+                assert isinstance(json.loads(args), dict), (end, args)
+
+
+def test_cut_hermes_call_keeps_the_partial_string():
+    msg = run("hermes", '<tool_call>\n{"name": "g", "arguments": {"s": "par')
+    assert calls(msg) == [("g", {"s": "par"})]
+
+
+def test_text_without_calls_is_content_and_no_empty_call_list():
+    msg = run("hermes", "Just text <tool and more.\n")
+    assert msg.content == "Just text <tool and more.\n" and msg.calls == []
+
+
+def test_forced_parser_reads_the_constrained_json_array():
+    text = '[{"name": "f", "arguments": {"n": ' + str(BIG) + '}}, {"name": "g", "arguments": {}}]'
+    whole = run("forced", text)
+    assert calls(whole) == [("f", {"n": BIG}), ("g", {})]
+    for i in range(len(text)):
+        assert run("forced", text, [i]) == whole

@@ -1,0 +1,116 @@
+"""Run every Triton kernel of `kernels/` under TRITON_INTERPRET=1 on small CPU tensors and
+print one JSON object {check name: relative error vs the torch reference}.
+
+Run by `tests/unit/test_kernels_triton_interp.py` in a subprocess, because the interpreter
+switch is read when triton is first imported. fp32 and fp16 only: the interpreter's
+`tl.dot` on bf16 is wrong (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from kernels import activation, attention, norm, rotary  # noqa: E402
+from kernels import attention_triton as at  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64; inf on NaN."""
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def paged_case(seqs, h, kvh, d, bs, dtype, gen):
+    """seqs: list of (cached prefix, new tokens). Returns q, caches, metadata, ref output."""
+    total_blocks = sum(-(-(p + n) // bs) for p, n in seqs) + 3
+    kc = torch.randn(total_blocks, bs, kvh, d, generator=gen).to(dtype)
+    vc = torch.randn(total_blocks, bs, kvh, d, generator=gen).to(dtype)
+    perm = torch.randperm(total_blocks, generator=gen).tolist()
+    width = max(-(-(p + n) // bs) for p, n in seqs)
+    tables, cu, lens = [], [0], []
+    for p, n in seqs:
+        nb = -(-(p + n) // bs)
+        tables.append([perm.pop() for _ in range(nb)] + [-1] * (width - nb))
+        cu.append(cu[-1] + n)
+        lens.append(p + n)
+    q = torch.randn(cu[-1], h, d, generator=gen).to(dtype)
+    bt = torch.tensor(tables, dtype=torch.int32)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    ref = attention.paged_attention_ref(q.float(), kc.float(), vc.float(), cu_t, sl, bt, d ** -0.5)
+    return q, kc, vc, cu_t, sl, bt, ref
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    out: dict[str, float] = {}
+    for dt in (torch.float32, torch.float16):
+        name = str(dt).removeprefix("torch.")
+        x = torch.randn(7, 40, generator=gen).to(dt)
+        r = torch.randn(7, 40, generator=gen).to(dt)
+        w = (1 + 0.1 * torch.randn(40, generator=gen)).to(dt)
+        out[f"rms_norm_{name}"] = rel(norm.rms_norm_triton(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+        a, b = norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+        ra, rb = norm.fused_add_rms_norm_ref(x, r, w, 1e-6)
+        out[f"fused_add_rms_norm_{name}"] = max(rel(a, ra), rel(b, rb))
+        qh = torch.randn(5, 12, generator=gen).to(dt)[:, 4:].reshape(5, 2, 4)  # strided per-head view
+        out[f"rms_norm_strided_{name}"] = rel(norm.rms_norm_triton(qh, w[:4], 1e-6), norm.rms_norm_ref(qh, w[:4], 1e-6))
+        g = torch.randn(6, 2 * 37, generator=gen).to(dt)
+        out[f"silu_and_mul_{name}"] = rel(activation.silu_and_mul_triton(g), activation.silu_and_mul_ref(g))
+        # rotary fused with the cache write, q/k/v as views of one fused qkv tensor
+        t, hq, hk, d, bs = 9, 4, 2, 16, 16
+        for rot in (16, 8):  # full and partial rotary
+            table = rotary.rope_cos_sin(rotary.rope_inv_freq(rot, 10000.0), 64)
+            qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dt)
+            pos = torch.randint(0, 64, (t,), generator=gen)
+            slots = torch.randperm(4 * bs, generator=gen)[:t]
+            slots_pad = slots.clone()
+            slots_pad[-1] = -1  # a CUDA-graph padding row: nothing stored
+            caches = []
+            for fn, sl in ((rotary.rotary_and_store_kv_ref, slots), (rotary.rotary_and_store_kv_triton, slots_pad)):
+                buf = qkv.clone()
+                q, k, v = buf.split([hq * d, hk * d, hk * d], -1)
+                q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+                kc = torch.zeros(4, bs, hk, d, dtype=dt)
+                vc = torch.zeros_like(kc)
+                fn(q, k, v, pos, table, kc, vc, sl)
+                caches.append((buf, kc, vc))
+            (b0, k0, v0), (b1, k1, v1) = caches
+            k0.view(-1, hk, d)[slots[-1]] = 0  # the padded row's slot stays untouched
+            v0.view(-1, hk, d)[slots[-1]] = 0
+            out[f"rotary_store_kv_rot{rot}_{name}"] = max(rel(b1, b0), rel(k1, k0), rel(v1, v0))
+        xr = torch.randn(5, 3, 16, generator=gen).to(dt)
+        cs = rotary.rope_cos_sin(rotary.rope_inv_freq(16, 10000.0), 64)[torch.tensor([0, 3, 9, 63, 1])]
+        out[f"apply_rotary_{name}"] = rel(rotary.apply_rotary_triton(xr, cs), rotary.apply_rotary_ref(xr, cs))
+        kk = torch.randn(5, 2, 16, generator=gen).to(dt)
+        vv = torch.randn(5, 2, 16, generator=gen).to(dt)
+        sl = torch.tensor([3, 17, 0, 31, 8])
+        c = [torch.zeros(2, 16, 2, 16, dtype=dt) for _ in range(4)]
+        attention.store_kv_ref(kk, vv, c[0], c[1], sl)
+        at.store_kv_triton(kk, vv, c[2], c[3], sl)
+        out[f"store_kv_{name}"] = max(rel(c[2], c[0]), rel(c[3], c[1]))
+        # paged attention: decode (split-K and one split), prefill on a cached prefix, mixed
+        cases = {
+            "decode_gqa_bs16": ([(40, 1), (0, 1), (16, 1), (130, 1)], 4, 2, 16, 16, {}),
+            "decode_long_splitk": ([(300, 1)], 2, 1, 16, 32, {}),
+            "decode_graph_bound": ([(20, 1), (5, 1)], 4, 4, 16, 16, {"max_seq_len": 256}),
+            "prefill_varlen_prefix": ([(0, 7), (16, 20), (33, 70)], 4, 2, 16, 16, {}),
+            "mixed_prefill_decode_hd24": ([(10, 1), (0, 19), (48, 5)], 6, 3, 24, 16, {}),
+        }
+        for cname, (seqs, h, kvh, d, bs, kw) in cases.items():
+            q, kc, vc, cu, sl, bt, ref = paged_case(seqs, h, kvh, d, bs, dt, gen)
+            got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, d ** -0.5, **kw)
+            out[f"attn_{cname}_{name}"] = rel(got, ref)
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
