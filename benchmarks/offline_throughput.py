@@ -33,23 +33,39 @@ from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams  # noqa: E402
 
 
-def run_engine(runner, sched, requests) -> tuple[float, int, float]:
-    """Add requests, step until done. Returns (seconds, steps, seconds in run_step)."""
+def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
+    """Add requests, step until done. Returns (seconds, steps, timings): the host seconds
+    spent scheduling and applying results (`schedule_seconds`, `update_seconds`), the wall
+    seconds inside `run_step` (`run_step_seconds`: host prepare + launch + the wait for the
+    sampled ids) and the GPU seconds of the steps (`gpu_seconds`: CUDA events around each
+    run_step, read at the end so that timing adds no sync)."""
     for r in requests:
         sched.add(r)
-    steps, t_model = 0, 0.0
+    steps, t_model, t_sched, t_upd = 0, 0.0, 0.0, 0.0
+    events = []
     t0 = time.perf_counter()
     while sched.has_work():
+        t1 = time.perf_counter()
         out = sched.schedule()
+        t2 = time.perf_counter()
+        t_sched += t2 - t1
         if out is None or not out.plan.seqs:
             continue
-        t1 = time.perf_counter()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         result = runner.run_step(out.plan)
-        t_model += time.perf_counter() - t1
+        b.record()
+        events.append((a, b))
+        t3 = time.perf_counter()
+        t_model += t3 - t2
         sched.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
+        t_upd += time.perf_counter() - t3
         steps += 1
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, steps, t_model
+    seconds = time.perf_counter() - t0
+    gpu = sum(a.elapsed_time(b) for a, b in events) / 1e3
+    return seconds, steps, {"schedule_seconds": round(t_sched, 3), "update_seconds": round(t_upd, 3),
+                            "run_step_seconds": round(t_model, 3), "gpu_event_seconds": round(gpu, 3)}
 
 
 def main() -> None:
@@ -85,7 +101,7 @@ def main() -> None:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024), seed=i)
               for i in range(a.num_seqs)]
     reqs = [Request(f"r{i}", b"", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    seconds, steps, t_model = run_engine(runner, scheduler(), reqs)
+    seconds, steps, timing = run_engine(runner, scheduler(), reqs)
     out_tokens = sum(len(r.output_token_ids) for r in reqs)
     assert out_tokens == sum(sp.max_tokens for sp in params), "a request ended early"
     res = {"benchmark": "offline_throughput", "device": device_name(), "config": a.config,
@@ -93,7 +109,7 @@ def main() -> None:
            "output_tokens": out_tokens, "seconds": round(seconds, 3), "steps": steps,
            "output_tok_per_s": round(out_tokens / seconds, 1),
            "total_tok_per_s": round((out_tokens + sum(map(len, prompts))) / seconds, 1),
-           "run_step_seconds": round(t_model, 3), "startup_seconds": round(startup, 2),
+           **timing, "startup_seconds": round(startup, 2),
            "settings": {k: v for k, v in cli.items() if k != "model"}, "runner": report,
            "torch": torch.__version__}
     print(json.dumps(res, indent=1))

@@ -53,13 +53,16 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                    sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
-                   partition, n_splits, n_heads, head_dim, G: tl.constexpr,
+                   n_splits, n_heads, head_dim, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ONE_SPLIT: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seqlen_ptr + seq)
+    # each sequence spreads its own context over the n_splits partitions (whole BLOCK_N
+    # tiles), so the grid fixed at capture serves every context length fully
+    partition = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), n_splits) * BLOCK_N
     start = split * partition
     end = tl.minimum(start + partition, seq_len)
     gg = tl.arange(0, BLOCK_G)
@@ -177,14 +180,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                  block_n: int = 64) -> tuple[int, int]:
-    """(num_splits, partition tokens) of the split-K decode: about two programs per SM, each
-    partition a multiple of block_n tokens. Depends only on host ints, so a CUDA graph
-    captured with max_seq_len = max_model_len stays valid for every shorter context."""
+                  block_n: int = 64) -> int:
+    """Number of split-K partitions of the decode: about four programs per SM, at most one
+    per block_n tile of max_seq_len. Depends only on host ints, so a CUDA graph captured
+    with max_seq_len = max_model_len stays valid for every shorter context; the kernel
+    sizes each sequence's partitions from its own length (on the device), so a short
+    context still uses every split (round 1 sized them by max_seq_len: a 1K context in a
+    graph captured for 4K used a quarter of the grid)."""
     n_tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads)))
-    partition = triton.cdiv(n_tiles, splits) * block_n
-    return triton.cdiv(max_seq_len, partition), partition
+    return max(1, min(n_tiles, triton.cdiv(4 * _num_sms(device), num_seqs * num_kv_heads)))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -218,13 +222,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                block_tables.stride(0), out.stride(0), out.stride(1))
     if max_q_len == 1:
         block_n = 64 if bd <= 128 else 32
-        splits, partition = decode_splits(b, kvh, max_seq_len, q.device, block_n)
+        splits = decode_splits(b, kvh, max_seq_len, q.device, block_n)
         one = splits == 1
         m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
         l_ = torch.empty_like(m) if not one else out
         acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device) if not one else out
         _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
-                                         *strides, qk_scale, k_cache.shape[1], partition, splits, h, d,
+                                         *strides, qk_scale, k_cache.shape[1], splits, h, d,
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
                                          BLOCK_D=bd, ONE_SPLIT=one, num_warps=4)
         if not one:

@@ -2,22 +2,33 @@
 
 Order of the filters (as in vLLM): temperature, then top-k, then top-p on what top-k
 kept, then min-p (relative to the top probability, which every filter keeps).
-The draw is the exponential race (equivalent to Gumbel-max): token = argmax(p_i / E_i),
-E_i ~ Exp(1), which picks i with probability p_i. The noise E of a row comes only from a
-torch.Generator seeded with `mix_seed(seed, output_index)`, so a recomputed request draws
-the same token from the same distribution. No sort happens unless a row uses top-p.
+The draw is Gumbel-max (equivalent to the exponential race): token =
+argmax_i(logits_i / T + G_i) over the allowed set, G_i = -log(-log(U_i)), which picks i
+with probability softmax(logits / T)_i renormalised over the allowed set.
 
-Dispatcher `sample` picks the torch reference on the CPU; a Triton kernel lands with the
-GPU issue (its noise must then come from the same seeds to keep recompute exact).
+The noise is counter-based: U_i is a hash of (row key, token id i) (`race_noise`), the row
+key being the 63-bit `mix_seed(seed, output_index)`. So a draw depends only on (seed,
+output index, logits): the same in any batch, on the CPU and on the GPU, and when a
+request is recomputed. The hash (`_mix32`, two rounds over 32-bit words in int64
+arithmetic, no overflow) is written once for torch and once for Triton with the same
+integer operations, so both produce the same U bit for bit; the float log may differ in
+the last ulp between the two, which changes a draw only on a near-tie.
+
+Dispatcher `sample`: the Triton kernel (`kernels/sampling_triton.py`) on CUDA for batches
+with no top-k/top-p/min-p (one pass over the logits, no softmax, no sort); the torch
+reference otherwise. No sort happens unless a row uses top-p.
 """
 
 from __future__ import annotations
 
 import torch
 
-sample_triton = None  # set by the GPU issue: same signature as sample_ref
+sample_triton = None  # set below when triton imports: same signature as sample_ref
 
 _MASK64 = (1 << 64) - 1
+_MASK32 = 0xFFFFFFFF
+HASH_C1 = 0x21F0AAAD  # multipliers of Wellons' 32-bit "lowbias" style mixer (both < 2**31)
+HASH_C2 = 0x735A2D97
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -29,6 +40,32 @@ def mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def noise_keys(seeds: list[int]) -> torch.Tensor:
+    """[n, 2] int64 (low 32 bits, high 31 bits) of each row's 63-bit key."""
+    return torch.tensor([[s & _MASK32, (s >> 32) & 0x7FFFFFFF] for s in seeds], dtype=torch.long)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit mixer on int64 tensors holding values in [0, 2**32). Products stay < 2**63."""
+    x = x ^ (x >> 16)
+    x = (x * HASH_C1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * HASH_C2) & _MASK32
+    return x ^ (x >> 15)
+
+
+def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise G [n, vocab] fp32 of rows with keys [n, 2] int64 (see `noise_keys`).
+
+    U = (top 23 bits of mix32(mix32(id ^ k0) ^ k1) + 0.5) / 2**23, in (0, 1) exactly in fp32
+    (24 bits would round the largest U to 1.0 and make G infinite);
+    G = -log(-log(U)). Pure function of (key, token id)."""
+    ids = torch.arange(vocab, dtype=torch.long, device=keys.device)[None, :]
+    h = _mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+    return -torch.log(-torch.log(u))
+
+
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """The distribution each row samples from, zero outside its allowed set.
@@ -36,7 +73,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     logits: [n, vocab] (any float dtype; math in fp32).
     temperature: [n] fp32 > 0. top_k: [n] int64, 0 = off. top_p: [n] fp32 in (0, 1],
     1 = off. min_p: [n] fp32 in [0, 1), 0 = off.
-    Returns [n, vocab] fp32, unnormalised after filtering (the race does not need it).
+    Returns [n, vocab] fp32, unnormalised after filtering (the draw does not need it).
     Ties at the top-k threshold are all kept.
     """
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
@@ -60,35 +97,41 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-               top_p: torch.Tensor, min_p: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+               top_p: torch.Tensor, min_p: torch.Tensor, seeds: list[int],
+               filtered: bool | None = None) -> torch.Tensor:
     """Sample one token per row.
 
     logits: [n, vocab] (fp32/bf16/fp16).
     temperature: [n] fp32; rows with 0 are greedy (argmax, ties to the lowest id).
     top_k, top_p, min_p: [n], see `filtered_probs`.
     seeds: n Python ints, each row's `mix_seed(seed, output_index)`.
+    filtered: whether any row uses top-k/top-p/min-p (None = read from the tensors).
     Returns [n] int64 token ids.
     """
     out = logits.argmax(dim=-1)
     rand_rows = (temperature > 0).nonzero().flatten().tolist()
     if not rand_rows:
         return out
-    idx = torch.tensor(rand_rows, dtype=torch.long)
-    probs = filtered_probs(logits[idx], temperature[idx], top_k[idx], top_p[idx], min_p[idx])
-    noise = torch.empty_like(probs)
-    gen = torch.Generator(device=logits.device)
-    for j, row in enumerate(rand_rows):
-        gen.manual_seed(seeds[row])
-        noise[j].exponential_(generator=gen)
-    out[idx] = (probs / noise).argmax(dim=-1)
+    idx = torch.tensor(rand_rows, dtype=torch.long, device=logits.device)
+    temp = temperature[idx]
+    scores = logits[idx].float() / temp[:, None]
+    if filtered is None or filtered:
+        keep = filtered_probs(logits[idx], temp, top_k[idx], top_p[idx], min_p[idx]) > 0
+        scores = scores.masked_fill(~keep, float("-inf"))
+    keys = noise_keys([seeds[r] for r in rand_rows]).to(logits.device)
+    out[idx] = (scores + race_noise(keys, logits.shape[1])).argmax(dim=-1)
     return out
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds) -> torch.Tensor:
-    """Dispatcher for `sample_ref` (see there for shapes)."""
+def sample(logits, temperature, top_k, top_p, min_p, seeds, filtered: bool | None = None) -> torch.Tensor:
+    """Dispatcher for `sample_ref` (see there for shapes). The Triton kernel runs on CUDA
+    when no row filters (`filtered` False, or read from the tensors when None)."""
     if logits.is_cuda and sample_triton is not None:
-        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
-    return sample_ref(logits, temperature, top_k, top_p, min_p, seeds)
+        if filtered is None:
+            filtered = bool(((top_k > 0) | (top_p < 1.0) | (min_p > 0)).any())
+        if not filtered:
+            return sample_triton(logits, temperature, seeds)
+    return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, filtered)
 
 
 # ---------------------------------------------------------------- logits processors
@@ -192,3 +235,9 @@ def token_logprobs_ref(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
         return chosen, rank, top.values, top.indices
     empty = logprobs.new_zeros(logprobs.shape[0], 0)
     return chosen, rank, empty, empty.long()
+
+
+try:  # the Triton sampler; absent without triton (CPU-only installs)
+    from kernels.sampling_triton import sample_triton  # noqa: E402,F811
+except ImportError:  # pragma: no cover
+    pass

@@ -21,16 +21,19 @@ timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x tests/gpu -p no:cacheprovid
 echo "tests/gpu took $(( $(date +%s) - t0 )) s"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/decode_latency.py --out "$OUT/decode_latency.json" 2>&1 | tail -40 | tee "$OUT/decode_latency.txt"
 timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/offline_throughput.py --out "$OUT/offline_throughput.json" 2>&1 | tail -30 | tee "$OUT/offline_throughput.txt"
+timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/decode_latency.py --config llama-3.1-8b --steps 64 --out "$OUT/decode_latency_llama.json" 2>&1 | tail -40 | tee "$OUT/decode_latency_llama.txt"
+timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/step_profile.py --out "$OUT/step_profile.json" 2>&1 | tail -60 | tee "$OUT/step_profile.txt"
 echo "== summary"
 python3 - "$OUT" <<'PY'
 import json, os, sys
 d = sys.argv[1]
-for f in ("decode_latency.json", "offline_throughput.json"):
+for f in ("decode_latency.json", "offline_throughput.json", "decode_latency_llama.json"):
     p = os.path.join(d, f)
     if os.path.exists(p):
         r = json.load(open(p))
         keep = {k: r[k] for k in r if k in ("output_tok_per_s", "seconds", "steps", "run_step_seconds",
-                "copy_bandwidth_TBps", "roofline_ms", "graphs", "eager")}
+                "copy_bandwidth_TBps", "roofline_ms", "graphs", "eager",
+                "schedule_seconds", "update_seconds", "gpu_event_seconds")}
         print(f, json.dumps(keep))
     else:
         print(f, "missing")

@@ -214,10 +214,26 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True):
-    """The plan of one engine step, broadcast to every worker over the shm ring."""
+    """The plan of one engine step, broadcast to every worker over the shm ring.
+
+    KV tier transfers (DESIGN §4 "Tiers"; empty unless the kvstore is on):
+    kv_loads: (pool slot, KV block id) pairs; each worker copies the slot into the block
+        before running `seqs` (the step that first reads the block).
+    kv_stores: (KV block id, pool slot) pairs; each worker copies the block into the slot
+        after running `seqs`. The engine never reuses such a block before this step's
+        result has come back.
+    kv_pool: the pool segment's /dev/shm name and kv_pool_pid the pid of the kvstore that
+        created it (the worker maps it again when the pid changes); set with any transfer.
+    A plan may carry transfers and no seqs (a transfer-only step: no tokens come back).
+    The slot byte layout is `services.worker.kv_transfer`'s.
+    """
 
     step_id: int
     seqs: list[ScheduledSeq]
+    kv_loads: list[tuple[int, int]] = []
+    kv_stores: list[tuple[int, int]] = []
+    kv_pool: str = ""
+    kv_pool_pid: int = 0
 
 
 class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -259,6 +275,9 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # request_id -> logprobs of the prompt tokens scored this step, in position order: the
     # chunk's tokens after its first, plus its first (scored by the previous chunk's last row).
     prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+    # Set when the step's kv_stores could not be copied (the pool is unavailable): the
+    # engine drops those stores. A failed kv_load fails the step instead (`error`).
+    kv_store_error: str = ""
 
 
 class WorkerHeartbeat(msgspec.Struct, tag="whb", array_like=True):

@@ -18,6 +18,13 @@ Prefix cache (DESIGN §4; the design of vLLM's automatic prefix caching):
   other keeps its copy unnamed, and that copy goes back as a plain free block.
 
 `num_free_blocks` counts blocks available for allocation: plain free + evictable.
+
+Store pins (KV tiers, DESIGN §4): while a block's copy into the kvstore is in flight
+(`pin_for_store` .. `unpin_store`), the block is neither free nor evictable, whatever its
+reference count, so it is never reallocated or evicted under the copy. Requests may still
+share it as a prefix hit (they only read it). `reset_prefix_cache` is not refused by store
+pins: a pinned block loses its name and becomes a plain free block when unpinned.
+`cache_full_blocks` returns the (block, name) pairs it registered, for the engine to store.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))  # ref 0, no name
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, named; LRU first
         self.cached: dict[bytes, int] = {}  # name -> block (in use or evictable)
+        self.store_pins: dict[int, int] = {}  # block -> stores in flight (see module doc)
         # Hit accounting, cumulative. Queries and hits in tokens and in full blocks.
         self.num_queries = 0          # requests looked up at admission
         self.query_tokens = 0
@@ -95,6 +103,7 @@ class BlockManager:
             "num_cached_blocks": len(self.cached),
             "num_evictable_blocks": len(self.evictable),
             "num_evictions": self.num_evictions,
+            "num_store_pinned_blocks": len(self.store_pins),
         }
 
     # ------------------------------------------------------------------ names
@@ -130,18 +139,20 @@ class BlockManager:
             hit.append(blk)
         return hit, len(hit) * self.block_size
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Request) -> list[tuple[int, bytes]]:
         """Name and register the request's blocks whose tokens are all computed.
 
         Call after request.num_computed_tokens advanced (the worker wrote the KV). A block
         taken from the cache is already named; a block whose name another block already
-        holds stays unnamed (the first one wins).
+        holds stays unnamed (the first one wins). Returns the (block id, name) pairs newly
+        registered by this call, in table order.
         """
+        new: list[tuple[int, bytes]] = []
         if not self.enable_prefix_caching:
-            return
+            return new
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if full <= request.num_registered_blocks:
-            return
+            return new
         self._ensure_block_hashes(request, full)
         for i in range(request.num_registered_blocks, full):
             blk, h = request.block_ids[i], request.block_hashes[i]
@@ -152,7 +163,37 @@ class BlockManager:
             if h not in self.cached:
                 self.cached[h] = blk
                 self.block_hash[blk] = h
+                new.append((blk, h))
         request.num_registered_blocks = full
+        return new
+
+    # ------------------------------------------------------------------ store pins
+
+    def pin_for_store(self, blk: int) -> None:
+        """Keep `blk` out of the free and evictable pools until `unpin_store` (a copy of it
+        into the kvstore is in flight). Pins nest."""
+        self.store_pins[blk] = self.store_pins.get(blk, 0) + 1
+        self.evictable.pop(blk, None)
+
+    def unpin_store(self, blk: int) -> None:
+        """End one store pin; a block with no pin and no reference becomes evictable (named)
+        or free. Raises RuntimeError if `blk` is not pinned."""
+        n = self.store_pins.get(blk, 0)
+        if n <= 0:
+            raise RuntimeError(f"block {blk} unpinned with no store pin")
+        if n > 1:
+            self.store_pins[blk] = n - 1
+            return
+        del self.store_pins[blk]
+        if self.ref_cnt[blk] == 0:
+            self._release(blk)
+
+    def _release(self, blk: int) -> None:
+        """A block nobody holds: evictable when named, plain free otherwise."""
+        if self.block_hash[blk] is not None:
+            self.evictable[blk] = None
+        else:
+            self.free_blocks.append(blk)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached name, as vLLM's reset_prefix_cache does.
@@ -168,7 +209,7 @@ class BlockManager:
             self.free_blocks.append(blk)
         self.evictable.clear()
         self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
+        self.block_hash = [None] * self.num_blocks  # store-pinned blocks go free when unpinned
         return True
 
     # ------------------------------------------------------------------ allocation
@@ -192,7 +233,7 @@ class BlockManager:
             if request.block_ids:
                 raise ValueError(f"{request.request_id}: cache hit given to a request holding blocks")
             # Hit blocks that are evictable stop being available once referenced.
-            held = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
+            held = sum(1 for b in computed_blocks if b in self.evictable)
             need = blocks_needed(num_tokens, bs) - len(computed_blocks)
             if need > self.num_free_blocks - held:
                 return False
@@ -203,8 +244,7 @@ class BlockManager:
                 self.query_blocks += (request.num_tokens - 1) // bs
                 self.hit_blocks += len(computed_blocks)
             for blk in computed_blocks:
-                if self.ref_cnt[blk] == 0:
-                    del self.evictable[blk]
+                self.evictable.pop(blk, None)  # absent when store-pinned
                 self.ref_cnt[blk] += 1
             request.block_ids = list(computed_blocks)
             request.num_registered_blocks = len(computed_blocks)
@@ -239,10 +279,7 @@ class BlockManager:
             if self.ref_cnt[blk] <= 0:
                 raise RuntimeError(f"block {blk} of {request.request_id} freed with no reference")
             self.ref_cnt[blk] -= 1
-            if self.ref_cnt[blk] == 0:
-                if self.block_hash[blk] is not None:
-                    self.evictable[blk] = None
-                else:
-                    self.free_blocks.append(blk)
+            if self.ref_cnt[blk] == 0 and blk not in self.store_pins:
+                self._release(blk)
         request.block_ids = []
         request.num_registered_blocks = 0

@@ -15,6 +15,11 @@ cfg.max_num_waiting requests (error_kind "overloaded": the frontend answers 503)
 is invalid (empty, too long, token ids out of range, bad logprobs counts, a grammar that
 fails to compile: "invalid", 400). A worker fault fails the step's requests ("internal").
 Structured-output grammars are compiled at add time (`services.engine.structured`).
+
+KV tiers (kv_offload_cpu_gib > 0 with the prefix cache on): `services.engine.kv_tiers`
+talks to the kvstore on this loop (its socket is polled next to the others, also while a
+step runs). Plans carry the tier copies (`StepPlan.kv_loads` / `kv_stores`); stores that
+are ready while nothing else runs go out in a transfer-only plan.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from dataclasses import dataclass
 import zmq
 
 from services.engine.block_manager import BlockManager
+from services.engine.kv_tiers import KVTiers
+from services.kvstore.settings import ConfigError, derive_block_bytes, store_identity
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.structured import GrammarError, StructuredOutputManager
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
-from shared.hashing import model_identity_hash
 from shared.model_info import load_model_info
 from shared.liveness import Beacon
 from shared.procutil import die_with_parent, set_title, setup_logging
@@ -65,6 +71,8 @@ class FrontendState:
 class EngineCore:
     """One engine process: scheduler + block manager + sockets + plan ring."""
 
+    tiers: KVTiers | None = None  # class default: tests build engines without __init__
+
     def __init__(self, cfg: KestrelConfig, num_workers: int = 1):
         self.cfg = cfg
         self.info = load_model_info(cfg.model)
@@ -91,6 +99,7 @@ class EngineCore:
         self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
         self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps
         self._structured: StructuredOutputManager | None = None  # built on first use
+        self.tiers: KVTiers | None = None  # the kvstore client, when offload is on
 
     def structured(self) -> StructuredOutputManager:
         """The grammar compiler, built on the first structured request (0.2 s: reads the
@@ -125,8 +134,8 @@ class EngineCore:
         t_workers = time.monotonic() - t0
         num_blocks = min(w.num_blocks for w in workers)
         # The KV dtype is the model dtype until KV dtypes arrive (DESIGN §4); one rank for now.
-        root = model_identity_hash(self.info.path, self.cfg.dtype, self.cfg.dtype,
-                                   self.cfg.block_size, tensor_parallel_size=1)
+        # The same root as the kvstore's (services.kvstore.settings.store_identity).
+        root = store_identity(self.cfg)
         bm = BlockManager(num_blocks, self.cfg.block_size,
                           enable_prefix_caching=self.cfg.enable_prefix_caching, root_hash=root)
         kv_tokens = num_blocks * self.cfg.block_size
@@ -137,11 +146,33 @@ class EngineCore:
                                    self.max_model_len, list(self.info.eos_token_ids))
         self.router = make_socket(self.ctx, zmq.ROUTER, self.cfg.engine_address, bind=True)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if (self.cfg.kv_offload_cpu_gib or 0) > 0 and self.cfg.enable_prefix_caching:
+            self._start_tiers(workers)
         log.info("engine ready: %d KV blocks (%d tokens), max_model_len %d, listening at %s",
                  num_blocks, kv_tokens, self.max_model_len, self.cfg.engine_address)
         self._startup_report(workers, num_blocks, kv_tokens,
                              {"engine wait for workers": t_workers,
                               "engine ready": time.monotonic() - t0})
+
+    def _start_tiers(self, workers: list[P.WorkerReady]) -> None:
+        """Start the kvstore client; block bytes as the workers lay them out in a slot."""
+        try:
+            block_bytes = int(workers[0].report.get("kv_block_bytes") or derive_block_bytes(self.cfg))
+        except ConfigError as e:
+            log.error("KV tiers off: %s", e)
+            return
+        self.tiers = KVTiers(self.cfg.kvstore_address, self.scheduler.bm.root_hash, block_bytes,
+                             self.scheduler, self.ctx)
+        log.info("KV tiers: kvstore at %s, %d bytes per block", self.cfg.kvstore_address,
+                 block_bytes)
+
+    def _poller(self, *socks) -> zmq.Poller:
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        if self.tiers is not None and self.tiers.socket is not None:
+            poller.register(self.tiers.socket, zmq.POLLIN)
+        return poller
 
     def _startup_report(self, workers: list[P.WorkerReady], num_blocks: int, kv_tokens: int,
                         phases: dict[str, float]) -> None:
@@ -277,7 +308,9 @@ class EngineCore:
                 "num_blocks": s.bm.num_blocks, "num_free_blocks": s.bm.num_free_blocks,
                 "kv_usage": s.bm.usage(), "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
-                "num_frontends": len(self.frontends), **s.bm.stats()})
+                "num_frontends": len(self.frontends), "num_preemptions": s.num_preemptions,
+                **s.bm.stats(),
+                **(self.tiers.stats() if self.tiers is not None else {})})
         if msg.method == "debug_sleep":
             # Debug only (--debug-utilities): the engine sleeps inside its next step for
             # args["seconds"] (<= DEBUG_SLEEP_MAX_S), as a hang for watchdog/liveness tests.
@@ -353,9 +386,8 @@ class EngineCore:
         Raises TimeoutError when no worker message arrives for cfg.worker_timeout_s seconds,
         or the step runs longer than STEP_LIMIT_FACTOR times that; EngineStopping on SIGTERM.
         """
-        poller = zmq.Poller()
-        poller.register(self.worker_sock, zmq.POLLIN)
-        poller.register(self.router, zmq.POLLIN)
+        poller = self._poller(self.worker_sock, self.router)
+        tier_sock = self.tiers.socket if self.tiers is not None else None
         last = started = time.monotonic()
         limit = self.worker_timeout_s * STEP_LIMIT_FACTOR
         while True:
@@ -363,6 +395,10 @@ class EngineCore:
             if self.stopping:
                 raise EngineStopping(f"stopped while waiting for step {step_id}")
             events = dict(poller.poll(100))
+            if self.tiers is not None:  # replies, timeouts and stores go on during a step
+                self.tiers.service()
+                if self.tiers.socket is not tier_sock:
+                    poller, tier_sock = self._poller(self.worker_sock, self.router), self.tiers.socket
             if self.router in events:
                 self._drain_frontends(in_step=True)
             if self.worker_sock in events:
@@ -385,9 +421,16 @@ class EngineCore:
         log.warning("debug_sleep: woke up after %.1f s", secs)
 
     def step(self, out: SchedulerOutput) -> None:
+        if self.tiers is not None:
+            self.tiers.attach_to_plan(out.plan)
         self.ring.write(self.enc.encode(out.plan), msg_type="step")
         result = self._wait_result(out.plan.step_id)
         self.num_steps += 1
+        if self.tiers is not None:
+            if result.kv_store_error:
+                log.warning("step %d: KV stores dropped: %s", out.plan.step_id,
+                            result.kv_store_error)
+            self.tiers.after_step(out.plan, not result.error and not result.kv_store_error)
         if result.error:
             log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
             for req in out.requests:
@@ -397,6 +440,18 @@ class EngineCore:
         changed = self.scheduler.update(out, result.sampled_token_ids, result.logprobs,
                                         result.prompt_logprobs)
         self._emit(changed)
+
+    def _transfer_step(self) -> None:
+        """A plan with only KV tier stores (nothing else runs, stores are ready)."""
+        self.scheduler.step_id += 1
+        plan = P.StepPlan(step_id=self.scheduler.step_id, seqs=[])
+        self.tiers.attach_to_plan(plan)
+        self.ring.write(self.enc.encode(plan), msg_type="step")
+        result = self._wait_result(plan.step_id)
+        if result.kv_store_error or result.error:
+            log.warning("transfer step %d: KV stores dropped: %s", plan.step_id,
+                        result.kv_store_error or result.error)
+        self.tiers.after_step(plan, not result.error and not result.kv_store_error)
 
     def _emit(self, reqs: list[Request], error: str | None = None) -> None:
         by_frontend: dict[bytes, list[P.RequestOutput]] = {}
@@ -413,15 +468,18 @@ class EngineCore:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.worker_sock, zmq.POLLIN)
+        poller = self._poller(self.router, self.worker_sock)
+        tier_sock = self.tiers.socket if self.tiers is not None else None
         last_check = time.monotonic()
         while not self.stopping:
             self.beacon.beat()
             if self.debug_sleep_s:
                 self._debug_sleep_in_step()
-            busy = self.scheduler.has_work()
+            if self.tiers is not None:
+                self.tiers.service()
+                if self.tiers.socket is not tier_sock:
+                    poller, tier_sock = self._poller(self.router, self.worker_sock), self.tiers.socket
+            busy = self.scheduler.has_work() or (self.tiers is not None and self.tiers.has_stores())
             events = dict(poller.poll(0 if busy else 100))
             if self.router in events:
                 self._drain_frontends(in_step=False)
@@ -439,6 +497,8 @@ class EngineCore:
                 if out is not None:
                     self.step(out)
                     self._apply_aborts()
+                elif self.tiers is not None and self.tiers.has_stores():
+                    self._transfer_step()
 
     def shutdown(self, reason: str = "the engine stopped before the request finished") -> None:
         """Fail what is in flight with `reason`, stop the workers, unlink the ring, close
@@ -453,6 +513,8 @@ class EngineCore:
         except Exception as e:  # a dead worker cannot drain the ring
             log.debug("could not send shutdown to workers: %s", e)
         self.ring.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self.router is not None:
             self.router.close(linger=1000)
         self.ctx.destroy(linger=0)

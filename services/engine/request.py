@@ -1,6 +1,9 @@
 """The engine's view of one request: its tokens, progress, blocks and state machine.
 
-States: WAITING (admitted, not scheduled, or preempted) -> RUNNING -> FINISHED.
+States: WAITING (admitted, not scheduled, or preempted) -> RUNNING -> FINISHED, with
+WAITING -> WAITING_FOR_KV -> WAITING while the kvstore is asked for the blocks after the
+request's GPU-local prefix hit (a lookup, then a reservation of pool slots); such a request
+sits in the scheduler's `waiting_for_kv`, out of the step's way.
 A preempted request goes back to WAITING with num_computed_tokens = 0 and recomputes
 prompt + outputs so far (recompute preemption, as in vLLM); on re-admission it first takes
 whatever of that prefix is still in the prefix cache, like any new request.
@@ -16,6 +19,7 @@ from shared.protocol import SamplingParams, TokenLogprob
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -31,6 +35,9 @@ class Request:
     preemption. num_registered_blocks: leading blocks of block_ids already offered to the
     prefix cache (reset when the blocks are freed). num_cached_tokens: prefix cache hit of
     the first admission, in tokens (-1 before it is admitted).
+    kv_checked: the kvstore was asked (or need not be) since the request last entered the
+    waiting queue; reset by preemption. kv_load: a ready tier reservation, (index of its
+    first block in block_hashes, pool slots, tier of each block), or None.
     output_logprobs: one TokenLogprob per output token when sampling.logprobs is set.
     prompt_logprobs: logprobs of prompt tokens 1.. gathered over prefill chunks (when
     sampling.prompt_logprobs is set); sent once, with the first output
@@ -42,7 +49,8 @@ class Request:
                  "arrival_time", "num_computed_tokens", "block_ids", "status", "finish_reason",
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
-                 "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar")
+                 "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
+                 "kv_checked", "kv_load")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -67,6 +75,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs_sent = False
         self.grammar = None
+        self.kv_checked = False
+        self.kv_load: tuple[int, list[int], list[str]] | None = None
 
     @property
     def has_penalty(self) -> bool:

@@ -10,6 +10,24 @@ Each step (DESIGN §5):
    block manager's prefix cache (DESIGN §4): it starts with num_computed_tokens = the hit
    length and the hit blocks at the head of its table, and its first chunk starts there
    (ScheduledSeq.start_pos = hit length). Hit tokens cost no budget.
+KV tiers (DESIGN §4; only while `tiers_enabled`, set by the engine when a kvstore answers):
+- Admission: a request at the head of the queue whose full blocks go past its GPU-local
+  hit leaves the queue for `waiting_for_kv` (state WAITING_FOR_KV) and is listed in
+  `kv_lookups` with the index of its first block to ask for; the step goes on without it.
+  `kv_ready` puts it back at the front of the queue, with a reservation (`kv_load`) or
+  without (a miss, or the store went away).
+- Two-phase allocation: at admission the local hit blocks are referenced first (they can
+  no longer be evicted), then fresh blocks are allocated for the loaded run and the chunk.
+  The loaded run starts where the local hit ends now (slots of blocks the local hit has
+  since covered are released); a local hit shorter than where the run starts drops the
+  load (a gap cannot be loaded). The plan's `kv_loads` copy slot -> block before the step;
+  loaded tokens cost no budget. The engine completes the loads after the step.
+- Stores: `update` collects the blocks newly registered in the prefix cache in
+  `new_cached` for the engine to store; a request recomputing from token 0 after
+  preemption registers (and so stores) its blocks again, and asks the store again.
+- `released_slots`: reservation slots the engine must hand back (CompleteLoad) because
+  their request finished or no longer needs them.
+
 Under memory pressure the newest running request is preempted: its blocks are freed (the
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to
 recompute from token 0, taking whatever of its prefix is still cached when re-admitted.
@@ -31,7 +49,7 @@ Per-request extras in the plan, only where used (plans stay small otherwise):
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
@@ -69,6 +87,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.step_id = 0
+        self.num_preemptions = 0  # cumulative
+        # KV tiers (module doc); the engine drains kv_lookups, new_cached, released_slots.
+        self.tiers_enabled = False
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.kv_lookups: list[tuple[Request, int]] = []
+        self.new_cached: list[tuple[int, bytes]] = []
+        self.released_slots: list[int] = []
+        self.tier_hit_tokens: Counter = Counter()   # tier -> tokens loaded from it
 
     # ------------------------------------------------------------------ queue management
 
@@ -86,8 +112,11 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.bm.free(request)
+        self._drop_kv_load(request)
         if request in self.running:
             self.running.remove(request)
+        elif self.waiting_for_kv.pop(request.request_id, None) is not None:
+            pass  # the engine completes its reservation, if one comes, on the reply
         else:
             try:
                 self.waiting.remove(request)
@@ -96,7 +125,32 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def has_work(self) -> bool:
+        """Whether a step could run now (requests waiting on the kvstore do not count)."""
         return bool(self.waiting or self.running)
+
+    def kv_ready(self, request: Request, load: tuple[int, list[int], list[str]] | None) -> None:
+        """Back from WAITING_FOR_KV to the front of the waiting queue, with a ready
+        reservation `load` = (first block index, slots, tiers) or None. A request that
+        finished meanwhile only gives its slots back (`released_slots`)."""
+        if self.waiting_for_kv.pop(request.request_id, None) is None or request.is_finished:
+            if load is not None:
+                self.released_slots.extend(load[1])
+            return
+        request.status = RequestStatus.WAITING
+        request.kv_load = load
+        self.waiting.appendleft(request)
+
+    def kv_waiting_all_back(self) -> list[Request]:
+        """Put every WAITING_FOR_KV request back without a load (the store went away)."""
+        reqs = list(self.waiting_for_kv.values())
+        for r in reqs:
+            self.kv_ready(r, None)
+        return reqs
+
+    def _drop_kv_load(self, request: Request) -> None:
+        if request.kv_load is not None:
+            self.released_slots.extend(request.kv_load[1])
+            request.kv_load = None
 
     # ------------------------------------------------------------------ one step
 
@@ -129,20 +183,33 @@ class Scheduler:
             taken.add(req.request_id)
             prefill_budget -= n
 
+        kv_loads: list[tuple[int, int]] = []
         while self.waiting and prefill_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # A waiting request holds no blocks and has computed nothing (new or preempted).
             if req.wants_prompt_logprobs:  # every prompt position must run to be scored
                 hit_blocks, hit_tokens = [], 0
                 req.prompt_logprobs = []  # a preempted request scores its prompt again
+                self._drop_kv_load(req)
             else:
                 hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
-            n = min(req.num_tokens - hit_tokens, prefill_budget)
-            if not self.bm.allocate(req, hit_tokens + n, computed_blocks=hit_blocks):
+                if self._park_for_kv(req, len(hit_blocks)):
+                    continue
+            load = self._usable_load(req, len(hit_blocks))
+            computed = hit_tokens + len(load) * self.bm.block_size
+            n = min(req.num_tokens - computed, prefill_budget)
+            # Two phases: the hit blocks are referenced first, then blocks for load + chunk.
+            if not self.bm.allocate(req, computed + n, computed_blocks=hit_blocks):
                 break
-            req.num_computed_tokens = hit_tokens
+            if load:
+                first = len(hit_blocks)
+                kv_loads.extend(zip(load, req.block_ids[first:first + len(load)]))
+                for tier in req.kv_load[2]:
+                    self.tier_hit_tokens[tier] += self.bm.block_size
+                req.kv_load = None
+            req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit_tokens
+                req.num_cached_tokens = computed
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled is None:
@@ -175,10 +242,40 @@ class Scheduler:
             if seq.sample and req.grammar is not None:
                 seq.allowed_token_bitmask = req.grammar.bitmask()
             seqs.append(seq)
-        return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs),
+        return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs, kv_loads=kv_loads),
                                requests=[r for r, _ in scheduled],
                                num_tokens={r.request_id: n for r, n in scheduled},
                                preempted=preempted)
+
+    def _park_for_kv(self, req: Request, num_hit_blocks: int) -> bool:
+        """Move req (head of the queue) to WAITING_FOR_KV when the kvstore may hold blocks
+        past its local hit. Returns True when it was parked."""
+        if req.kv_checked or not self.tiers_enabled or not self.bm.enable_prefix_caching:
+            return False
+        req.kv_checked = True
+        if req.kv_load is not None or num_hit_blocks >= (req.num_tokens - 1) // self.bm.block_size:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[req.request_id] = req
+        self.kv_lookups.append((req, num_hit_blocks))
+        return True
+
+    def _usable_load(self, req: Request, num_hit_blocks: int) -> list[int]:
+        """Slots of req's reservation that extend its current local hit (see module doc);
+        the slots it does not need go to `released_slots`."""
+        if req.kv_load is None:
+            return []
+        first, slots, _ = req.kv_load
+        max_blocks = (req.num_tokens - 1) // self.bm.block_size
+        skip = num_hit_blocks - first
+        if skip < 0 or skip >= len(slots):
+            self._drop_kv_load(req)
+            return []
+        use = slots[skip:skip + max(0, max_blocks - num_hit_blocks)]
+        self.released_slots.extend(slots[:skip] + slots[skip + len(use):])
+        req.kv_load = (first + skip, use, req.kv_load[2][skip:skip + len(use)]) if use else None
+        return use
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
                              preempted: list[Request]) -> bool:
@@ -199,8 +296,10 @@ class Scheduler:
         self.running.remove(victim)
         self.bm.free(victim)
         victim.num_computed_tokens = 0
+        victim.kv_checked = False  # it recomputes from token 0: ask the kvstore again
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
     # ------------------------------------------------------------------ after the step
@@ -231,7 +330,9 @@ class Scheduler:
                     k += 1
                 continue
             req.num_computed_tokens += len(seq.token_ids)
-            self.bm.cache_full_blocks(req)  # before a finish frees the blocks
+            new = self.bm.cache_full_blocks(req)  # before a finish frees the blocks
+            if self.tiers_enabled:
+                self.new_cached.extend(new)
             if req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
                 req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
             if not seq.sample:

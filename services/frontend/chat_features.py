@@ -52,6 +52,11 @@ class ChatFeatures:
         templates describe that format to the model)."""
         return {"tool_call_format": "xml" if self.tool_call_parser == "qwen3_coder" else "json"}
 
+    def reasons(self, thinking: bool, forced: bool) -> bool:
+        """Whether a response is split into reasoning and content: a reasoning parser is
+        set, enable_thinking is on, and no tool call is forced."""
+        return bool(self.reasoning_parser) and thinking and not forced
+
     def output_parser(self, prompt: str, stops: list[str], thinking: bool,
                       tools: dict[str, dict[str, Any]] | None, forced: bool) -> ChatOutputParser:
         """The parser of one response. prompt: the rendered prompt (a prompt that ends with
@@ -59,7 +64,7 @@ class ChatFeatures:
         tools: name -> parameter schema of the request's tools (None: no tool parsing).
         forced: the output is constrained to the forced-call JSON (tool_choice)."""
         reasoning = None
-        if self.reasoning_parser and thinking and not forced:
+        if self.reasoning_parser and self.reasons(thinking, forced):
             reasoning = REASONING_PARSERS[self.reasoning_parser](
                 True, starts_inside=prompt.rstrip().endswith(THINK_OPEN))
         tool_parser = None

@@ -22,6 +22,8 @@ reused when the engine does not answer; these describe the whole engine, shared 
 frontend):
 - `kestrel:num_requests_running`, `kestrel:num_requests_waiting` (gauges, requests).
 - `kestrel:kv_cache_usage_perc` (gauge, fraction 0..1 of KV blocks held by requests).
+- `kestrel:kv_tier_hits_total{tier}` (counter, tokens loaded from the kvstore's "cpu" or
+  "disk" tier; only when the engine runs with the kvstore)
 - `kestrel:prefix_cache_queries_total`, `kestrel:prefix_cache_hits_total` (counters, tokens
   looked up / found in the prefix cache since the engine started).
 - `kestrel:engine_up` (gauge): 1 when the last stats call answered.
@@ -161,6 +163,13 @@ class _EngineCollector:
                      "Prompt tokens found in the prefix cache.")):
                 c = CounterMetricFamily("kestrel:" + name, doc, labels=["model_name"])
                 c.add_metric(m, float(s.get(key, 0)))
+                yield c
+            if "kv_tier_hits_cpu" in s:   # the engine runs with the kvstore (KV tiers)
+                c = CounterMetricFamily("kestrel:kv_tier_hits", "Prompt tokens loaded from a "
+                                        "kvstore tier instead of computed.",
+                                        labels=["model_name", "tier"])
+                for tier in ("cpu", "disk"):
+                    c.add_metric(m + [tier], float(s.get(f"kv_tier_hits_{tier}", 0)))
                 yield c
         r = CounterMetricFamily("kestrel:process_restarts",
                                 "Restarts of each supervised process.", labels=["process"])

@@ -11,21 +11,21 @@ A request is validated completely before the first SSE byte, and the first engin
 awaited (up to keepalive_s) so that an engine refusal (overloaded: 503 + Retry-After,
 invalid: 400) is an HTTP status too; a failure after that is sent as
 `data: {"error": {...}}\\n\\n` followed by `data: [DONE]\\n\\n`. `n > 1` runs as n engine
-requests (see `fanout`). /v1/completions lives in `completions_api`, /tokenize and
-/detokenize in `tokenize_api`.
+requests (see `fanout`). The chat route itself (tools, reasoning) lives in `chat_api`,
+/v1/completions in `completions_api`, /tokenize and /detokenize in `tokenize_api`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from services.frontend.chat_features import ChatFeatures
 from services.frontend.chat_template import ChatTemplate
 from services.frontend.engine_client import EngineClient, EngineUnavailable
 from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound, Overloaded,
@@ -34,7 +34,6 @@ from services.frontend.errors import (APIError, InternalError, InvalidRequest, N
 from services.frontend.fanout import FanOut, SSEResponse, until_disconnect
 from services.frontend.generation import TextDelta, generate
 from services.frontend.logprobs import LogprobFormatter
-from services.frontend.openai_protocol import ChatCompletionRequest, parse_chat_request
 from services.frontend.openai_sampling import SamplingRequest
 from services.frontend.tokenizer import Tokenizer
 from shared.protocol import SamplingParams
@@ -82,6 +81,13 @@ class Collected:
         self.prompt_logprobs: list = []
         self.final: TextDelta | None = None
 
+    def add(self, d: TextDelta) -> None:
+        """Take one delta of this choice (the final one included)."""
+        self.parts.append(d.text)
+        self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs:
+            self.prompt_logprobs = d.prompt_logprobs
+
     @property
     def text(self) -> str:
         return "".join(self.parts)
@@ -93,13 +99,15 @@ class OpenAIServing:
     model_name: the served model name (requests must name it). max_model_len: tokens of
     prompt + completion. template: the model's chat template, None if it has none (chat
     requests then fail with 500). keepalive_s: seconds between SSE keep-alive comments.
-    max_body_bytes: request bodies above it get 413.
+    max_body_bytes: request bodies above it get 413. features: the tool-call and reasoning
+    parsers of chat requests (default: none).
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate | None,
                  model_name: str, max_model_len: int, keepalive_s: float,
-                 max_body_bytes: int = 8 << 20):
+                 max_body_bytes: int = 8 << 20, features: ChatFeatures | None = None):
         self.engine = engine
+        self.features = features or ChatFeatures()
         self.tokenizer = tokenizer
         self.template = template
         self.model_name = model_name
@@ -187,17 +195,24 @@ class OpenAIServing:
         return b"".join(chunks)
 
     def fan_out(self, request_id: str, choices: list[tuple[list[int], SamplingParams]],
-                sampling: SamplingRequest) -> FanOut:
+                sampling: SamplingRequest,
+                wrap: Callable[[int, AsyncIterator], AsyncIterator] | None = None,
+                stop: list[str] | None = None) -> FanOut:
         """Open one engine request per choice (ids `<request_id>-<index>` when several) and
-        merge their text deltas. Raises EngineUnavailable (aborting those already opened)."""
+        merge their text deltas. wrap(index, deltas): an iterator to merge instead of the
+        choice's `generate` (the chat route's output parsers). stop: the stop strings for
+        `generate` (default sampling.stop). Raises EngineUnavailable (aborting those
+        already opened)."""
         gens, opened = [], []
+        stop = sampling.stop if stop is None else stop
         try:
             for i, (prompt_ids, params) in enumerate(choices):
                 rid = request_id if len(choices) == 1 else f"{request_id}-{i}"
                 stream = self.engine.open_request(rid, prompt_ids, params)
                 opened.append(rid)
-                gens.append(generate(self.engine, self.tokenizer, stream, prompt_ids,
-                                     sampling.stop, sampling.skip_special_tokens))
+                gen = generate(self.engine, self.tokenizer, stream, prompt_ids, stop,
+                               sampling.skip_special_tokens)
+                gens.append(wrap(i, gen) if wrap is not None else gen)
         except EngineUnavailable:
             for rid in opened:
                 self.engine.abort(rid)
@@ -225,22 +240,20 @@ class OpenAIServing:
             log.exception("%s failed with an internal error", request_id)
             return error_response(InternalError(f"Internal error (request {request_id})."))
 
-    async def collect(self, request: Request, request_id: str, fan: FanOut,
-                      n: int) -> list[Collected] | None:
-        """Run every choice to its end (non-streaming). None when the client went away
-        (the requests are then aborted). Raises the APIError of a failed choice."""
+    async def collect(self, request: Request, request_id: str, fan: FanOut, n: int,
+                      make: Callable[[], Collected] = Collected) -> list[Collected] | None:
+        """Run every choice to its end (non-streaming), gathering each in a `make()`. None
+        when the client went away (the requests are then aborted). Raises the APIError of a
+        failed choice."""
 
         async def run() -> list[Collected]:
-            res = [Collected() for _ in range(n)]
+            res = [make() for _ in range(n)]
             async for item in fan:
                 if item is None:
                     continue
                 i, d = item
                 c = res[i]
-                c.parts.append(d.text)
-                c.logprobs.extend(d.logprobs)
-                if d.prompt_logprobs:
-                    c.prompt_logprobs = d.prompt_logprobs
+                c.add(d)
                 if d.finish_reason is not None:
                     c.final = d
                     if d.error is not None:
@@ -292,110 +305,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ chat completions
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], int]:
-        """Prompt token ids and the max_tokens to send; raises APIError."""
-        if req.model != self.model_name:
-            raise model_not_found(req.model)
-        if self.template is None:
-            raise InternalError("The model has no chat template.")
-        prompt = self.template.render(req.messages, add_generation_prompt=True,
-                                      **req.chat_template_kwargs)
-        prompt_ids = self.tokenizer.encode(prompt)
-        n, max_tokens = len(prompt_ids), req.sampling.max_tokens
-        room = self.max_model_len - n
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise context_error("messages", self.max_model_len, n, max_tokens, "messages")
-        return prompt_ids, max_tokens if max_tokens is not None else room
-
     async def chat_completions(self, request: Request) -> Response:
-        """POST /v1/chat/completions (OpenAI Chat Completions, streaming and not).
-
-        Errors: 400 invalid JSON / fields / too long, 404 unknown model, 413 body too large,
-        503 engine not answering or overloaded (Retry-After), 500 internal faults."""
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-
-        async def handle() -> Response:
-            req = parse_chat_request(await self.read_body(request), self.tokenizer.vocab_size)
-            prompt_ids, max_tokens = self._chat_prompt(req)
-            s = req.sampling
-            fan = self.fan_out(request_id, [
-                (prompt_ids, s.to_params(max_tokens, i, logprobs=req.logprobs))
-                for i in range(s.n)], s)
-            log.info("%s added: %d prompt tokens, n %d, max_tokens %d, stream %s", request_id,
-                     len(prompt_ids), s.n, max_tokens, s.stream)
-            if s.stream:
-                return await self.stream(request, request_id, fan,
-                                         lambda first, f: self._chat_events(
-                                             request_id, req, first, f))
-            res = await self.collect(request, request_id, fan, s.n)
-            if res is None:
-                return Response(status_code=CLIENT_CLOSED)
-            return json_response(self._chat_body(request_id, req, res, len(prompt_ids)))
-
-        return await self.guard(request_id, handle)
-
-    def _chat_logprobs(self, req: ChatCompletionRequest, lps: list) -> dict | None:
-        if req.logprobs is None:
-            return None
-        return {"content": self.lp.chat_content(lps, req.logprobs)}
-
-    def _chat_body(self, request_id: str, req: ChatCompletionRequest, res: list[Collected],
-                   n_prompt: int) -> dict[str, Any]:
-        completion = sum(c.final.completion_tokens for c in res if c.final)
-        return {
-            "id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": self._chat_logprobs(req, c.logprobs),
-                         "finish_reason": c.final.finish_reason if c.final else None}
-                        for i, c in enumerate(res)],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                      "total_tokens": n_prompt + completion}}
-
-    async def _chat_events(self, request_id: str, req: ChatCompletionRequest,
-                           first: tuple[int, TextDelta] | None, fan: FanOut
-                           ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        s = req.sampling
-
-        def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> bytes:
-            c: dict[str, Any] = {
-                "id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish}]}
-            if s.include_usage:
-                c["usage"] = None
-            return sse(c)
-
-        for i in range(s.n):
-            yield chunk(i, {"role": "assistant", "content": ""}, None)
-        n_prompt, completion = 0, 0
-
-        async def items():
-            if first is not None:
-                yield first
-            async for item in fan:
-                yield item
-
-        async for item in items():
-            if item is None:
-                yield SSE_KEEPALIVE
-                continue
-            i, d = item
-            if d.error is not None:
-                yield sse(error_body(delta_error(d)))
-                yield SSE_DONE
-                return
-            if d.text or d.logprobs:
-                yield chunk(i, {"content": d.text}, None, self._chat_logprobs(req, d.logprobs))
-            if d.finish_reason is not None:
-                n_prompt = d.prompt_tokens
-                completion += d.completion_tokens
-                yield chunk(i, {}, d.finish_reason)
-        if s.include_usage:
-            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                       "model": self.model_name, "choices": [],
-                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
-                                 "total_tokens": n_prompt + completion}})
-        yield SSE_DONE
+        """POST /v1/chat/completions (chat_api.ChatServing)."""
+        # Imported here: chat_api builds on this module's helpers.
+        from services.frontend.chat_api import ChatServing
+        return await ChatServing(self).chat_completions(request)

@@ -1,16 +1,18 @@
 """Validation of OpenAI request bodies: Chat Completions and (legacy) Completions.
 
 Follows the OpenAI API reference for the request bodies. Chat: model, messages (roles
-system, developer (sent to the template as system), user, assistant; content a string or a
-list of text parts), logprobs, top_logprobs (0-20, needs logprobs), chat_template_kwargs,
-and the shared sampling fields of `openai_sampling` (n, seed, penalties, logit_bias, stop,
-response_format, stream, stream_options, vLLM's top_k/min_p/min_tokens/...).
+system, developer (sent to the template as system), user, assistant (with `tool_calls`),
+tool (with `tool_call_id`); content a string or a list of text parts), logprobs,
+top_logprobs (0-20, needs logprobs), chat_template_kwargs, tools / tool_choice /
+parallel_tool_calls (`openai_tools`), and the shared sampling fields of `openai_sampling`
+(n, seed, penalties, logit_bias, stop, response_format, stream, stream_options, vLLM's
+top_k/min_p/min_tokens/...).
 Completions: model, prompt (a string, a list of strings, a list of token ids or a list of
 lists of token ids), echo, logprobs (0-5 per OpenAI, up to 20 here), suffix (rejected),
 best_of (must equal n), and the same sampling fields.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields that Kestrel
-cannot honour (tools, functions) are rejected unless they hold their neutral value.
+cannot honour (the legacy `functions`) are rejected unless they hold their neutral value.
 Every error is an `InvalidRequest` naming the field (`messages[2].content` style).
 """
 
@@ -24,28 +26,35 @@ import orjson
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import (MAX_TOP_LOGPROBS, SamplingRequest, get_bool,
                                                get_int, is_int, parse_sampling)
+from services.frontend.openai_tools import ToolRequest, parse_tool_calls, parse_tools
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # field -> neutral values (accepted and ignored); any other value is "not supported".
 UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
+    "function_call": (None, "none", "auto"),
 }
 
 
 @dataclass
 class ChatCompletionRequest:
-    """A validated chat request. messages: [{"role", "content": str, ("name")}], text
-    parts joined with newlines. sampling: the shared sampling fields. logprobs: None, or
-    the number of alternatives per output token (top_logprobs, 0 = the chosen token only)."""
+    """A validated chat request. messages: as `parse_messages` returns them. sampling: the
+    shared sampling fields (`structured` holds the forced-call constraint when tool_choice
+    forces a call). logprobs: None, or the number of alternatives per output token
+    (top_logprobs, 0 = the chosen token only). tools: the tool fields."""
 
     model: str
     messages: list[dict[str, Any]]
     sampling: SamplingRequest
     logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolRequest = field(default_factory=ToolRequest)
+
+    @property
+    def thinking(self) -> bool:
+        """chat_template_kwargs.enable_thinking (default true, as Qwen3's template)."""
+        return self.chat_template_kwargs.get("enable_thinking", True) is not False
 
     @property
     def stream(self) -> bool:
@@ -89,7 +98,8 @@ def _content(i: int, role: str, content: Any) -> str:
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
-    """Validate `messages` and normalize each to {"role", "content": str, ("name")}.
+    """Validate `messages` and normalize each to {"role", "content": str, ("name"),
+    ("tool_calls": see openai_tools.parse_tool_calls), ("tool_call_id")}.
     Raises InvalidRequest naming the first bad message field."""
     if value is None:
         raise InvalidRequest("messages", "Missing required parameter: 'messages'.")
@@ -113,6 +123,14 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             if not isinstance(msg["name"], str):
                 raise InvalidRequest(f"messages[{i}].name", "'name' must be a string.")
             norm["name"] = msg["name"]
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            norm["tool_calls"] = parse_tool_calls(f"messages[{i}].tool_calls",
+                                                  msg["tool_calls"])
+        if role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise InvalidRequest(f"messages[{i}].tool_call_id",
+                                     "A tool message needs a string 'tool_call_id'.")
+            norm["tool_call_id"] = msg["tool_call_id"]
         out.append(norm)
     return out
 
@@ -152,10 +170,17 @@ def parse_chat_request(raw: bytes, vocab_size: int) -> ChatCompletionRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object.")
+    tools = parse_tools(body)
+    sampling = parse_sampling(body, vocab_size)
+    if tools.forced:
+        if sampling.structured is not None:
+            raise InvalidRequest("response_format", "'response_format' cannot be combined "
+                                 f"with tool_choice '{tools.choice}'.")
+        sampling.structured = tools.constraint()
     return ChatCompletionRequest(
-        model=body["model"], messages=messages, sampling=parse_sampling(body, vocab_size),
+        model=body["model"], messages=messages, sampling=sampling,
         logprobs=(top or 0) if want_logprobs else None,
-        chat_template_kwargs=dict(kwargs or {}))
+        chat_template_kwargs=dict(kwargs or {}), tools=tools)
 
 
 def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:

@@ -61,11 +61,36 @@ SAMPLING_PROPS: dict[str, Any] = {
 }
 
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant"]},
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
         "type": "object", "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-    "name": {"type": "string"}}}
+    "name": {"type": "string"},
+    "tool_calls": {"type": "array", "description": "assistant messages", "items": {
+        "type": "object", "required": ["function"], "properties": {
+            "id": {"type": "string"}, "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "description": "JSON text"}}}}}},
+    "tool_call_id": {"type": "string", "description": "required on tool messages"}}}
+
+_TOOLS = {
+    "tools": {"type": ["array", "null"], "items": {
+        "type": "object", "required": ["function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "description": {"type": "string"}, "parameters": {"type": "object"},
+                "strict": {"type": "boolean"}}}}}},
+    "tool_choice": {"anyOf": [
+        {"enum": ["none", "auto", "required"]}, {"type": "null"},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"],
+                         "properties": {"name": {"type": "string"}}}}}],
+        "description": "required / a named function force a call (structured output)"},
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+}
 
 CHAT_REQUEST = {"type": "object", "required": ["model", "messages"], "properties": {
     "model": {"type": "string"},
@@ -73,7 +98,9 @@ CHAT_REQUEST = {"type": "object", "required": ["model", "messages"], "properties
     "logprobs": {"type": ["boolean", "null"]},
     "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
                      "description": "needs logprobs: true"},
-    "chat_template_kwargs": {"type": ["object", "null"]},
+    "chat_template_kwargs": {"type": ["object", "null"],
+                             "description": "enable_thinking: reasoning on/off"},
+    **_TOOLS,
     **SAMPLING_PROPS}}
 
 _PROMPT = {"anyOf": [

@@ -117,7 +117,8 @@ async def _build_serving(cfg: KestrelConfig, engine: EngineClient) -> OpenAIServ
         log.error("%s; chat completions will fail", e)
     name = cfg.served_model_name or info.model_name
     return OpenAIServing(engine, tokenizer, template, name, info.max_model_len, cfg.keepalive_s,
-                         cfg.max_request_body_bytes)
+                         cfg.max_request_body_bytes,
+                         ChatFeatures(cfg.tool_call_parser, cfg.reasoning_parser))
 
 
 def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
@@ -134,8 +135,8 @@ def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
         beats = asyncio.create_task(beat_forever(Beacon(cfg.runtime_dir, name)))
         try:
             app.state.serving = await _build_serving(cfg, engine)
-            app.state.anthropic = AnthropicServing(app.state.serving, ChatFeatures(
-                cfg.tool_call_parser, cfg.reasoning_parser))
+            app.state.anthropic = AnthropicServing(app.state.serving,
+                                                   app.state.serving.features)
             app.state.metrics = MetricsEndpoint(engine, app.state.serving.model_name,
                                                 cfg.runtime_dir)
             log.info("serving %s on http://%s:%d", app.state.serving.model_name, cfg.host,

@@ -3,8 +3,9 @@
 /tokenize: {"model"?, "prompt": str, "add_special_tokens": bool = true,
 "return_token_strs": bool = false} or {"model"?, "messages": [...],
 "add_generation_prompt": bool = true, "add_special_tokens": bool = false,
-"chat_template_kwargs"?: {}, "return_token_strs"?} -> {"count", "max_model_len", "tokens",
-"token_strs" (null unless asked)}.
+"chat_template_kwargs"?: {}, "tools"?, "tool_choice"?, "return_token_strs"?} -> {"count",
+"max_model_len", "tokens", "token_strs" (null unless asked)}. Messages and tools render as
+/v1/chat/completions renders them (tools left out when tool_choice is "none").
 /detokenize: {"model"?, "tokens": [int]} -> {"prompt": str}. An id outside the vocabulary is
 a 400 naming `tokens`.
 """
@@ -22,6 +23,7 @@ from services.frontend.errors import InternalError, InvalidRequest, model_not_fo
 from services.frontend.openai_api import OpenAIServing, json_response
 from services.frontend.openai_protocol import parse_messages
 from services.frontend.openai_sampling import get_bool, is_int
+from services.frontend.openai_tools import parse_tools
 
 
 def _body(raw: bytes, serving: OpenAIServing) -> dict[str, Any]:
@@ -57,9 +59,12 @@ class TokenizeServing:
                 if not isinstance(kwargs, dict):
                     raise InvalidRequest("chat_template_kwargs",
                                          "'chat_template_kwargs' must be an object.")
+                tools = parse_tools(body)
                 text = s.template.render(
                     messages, add_generation_prompt=get_bool(body, "add_generation_prompt",
-                                                             True), **kwargs)
+                                                             True),
+                    tools=tools.tools if tools.active else None,
+                    **(s.features.template_kwargs() | kwargs))
                 ids = s.tokenizer.encode(text, get_bool(body, "add_special_tokens", False))
             elif isinstance(body.get("prompt"), str):
                 ids = s.tokenizer.encode(body["prompt"],

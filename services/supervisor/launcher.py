@@ -15,6 +15,12 @@ Policies (DESIGN §8):
 - Restarts back off exponentially (restart.py). A unit that fails more than restart_max
   times within restart_window_s makes `serve` stop everything and exit 1. Restart counts
   per process are in `<runtime_dir>/restarts.json` (restart.read_restart_counts).
+- The kvstore (when kv_offload_cpu_gib > 0; its settings are checked with
+  `services.kvstore.settings.resolve_setup` before anything starts, exit 2 with the message
+  when they cannot work) is its own restart unit: it starts first, is not touched when the
+  engine group restarts (a restarted engine finds its prefixes warm), and is restarted
+  alone when it dies (the engine carries on without tiers meanwhile and reconnects). It
+  stops last.
 - A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress.
 
 Stop (SIGTERM or Ctrl-C): the frontends drain (new requests are refused, requests in flight
@@ -121,9 +127,11 @@ class Supervisor:
             Child(f"frontend-{i}", base + ["frontend", "--frontend-index", str(i),
                                            "--resolved-config", resolved], env)
             for i in range(max(cfg.frontends, 1))]
-        self.children = self.engine_group + self.frontends
+        self.kvstore = [Child("kvstore", base + ["kvstore", "--resolved-config", resolved], env)
+                        ] if (cfg.kv_offload_cpu_gib or 0) > 0 else []
+        self.children = self.kvstore + self.engine_group + self.frontends
         self.policies = {u: RestartPolicy(cfg.restart_max, cfg.restart_window_s)
-                         for u in ["engine"] + [f.role for f in self.frontends]}
+                         for u in ["engine"] + [c.role for c in self.kvstore + self.frontends]}
         self.restarts = {c.role: 0 for c in self.children}
         self.pending: dict[str, float] = {}  # unit -> time.monotonic() to start it at
         self.gave_up = False
@@ -157,6 +165,11 @@ class Supervisor:
                 log.error("%s (pid %d) exited with code %s; the engine keeps running",
                           f.role, f.proc.pid, f.proc.returncode)
                 self._schedule(f.role)
+        for k in self.kvstore:
+            if k.role not in self.pending and not k.alive():
+                log.error("kvstore (pid %d) exited with code %s; the engine carries on without "
+                          "KV tiers until it is back", k.proc.pid, k.proc.returncode)
+                self._schedule(k.role)
         if "engine" not in self.pending:
             dead = [c for c in self.engine_group if not c.alive()]
             if dead:
@@ -171,7 +184,7 @@ class Supervisor:
                 continue
             del self.pending[unit]
             group = self.engine_group if unit == "engine" else \
-                [f for f in self.frontends if f.role == unit]
+                [c for c in self.kvstore + self.frontends if c.role == unit]
             for c in group:
                 self.restarts[c.role] += 1
                 c.start()
@@ -191,6 +204,7 @@ class Supervisor:
         _stop_group(self.frontends, self.cfg.shutdown_timeout + GRACE_S)
         _stop_group(self.engine_group[:1], GRACE_S)
         _stop_group(self.engine_group[1:], GRACE_S)
+        _stop_group(self.kvstore, GRACE_S)  # last: it finishes its queued disk writes
 
 
 def _stop_group(group: list[Child], grace: float) -> None:
@@ -242,6 +256,18 @@ def serve(cfg: KestrelConfig) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    if (cfg.kv_offload_cpu_gib or 0) > 0:
+        from services.kvstore.settings import ConfigError, resolve_setup
+
+        try:
+            setup = resolve_setup(cfg)
+        except ConfigError as e:
+            log.error("%s", e)
+            print(f"kestrel serve: {e}", file=sys.stderr, flush=True)
+            return 2
+        log.info("kvstore: %d CPU slots of %d bytes, disk tier %s", setup.n_slots,
+                 setup.block_bytes, f"{setup.disk_dir} ({setup.disk_capacity} blocks)"
+                 if setup.disk_dir else "off")
     _sweep(None)
     os.makedirs(cfg.runtime_dir, mode=0o700, exist_ok=True)
     resolved = os.path.join(cfg.runtime_dir, "config.json")

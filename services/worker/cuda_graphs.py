@@ -9,8 +9,8 @@ and sequence length 0 (attention writes zeros for them); their hidden states are
 
 Captured sizes: 1, 2, 4, 8, then every 8 up to 32, every 16 up to 128, every 32 beyond,
 up to max_num_seqs (which is always captured). The attention kernel's split-K grid is
-fixed at capture by max_seq_len = max_model_len (see `decode_splits`), so one graph serves
-every context length; partitions past a sequence's end exit at once.
+fixed at capture (see `decode_splits`); the kernel spreads each sequence's own context over
+it, so one graph serves every context length with the whole grid.
 """
 
 from __future__ import annotations
@@ -44,12 +44,18 @@ class DecodeGraphs:
         self.max_bs = mb = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.device = device
-        # one flat int64 buffer: ids | positions | slots | seq_lens, then the block tables
-        self.header = torch.zeros(4 * mb, dtype=torch.long, device=device)
+        # one flat int64 buffer: ids | positions | slots | seq_lens | block tables [mb, max_blocks],
+        # mirrored by one pinned host buffer: a step is one host->device copy of a prefix
+        nb = self.max_blocks
+        self.flat = torch.zeros(4 * mb + mb * nb, dtype=torch.long, device=device)
+        self.header = self.flat[:4 * mb]
         self.ids, self.pos, self.slots, self.seq_lens = self.header.view(4, mb)
-        self.tables = torch.zeros(mb, self.max_blocks, dtype=torch.long, device=device)
+        self.tables = self.flat[4 * mb:].view(mb, nb)
         self.cu = torch.arange(mb + 1, dtype=torch.int32, device=device)
-        self.host = torch.zeros(4 * mb, dtype=torch.long, pin_memory=True)
+        self.host = torch.zeros(4 * mb + mb * nb, dtype=torch.long, pin_memory=True)
+        self._host_np = self.host.numpy()
+        self._host_tables = self._host_np[4 * mb:].reshape(mb, nb)
+        self._copied = torch.cuda.Event()  # the last copy out of `host` is done
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.slots.fill_(-1)
@@ -84,17 +90,20 @@ class DecodeGraphs:
         """
         b = len(ids)
         bs = self.padded_size(b)
-        mb = self.max_bs
-        h = self.host
-        h[:b] = torch.tensor(ids)
-        h[mb:mb + b] = torch.tensor(positions)
-        h[2 * mb:2 * mb + bs].fill_(-1)
-        h[2 * mb:2 * mb + b] = torch.tensor(slots)
-        h[3 * mb:3 * mb + bs].zero_()
-        h[3 * mb:3 * mb + b] = torch.tensor(seq_lens)
-        width = max(len(t) for t in tables)
-        ht = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).pin_memory()
-        self.header.copy_(h, non_blocking=True)
-        self.tables[:b, :width].copy_(ht, non_blocking=True)
+        mb, nb = self.max_bs, self.max_blocks
+        self._copied.synchronize()  # never overwrite host data an earlier copy still reads
+        h = self._host_np
+        h[:b] = ids
+        h[mb:mb + b] = positions
+        h[2 * mb:2 * mb + b] = slots
+        h[2 * mb + b:2 * mb + bs] = -1  # padding rows: no KV write
+        h[3 * mb:3 * mb + b] = seq_lens
+        h[3 * mb + b:3 * mb + bs] = 0  # padding rows: no attention
+        ht = self._host_tables
+        for i, t in enumerate(tables):  # entries past a table's end are stale and never read
+            ht[i, :len(t)] = t           # (attention reads only blocks below seq_len)
+        n = 4 * mb + bs * nb
+        self.flat[:n].copy_(self.host[:n], non_blocking=True)
+        self._copied.record()
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -18,6 +18,7 @@ import torch
 
 from kernels import attention as attn_kernels
 from services.worker.kv_cache import KVCache, block_bytes, num_blocks_for
+from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.gpu_memory import profile_kv_budget
@@ -88,6 +89,7 @@ class ModelRunner:
             self.num_blocks = num_blocks_for(cfg.kv_cache_gib, per_block)
         self.kv = KVCache(layers, self.num_blocks, self.block_size, kv_heads, head_dim,
                           self.dtype, self.device)
+        self.kv_transfer = KVTransfer(self.kv)  # kvstore tier copies (kv_transfer.py)
         self.graphs = None
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
             self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs, self.max_model_len,
@@ -111,6 +113,7 @@ class ModelRunner:
             "activation_peak_bytes": self.activation_peak_bytes,
             "cuda_graph_sizes": self.graphs.sizes if self.graphs else [],
             "cuda_graph_capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0.0,
+            "kv_block_bytes": self.kv_transfer.slot_bytes,
         }
 
     @torch.inference_mode()
@@ -126,7 +129,9 @@ class ModelRunner:
     def run_step(self, plan: StepPlan) -> StepResult:
         """Run one step and return its full result: the sampled tokens (plan order), their
         logprobs where asked (`Sampler.sample`), and the prompt logprobs of prefill chunks
-        of requests with `prompt_logprobs` set. Raises like `execute`."""
+        of requests with `prompt_logprobs` set. KV tier copies: plan.kv_loads before the
+        forward, plan.kv_stores after it (`kv_transfer.py`). Raises like `execute`."""
+        self.kv_transfer.before_step(plan)
         logits, rows, prompt_logits = self._forward(plan)
         seqs = plan.seqs
         result = StepResult(plan.step_id, [])
@@ -136,6 +141,7 @@ class ModelRunner:
             result.logprobs = out.logprobs
         for i, chunk_logits in prompt_logits.items():
             result.prompt_logprobs[seqs[i].request_id] = self._prompt_logprobs(seqs[i], chunk_logits)
+        result.kv_store_error = self.kv_transfer.after_step(plan)
         return result
 
     def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list[TokenLogprob]:

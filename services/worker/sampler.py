@@ -80,7 +80,9 @@ class Sampler:
         seeds = [mix_seed(self.default_seed if p.seed is None else p.seed, i)
                  for p, i in zip(params, output_indices)]
         dev = logits.device
-        return sample(logits, temp.to(dev), top_k.to(dev), top_p.to(dev), min_p.to(dev), seeds)
+        filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params)
+        return sample(logits, temp.to(dev, non_blocking=True), top_k.to(dev), top_p.to(dev), min_p.to(dev),
+                      seeds, filtered)
 
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SamplerOutput:
         """Apply the logits processors, draw, and compute logprobs where asked.

@@ -4,6 +4,7 @@ each service's own command and environment, run as local processes, serve a chat
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,16 +28,50 @@ def load():
         return yaml.safe_load(fh)
 
 
+def interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` / `${VAR}` substitution, from this process's environment."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}",
+                  lambda m: os.environ.get(m.group(1)) or (m.group(2) or ""), value)
+
+
+def _seconds(text: str) -> float:
+    """A Compose duration ("35s", "1m30s", "500ms") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", str(text))
+    assert parts and "".join(a + b for a, b in parts) == str(text), text
+    return sum(float(a) * units[b] for a, b in parts)
+
+
 def test_compose_file_shape():
     doc = load()
     svcs = doc["services"]
-    assert {"engine", "worker", "frontend"} <= set(svcs)
+    assert {"engine", "worker", "frontend", "kvstore"} <= set(svcs)
     assert svcs["engine"]["ipc"] == "shareable"
-    for name in ("worker", "frontend"):
+    for name in ("worker", "frontend", "kvstore"):
         assert svcs[name]["ipc"] == "service:engine"
     for name, svc in svcs.items():
         assert svc["command"][0] == "kestrel" and svc["command"][1] == name
         assert any(v.endswith(":/models:ro") for v in svc["volumes"])
+        assert svc["restart"] in ("always", "unless-stopped", "on-failure"), name
+        assert svc["healthcheck"]["test"], name
+
+
+def test_compose_stop_grace_outlasts_the_shutdown_timeout():
+    doc = load()
+    for name, svc in doc["services"].items():
+        timeout = float(svc["environment"]["KESTREL_SHUTDOWN_TIMEOUT"])
+        assert _seconds(svc["stop_grace_period"]) > timeout + 5, name
+
+
+def test_compose_frontend_and_kvstore_restart_independently_of_the_engine():
+    """`restart frontend` and an engine restart touch only that service: nothing else is
+    pinned to the engine's pid namespace (whose end would kill its members) or network."""
+    svcs = load()["services"]
+    for name in ("frontend", "kvstore", "worker"):
+        assert "pid" not in svcs[name] and "network_mode" not in svcs[name], name
+    assert svcs["frontend"]["ports"], "the frontend publishes the API port"
+    hc = " ".join(svcs["frontend"]["healthcheck"]["test"])
+    assert "/health" in hc and "urllib" in hc
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None and shutil.which("docker") is None,
@@ -57,10 +92,10 @@ def test_each_compose_service_command_serves(smollm2_dir, tmp_path):
     runtime = tempfile.mkdtemp(prefix="krun-")  # short: unix socket paths are limited to ~100 bytes
     procs = []
     try:
-        for name in ("engine", "worker", "frontend"):
+        for name in ("engine", "kvstore", "worker", "frontend"):
             svc = doc["services"][name]
             env = dict(os.environ)
-            env.update({k: str(v) for k, v in svc["environment"].items()})
+            env.update({k: interpolate(str(v)) for k, v in svc["environment"].items()})
             # the container paths become local ones; the instance id is made unique
             env["KESTREL_MODEL"] = str(smollm2_dir)
             env["KESTREL_RUNTIME_DIR"] = runtime

@@ -45,8 +45,12 @@ BAD_REQUESTS = [
      "context_length_exceeded"),
     ("template refuses", {"model": MODEL, "messages": HI + HI}, 400, "messages", None),
     ("unknown model", {"model": "gpt-9", "messages": HI}, 404, "model", "model_not_found"),
-    ("tools", {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]}, 400, "tools",
-     None),
+    ("tool without function", {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]},
+     400, "tools[0].function", None),
+    ("tool_choice names an unknown tool", {"model": MODEL, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice.function.name", None),
 ]
 
 

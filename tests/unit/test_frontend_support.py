@@ -10,7 +10,9 @@
   with a fixed reply (token ids of REPLY_TEXT), shaped by the last user message:
   "please fail" -> finish "error"; "please hang" -> no output until aborted;
   "slow" -> the reply after 0.5 s; "keep going" -> the reply without a finish
-  (the request runs until aborted). It records AddRequests and Aborts.
+  (the request runs until aborted); a message containing a key of SCRIPTED -> that reply
+  instead of REPLY_TEXT (reasoning and tool-call outputs for the output parsers). It records
+  AddRequests and Aborts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from shared import protocol as p
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS = "<|im_end|>"
 REPLY_TEXT = "Hello there! 你好，世界。Kestrels hover 🦅🪶 over 龍🐉 then stop here."
+# Hand-written model outputs, chosen by a key in the last user message.
+SCRIPTED = {
+    "please think": "<think>abc</think>hello",
+    "please call": ('<think>hm</think><tool_call>{"name": "get_weather", "arguments": '
+                    '{"city": "P\\"<b>", "n": 123456789012345678901234567890, "x": [1.5, null]}}'
+                    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+    "please force": '[{"name": "get_weather", "arguments": {"city": "Oslo", "n": 3}}]',
+}
 MAX_MODEL_LEN = 256
 MODEL = "test-model"  # the served model name
 HI = [{"role": "user", "content": "Say hello 你好"}]
@@ -128,7 +138,9 @@ class FakeEngine:
             self._pending.append((now, ident, out(self.reply_ids[:2])))
             self._pending.append((now, ident, out([], "error", error="simulated worker fault")))
             return
-        ids = self.reply_ids[:req.sampling.max_tokens]
+        reply_ids = next((self.tokenizer.encode(text).ids for key, text in SCRIPTED.items()
+                          if key in user), self.reply_ids)
+        ids = reply_ids[:req.sampling.max_tokens]
         due = now + (0.5 if "slow" in user else 0.0)
         chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]
         for chunk in chunks[:-1]:
@@ -136,7 +148,7 @@ class FakeEngine:
         if "keep going" in user:  # the reply, then the request runs on until aborted
             self._pending.append((due, ident, out(chunks[-1])))
             return
-        if len(ids) < len(self.reply_ids):
+        if len(ids) < len(reply_ids):
             self._pending.append((due, ident, out(chunks[-1], "length")))
         else:
             self._pending.append((due, ident, out(chunks[-1] + [self.eos_id], "stop",
@@ -206,7 +218,8 @@ def health(url: str) -> int | None:
 class Stack:
     """A model folder, a fake engine and a frontend subprocess, on a free port."""
 
-    def __init__(self):
+    def __init__(self, *extra_args: str):
+        self.extra_args = list(extra_args)  # more frontend flags (--tool-call-parser ...)
         self.dir = tempfile.mkdtemp(prefix="kfe-")
         self.model_dir = build_model_dir(os.path.join(self.dir, "model"))
         self.address = f"ipc://{self.dir}/engine.sock"
@@ -225,7 +238,8 @@ class Stack:
         cmd = [sys.executable, "-m", "services.frontend.server", "--engine-address",
                self.address, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--dtype", "float32", "--model", self.model_dir, "--served-model-name", MODEL,
-               "--keepalive-s", "0.2", "--startup-timeout-s", str(startup_timeout_s)]
+               "--keepalive-s", "0.2", "--startup-timeout-s", str(startup_timeout_s),
+               *self.extra_args]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
                                          stderr=subprocess.STDOUT)

@@ -16,7 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from kernels import activation, attention, norm, rotary  # noqa: E402
+from kernels import activation, attention, norm, rotary, sampling, sampling_triton  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 
 
@@ -109,6 +109,15 @@ def main() -> None:
             q, kc, vc, cu, sl, bt, ref = paged_case(seqs, h, kvh, d, bs, dt, gen)
             got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, d ** -0.5, **kw)
             out[f"attn_{cname}_{name}"] = rel(got, ref)
+        # sampling: the Gumbel-max kernel against the torch reference, same hashed noise;
+        # the "error" is the fraction of rows whose token differs (0 expected)
+        lg = (torch.randn(7, 3001, generator=gen) * 3).to(dt)
+        temp = torch.tensor([0.0, 0.6, 1.0, 1.7, 0.3, 0.0, 1.0])
+        seeds = [sampling.mix_seed(int(s), 5) for s in torch.randint(0, 1 << 30, (7,), generator=gen)]
+        n7 = torch.zeros(7, dtype=torch.long)
+        ref = sampling.sample_ref(lg, temp, n7, torch.ones(7), torch.zeros(7), seeds, False)
+        got = sampling_triton.sample_triton(lg, temp, seeds)
+        out[f"sample_gumbel_{name}"] = float((got != ref).double().mean())
     print("RESULT " + json.dumps(out))
 
 

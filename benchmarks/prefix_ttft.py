@@ -1,0 +1,111 @@
+"""TTFT of one long prompt: cold, GPU-local prefix hit, kvstore CPU-tier hit, disk-tier hit.
+
+Starts `kestrel serve` (a subprocess, as a user would) with the kvstore on, sends the same
+prompt of `--tokens` token ids (max_tokens 1, greedy; TTFT = the request's wall time, which
+with one output token is the time to the first token plus one HTTP round trip):
+1. cold: nothing cached anywhere;
+2. gpu: again (the engine's own prefix cache);
+3. cpu: after POST /reset_prefix_cache (the engine's cache is empty; the kvstore's pool
+   holds the prompt's blocks);
+4. disk: after two filler prompts of the same length pushed the prompt's blocks out of the
+   pool (sized to ~1.1 prompts) into the disk tier, and another reset.
+Before 3 and 4 it waits until the engine's stores and the store's disk writes are done.
+Prints one JSON object (seconds, plus the tier hit counters) and writes it to --out.
+
+    python benchmarks/prefix_ttft.py --tokens 8192 [--model DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.e2e.server import KestrelServer  # noqa: E402
+
+BS = 16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    ap.add_argument("--block-bytes", type=int, default=737280, help="bytes of one KV block "
+                    "(SmolLM2-135M fp32: 737280); sizes the pool")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    n_blocks = a.tokens // BS + 1
+    pool_gib = round(n_blocks * 1.1 * (a.block_bytes + 64) / (1 << 30) + 0.001, 4)
+    disk = tempfile.mkdtemp(prefix="kestrel-bench-disk-")
+    srv = KestrelServer(a.model, "--kv-offload-cpu-gib", str(pool_gib), "--kv-offload-disk-dir",
+                        disk, "--kv-offload-disk-gib", str(round(pool_gib * 4, 3)),
+                        "--max-model-len", str(a.tokens + 64)).start()
+    url = srv.base_url
+    model = os.path.basename(os.path.normpath(a.model))
+
+    def stats() -> dict:
+        return httpx.get(url + "/internal/stats", timeout=30).json()
+
+    def ttft(ids: list[int]) -> float:
+        t = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", timeout=1800, json={
+            "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        return time.perf_counter() - t
+
+    def settle() -> None:
+        from services.kvstore.client import KVStoreClient
+        from shared.hashing import model_identity_hash
+
+        while stats().get("kv_tier_pending_stores"):
+            time.sleep(0.05)
+        ident = model_identity_hash(os.path.abspath(a.model), "float32", "float32", BS, 1)
+        c = KVStoreClient(f"ipc:///tmp/kestrel-{srv.instance_id}/kvstore.sock", "bench", ident,
+                          a.block_bytes, timeout_s=30)
+        c.connect()
+        while c.stats()["pending_writes"]:
+            time.sleep(0.05)
+        c.close()
+
+    def reset() -> None:
+        while httpx.post(url + "/reset_prefix_cache", timeout=30).status_code != 200:
+            time.sleep(0.05)
+
+    try:
+        while not stats().get("kv_tier_connected"):
+            time.sleep(0.1)
+        rnd = random.Random(0)
+        prompt = [rnd.randrange(1000, 20000) for _ in range(a.tokens)]
+        out = {"tokens": a.tokens, "pool_gib": pool_gib, "device": "cpu"}
+        out["cold_s"] = ttft(prompt)
+        out["gpu_hit_s"] = ttft(prompt)
+        settle()
+        reset()
+        out["cpu_tier_hit_s"] = ttft(prompt)
+        for i in range(2):
+            ttft([rnd.randrange(1000, 20000) for _ in range(a.tokens)])
+            settle()
+        reset()
+        out["disk_tier_hit_s"] = ttft(prompt)
+        s = stats()
+        out.update({k: s[k] for k in ("kv_tier_hits_cpu", "kv_tier_hits_disk", "prefix_cache_hits")})
+    finally:
+        srv.stop()
+    text = json.dumps(out, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Where a decode step's time goes, on the GPU: per-kernel GPU time (torch.profiler) of an
+eager batch-1 step at 1K context and of a CUDA-graph batch-256 step at 1K context, the
+phases of the batch-1 graph step (host prepare, graph replay, logits, sampling) timed with
+events, and the sampler alone (per-row torch.Generator draws, the old way, against the
+hashed-noise torch reference and the Triton kernel) at 256 x vocab rows.
+
+Diagnostic, not a target benchmark. Writes JSON to --out and prints a table.
+Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import device_name, model_dir  # noqa: E402
+from kernels import sampling  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from shared.config import build_config  # noqa: E402
+from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+
+SAMP = SamplingParams(temperature=0.6, seed=1)
+
+
+def plan(b: int, ctx: int, blocks_per_seq: int) -> StepPlan:
+    return StepPlan(0, [ScheduledSeq(f"r{i}", [i + 1], ctx, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                                     True, SAMP, 1) for i in range(b)])
+
+
+def kernel_table(fn, top: int = 14) -> list[dict]:
+    """GPU time per kernel name of one call of fn (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append({"name": e.key[:70], "calls": e.count, "us": round(t, 1)})
+    rows.sort(key=lambda r: -r["us"])
+    total = round(sum(r["us"] for r in rows), 1)
+    return [{"name": "TOTAL", "calls": sum(r["calls"] for r in rows), "us": total}] + rows[:top]
+
+
+def median_ms(fn, reps: int = 30) -> float:
+    ts = []
+    for _ in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts[3:])
+
+
+def old_generator_sample(logits, temp, seeds):
+    """The round-1 draw: one seeded torch.Generator call per row (kept here to time it)."""
+    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
+    noise = torch.empty_like(probs)
+    gen = torch.Generator(device=logits.device)
+    for j, s in enumerate(seeds):
+        gen.manual_seed(s)
+        noise[j].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="qwen3-0.6b")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
+           "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
+           "gpu_memory_utilization": 0.5}
+    runner = ModelRunner(build_config(cli=cli, env={}))
+    res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config}
+    nbps = -(-1100 // runner.block_size)
+    p1, p256 = plan(1, 1024, nbps), plan(256, 1024, nbps)
+    graphs = runner.graphs
+    runner.graphs = None
+    res["eager_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
+    runner.graphs = graphs
+    res["graph_b256_kernels"] = kernel_table(lambda: runner.execute(p256))
+    res["graph_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
+    # phases of the batch-1 graph step
+    seqs = p1.seqs
+    t_host = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner._decode_graph(seqs)
+        t_host.append(time.perf_counter() - t0)
+    g1 = graphs.graphs[1]
+    hidden = graphs.outputs[1]
+    logits = runner.model.compute_logits(hidden)
+    res["b1_phases_ms"] = {
+        "host_prepare_and_launch": round(statistics.median(t_host) * 1e3, 4),
+        "graph_replay_gpu": round(median_ms(g1.replay), 4),
+        "logits_gpu": round(median_ms(lambda: runner.model.compute_logits(hidden)), 4),
+        "sample_gpu": round(median_ms(lambda: runner.sampler.sample(logits, seqs)), 4),
+        "execute_wall": round(median_ms(lambda: runner.execute(p1)), 4),
+    }
+    # the sampler alone, 256 rows of the model's vocab
+    vocab = logits.shape[1]
+    lg = torch.randn(256, vocab, device="cuda") * 3
+    temp = torch.full((256,), 0.6, device="cuda")
+    seeds = [sampling.mix_seed(i, 9) for i in range(256)]
+    z, o, zf = torch.zeros(256, dtype=torch.long, device="cuda"), torch.ones(256, device="cuda"), torch.zeros(256, device="cuda")
+    res["sampler_256_ms"] = {
+        "old_per_row_generator": round(median_ms(lambda: old_generator_sample(lg, temp, seeds), 5), 4),
+        "hashed_torch_ref": round(median_ms(lambda: sampling.sample_ref(lg, temp, z, o, zf, seeds, False), 10), 4),
+        "hashed_triton": round(median_ms(lambda: sampling.sample(lg, temp, z, o, zf, seeds, False)), 4),
+        "top_p_0.9_path": round(median_ms(lambda: sampling.sample(lg, temp, z, torch.full((256,), 0.9, device="cuda"), zf, seeds, True), 5), 4),
+    }
+    for k in ("eager_b1_kernels", "graph_b1_kernels", "graph_b256_kernels"):
+        print(f"== {k}")
+        for r in res[k]:
+            print(f"{r['us']:>10.1f} us {r['calls']:>5}  {r['name']}")
+    print("b1_phases_ms", json.dumps(res["b1_phases_ms"]))
+    print("sampler_256_ms", json.dumps(res["sampler_256_ms"]))
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""POST /v1/chat/completions: OpenAI's Chat Completions API, with tool calls and reasoning.
+
+The prompt is the chat template rendered with the request's messages, its `tools` (unless
+tool_choice is "none"), the tool-call format of `--tool-call-parser` and
+`chat_template_kwargs`. Each choice's text goes through its own output parser
+(`parsers/output.py`): the `--reasoning-parser` splits off the reasoning (when
+`chat_template_kwargs.enable_thinking` is not false), stop strings apply to the content
+only, and the `--tool-call-parser` (or the `forced` parser, when tool_choice is "required"
+or names a tool and the engine constrains the output to the call JSON) turns calls into
+`tool_calls`. Without reasoning, stop strings are applied by `generation.generate` as for
+any other request (the same thing: everything is content).
+
+Response (OpenAI API reference): `chat.completion` with per choice `message` {"role":
+"assistant", "content" (null when the message is only tool calls), "reasoning_content"
+(vLLM's field, present when there is reasoning), "tool_calls": [{"id", "type": "function",
+"function": {"name", "arguments": JSON text}}] (absent when empty)} and finish_reason
+"tool_calls" when an answer that ended by itself made calls ("length" when cut).
+Streaming (`chat.completion.chunk`): a role chunk per choice, then deltas `reasoning_content`,
+`content` and `tool_calls: [{"index", "id", "type", "function": {"name", "arguments": ""}}]`
+at a call's start and `tool_calls: [{"index", "function": {"arguments": piece}}]` after;
+per call index the argument pieces concatenate to the non-streaming arguments, valid JSON.
+Then the finish chunk, the usage chunk (stream_options.include_usage) and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.frontend.errors import InternalError, error_body, model_not_found
+from services.frontend.fanout import FanOut
+from services.frontend.generation import TextDelta
+from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, SSE_KEEPALIVE, Collected,
+                                          OpenAIServing, context_error, delta_error,
+                                          json_response, sse)
+from services.frontend.openai_protocol import ChatCompletionRequest, parse_chat_request
+from services.frontend.parsers.output import (ChatOutputParser, OutEvent, ParsedMessage,
+                                              Reasoning)
+from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
+
+log = logging.getLogger("kestrel.frontend.chat")
+
+
+@dataclass
+class ChatDelta(TextDelta):
+    """A TextDelta whose text has been parsed: `events` (reasoning, content, tool calls)
+    replace `text` (always '')."""
+
+    events: list[OutEvent] = field(default_factory=list)
+
+
+async def parse_deltas(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
+                       ) -> AsyncIterator[TextDelta | None]:
+    """Follow `generation.generate` and yield ChatDeltas (errors pass through unchanged).
+    When the parser's stop string matched, the last delta has finish_reason "stop" and
+    closing `gen` aborts the request in the engine."""
+    try:
+        async for d in gen:
+            if d is None or d.error is not None:
+                yield d
+                if d is not None:
+                    return
+                continue
+            events = parser.feed(d.text) if d.text else []
+            reason = d.finish_reason
+            if parser.stopped is not None:
+                reason = "stop"
+            elif reason is not None:
+                events += parser.finish()
+            yield ChatDelta("", reason, None, d.prompt_tokens, d.completion_tokens, None,
+                            d.logprobs, d.prompt_logprobs, events=events)
+            if reason is not None:
+                return
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if reason == "stop" and has_calls else reason
+
+
+class ChatCollected(Collected):
+    """One choice's parsed message (non-streaming)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.message = ParsedMessage()
+
+    def add(self, d: TextDelta) -> None:
+        super().add(d)
+        if isinstance(d, ChatDelta):
+            self.message.add(d.events)
+
+    def as_message(self) -> dict[str, Any]:
+        m = self.message
+        msg: dict[str, Any] = {"role": "assistant",
+                               "content": m.content if m.content or not m.calls else None}
+        if m.reasoning:
+            msg["reasoning_content"] = m.reasoning
+        if m.calls:
+            msg["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                  "function": {"name": name, "arguments": args or "{}"}}
+                                 for name, args in m.calls]
+        return msg
+
+
+def _event_deltas(events: list[OutEvent], args_seen: set[int]) -> list[dict[str, Any]]:
+    """The chunk deltas of parser events (one per event). args_seen: call indices that got
+    argument text (updated)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, Reasoning):
+            out.append({"reasoning_content": e.text})
+        elif isinstance(e, Content):
+            out.append({"content": e.text})
+        elif isinstance(e, ToolCallStart):
+            out.append({"tool_calls": [{"index": e.index, "id": _call_id(), "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+        elif isinstance(e, ToolCallArgs) and e.text:
+            args_seen.add(e.index)
+            out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out
+
+
+class ChatServing:
+    """The /v1/chat/completions route, on top of an OpenAIServing's machinery (engine,
+    tokenizer, template, limits, and `features`: the tool-call and reasoning parsers)."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.s = serving
+        self.features = serving.features
+
+    def _prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int], int]:
+        """(prompt text, its token ids, max_tokens to send); raises APIError."""
+        s = self.s
+        if req.model != s.model_name:
+            raise model_not_found(req.model)
+        if s.template is None:
+            raise InternalError("The model has no chat template.")
+        kwargs = self.features.template_kwargs() | req.chat_template_kwargs
+        prompt = s.template.render(req.messages, add_generation_prompt=True,
+                                   tools=req.tools.tools if req.tools.active else None,
+                                   **kwargs)
+        prompt_ids = s.tokenizer.encode(prompt)
+        n, max_tokens = len(prompt_ids), req.sampling.max_tokens
+        room = s.max_model_len - n
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise context_error("messages", s.max_model_len, n, max_tokens, "messages")
+        return prompt, prompt_ids, max_tokens if max_tokens is not None else room
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions (streaming and not).
+
+        Errors: 400 invalid JSON / fields (tools, tool_choice naming an unknown tool, ...) /
+        too long, 404 unknown model, 413 body too large, 503 engine not answering or
+        overloaded (Retry-After), 500 internal faults."""
+        s = self.s
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        async def handle() -> Response:
+            req = parse_chat_request(await s.read_body(request), s.tokenizer.vocab_size)
+            prompt, prompt_ids, max_tokens = self._prompt(req)
+            sr, tools = req.sampling, req.tools
+            reasons = self.features.reasons(req.thinking, tools.forced)
+            # Stop strings apply to the content: in the parser when there is reasoning,
+            # else on the whole text in `generate` (the same, and the engine stops at once).
+            parser_stops = sr.stop if reasons else []
+
+            def wrap(index: int, gen: AsyncIterator) -> AsyncIterator:
+                return parse_deltas(gen, self.features.output_parser(
+                    prompt, parser_stops, req.thinking,
+                    tools.schemas if tools.active else None, tools.forced))
+
+            fan = s.fan_out(request_id, [
+                (prompt_ids, sr.to_params(max_tokens, i, logprobs=req.logprobs))
+                for i in range(sr.n)], sr, wrap=wrap, stop=[] if reasons else sr.stop)
+            log.info("%s added: %d prompt tokens, n %d, max_tokens %d, stream %s, tools %d "
+                     "(%s)", request_id, len(prompt_ids), sr.n, max_tokens, sr.stream,
+                     len(tools.tools), tools.choice)
+            if sr.stream:
+                return await s.stream(request, request_id, fan,
+                                      lambda first, f: self._events(request_id, req, first, f))
+            res = await s.collect(request, request_id, fan, sr.n, ChatCollected)
+            if res is None:
+                return Response(status_code=CLIENT_CLOSED)
+            return json_response(self._body(request_id, req, res, len(prompt_ids)))
+
+        return await s.guard(request_id, handle)
+
+    def _logprobs(self, req: ChatCompletionRequest, lps: list) -> dict | None:
+        if req.logprobs is None:
+            return None
+        return {"content": self.s.lp.chat_content(lps, req.logprobs)}
+
+    def _body(self, request_id: str, req: ChatCompletionRequest, res: list[Collected],
+              n_prompt: int) -> dict[str, Any]:
+        completion = sum(c.final.completion_tokens for c in res if c.final)
+        choices = []
+        for i, c in enumerate(res):
+            assert isinstance(c, ChatCollected)
+            choices.append({"index": i, "message": c.as_message(),
+                            "logprobs": self._logprobs(req, c.logprobs),
+                            "finish_reason": _finish_reason(
+                                c.final.finish_reason if c.final else None,
+                                bool(c.message.calls))})
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.s.model_name, "choices": choices,
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                          "total_tokens": n_prompt + completion}}
+
+    async def _events(self, request_id: str, req: ChatCompletionRequest,
+                      first: tuple[int, TextDelta] | None, fan: FanOut) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        sr = req.sampling
+        model = self.s.model_name
+
+        def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> bytes:
+            c: dict[str, Any] = {
+                "id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [{"index": index, "delta": delta,
+                                             "logprobs": logprobs, "finish_reason": finish}]}
+            if sr.include_usage:
+                c["usage"] = None
+            return sse(c)
+
+        for i in range(sr.n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
+        n_prompt, completion = 0, 0
+        calls: list[set[int]] = [set() for _ in range(sr.n)]  # indices of started calls
+        args_seen: list[set[int]] = [set() for _ in range(sr.n)]
+
+        async def items():
+            if first is not None:
+                yield first
+            async for item in fan:
+                yield item
+
+        async for item in items():
+            if item is None:
+                yield SSE_KEEPALIVE
+                continue
+            i, d = item
+            if d.error is not None:
+                yield sse(error_body(delta_error(d)))
+                yield SSE_DONE
+                return
+            events = d.events if isinstance(d, ChatDelta) else []
+            calls[i].update(e.index for e in events if isinstance(e, ToolCallStart))
+            deltas = _event_deltas(events, args_seen[i])
+            if d.finish_reason is not None:  # a call with no argument text gets "{}"
+                deltas += [{"tool_calls": [{"index": k, "function": {"arguments": "{}"}}]}
+                           for k in sorted(calls[i] - args_seen[i])]
+            lps = self._logprobs(req, d.logprobs) if d.logprobs else None
+            if lps is not None and not deltas:
+                deltas = [{"content": ""}]
+            for k, delta in enumerate(deltas):
+                yield chunk(i, delta, None, lps if k == 0 else None)
+            if d.finish_reason is not None:
+                n_prompt = d.prompt_tokens
+                completion += d.completion_tokens
+                yield chunk(i, {}, _finish_reason(d.finish_reason, bool(calls[i])))
+        if sr.include_usage:
+            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                       "model": model, "choices": [],
+                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                                 "total_tokens": n_prompt + completion}})
+        yield SSE_DONE

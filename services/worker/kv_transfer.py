@@ -1,0 +1,143 @@
+"""Copies of KV blocks between the worker's cache and the kvstore's shm pool (DESIGN §4).
+
+The engine's plan says what to copy (`StepPlan.kv_loads`: slot -> block before the step's
+forward; `StepPlan.kv_stores`: block -> slot after it) and which pool (`kv_pool`, the
+/dev/shm name, and `kv_pool_pid`, the kvstore that created it: the pool is mapped again
+when that pid changes, i.e. after a kvstore restart). The kvstore never touches the bytes.
+
+Slot byte layout (one block of one model, rank 0 of 1; all little-endian as the host):
+layer-major, K then V, each a C-contiguous [block_size, num_kv_heads, head_dim] array of the
+KV cache dtype::
+
+    layer 0 K | layer 0 V | layer 1 K | layer 1 V | ... | layer L-1 V
+
+i.e. a [L, 2, block_size, num_kv_heads, head_dim] array, 2 * L * block_size *
+num_kv_heads * head_dim * element_size bytes, which is what
+`services.kvstore.settings.derive_block_bytes` sizes. The block's tokens are in position
+order, as in `services.worker.kv_cache`.
+
+On a CUDA device the pool is registered as pinned host memory (cudaHostRegister through
+torch.cuda.cudart()) when that works, so copies are DMA; otherwise plain pageable copies.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.kvstore.cpu_tier import KVPool
+
+log = logging.getLogger("kestrel.worker")
+
+
+class KVTransfer:
+    """The block copier of one worker.
+
+    kv: the worker's `KVCache` (lists k and v of [num_blocks, block_size, heads, head_dim]).
+    Attribute slot_bytes: bytes of one block in a slot (the layout in the module doc).
+    """
+
+    def __init__(self, kv):
+        self.kv = kv
+        k0 = kv.k[0]
+        self.dtype, self.device = k0.dtype, k0.device
+        self.block_shape = tuple(k0.shape[1:])
+        self.num_layers = len(kv.k)
+        self.slot_bytes = 2 * self.num_layers * k0[0].numel() * k0.element_size()
+        self.pool: KVPool | None = None
+        self.pool_pid = 0
+        self._mem: torch.Tensor | None = None   # the whole segment, uint8
+        self._registered = False
+
+    # ------------------------------------------------------------ mapping
+    def _attach(self, name: str, pid: int) -> None:
+        """Map pool `name` (created by kvstore pid `pid`). Raises FileNotFoundError,
+        ValueError (not a pool, or its slots are not this worker's block size)."""
+        if self.pool is not None and self.pool_pid == pid and pid:
+            return
+        self._detach()
+        pool = KVPool.attach(name)
+        if pool.slot_bytes != self.slot_bytes:
+            pool.close()
+            raise ValueError(f"kvstore pool {name}: slots of {pool.slot_bytes} bytes, this worker's "
+                             f"blocks are {self.slot_bytes}")
+        self.pool, self.pool_pid = pool, pid
+        self._mem = torch.frombuffer(pool.mm, dtype=torch.uint8)
+        if self.device.type == "cuda":
+            self._register()
+        log.info("mapped kvstore pool %s (%d slots)%s", name, pool.n_slots,
+                 ", pinned" if self._registered else "")
+
+    def _register(self) -> None:
+        try:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self._mem.data_ptr(), self._mem.numel(), 0)
+            self._registered = int(getattr(err, "value", err)) == 0
+        except Exception as e:  # no cudart binding: pageable copies still work
+            log.info("cudaHostRegister unavailable (%s): pool copies are pageable", e)
+
+    def _detach(self) -> None:
+        if self._registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
+            except Exception:
+                pass
+            self._registered = False
+        self._mem = None
+        if self.pool is not None:
+            self.pool.close()  # the map stays while a tensor still views it
+            self.pool = None
+
+    def _slot(self, slot: int) -> torch.Tensor:
+        """Slot `slot` as a [L, 2, block_size, heads, head_dim] tensor of the KV dtype."""
+        off = self.pool.offset(slot)
+        return self._mem[off:off + self.slot_bytes].view(self.dtype).view(
+            self.num_layers, 2, *self.block_shape)
+
+    # ------------------------------------------------------------ copies
+    def load(self, name: str, pid: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy (slot, block) pairs from the pool into the KV cache. Raises like `_attach`,
+        IndexError for a slot or block out of range."""
+        if not pairs:
+            return
+        self._attach(name, pid)
+        src = torch.stack([self._slot(s) for s, _ in pairs])          # [n, L, 2, ...]
+        if self.device.type != "cpu":
+            src = src.to(self.device, non_blocking=self._registered)
+        idx = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            k.index_copy_(0, idx, src[:, layer, 0])
+            v.index_copy_(0, idx, src[:, layer, 1])
+
+    def store(self, name: str, pid: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy (block, slot) pairs from the KV cache into the pool; returns when the bytes
+        are in the pool. Raises like `load`."""
+        if not pairs:
+            return
+        self._attach(name, pid)
+        idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=self.device)
+        data = torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1)
+                            for k, v in zip(self.kv.k, self.kv.v)], dim=1)  # [n, L, 2, ...]
+        if self.device.type != "cpu":
+            data = data.cpu()
+        for i, (_, slot) in enumerate(pairs):
+            self._slot(slot).copy_(data[i])
+
+    # ------------------------------------------------------------ step hooks
+    def before_step(self, plan) -> None:
+        """Loads of `plan` (before its forward). A failure raises: the step fails."""
+        if plan.kv_loads:
+            self.load(plan.kv_pool, plan.kv_pool_pid, plan.kv_loads)
+
+    def after_step(self, plan) -> str:
+        """Stores of `plan` (after its forward). Returns "" or why they failed (the engine
+        drops them; the step's tokens stand)."""
+        if not plan.kv_stores:
+            return ""
+        try:
+            self.store(plan.kv_pool, plan.kv_pool_pid, plan.kv_stores)
+            return ""
+        except Exception as e:
+            log.warning("step %d: KV stores failed: %s", plan.step_id, e)
+            return f"{type(e).__name__}: {e}"

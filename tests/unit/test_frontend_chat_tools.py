@@ -1,0 +1,222 @@
+"""Chat completions with `--tool-call-parser hermes --reasoning-parser qwen3` over HTTP, the
+official `openai` SDK against a frontend on the fake engine, whose replies are hand-written
+model outputs (test_frontend_support.SCRIPTED): reasoning_content / content / tool_calls,
+streaming equal to non-streaming, stop strings inside the reasoning, forced calls' engine
+constraint, and the 400s of bad tool fields."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.unit.test_frontend_support import MODEL, SCRIPTED, Stack
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                        "n": {"type": "integer"}},
+                       "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+# The arguments the scripted "please call" reply makes, parsed by Python's json (exact ints).
+CALLED = [("get_weather", {"city": 'P"<b>', "n": 123456789012345678901234567890,
+                           "x": [1.5, None]}),
+          ("get_time", {})]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    try:
+        s.start_engine()
+        s.start_frontend()
+        s.wait_healthy()
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0)
+
+
+def _msgs(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _stream(client, **kw) -> dict:
+    """Run a streamed request; gather reasoning, content, per-index calls, finish_reason."""
+    out = {"reasoning": "", "content": "", "calls": {}, "finish": None, "firsts": {}}
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        for ch in chunk.choices:
+            d = ch.delta
+            extra = d.model_extra or {}
+            out["reasoning"] += extra.get("reasoning_content") or ""
+            out["content"] += d.content or ""
+            for tc in d.tool_calls or []:
+                if tc.index not in out["calls"]:
+                    out["firsts"][tc.index] = tc
+                    out["calls"][tc.index] = [tc.function.name, ""]
+                else:
+                    assert tc.id is None and tc.function.name is None
+                out["calls"][tc.index][1] += tc.function.arguments or ""
+            if ch.finish_reason:
+                out["finish"] = ch.finish_reason
+    return out
+
+
+def _reasoning(message) -> str | None:
+    return (message.model_extra or {}).get("reasoning_content")
+
+
+def test_think_tags_go_to_reasoning_content_streaming_equals_non_streaming(client):
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("please think"))
+    m = r.choices[0].message
+    assert (_reasoning(m), m.content, r.choices[0].finish_reason) == ("abc", "hello", "stop")
+    s = _stream(client, messages=_msgs("please think"))
+    assert (s["reasoning"], s["content"], s["finish"]) == ("abc", "hello", "stop")
+
+
+def test_enable_thinking_false_leaves_everything_in_content(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=_msgs("please think"),
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    m = r.choices[0].message
+    assert _reasoning(m) is None and m.content == SCRIPTED["please think"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_inside_the_reasoning_does_not_stop_it(client, stream):
+    kw = dict(messages=_msgs("please think"), stop=["b"])
+    if stream:
+        s = _stream(client, **kw)
+        got = (s["reasoning"], s["content"], s["finish"])
+    else:
+        r = client.chat.completions.create(model=MODEL, **kw)
+        got = (_reasoning(r.choices[0].message), r.choices[0].message.content,
+               r.choices[0].finish_reason)
+    assert got == ("abc", "hello", "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_in_the_content_cuts_the_content(client, stream, stack):
+    kw = dict(messages=_msgs("please think"), stop=["ll"])
+    if stream:
+        s = _stream(client, **kw)
+        got = (s["reasoning"], s["content"], s["finish"])
+    else:
+        r = client.chat.completions.create(model=MODEL, **kw)
+        got = (_reasoning(r.choices[0].message), r.choices[0].message.content,
+               r.choices[0].finish_reason)
+    assert got == ("abc", "he", "stop")
+
+
+def test_hermes_calls_parse_exactly_and_stream_concatenates_to_the_same_json(client):
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("please call"), tools=TOOLS)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert _reasoning(ch.message) == "hm"
+    calls = ch.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLED
+    assert all(c.type == "function" and c.id for c in calls) and calls[0].id != calls[1].id
+    s = _stream(client, messages=_msgs("please call"), tools=TOOLS)
+    assert s["finish"] == "tool_calls" and s["reasoning"] == "hm" and s["content"] == ""
+    assert sorted(s["calls"]) == [0, 1]
+    assert [s["calls"][i] for i in (0, 1)] == [[c.function.name, c.function.arguments]
+                                                for c in calls]
+    assert all(f.id and f.type == "function" for f in s["firsts"].values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_call_cut_by_max_tokens_is_closed_to_valid_json_and_matches(client, stream):
+    kw = dict(messages=_msgs("please call"), tools=TOOLS, max_tokens=100)  # mid-"n"
+    r = client.chat.completions.create(model=MODEL, **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length"
+    [call] = ch.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(args, dict)
+    if stream:
+        s = _stream(client, **kw)
+        assert s["finish"] == "length"
+        assert s["calls"] == {0: ["get_weather", call.function.arguments]}
+
+
+@pytest.mark.parametrize("choice", ["none", None])
+def test_no_tool_calls_without_tools_or_with_tool_choice_none(client, choice):
+    kw = {"tools": TOOLS, "tool_choice": choice} if choice else {}
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("please call"), **kw)
+    m = r.choices[0].message
+    assert not m.tool_calls and r.choices[0].finish_reason == "stop"
+    assert "<tool_call>" in m.content and _reasoning(m) == "hm"
+
+
+@pytest.mark.parametrize("choice,names", [("required", ["get_weather", "get_time"]),
+                                          ({"type": "function",
+                                            "function": {"name": "get_weather"}},
+                                           ["get_weather"])])
+def test_forced_tool_choice_sends_the_call_schema_and_parses_the_array(client, stack, choice,
+                                                                       names):
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("please force"),
+                                       tools=TOOLS, tool_choice=choice)
+    sent = stack.engine.added[-1].sampling.structured
+    assert sent.kind == "json_schema"
+    schema = json.loads(sent.spec)
+    items = schema["items"].get("anyOf", [schema["items"]])
+    assert [i["properties"]["name"]["enum"] for i in items] == [[n] for n in names]
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls
+            ] == [("get_weather", {"city": "Oslo", "n": 3})]
+    s = _stream(client, messages=_msgs("please force"), tools=TOOLS, tool_choice=choice)
+    assert s["calls"] == {0: ["get_weather", ch.message.tool_calls[0].function.arguments]}
+
+
+def test_parallel_tool_calls_false_allows_one_forced_call(client, stack):
+    client.chat.completions.create(model=MODEL, messages=_msgs("please force"), tools=TOOLS,
+                                   tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(stack.engine.added[-1].sampling.structured.spec)
+    assert (schema["minItems"], schema["maxItems"]) == (1, 1)
+
+
+BAD = [
+    ("tools not a list", {"tools": {"type": "function"}}, "tools"),
+    ("tool not an object", {"tools": ["f"]}, "tools[0]"),
+    ("tool type", {"tools": [{"type": "web_search", "function": {"name": "f"}}]},
+     "tools[0].type"),
+    ("bad function name", {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name"),
+    ("duplicate name", {"tools": [TOOLS[1], TOOLS[1]]}, "tools[1].function.name"),
+    ("parameters not an object", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ("unknown tool_choice", {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ("unknown named tool", {"tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "get_stock"}}}, "tool_choice.function.name"),
+    ("required without tools", {"tool_choice": "required"}, "tool_choice"),
+    ("tool message without id", {"messages": [{"role": "tool", "content": "x"}]},
+     "messages[0].tool_call_id"),
+    ("arguments not JSON", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.mark.parametrize("name,fields,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_tool_fields_get_400_naming_the_field(client, name, fields, param):
+    body = {"model": MODEL, "messages": _msgs("hi")} | fields
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**body)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_the_stream_of_a_bad_tool_request_fails_before_any_sse_byte(stack):
+    r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=10, json={
+        "model": MODEL, "messages": _msgs("hi"), "stream": True, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
