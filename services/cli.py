@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shared.config import add_cli_arguments, build_config
@@ -28,12 +29,27 @@ def _config_parser(prog: str, extra=None) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader of stdout went away (`kestrel shm watch X | head`): point stdout at
+    /dev/null so the flush at exit raises nothing, and return SIGPIPE_EXIT."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return SIGPIPE_EXIT
+
+
+def _tool(cmd: str, rest: list[str]) -> int | None:
+    """Run a short-lived command that writes to stdout (help, fetch-model, shm); None if
+    `cmd` is a server process. Stdout is flushed here, so a closed pipe shows up inside."""
+    if cmd in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
-    cmd, rest = argv[0], argv[1:]
+        return 0
     if cmd == "fetch-model":
         from services.worker.fetch_model import main as fetch_main
 
@@ -45,12 +61,41 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in ("serve", "frontend", "engine", "worker", "kvstore"):
         print(f"kestrel: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(USAGE)
+        return 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("engine", "worker", "kvstore", "frontend"):
+        # Under `kestrel serve`, Ctrl-C is the supervisor's: ignore it before the imports.
+        from shared.procutil import ignore_sigint_if_supervised
+
+        ignore_sigint_if_supervised()
+    else:
+        try:
+            code = _tool(cmd, rest)
+            if code is not None:
+                sys.stdout.flush()
+                return code
+        except BrokenPipeError:
+            return _quiet_broken_pipe()
     extra = None
     if cmd == "worker":
         extra = lambda p: p.add_argument("--rank", type=int, default=0)  # noqa: E731
     elif cmd == "frontend":  # the supervisor's index: name frontend-<i>, SO_REUSEPORT if > 1
         extra = lambda p: p.add_argument("--frontend-index", type=int, default=0)  # noqa: E731
-    args = _config_parser(f"kestrel {cmd}", extra).parse_args(rest)
+    try:
+        args = _config_parser(f"kestrel {cmd}", extra).parse_args(rest)
+    except SystemExit as e:  # --help or a usage error: argparse printed and exits
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            return _quiet_broken_pipe()
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
     try:
         cfg = build_config(vars(args))
     except (ValueError, OSError) as e:

@@ -83,6 +83,9 @@ FIELDS: list[Field] = [
     Field("worker_timeout_s", float, None,
           "engine: a step with no word from the workers this long has failed; the engine "
           "fails its requests and exits for a restart (default: 10 on cpu, 30 on cuda)"),
+    Field("step_timeout_s", float, None,
+          "engine: a step still running this long (workers beating, no result) is stuck; "
+          "(default: 600 on cpu, where a long-context prefill chunk can take minutes, 180 on cuda)"),
     Field("profile", str, "auto", "settings profile: auto (by device and model size), cpu, sm90, "
           "gpu or none (shared/profile.py)", ("auto", "cpu", "sm90", "gpu", "none")),
     Field("debug_utilities", _bool, False, "enable debug-only utility calls (e.g. sleep in a step)"),
@@ -289,6 +292,8 @@ def _derive(cfg: KestrelConfig) -> None:
         cfg.set("dtype", "bfloat16" if cfg.device == "cuda" else "float32", "derived")
     if cfg.worker_timeout_s is None:
         cfg.set("worker_timeout_s", 30.0 if cfg.device == "cuda" else 10.0, "derived")
+    if cfg.step_timeout_s is None:
+        cfg.set("step_timeout_s", 180.0 if cfg.device == "cuda" else 600.0, "derived")
 
 
 def ring_name(instance_id: str, ring: str) -> str:

@@ -1,4 +1,5 @@
-"""Process utilities shared by every Kestrel process: titles, parent-death signal, logging."""
+"""Process utilities shared by every Kestrel process: titles, parent-death signal, stop
+signals, logging."""
 
 from __future__ import annotations
 
@@ -31,9 +32,40 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    ppid = os.environ.get("KESTREL_SUPERVISOR_PID")
-    if ppid and os.getppid() != int(ppid):
+    ppid = supervisor_pid()
+    if ppid and os.getppid() != ppid:
         os._exit(1)  # the supervisor died before prctl took effect
+
+
+def supervisor_pid() -> int | None:
+    """The pid of the `kestrel serve` supervisor that started this process, or None when it
+    runs alone. Read from the environment (KESTREL_SUPERVISOR_PID, set by the launcher for
+    its children): this is how a process learns who started it, not a setting, so it is
+    not in the config object."""
+    pid = os.environ.get("KESTREL_SUPERVISOR_PID")
+    return int(pid) if pid and pid.isdigit() else None
+
+
+def ignore_sigint_if_supervised() -> None:
+    """Under a supervisor, ignore SIGINT from now on (also across exec).
+
+    A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the supervisor
+    alone reacts (an orderly drain: frontends, then engine, then workers, each by SIGTERM).
+    A child that also stopped on SIGINT would cut requests in flight. Call it first thing in
+    a child process; a process run alone keeps Ctrl-C = stop. Main thread only.
+    """
+    if supervisor_pid() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def on_stop_signals(handler) -> None:
+    """Install `handler(signum, frame)` for SIGTERM, and for SIGINT when the process runs
+    alone; under a supervisor SIGINT is ignored (see ignore_sigint_if_supervised)."""
+    signal.signal(signal.SIGTERM, handler)
+    if supervisor_pid() is None:
+        signal.signal(signal.SIGINT, handler)
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def setup_logging(process: str, level: str = "INFO") -> logging.Logger:

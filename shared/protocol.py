@@ -179,7 +179,15 @@ class UtilityResult(msgspec.Struct, tag="callres", array_like=True, omit_default
     error: str | None = None
 
 
-EngineToFrontend = EngineInfo | Outputs | UtilityResult | Heartbeat
+class NotAttached(msgspec.Struct, tag="notattached", array_like=True):
+    """The engine's answer to a non-Hello message from an identity it does not know (it
+    dropped that frontend after a silence, or it restarted). The frontend must fail every
+    request it has in flight (the engine has none of them) and send Hello again."""
+
+    reason: str
+
+
+EngineToFrontend = EngineInfo | Outputs | UtilityResult | Heartbeat | NotAttached
 
 
 # ---------------------------------------------------------------- engine -> worker

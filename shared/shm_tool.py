@@ -2,8 +2,9 @@
 
 Every function here only reads segments with plain file reads (never maps or attaches as a
 reader, never writes a live ring); `clean` / `sweep_stale` unlink segments whose creator is
-dead. A segment is judged from the common preamble described in `shared.shm_ring`: a
-segment whose magic does not start with b"KSTR" has kind "unknown" and is never removed.
+dead, and `clean` also removes the runtime folders of dead instances (shared/runtime_dir.py).
+A segment is judged from the common preamble described in `shared.shm_ring`: a segment
+whose magic does not start with b"KSTR" has kind "unknown" and is never removed.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     w.add_argument("name")
     w.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     w.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)  # 0: forever (tests)
-    cl = sub.add_parser("clean", help="remove stale segments (owner dead); never a live one")
+    cl = sub.add_parser("clean", help="remove stale segments and runtime folders (owner dead); "
+                        "never a live one")
     cl.add_argument("--instance", default=None, help="only this instance id")
     try:
         args = p.parse_args(argv)
@@ -189,4 +191,10 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     for name in removed:
         out.write(f"removed {name}\n")
     out.write(f"{len(removed)} stale segment(s) removed\n")
+    from shared.runtime_dir import sweep_dead_runtime_dirs
+
+    dirs = sweep_dead_runtime_dirs(args.instance)
+    for path in dirs:
+        out.write(f"removed {path}/\n")
+    out.write(f"{len(dirs)} runtime folder(s) of dead instances removed\n")
     return 0

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import random
-import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -44,7 +44,7 @@ from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.model_info import load_model_info
 from shared.liveness import Beacon
-from shared.procutil import die_with_parent, set_title, setup_logging
+from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.shm_ring import ShmRingWriter
 from shared.zmq_utils import make_socket, safe_decode
 
@@ -72,6 +72,7 @@ class EngineCore:
     """One engine process: scheduler + block manager + sockets + plan ring."""
 
     tiers: KVTiers | None = None  # class default: tests build engines without __init__
+    _structured_thread: threading.Thread | None = None  # the startup build of the compiler
 
     def __init__(self, cfg: KestrelConfig, num_workers: int = 1):
         self.cfg = cfg
@@ -89,7 +90,9 @@ class EngineCore:
         self.router: zmq.Socket | None = None
         self.scheduler: Scheduler | None = None
         self.frontends: dict[bytes, FrontendState] = {}
-        self.pending_aborts: list[tuple[str, str]] = []
+        # (request id, finish reason, error message or None). An error message means the
+        # engine aborts on its own (frontend dropped): the output goes to the frontend anyway.
+        self.pending_aborts: list[tuple[str, str, str | None]] = []
         self.stopping = False
         self.last_worker_msg = time.monotonic()
         self.engine_id = f"{cfg.instance_id}-{os.getpid()}"
@@ -98,16 +101,38 @@ class EngineCore:
         self.worker_timeout_s = float(cfg.worker_timeout_s or 10.0)
         self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
         self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps
-        self._structured: StructuredOutputManager | None = None  # built on first use
+        self._structured: StructuredOutputManager | None = None  # built at start (thread)
         self.tiers: KVTiers | None = None  # the kvstore client, when offload is on
 
     def structured(self) -> StructuredOutputManager:
-        """The grammar compiler, built on the first structured request (0.2 s: reads the
-        tokenizer's vocabulary). Raises FileNotFoundError without tokenizer.json."""
+        """The grammar compiler. `start` builds it in a background thread (0.2 s+: reads the
+        tokenizer's vocabulary) so that the first structured request does not stall the
+        loop (and the frontends' heartbeat answers); this waits for that build, and builds
+        it here if the build failed or never ran. Raises FileNotFoundError without
+        tokenizer.json."""
+        thread = self._structured_thread
+        if thread is not None:
+            thread.join()
+            self._structured_thread = None
         if self._structured is None:
             self._structured = StructuredOutputManager(self.info.path, self.info.vocab_size,
                                                        list(self.info.eos_token_ids))
         return self._structured
+
+    def _prepare_structured(self) -> None:
+        """Start building the grammar compiler in a daemon thread (see `structured`). A
+        failure is logged; the first structured request then retries and reports it."""
+
+        def build() -> None:
+            try:
+                self._structured = StructuredOutputManager(
+                    self.info.path, self.info.vocab_size, list(self.info.eos_token_ids))
+            except Exception as e:
+                log.warning("structured output not prepared at start: %s", e)
+
+        self._structured_thread = threading.Thread(target=build, name="xgrammar-prepare",
+                                                   daemon=True)
+        self._structured_thread.start()
 
     # ------------------------------------------------------------------ startup
 
@@ -130,6 +155,7 @@ class EngineCore:
 
     def start(self) -> None:
         t0 = time.monotonic()
+        self._prepare_structured()  # overlaps the workers' startup
         workers = self.wait_for_workers(self.cfg.startup_timeout_s)
         t_workers = time.monotonic() - t0
         num_blocks = min(w.num_blocks for w in workers)
@@ -220,12 +246,12 @@ class EngineCore:
             if isinstance(msg, P.Hello):
                 self._on_hello(ident, msg)
             elif ident not in self.frontends:
-                log.warning("message from unknown frontend %r dropped (no hello)", ident)
+                self._on_unknown(ident, msg)
             elif isinstance(msg, P.AddRequest):
                 self._on_add(ident, msg)
             elif isinstance(msg, P.Abort):
                 for rid in msg.request_ids:
-                    self.pending_aborts.append((rid, "abort"))
+                    self.pending_aborts.append((rid, "abort", None))
             elif isinstance(msg, P.UtilityCall):
                 self._send(ident, self._on_utility(msg))
             elif isinstance(msg, P.Heartbeat):
@@ -235,12 +261,26 @@ class EngineCore:
         if not in_step:
             self._apply_aborts()
 
+    def _on_unknown(self, ident: bytes, msg) -> None:
+        """A message from an identity without a Hello (dropped after a silence, or sent to
+        an earlier engine): refuse what needs an answer, and tell it to say Hello again."""
+        reason = "this frontend is not attached to the engine (dropped or engine restarted)"
+        log.warning("%s from unknown frontend %r: asking it to re-attach", type(msg).__name__,
+                    ident)
+        if isinstance(msg, P.AddRequest):
+            self._send(ident, P.Outputs([P.RequestOutput(
+                msg.request_id, [], len(msg.prompt_token_ids), "error", error=reason,
+                error_kind="overloaded")]))
+        elif isinstance(msg, P.UtilityCall):
+            self._send(ident, P.UtilityResult(msg.call_id, error=reason))
+        self._send(ident, P.NotAttached(reason))
+
     def _on_hello(self, ident: bytes, msg: P.Hello) -> None:
         for old_ident, fe in list(self.frontends.items()):
             if fe.name == msg.frontend_id and old_ident != ident:
                 log.info("frontend %s reconnected with a new identity: aborting its old requests",
                          msg.frontend_id)
-                self._drop_frontend(old_ident)
+                self._drop_frontend(old_ident, "the frontend reconnected with a new identity")
         known = ident in self.frontends  # a repeated hello (the frontend saw us silent)
         self.frontends[ident] = FrontendState(msg.frontend_id, time.monotonic())
         (log.debug if known else log.info)("frontend %s (pid %d) attached", msg.frontend_id,
@@ -333,30 +373,40 @@ class EngineCore:
             return P.UtilityResult(msg.call_id, {"ok": ok})
         return P.UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
-    def _drop_frontend(self, ident: bytes) -> None:
+    def _drop_frontend(self, ident: bytes, why: str) -> None:
+        """Forget a frontend and abort its requests. Each aborted request's last output
+        (finish_reason "abort", error `why`) is still sent to that identity: if the
+        frontend is alive after all (its loop was blocked), its clients get an error, not
+        a stream that never ends."""
         self.frontends.pop(ident, None)
         for req in list(self.scheduler.requests.values()):
             if req.frontend == ident:
-                self.pending_aborts.append((req.request_id, "abort"))
+                self.pending_aborts.append((req.request_id, "abort", why))
 
     def _check_frontends(self) -> None:
         now = time.monotonic()
         for ident, fe in list(self.frontends.items()):
-            if now - fe.last_seen > FRONTEND_TIMEOUT_S:
+            silent = now - fe.last_seen
+            if silent > FRONTEND_TIMEOUT_S:
                 log.warning("frontend %s silent for %.1f s: aborting its requests", fe.name,
-                            now - fe.last_seen)
-                self._drop_frontend(ident)
+                            silent)
+                self._drop_frontend(ident, f"the engine dropped this frontend after "
+                                           f"{silent:.0f} s of silence")
 
     def _apply_aborts(self) -> None:
         if not self.pending_aborts:
             return
         aborts, self.pending_aborts = self.pending_aborts, []
-        for rid, reason in aborts:
+        for rid, reason, error in aborts:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
             self.scheduler.finish(req, reason)
-            if req.frontend in self.frontends:
+            if error is not None:
+                out = self._output(req)
+                out.error, out.error_kind = error, "internal"
+                self._send(req.frontend, P.Outputs([out]))
+            elif req.frontend in self.frontends:
                 self._send(req.frontend, P.Outputs([self._output(req)]))
 
     # ------------------------------------------------------------------ steps
@@ -384,12 +434,12 @@ class EngineCore:
         """Wait for rank 0's result of `step_id`, serving frontends meanwhile.
 
         Raises TimeoutError when no worker message arrives for cfg.worker_timeout_s seconds,
-        or the step runs longer than STEP_LIMIT_FACTOR times that; EngineStopping on SIGTERM.
+        or the step runs longer than cfg.step_timeout_s; EngineStopping on SIGTERM.
         """
         poller = self._poller(self.worker_sock, self.router)
         tier_sock = self.tiers.socket if self.tiers is not None else None
         last = started = time.monotonic()
-        limit = self.worker_timeout_s * STEP_LIMIT_FACTOR
+        limit = float(self.cfg.step_timeout_s or self.worker_timeout_s * STEP_LIMIT_FACTOR)
         while True:
             self.beacon.beat()
             if self.stopping:
@@ -530,8 +580,7 @@ def run_engine(cfg: KestrelConfig) -> int:
     def on_term(signum, frame):
         engine.stopping = True
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    on_stop_signals(on_term)  # SIGTERM; SIGINT too unless supervised
     code = 0
     reason = "the engine stopped (server shutdown or restart) before the request finished"
     try:

@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import xgrammar as xgr
 
+from shared.grammar_errors import grammar_error_text
 from shared.protocol import StructuredSpec
 
 log = logging.getLogger("kestrel.engine")
@@ -124,7 +125,7 @@ class StructuredOutputManager:
         except json.JSONDecodeError as e:
             raise GrammarError(f"json_schema is not valid JSON: {e}") from None
         except Exception as e:  # xgrammar raises RuntimeError/ValueError on bad grammars
-            raise GrammarError(f"{spec.kind} failed to compile: {e}") from None
+            raise GrammarError(f"{spec.kind} failed to compile: {grammar_error_text(e)}") from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:

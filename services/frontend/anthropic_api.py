@@ -14,11 +14,13 @@ its input is the partial JSON closed, parsed with partial-json-parser if needed)
 count_tokens renders system, tools and messages exactly as /v1/messages does and returns
 {"input_tokens": N}, equal to that route's usage.input_tokens for the same body.
 
-Errors use Anthropic's envelope {"type": "error", "error": {"type", "message"}} with its
-types: invalid_request_error 400 (also other 4xx), authentication_error 401,
-permission_error 403, not_found_error 404, request_too_large 413 (bodies over --max-request-body-bytes),
-rate_limit_error 429, api_error 500, overloaded_error 529 (engine busy or not answering).
-An error after the stream started is an `error` event. The `x-api-key` and
+Errors use Anthropic's envelope (anthropic_errors.py; its middleware covers errors raised
+outside these handlers): 400 invalid_request_error for a body that is not valid JSON (NaN /
+Infinity tokens, strings with lone surrogates included) or fails validation, 404
+not_found_error, 413 request_too_large (bodies over --max-request-body-bytes), 500 api_error,
+529 overloaded_error (engine busy or not answering). Every response carries a `request-id`
+header (`msg_...`, or `req_...` on count_tokens). An error after the stream started is an
+`error` event. The `x-api-key` and
 `anthropic-version` headers are accepted (the key is checked by the server's auth, if set).
 """
 
@@ -35,6 +37,8 @@ import partial_json_parser
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from services.frontend.anthropic_errors import (anthropic_error_body, anthropic_error_response,
+                                                new_request_id)
 from services.frontend.anthropic_protocol import MessagesRequest, parse_messages_request
 from services.frontend.chat_features import ChatFeatures
 from services.frontend.engine_client import EngineUnavailable
@@ -47,27 +51,9 @@ from shared.protocol import SamplingParams
 
 log = logging.getLogger("kestrel.frontend.anthropic")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
 # Routes take every method, so that a wrong one gets Anthropic's envelope (405).
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 STOP_REASONS = {"length": "max_tokens", "stop_string": "stop_sequence"}
-
-
-def anthropic_error_body(status: int, message: str) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, Anthropic error envelope) for a status; 503 becomes 529 overloaded."""
-    if status == 503:
-        status = 529
-    kind = ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def anthropic_error_response(status: int, message: str) -> Response:
-    """The HTTP response of an error on the Anthropic routes (for other modules too, e.g.
-    authentication failures on paths under /v1/messages)."""
-    status, body = anthropic_error_body(status, message)
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -187,25 +173,28 @@ class AnthropicServing:
         return prompt, self.tokenizer.encode(prompt)
 
     async def count_tokens(self, request: Request) -> Response:
-        """POST /v1/messages/count_tokens: {"input_tokens": N}."""
+        """POST /v1/messages/count_tokens: {"input_tokens": N}. Errors as /v1/messages (no
+        engine involved: 400, 404, 413, 500); logs and headers name a `req_...` id."""
+        request_id = new_request_id()
         try:
             req = await self._read(request, count_only=True)
             _, ids = self._render(req)
             return Response(orjson.dumps({"input_tokens": len(ids)}),
-                            media_type="application/json")
+                            media_type="application/json", headers={"request-id": request_id})
         except APIError as e:
-            return self._error(None, e)
+            return self._error(request_id, e)
         except Exception:
-            log.exception("count_tokens failed with an internal error")
-            return anthropic_error_response(500, "Internal server error.")
+            log.exception("%s (count_tokens) failed with an internal error", request_id)
+            return anthropic_error_response(500, f"Internal error (request {request_id}).",
+                                            request_id)
 
-    def _error(self, request_id: str | None, e: APIError) -> Response:
+    def _error(self, request_id: str, e: APIError) -> Response:
         status = e.status
         if status >= 500:
             log.error("%s failed: %s", request_id, e.message)
         else:
             log.info("%s rejected (%d): %s", request_id, status, e.message)
-        return anthropic_error_response(status, e.message)
+        return anthropic_error_response(status, e.message, request_id)
 
     async def messages(self, request: Request) -> Response:
         """POST /v1/messages (Anthropic Messages, streaming and not). Errors: 400 bad body or
@@ -244,10 +233,11 @@ class AnthropicServing:
             return self._error(request_id, e)
         except EngineUnavailable as e:
             log.warning("%s refused: %s", request_id, e)
-            return anthropic_error_response(529, f"The engine is unavailable: {e}.")
+            return anthropic_error_response(529, f"The engine is unavailable: {e}.", request_id)
         except Exception:
             log.exception("%s failed with an internal error", request_id)
-            return anthropic_error_response(500, f"Internal error (request {request_id}).")
+            return anthropic_error_response(500, f"Internal error (request {request_id}).",
+                                            request_id)
 
     def _message(self, request_id: str, content: list[dict[str, Any]], stop_reason: str | None,
                  stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:
@@ -257,7 +247,11 @@ class AnthropicServing:
                 "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
     @staticmethod
-    def _stop_reason(fin: Finish, blocks: _Blocks) -> str:
+    def _stop_reason(request_id: str, fin: Finish, blocks: _Blocks) -> str:
+        if fin.reason == "stop_string":
+            # generation.py logs only the engine's finishes; this one ended in the parser.
+            log.info("%s finished: stop_sequence %r after %d completion tokens", request_id,
+                     fin.stop_string, fin.completion_tokens)
         if fin.reason == "stop" and blocks.has_tool_use():
             return "tool_use"
         return STOP_REASONS.get(fin.reason, "end_turn")
@@ -283,7 +277,7 @@ class AnthropicServing:
                         yield chunk
                     yield _sse("message_delta", {
                         "type": "message_delta",
-                        "delta": {"stop_reason": self._stop_reason(item, blocks),
+                        "delta": {"stop_reason": self._stop_reason(request_id, item, blocks),
                                   "stop_sequence": item.stop_string},
                         "usage": {"output_tokens": item.completion_tokens}})
                     yield _sse("message_stop", {"type": "message_stop"})
@@ -335,8 +329,9 @@ class AnthropicServing:
         fin = work.result()
         if fin.error is not None:
             raise InternalError(f"The request failed: {fin.error}")
-        body = self._message(request_id, blocks.final(), self._stop_reason(fin, blocks),
-                             fin.stop_string, n_prompt, fin.completion_tokens)
+        reason = self._stop_reason(request_id, fin, blocks)
+        body = self._message(request_id, blocks.final(), reason, fin.stop_string, n_prompt,
+                             fin.completion_tokens)
         return Response(orjson.dumps(body), media_type="application/json",
                         headers={"request-id": request_id})
 

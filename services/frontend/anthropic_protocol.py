@@ -16,7 +16,10 @@ Images: the served models are text-only. An image block is decoded and checked w
 model does not support images.
 
 The body is parsed with Python's json module, so integers of any size in tool inputs stay
-exact. Every error is an `InvalidRequest` naming the field (`messages.0.content.1.source`).
+exact, but as strictly as the OpenAI routes' orjson: not UTF-8, NaN / Infinity tokens, too
+deep nesting, or a lone surrogate in any string (a `\\ud800` escape) is a 400 "not valid
+JSON", before any other check. Every error is an `InvalidRequest` naming the field
+(`messages.0.content.1.source`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import binascii
 import io
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,13 +234,56 @@ def _tools(body: dict, req: MessagesRequest) -> None:
         _need(bool(req.tool_schemas), "tool_choice", "tool_choice requires 'tools'.")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _first_lone_surrogate(doc: Any) -> str | None:
+    """The dotted path of a string (object key or value) of `doc` that holds a lone
+    surrogate, or None. Iterative: the depth of `doc` is bounded by json's recursion only."""
+    todo: list[tuple[str, Any]] = [("", doc)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _SURROGATE.search(k):  # the path names it escaped (it is quoted back)
+                    k = k.encode("utf-8", "backslashreplace").decode("utf-8")
+                    return f"{path}.{k}" if path else k
+                p = f"{path}.{k}" if path else k
+                todo.append((p, x))
+        elif isinstance(v, list):
+            todo.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
+    return None
+
+
+def _load_json(raw: bytes) -> Any:
+    """The body as JSON (RFC 8259): UTF-8, no NaN / Infinity, every string valid Unicode
+    (no lone surrogates, escaped or not), as the OpenAI routes' parser (orjson) requires.
+    Python's json module is used so that integers of any size stay exact. Raises
+    InvalidRequest (400)."""
+    try:
+        text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are rejected here
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise InvalidRequest(None, "The request body is not valid JSON.") from None
+    if "\\u" in text:  # only an escape can still produce a lone surrogate
+        where = _first_lone_surrogate(body)
+        if where is not None:
+            raise InvalidRequest(where, f"The request body is not valid JSON: {where} holds a "
+                                 "lone surrogate (strings must be valid Unicode).")
+    return body
+
+
 def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequest:
     """Parse and validate a body (JSON bytes). count_only: the count_tokens route (no
     max_tokens, no sampling fields). Raises InvalidRequest."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest(None, "The request body is not valid JSON.") from None
+    body = _load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest(None, "The request body must be a JSON object.")
     model = body.get("model")

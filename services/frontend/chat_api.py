@@ -24,6 +24,7 @@ Then the finish chunk, the usage chunk (stream_options.include_usage) and `data:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -140,6 +141,13 @@ class ChatServing:
         self.s = serving
         self.features = serving.features
 
+    def _prepare(self, raw: bytes) -> tuple[ChatCompletionRequest, str, list[int], int]:
+        """Parse the body and build the prompt: (request, prompt text, its token ids,
+        max_tokens to send); raises APIError. CPU work that grows with the body (JSON,
+        schema compile, template, tokenizer): run it off the event loop."""
+        req = parse_chat_request(raw, self.s.tokenizer.vocab_size)
+        return (req, *self._prompt(req))
+
     def _prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int], int]:
         """(prompt text, its token ids, max_tokens to send); raises APIError."""
         s = self.s
@@ -168,8 +176,10 @@ class ChatServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def handle() -> Response:
-            req = parse_chat_request(await s.read_body(request), s.tokenizer.vocab_size)
-            prompt, prompt_ids, max_tokens = self._prompt(req)
+            # Off the loop: a big body takes seconds to render and tokenize, and the loop
+            # must keep serving other streams and the engine heartbeats meanwhile.
+            req, prompt, prompt_ids, max_tokens = await asyncio.to_thread(
+                self._prepare, await s.read_body(request))
             sr, tools = req.sampling, req.tools
             reasons = self.features.reasons(req.thinking, tools.forced)
             # Stop strings apply to the content: in the parser when there is reasoning,

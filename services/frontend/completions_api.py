@@ -16,6 +16,7 @@ stream_options.include_usage is set, then `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -80,8 +81,14 @@ class CompletionsServing:
 
         async def handle() -> Response:
             s = self.s
-            req = parse_completion_request(await s.read_body(request), s.tokenizer.vocab_size)
-            prepared = self._prepare(req)
+            raw = await s.read_body(request)
+
+            def parse() -> tuple[CompletionRequest, list[tuple[list[int], str, int]]]:
+                req = parse_completion_request(raw, s.tokenizer.vocab_size)
+                return req, self._prepare(req)
+
+            # Off the loop: tokenizing a big prompt takes seconds (see chat_api).
+            req, prepared = await asyncio.to_thread(parse)
             sp = req.sampling
             prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
             choices, states = [], []

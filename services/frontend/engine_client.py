@@ -14,9 +14,16 @@ What the client expects of the engine:
 - `AddRequest` is answered by `Outputs` with the request's `RequestOutput`s; the last one
   has a finish_reason. `Abort` of an unknown id is ignored.
 - `UtilityCall` is answered by a `UtilityResult` with the same call_id.
+- A request the engine ends on its own (it dropped this frontend after a silence) gets an
+  output with finish_reason "abort" and an error: its client gets an error, not a hang.
+- A message from an identity the engine does not know is answered with `NotAttached`: the
+  client then fails every request in flight (the engine has none of them) and says Hello
+  again.
 If the engine is silent for `dead_after_s`, every request in flight is finished with an
-error, so that no client hangs. The engine's Heartbeat answer carries its step count and
-whether it is busy: a busy engine whose count stands still for `stuck_after_s` is unhealthy.
+error, so that no client hangs (silence measured while this process's own event loop ran:
+a tick that comes late because the loop was blocked does not count the engine dead). The
+engine's Heartbeat answer carries its step count and whether it is busy: a busy engine
+whose count stands still for `stuck_after_s` is unhealthy.
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ class EngineClient:
         self._call_ids = itertools.count(1)
         self._info_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._reattach_at: float | None = None  # monotonic time of a Hello sent on NotAttached
 
     # ------------------------------------------------------------ lifecycle
 
@@ -154,10 +162,13 @@ class EngineClient:
         self._ctx.term()
 
     def is_healthy(self) -> bool:
-        """True when the handshake is done, the engine spoke within healthy_within_s, and it
-        is idle or its step count moved within stuck_after_s (seconds)."""
+        """True when the handshake is done, the engine's socket is connected now (a
+        Heartbeat probe can be sent: the same check a new request meets, so /health turns
+        503 at once when the engine process is gone), the engine spoke within
+        healthy_within_s, and it is idle or its step count moved within stuck_after_s."""
         now = time.monotonic()
         return (self.info is not None
+                and self._send(p.Heartbeat(time=time.time()))
                 and now - self.last_seen < self._healthy_within_s
                 and not (self.engine_busy and now - self._progress_at >= self._stuck_after_s))
 
@@ -254,7 +265,10 @@ class EngineClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, p.EngineInfo):
+            self._reattach_at = None
             self._on_info(msg)
+        elif isinstance(msg, p.NotAttached):
+            self._on_not_attached(msg)
         elif isinstance(msg, p.Heartbeat):
             if msg.progress != self.engine_progress or not msg.busy:
                 self._progress_at = time.monotonic()
@@ -271,10 +285,28 @@ class EngineClient:
         self.info = info
         self._info_event.set()
 
+    def _on_not_attached(self, msg: p.NotAttached) -> None:
+        """The engine does not know this identity: fail what is in flight and re-attach.
+        Repeats within HELLO_RETRY_S of the last re-attach Hello are answers to messages
+        sent before that Hello reached the engine, and are ignored."""
+        now = time.monotonic()
+        if self._reattach_at is not None and now - self._reattach_at < HELLO_RETRY_S:
+            return
+        log.warning("the engine does not know this frontend (%s); failing %d requests in "
+                    "flight and attaching again", msg.reason, len(self._streams))
+        self._fail_all(f"the engine dropped this frontend ({msg.reason})")
+        self._reattach_at = now
+        self._send(p.Hello(frontend_id=self.name, pid=os.getpid()))
+
     async def _heartbeats(self) -> None:
         while True:
+            due = time.monotonic() + self._heartbeat_s
             await asyncio.sleep(self._heartbeat_s)
             self._send(p.Heartbeat(time=time.time()))
+            if time.monotonic() - due > self._heartbeat_s:
+                # This loop was blocked: the engine's answers may be waiting unread in the
+                # socket. Judge its silence at the next tick, once the reader has run.
+                continue
             silent = time.monotonic() - self.last_seen
             if silent >= min(REHELLO_AFTER_S, self._healthy_within_s):
                 # Perhaps a new engine that does not know us: say hello again.
@@ -285,7 +317,11 @@ class EngineClient:
                 self._fail_all("the engine is not responding")
 
     def _fail_all(self, reason: str) -> None:
+        """End every request in flight with an error output (and Abort them in the engine,
+        in case it still runs them); fail pending utility calls."""
         streams, self._streams = self._streams, {}
+        if streams:
+            self._send(p.Abort(request_ids=list(streams)))
         for rid, stream in streams.items():
             stream.put(p.RequestOutput(request_id=rid, new_token_ids=[], num_prompt_tokens=0,
                                        finish_reason="error", error=reason))

@@ -5,10 +5,14 @@ debug routes.
   SO_REUSEPORT before uvicorn starts, and the kernel spreads connections over them.
   uvicorn only calls listen() after the ASGI lifespan (engine handshake) is done, so a
   frontend that is not ready yet gets no connections.
-- Draining: on SIGTERM/SIGINT `DrainingServer` marks the app draining. uvicorn stops
-  accepting connections and waits up to cfg.shutdown_timeout seconds for requests in flight,
-  then cancels them (their requests are aborted on the engine); a request that still reaches
-  the app meanwhile (keep-alive connection) gets 503 + Retry-After from `DrainMiddleware`.
+- Draining: on SIGTERM (or SIGINT when the frontend runs alone) `DrainingServer` marks the
+  app draining. The listening socket stays open: every new request gets 503 + Retry-After
+  from `DrainMiddleware` (with `Connection: close`), while the requests in flight (counted
+  by the middleware) get up to cfg.shutdown_timeout seconds. When none is left, or the time
+  is up, uvicorn shuts down: it closes the listener, and cancels what still runs after
+  FINAL_GRACE_S (those requests are aborted on the engine). A second stop signal skips the
+  rest of the drain. Under a supervisor (`kestrel serve`) SIGINT is a no-op: a terminal's
+  Ctrl-C reaches the whole process group, and the supervisor drains everything in order.
 - Watchdog: `beat_forever` beats the process's progress beacon from the event loop, so a
   blocked loop stops the counter and the supervisor's watchdog dumps the stacks.
 - `POST /debug/sleep {"seconds": N}`: only with --debug-utilities, only from loopback: the
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+import time
 
 import orjson
 import uvicorn
@@ -30,11 +36,13 @@ from starlette.routing import Route
 from services.frontend.engine_client import EngineCallError, EngineUnavailable
 from shared.config import KestrelConfig
 from shared.liveness import Beacon
+from shared.procutil import supervisor_pid
 
 log = logging.getLogger("kestrel.frontend")
 
 BEAT_INTERVAL_S = 0.5
 DRAIN_RETRY_AFTER_S = 5
+FINAL_GRACE_S = 1.0  # after the drain: for responses that are just finishing, then cancel
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -57,28 +65,67 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server that marks `app.state.draining` when a stop signal arrives."""
+    """uvicorn's server with a draining phase before uvicorn's own shutdown.
 
-    def __init__(self, config: uvicorn.Config, app):
+    The first stop signal marks `app.state.draining` (DrainMiddleware answers 503) and
+    keeps serving until no request is in flight or `drain_s` seconds have passed; only then
+    does uvicorn close the listener. `ignore_sigint`: SIGINT does nothing (supervised).
+    Signals are not re-raised after the server stops (uvicorn would, killing the process
+    by SIGTERM), so a drained frontend exits 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, app, drain_s: float, ignore_sigint: bool = False):
         super().__init__(config)
         self._app = app
+        self._drain_s = drain_s
+        self._ignore_sigint = ignore_sigint
+        self._drain_deadline: float | None = None  # time.monotonic() at which the drain ends
 
     def handle_exit(self, sig, frame) -> None:
-        if not getattr(self._app.state, "draining", False):
+        if sig == signal.SIGINT and self._ignore_sigint:
+            return  # the supervisor got it too, and drains us with SIGTERM
+        if self._drain_deadline is None:
             self._app.state.draining = True
-            log.info("stop signal: draining (new requests get 503; in-flight requests have "
-                     "up to %s s)", self.config.timeout_graceful_shutdown)
-        super().handle_exit(sig, frame)
+            self._drain_deadline = time.monotonic() + self._drain_s
+            log.info("stop signal: draining (new requests get 503; %d in flight have up to "
+                     "%.0f s)", in_flight(self._app), self._drain_s)
+        elif self.should_exit:
+            self.force_exit = True
+        else:
+            log.info("second stop signal: stopping now")
+            self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn calls this every 0.1 s; True stops the server. Ends the drain."""
+        if self._drain_deadline is not None and not self.should_exit:
+            left = in_flight(self._app)
+            if left == 0:
+                log.info("drained: no request in flight")
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                log.warning("drain time is up with %d request(s) in flight: cancelling them", left)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def in_flight(app) -> int:
+    """HTTP requests of `app` that are running now (not counting 503s of the drain)."""
+    return getattr(app.state, "in_flight", 0)
 
 
 class DrainMiddleware:
-    """ASGI middleware: every HTTP request gets 503 + Retry-After once the app drains."""
+    """ASGI middleware: counts the HTTP requests in flight (app.state.in_flight), and answers
+    every new one with 503 + Retry-After once the app drains."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and getattr(scope["app"].state, "draining", False):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        if getattr(state, "draining", False):
             body = orjson.dumps({"error": {"message": "The server is shutting down.",
                                            "type": "service_unavailable", "param": None,
                                            "code": None}})
@@ -87,7 +134,11 @@ class DrainMiddleware:
                 (b"retry-after", str(DRAIN_RETRY_AFTER_S).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
-        await self.app(scope, receive, send)
+        state.in_flight = getattr(state, "in_flight", 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.in_flight -= 1
 
 
 async def beat_forever(beacon: Beacon) -> None:
@@ -127,14 +178,15 @@ def debug_routes(cfg: KestrelConfig) -> list[Route]:
 
 
 def serve(app, cfg: KestrelConfig, index: int) -> None:
-    """Run `app` under uvicorn until a stop signal, draining for cfg.shutdown_timeout s.
+    """Run `app` under uvicorn until a stop signal, draining for up to cfg.shutdown_timeout s.
 
     With cfg.frontends > 1 the socket is pre-bound with SO_REUSEPORT (shared port);
     otherwise uvicorn binds cfg.host:cfg.port itself. Raises OSError if the bind fails."""
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
                             log_level=cfg.log_level.lower(), timeout_keep_alive=30,
-                            timeout_graceful_shutdown=max(float(cfg.shutdown_timeout), 0.1))
-    server = DrainingServer(config, app)
+                            timeout_graceful_shutdown=FINAL_GRACE_S)
+    server = DrainingServer(config, app, drain_s=max(float(cfg.shutdown_timeout), 0.1),
+                            ignore_sigint=supervisor_pid() is not None)
     sockets = [reuseport_socket(cfg.host, cfg.port)] if cfg.frontends > 1 else None
     server.run(sockets=sockets)
     if not server.started:

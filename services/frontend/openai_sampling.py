@@ -18,6 +18,7 @@ field in `param` otherwise):
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,10 @@ from typing import Any
 import orjson
 
 from services.frontend.errors import InvalidRequest
+from shared.grammar_errors import grammar_error_text
 from shared.protocol import SamplingParams, StructuredSpec
+
+log = logging.getLogger("kestrel.frontend.sampling")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16
@@ -166,7 +170,9 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
 
 
 def _check_schema(schema_text: str) -> None:
-    """Compile a JSON schema with xgrammar; raise InvalidRequest if it cannot."""
+    """Compile a JSON schema with xgrammar; raise InvalidRequest if it cannot. The first
+    call imports xgrammar (and torch: seconds): call it off the event loop, after
+    `warm_xgrammar` (server startup) where possible."""
     try:
         import xgrammar
         xgrammar.Grammar.from_json_schema(schema_text)
@@ -174,9 +180,19 @@ def _check_schema(schema_text: str) -> None:
         raise InvalidRequest("response_format", "Structured output is not available "
                              "(xgrammar is not installed).") from None
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
-        reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        reason = grammar_error_text(e)
         raise InvalidRequest("response_format.json_schema.schema",
                              f"The JSON schema cannot be compiled: {reason}") from None
+
+
+def warm_xgrammar() -> None:
+    """Import xgrammar and compile a trivial schema, so that the first request's schema
+    check is fast. Blocks for seconds: the server runs it in a background thread. Never
+    raises (a missing xgrammar is reported by the first structured request)."""
+    try:
+        _check_schema('{"type": "object"}')
+    except Exception as e:
+        log.warning("xgrammar warm-up failed: %s", e)
 
 
 def parse_response_format(value: Any) -> StructuredSpec | None:

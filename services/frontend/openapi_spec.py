@@ -1,10 +1,10 @@
 """The OpenAPI 3.1 document of Kestrel's HTTP API, served at GET /openapi.json.
 
 Written by hand from the validators (`openai_protocol`, `openai_sampling`,
-`tokenize_api`): request bodies list the main fields with their constraints; every route
-documents its success response and the OpenAI error envelope for 4xx/5xx. Routes added by
-other modules (Anthropic, metrics) are described where their module registers them through
-`extra_paths`.
+`tokenize_api`, `anthropic_protocol`): request bodies list the main fields with their
+constraints; every route documents its success response and its error envelope for 4xx/5xx
+(OpenAI's, or Anthropic's under /v1/messages). Also documented: /metrics and
+/reset_prefix_cache (server.py). `extra_paths` adds more (e.g. debug routes).
 """
 
 from __future__ import annotations
@@ -162,6 +162,109 @@ def _get(summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {**ok, **_errors(*errors)}}}
 
 
+# ---------------------------------------------------------------- Anthropic Messages API
+# From anthropic_protocol's validator. Errors use Anthropic's envelope (AnthropicError).
+
+_A_TEXT = {"type": "object", "required": ["type", "text"],
+           "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_A_BLOCK = {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "image", "tool_use", "tool_result", "thinking",
+                      "redacted_thinking"]},
+    "text": {"type": "string"},
+    "source": {"type": "object", "description": "image: base64 only; validated, then "
+               "rejected with 400 (text-only model)", "properties": {
+                   "type": {"const": "base64"},
+                   "media_type": {"enum": ["image/jpeg", "image/png", "image/gif", "image/webp"]},
+                   "data": {"type": "string"}}},
+    "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"},
+    "tool_use_id": {"type": "string"}, "is_error": {"type": "boolean"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT}]}}}
+_A_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_BLOCK}]}}}
+_A_COMMON = {
+    "model": {"type": "string", "minLength": 1},
+    "messages": {"type": "array", "minItems": 1, "items": _A_MESSAGE},
+    "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT}]},
+    "tools": {"type": "array", "description": "needs --tool-call-parser to be parsed back",
+              "items": {"type": "object", "required": ["name", "input_schema"], "properties": {
+                  "type": {"const": "custom"}, "name": {"type": "string", "minLength": 1},
+                  "description": {"type": "string"}, "input_schema": {"type": "object"}}}},
+    "tool_choice": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+        "disable_parallel_tool_use": {"type": "boolean"}}},
+    "thinking": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["enabled", "disabled"]},
+        "budget_tokens": {"type": "integer", "minimum": 1024,
+                          "description": "below max_tokens; not enforced"}}},
+    "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+}
+MESSAGES_REQUEST = {"type": "object", "required": ["model", "max_tokens", "messages"],
+                    "properties": {
+    **_A_COMMON,
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "stream": {"type": "boolean"}}}
+COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"],
+                        "properties": _A_COMMON}
+_A_ERR = {"$ref": "#/components/schemas/AnthropicError"}
+
+
+def _anthropic_errors() -> dict[str, Any]:
+    desc = {400: "invalid_request_error (bad JSON, lone surrogates, validation, images)",
+            404: "not_found_error (unknown model)", 413: "request_too_large",
+            500: "api_error", 529: "overloaded_error (engine busy or unavailable)"}
+    return {str(c): {"description": d, "content": {"application/json": {"schema": _A_ERR}}}
+            for c, d in desc.items()}
+
+
+def _anthropic_post(summary: str, body: dict[str, Any], ok: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "parameters": [
+        {"name": "anthropic-version", "in": "header", "required": False,
+         "schema": {"type": "string"}}], "requestBody": {
+        "required": True, "content": {"application/json": {"schema": body}}},
+        "responses": {**ok, **_anthropic_errors()}}}
+
+
+ANTHROPIC_PATHS: dict[str, Any] = {
+    "/v1/messages": _anthropic_post("Anthropic Messages", MESSAGES_REQUEST, _json_ok(
+        "message (content blocks text / thinking / tool_use, stop_reason, usage), or SSE "
+        "events message_start ... message_stop", {"type": "object", "properties": {
+            "type": {"const": "message"}, "content": {"type": "array"},
+            "stop_reason": {"type": ["string", "null"]},
+            "stop_sequence": {"type": ["string", "null"]},
+            "usage": {"type": "object", "properties": {
+                "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"}}}}},
+        sse=True)),
+    "/v1/messages/count_tokens": _anthropic_post(
+        "Prompt tokens of a Messages request (as its usage.input_tokens)",
+        COUNT_TOKENS_REQUEST, _json_ok("count", {"type": "object", "required": ["input_tokens"],
+                                                 "properties": {"input_tokens": {
+                                                     "type": "integer"}}})),
+}
+
+_OPS_ERR = {"type": "object", "properties": {"ok": {"const": False}, "error": {
+    "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}}}
+OPERATIONS_PATHS: dict[str, Any] = {
+    "/metrics": {"get": {"summary": "Prometheus metrics (open without the API key)",
+                         "responses": {"200": {"description": "Prometheus text format",
+                                               "content": {"text/plain": {
+                                                   "schema": {"type": "string"}}}}}}},
+    "/reset_prefix_cache": {"post": {
+        "summary": "Drop every cached KV block of the engine's prefix cache (no body)",
+        "responses": {
+            "200": {"description": "reset", "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"ok": {"const": True}}}}}},
+            "409": {"description": "requests hold KV blocks; retry when idle (type conflict)",
+                    "content": {"application/json": {"schema": _OPS_ERR}}},
+            "503": {"description": "the engine did not answer within 10 s",
+                    "content": {"application/json": {"schema": _OPS_ERR}}}}}},
+}
+
+
 def openapi_document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document (a JSON-ready dict)."""
     obj = {"type": "object"}
@@ -190,16 +293,24 @@ def openapi_document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any
                 "num_free_blocks": {"type": "integer"}, "num_blocks": {"type": "integer"}}}),
             404, 500, 503),
     }
+    paths.update(ANTHROPIC_PATHS)
+    paths.update(OPERATIONS_PATHS)
     paths.update(extra_paths or {})
     return {
         "openapi": "3.1.0",
         "info": {"title": "Kestrel", "version": "0.1.0",
-                 "description": "OpenAI-compatible LLM inference server."},
+                 "description": "OpenAI-compatible LLM inference server, with "
+                                "Anthropic's Messages API under /v1/messages."},
         "paths": paths,
         "components": {"schemas": {"Error": {
             "type": "object", "required": ["error"], "properties": {"error": {
                 "type": "object", "required": ["message", "type"], "properties": {
                     "message": {"type": "string"}, "type": {"type": "string"},
                     "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "null"]}}}}}}},
+                    "code": {"type": ["string", "null"]}}}}},
+            "AnthropicError": {
+                "type": "object", "required": ["type", "error"], "properties": {
+                    "type": {"const": "error"}, "error": {
+                        "type": "object", "required": ["type", "message"], "properties": {
+                            "type": {"type": "string"}, "message": {"type": "string"}}}}}}},
     }

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import threading
 from typing import AsyncIterator
 
 import orjson
@@ -28,6 +29,7 @@ from starlette.routing import Route
 
 from services.frontend.auth import APIKeyMiddleware
 from services.frontend.anthropic_api import ANY_METHOD, AnthropicServing, anthropic_endpoint
+from services.frontend.anthropic_errors import AnthropicEnvelopeMiddleware
 from services.frontend.chat_features import ChatFeatures, load_chat_template
 from services.frontend.engine_client import EngineCallError, EngineClient, EngineUnavailable
 from services.frontend.lifecycle import (DrainMiddleware, beat_forever, debug_routes,
@@ -36,6 +38,7 @@ from services.frontend.errors import (APIError, InternalError, MethodNotAllowed,
                                       error_response)
 from services.frontend.metrics import MetricsEndpoint
 from services.frontend.openai_api import OpenAIServing
+from services.frontend.openai_sampling import warm_xgrammar
 from services.frontend.tokenizer import Tokenizer
 from shared.config import KestrelConfig, add_cli_arguments, build_config
 from shared.liveness import Beacon
@@ -125,7 +128,9 @@ def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
     """The ASGI app of frontend `index` (named `frontend-<index>` to the engine and the
     watchdog). Its lifespan connects to the engine at cfg.engine_address (raising
     TimeoutError after cfg.startup_timeout_s without an answer), beats the watchdog beacon,
-    and closes the client at shutdown (lifecycle.py: draining, debug routes)."""
+    warms xgrammar in a background thread (its first import takes seconds and must not
+    block the event loop on the first json_schema request), and closes the client at
+    shutdown (lifecycle.py: draining, debug routes)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -133,6 +138,7 @@ def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
         engine = EngineClient(cfg.engine_address, name=name)
         app.state.draining = False
         beats = asyncio.create_task(beat_forever(Beacon(cfg.runtime_dir, name)))
+        threading.Thread(target=warm_xgrammar, name="xgrammar-warmup", daemon=True).start()
         try:
             app.state.serving = await _build_serving(cfg, engine)
             app.state.anthropic = AnthropicServing(app.state.serving,
@@ -165,6 +171,8 @@ def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
     # Every route but /health and /metrics needs the key when one is set (auth.py).
     middleware = [Middleware(APIKeyMiddleware, api_key=cfg.api_key)] if cfg.api_key else []
     middleware.insert(0, Middleware(DrainMiddleware))  # 503 to everything while draining
+    # Outermost: every error under /v1/messages in Anthropic's envelope (anthropic_errors.py).
+    middleware.insert(0, Middleware(AnthropicEnvelopeMiddleware))
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 

@@ -8,10 +8,15 @@
 /v1/chat/completions renders them (tools left out when tool_choice is "none").
 /detokenize: {"model"?, "tokens": [int]} -> {"prompt": str}. An id outside the vocabulary is
 a 400 naming `tokens`.
+
+Parsing, rendering, tokenizing and decoding run off the event loop (`asyncio.to_thread`): a
+body near the size limit takes seconds, and the loop must keep serving other streams and
+the engine's heartbeats meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -47,10 +52,10 @@ class TokenizeServing:
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize (see the module docstring). 400 on a bad field."""
+        s = self.s
 
-        async def handle() -> Response:
-            s = self.s
-            body = _body(await s.read_body(request), s)
+        def work(raw: bytes) -> Response:
+            body = _body(raw, s)
             if body.get("messages") is not None:
                 messages = parse_messages(body["messages"])
                 if s.template is None:
@@ -77,14 +82,17 @@ class TokenizeServing:
             return json_response({"count": len(ids), "max_model_len": s.max_model_len,
                                   "tokens": ids, "token_strs": strs})
 
+        async def handle() -> Response:
+            return await asyncio.to_thread(work, await s.read_body(request))
+
         return await self.s.guard(f"tokenize-{uuid.uuid4().hex[:12]}", handle)
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize (see the module docstring). 400 on a bad token id."""
+        s = self.s
 
-        async def handle() -> Response:
-            s = self.s
-            body = _body(await s.read_body(request), s)
+        def work(raw: bytes) -> Response:
+            body = _body(raw, s)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
                 raise InvalidRequest("tokens", "'tokens' must be a list of token ids.")
@@ -94,5 +102,8 @@ class TokenizeServing:
                                      f"({s.tokenizer.vocab_size} tokens).")
             return json_response({"prompt": s.tokenizer.decode(tokens,
                                                                 skip_special_tokens=False)})
+
+        async def handle() -> Response:
+            return await asyncio.to_thread(work, await s.read_body(request))
 
         return await self.s.guard(f"detokenize-{uuid.uuid4().hex[:12]}", handle)

@@ -18,6 +18,10 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# From this many characters (encode) or ids (decode) on, go through the `_batch` methods:
+# the library releases the GIL in those only (tokenizers 0.23: `encode` holds it for the
+# whole call, ~6 s on 7 MB), so a big input run in a thread does not stall the event loop.
+RELEASE_GIL_FROM = 4096
 
 
 def _token_text(v: Any) -> str | None:
@@ -83,11 +87,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (such as `<|im_start|>`
         from a chat template) become their ids. add_special_tokens adds the post-processor's
-        tokens (e.g. BOS); chat prompts leave it False because the template writes them."""
+        tokens (e.g. BOS); chat prompts leave it False because the template writes them.
+        CPU time grows with the text (seconds for megabytes): call it off the event loop
+        for request-sized input."""
+        if len(text) >= RELEASE_GIL_FROM:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`. An incomplete UTF-8 sequence at either end decodes as U+FFFD."""
+        if len(ids) >= RELEASE_GIL_FROM:
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:

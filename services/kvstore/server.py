@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +27,7 @@ from services.kvstore.disk_tier import CorruptBlock, DiskTier
 from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
 from services.kvstore.store import Actions, BlockStore
 from shared.config import KestrelConfig
-from shared.procutil import die_with_parent, set_title, setup_logging
+from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
                              KVCompleteStore, KVError, KVHello, KVInfo, KVLoadReady,
                              KVLoadReserved, KVLookup, KVLookupResult, KVPrepareStore,
@@ -283,8 +282,7 @@ def run_kvstore(cfg: KestrelConfig) -> int:
     def on_term(signum, frame):
         server.stopping = True
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    on_stop_signals(on_term)  # SIGTERM; SIGINT too unless supervised
     code = 0
     try:
         server.serve_forever()

@@ -23,10 +23,16 @@ Policies (DESIGN §8):
   stops last.
 - A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress.
 
-Stop (SIGTERM or Ctrl-C): the frontends drain (new requests are refused, requests in flight
-get up to --shutdown-timeout seconds), then the engine (which tells the workers to exit and
-unlinks its ring), then the workers; SIGKILL after a grace period. Then the instance's
-runtime folder and any of its shm segments are removed; the exit code is 0.
+Stop (SIGTERM or Ctrl-C): the frontends drain (they keep listening and answer new requests
+with 503 + Retry-After; requests in flight get up to --shutdown-timeout seconds), then the
+engine (which tells the workers to exit and unlinks its ring), then the workers; SIGKILL
+after a grace period. Then the instance's runtime folder and any of its shm segments are
+removed; the exit code is 0. Ctrl-C in a terminal sends SIGINT to the whole process group:
+the children ignore SIGINT when started by a supervisor (KESTREL_SUPERVISOR_PID), so only
+this orderly drain happens.
+
+The runtime folder holds `owner.json` (shared/runtime_dir.py); at start, the folders of
+instances whose supervisor is dead (kill -9) are removed, never a live one's.
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ from services.supervisor.restart import RestartPolicy, write_restart_counts
 from services.supervisor.watchdog import Watchdog, load_watchdog_config
 from shared.config import KestrelConfig
 from shared.procutil import set_title, setup_logging
+from shared.runtime_dir import sweep_dead_runtime_dirs, write_owner
 
 log = logging.getLogger("kestrel.supervisor")
 
 GRACE_S = 10.0
+WORKER_OWN_EXIT_S = 5.0  # at stop: time for workers to exit after the engine's shutdown message
 
 
 class Child:
@@ -96,6 +104,15 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def _sweep_runtime_dirs() -> None:
+    """Remove the runtime folders of instances whose supervisor is dead (shared.runtime_dir)."""
+    try:
+        for path in sweep_dead_runtime_dirs():
+            log.info("removed the runtime folder of a dead instance: %s", path)
+    except Exception as e:  # never block startup on the sweep
+        log.warning("runtime folder sweep failed: %s", e)
 
 
 def _sweep(instance_id: str | None) -> None:
@@ -203,12 +220,18 @@ class Supervisor:
         self.pending.clear()
         _stop_group(self.frontends, self.cfg.shutdown_timeout + GRACE_S)
         _stop_group(self.engine_group[:1], GRACE_S)
-        _stop_group(self.engine_group[1:], GRACE_S)
+        # The engine told its workers to exit: let them finish on their own (a SIGTERM in
+        # the middle of interpreter shutdown would end one with -15), then signal.
+        _stop_group(self.engine_group[1:], GRACE_S, own_exit_s=WORKER_OWN_EXIT_S)
         _stop_group(self.kvstore, GRACE_S)  # last: it finishes its queued disk writes
 
 
-def _stop_group(group: list[Child], grace: float) -> None:
-    """SIGTERM every live child of `group`, wait up to `grace` seconds, then SIGKILL."""
+def _stop_group(group: list[Child], grace: float, own_exit_s: float = 0.0) -> None:
+    """Wait up to `own_exit_s` seconds for the children of `group` to exit by themselves,
+    then SIGTERM every live one, wait up to `grace` seconds, then SIGKILL."""
+    own_deadline = time.monotonic() + own_exit_s
+    for c in group:
+        c.wait(own_deadline - time.monotonic())
     deadline = time.monotonic() + grace
     for c in group:
         c.signal(signal.SIGTERM)
@@ -219,6 +242,9 @@ def _stop_group(group: list[Child], grace: float) -> None:
             log.warning("%s did not stop in %.0f s: killing it", c.role, grace)
             c.signal(signal.SIGKILL)
             c.wait(5.0)
+        if c.proc is not None and c.proc.returncode is not None:
+            log.info("%s (pid %d) stopped with exit code %d", c.role, c.proc.pid,
+                     c.proc.returncode)
 
 
 def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
@@ -269,7 +295,9 @@ def serve(cfg: KestrelConfig) -> int:
                  setup.block_bytes, f"{setup.disk_dir} ({setup.disk_capacity} blocks)"
                  if setup.disk_dir else "off")
     _sweep(None)
+    _sweep_runtime_dirs()
     os.makedirs(cfg.runtime_dir, mode=0o700, exist_ok=True)
+    write_owner(cfg.runtime_dir, cfg.instance_id)  # lets a later serve remove it if we die
     resolved = os.path.join(cfg.runtime_dir, "config.json")
     fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -309,8 +337,8 @@ def serve(cfg: KestrelConfig) -> int:
                     break
             time.sleep(0.1)
         if stop["sig"] is not None:
-            log.info("%s received: draining for up to %.0f s", signal.Signals(stop["sig"]).name,
-                     cfg.shutdown_timeout)
+            log.info("%s received: draining for up to %.0f s (new requests get 503)",
+                     signal.Signals(stop["sig"]).name, cfg.shutdown_timeout)
     finally:
         watchdog.stop()
         sup.stop_all()

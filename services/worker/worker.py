@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 import traceback
@@ -21,7 +20,7 @@ import zmq
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.liveness import Beacon
-from shared.procutil import die_with_parent, set_title, setup_logging
+from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.shm_ring import RingClosed, ShmRingReader
 from shared.zmq_utils import make_socket, safe_decode
 
@@ -66,8 +65,7 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
         if not serving.is_set():  # still loading or attaching: nothing to finish, just go
             raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    on_stop_signals(on_term)  # SIGTERM; SIGINT too unless supervised
 
     from services.worker.model_runner import ModelRunner  # heavy import after the title is set
 

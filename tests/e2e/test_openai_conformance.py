@@ -329,7 +329,8 @@ def test_openapi_document_describes_every_route(server):
     doc = httpx.get(server.base_url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
     for path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
-                 "/detokenize", "/health"):
+                 "/detokenize", "/health", "/v1/messages", "/v1/messages/count_tokens",
+                 "/metrics", "/reset_prefix_cache"):
         assert path in doc["paths"]
 
 
@@ -342,7 +343,7 @@ def test_schemathesis_finds_no_server_errors(server):
            if op.ok().path not in ("/internal/stats",)]
     failures = []
     for op in ops:
-        max_tokens_cap = op.path in ("/v1/chat/completions", "/v1/completions")
+        max_tokens_cap = op.path in ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 
         @settings(max_examples=25, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))

@@ -10,9 +10,12 @@
   with a fixed reply (token ids of REPLY_TEXT), shaped by the last user message:
   "please fail" -> finish "error"; "please hang" -> no output until aborted;
   "slow" -> the reply after 0.5 s; "keep going" -> the reply without a finish
-  (the request runs until aborted); a message containing a key of SCRIPTED -> that reply
+  (the request runs until aborted); "please drop" -> a few tokens, then finish "abort" with
+  an error, unasked (as the engine does when it drops a silent frontend); a message containing a key of SCRIPTED -> that reply
   instead of REPLY_TEXT (reasoning and tool-call outputs for the output parsers). It records
-  AddRequests and Aborts.
+  AddRequests, Aborts and Hellos. `forget()` makes it forget every frontend: their next
+  Heartbeat is answered with NotAttached (as the engine answers an identity it dropped),
+  until they say Hello again.
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ class FakeEngine:
                                  eos_token_ids=[self.eos_id])
         self.added: list[p.AddRequest] = []
         self.aborted: list[str] = []
+        self.hellos: list[bytes] = []  # identities, one per Hello received
+        self._known: set[bytes] = set()
+        self._forgotten: set[bytes] = set()
+        self._forget = threading.Event()
         self._pending: list[tuple[float, bytes, object]] = []  # (due, identity, message)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -120,6 +127,10 @@ class FakeEngine:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+    def forget(self) -> None:
+        """Forget every attached frontend (see the module docstring)."""
+        self._forget.set()
 
     def _last_user_text(self, req: p.AddRequest) -> str:
         text = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
@@ -133,6 +144,12 @@ class FakeEngine:
             return p.Outputs([p.RequestOutput(req.request_id, ids, n_prompt, finish, **kw)])
 
         if "please hang" in user:
+            return
+        if "please drop" in user:
+            self._pending.append((now, ident, out(self.reply_ids[:2])))
+            self._pending.append((now + 0.3, ident, out(
+                [], "abort", error="the engine dropped this frontend after 6 s of silence",
+                error_kind="internal")))
             return
         if "please fail" in user:
             self._pending.append((now, ident, out(self.reply_ids[:2])))
@@ -165,8 +182,17 @@ class FakeEngine:
                 if sock.poll(20):
                     ident, payload = sock.recv_multipart()
                     msg = dec.decode(payload)
+                    if self._forget.is_set():
+                        self._forget.clear()
+                        self._forgotten |= self._known
+                        self._known.clear()
                     if isinstance(msg, p.Hello):
+                        self.hellos.append(ident)
+                        self._known.add(ident)
+                        self._forgotten.discard(ident)
                         sock.send_multipart([ident, enc.encode(self.info)])
+                    elif isinstance(msg, p.Heartbeat) and ident in self._forgotten:
+                        sock.send_multipart([ident, enc.encode(p.NotAttached("forgotten"))])
                     elif isinstance(msg, p.Heartbeat):
                         sock.send_multipart([ident, enc.encode(p.Heartbeat(time.time()))])
                     elif isinstance(msg, p.AddRequest):

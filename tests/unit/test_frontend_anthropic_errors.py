@@ -1,0 +1,135 @@
+"""Errors of the Anthropic routes against a real frontend subprocess and the fake engine:
+bodies that are not valid JSON (lone surrogates, NaN / Infinity) are 400
+invalid_request_error in Anthropic's envelope, errors raised outside the handlers keep that
+envelope, and the server goes on serving. Checked with the `anthropic` SDK's error classes
+and raw HTTP; log lines are read from the frontend's log file."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import anthropic
+import httpx
+import pytest
+
+from tests.unit.test_frontend_support import MODEL, Stack, wait_for
+
+OK = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack()
+    try:
+        s.start_engine()
+        s.start_frontend()
+        s.wait_healthy()
+        yield s
+    finally:
+        s.close()
+
+
+def _post(stack, path: str, raw: bytes) -> httpx.Response:
+    return httpx.post(stack.url + path, content=raw, timeout=30,
+                      headers={"content-type": "application/json",
+                               "anthropic-version": "2023-06-01"})
+
+
+def _assert_anthropic_400(r: httpx.Response) -> dict:
+    assert r.status_code == 400, r.text
+    doc = r.json()  # the body itself must be valid JSON (no surrogate echoed back raw)
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+    assert "not valid JSON" in doc["error"]["message"]
+    assert "Traceback" not in doc["error"]["message"]
+    return doc
+
+
+# Raw bodies: json.dumps would escape a lone surrogate the same way (ensure_ascii).
+SURROGATE_BODIES = {
+    "message_content": ('{"model": "%s", "max_tokens": 4, "messages": '
+                        '[{"role": "user", "content": "\\ud800"}]}' % MODEL),
+    "system": ('{"model": "%s", "max_tokens": 4, "system": "\\udc00", "messages": '
+               '[{"role": "user", "content": "hi"}]}' % MODEL),
+    "text_block": ('{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", '
+                   '"content": [{"type": "text", "text": "a\\ud800b"}]}]}' % MODEL),
+    "stream": ('{"model": "%s", "max_tokens": 4, "stream": true, "messages": '
+               '[{"role": "user", "content": "\\ud800"}]}' % MODEL),
+    "model": ('{"model": "\\ud800", "max_tokens": 4, "messages": '
+              '[{"role": "user", "content": "hi"}]}'),
+    "object_key": ('{"model": "%s", "max_tokens": 4, "metadata": {"\\udfff": 1}, "messages": '
+                   '[{"role": "user", "content": "hi"}]}' % MODEL),
+    "utf8_encoded_surrogate": None,  # raw bytes ED A0 80, built below
+}
+NON_JSON_BODIES = {
+    "nan": '{"model": "%s", "max_tokens": 4, "temperature": NaN, "messages": []}' % MODEL,
+    "infinity": '{"model": "%s", "max_tokens": Infinity, "messages": []}' % MODEL,
+    "neg_infinity": '{"model": "%s", "max_tokens": 4, "top_p": -Infinity, "messages": []}' % MODEL,
+    "deep_nesting": '{"model": "%s", "metadata": %s}' % (MODEL, "[" * 100000 + "]" * 100000),
+}
+
+
+def _raw(name: str, table: dict) -> bytes:
+    if name == "utf8_encoded_surrogate":
+        return json.dumps(OK).replace('"hi"', '"h\x00"').encode().replace(b"\x00", b"\xed\xa0\x80")
+    return table[name].encode()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("case", list(SURROGATE_BODIES))
+def test_lone_surrogate_anywhere_is_a_400_in_anthropics_envelope(stack, path, case):
+    r = _post(stack, path, _raw(case, SURROGATE_BODIES))
+    _assert_anthropic_400(r)
+    assert r.headers.get("request-id", "").startswith(("msg_", "req_"))
+    # the server keeps serving, on both routes
+    assert _post(stack, path, json.dumps(OK).encode()).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("case", list(NON_JSON_BODIES))
+def test_nan_infinity_and_deep_nesting_are_rejected_as_invalid_json(stack, path, case):
+    _assert_anthropic_400(_post(stack, path, _raw(case, NON_JSON_BODIES)))
+
+
+def test_sdk_keeps_working_after_lone_surrogate_bodies(stack):
+    # The SDK itself refuses to encode a lone surrogate, so those bodies go out raw.
+    for case in ("message_content", "stream", "model"):
+        _assert_anthropic_400(_post(stack, "/v1/messages", _raw(case, SURROGATE_BODIES)))
+    client = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=30)
+    m = client.messages.create(model=MODEL, max_tokens=4,
+                               messages=[{"role": "user", "content": "hi 🦅"}])
+    assert m.type == "message" and m.usage.output_tokens > 0
+    with client.messages.stream(model=MODEL, max_tokens=4,
+                                messages=[{"role": "user", "content": "hi"}]) as s:
+        assert s.get_final_message().usage.output_tokens > 0
+    assert client.messages.count_tokens(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+    assert "Exception in ASGI application" not in stack.log()
+
+
+def test_errors_outside_the_handlers_use_anthropics_envelope(stack):
+    r = httpx.post(stack.url + "/v1/messages/nope", json=OK, timeout=30)  # starlette's 404
+    assert r.status_code == 404
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(stack.url + "/v1/chat/nope", timeout=30)  # OpenAI routes keep theirs
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_count_tokens_errors_are_logged_with_a_request_id(stack):
+    r = _post(stack, "/v1/messages/count_tokens", b'{"model": "other", "messages": []}')
+    assert r.status_code == 400
+    rid = r.headers["request-id"]
+    assert re.fullmatch(r"req_[0-9a-f]{24}", rid)
+    wait_for(lambda: f"{rid} rejected (400)" in stack.log(), 10, "the rejection's log line")
+    assert "None rejected" not in stack.log()
+
+
+def test_stop_sequence_finish_is_logged_as_a_stop_not_a_disconnect(stack):
+    # REPLY_TEXT contains "Kestrels": the fake engine's reply ends there on the stop sequence
+    r = httpx.post(stack.url + "/v1/messages", timeout=30, json=OK | {
+        "max_tokens": 64, "stop_sequences": ["Kestrels"]})
+    doc = r.json()
+    assert doc["stop_reason"] == "stop_sequence" and doc["stop_sequence"] == "Kestrels", doc
+    rid = r.headers["request-id"]
+    wait_for(lambda: f"{rid} finished: stop_sequence 'Kestrels'" in stack.log(), 10,
+             "the stop_sequence log line")
