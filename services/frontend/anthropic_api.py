@@ -159,7 +159,9 @@ class AnthropicServing:
             err.status = 405
             raise err
         # 413 past --max-request-body-bytes (the OpenAI routes' reader and limit)
-        return parse_messages_request(await self._openai.read_body(request), count_only)
+        body = await self._openai.read_body(request)
+        # parsing, rendering and tokenizing scale with the body: off the event loop
+        return await asyncio.to_thread(parse_messages_request, body, count_only)
 
     def _render(self, req: MessagesRequest) -> tuple[str, list[int]]:
         if req.model != self.model_name:
@@ -178,7 +180,7 @@ class AnthropicServing:
         request_id = new_request_id()
         try:
             req = await self._read(request, count_only=True)
-            _, ids = self._render(req)
+            _, ids = await asyncio.to_thread(self._render, req)
             return Response(orjson.dumps({"input_tokens": len(ids)}),
                             media_type="application/json", headers={"request-id": request_id})
         except APIError as e:
@@ -203,7 +205,7 @@ class AnthropicServing:
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
         try:
             req = await self._read(request, count_only=False)
-            prompt, ids = self._render(req)
+            prompt, ids = await asyncio.to_thread(self._render, req)
             n = len(ids)
             if n + req.max_tokens > self.max_model_len:
                 raise InvalidRequest("messages", f"prompt is too long: {n} tokens + max_tokens "

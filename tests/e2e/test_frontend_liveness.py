@@ -69,7 +69,10 @@ def test_streams_finish_while_a_7mb_body_is_tokenized(server, smollm2_dir):
     big = [threading.Thread(target=post, args=("/tokenize", {"model": MODEL,
                                                              "prompt": BIG_PROMPT})),
            threading.Thread(target=post, args=("/v1/chat/completions", {
-               "model": MODEL, "messages": [{"role": "user", "content": BIG_PROMPT}]}))]
+               "model": MODEL, "messages": [{"role": "user", "content": BIG_PROMPT}]})),
+           threading.Thread(target=post, args=("/v1/messages", {
+               "model": MODEL, "max_tokens": 10,
+               "messages": [{"role": "user", "content": BIG_PROMPT}]}))]
     for t in big:
         t.start()
     for t in big:
@@ -89,6 +92,8 @@ def test_streams_finish_while_a_7mb_body_is_tokenized(server, smollm2_dir):
     assert tok.json()["count"] == len(expected)
     chat = results["/v1/chat/completions"]
     assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
+    msg = results["/v1/messages"]
+    assert msg.status_code == 400 and msg.json()["error"]["type"] == "invalid_request_error", msg.text[:500]
 
     # The frontend stayed attached: the engine never dropped it, and it still serves.
     log = server.log_tail(100_000)
