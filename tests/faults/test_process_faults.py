@@ -69,21 +69,43 @@ def test_kill9_frontend_drops_its_streams_frees_blocks_and_restarts_alone(server
     assert _free_blocks_back(srv.base_url, baseline, 5 * _slack()), engine_stats(srv.base_url)
 
 
+def _tcp_ports(pid: int, port: int) -> tuple[bool, set[int]]:
+    """(whether `pid` listens on `port`, the client ports of its connections on `port`)."""
+    conns = psutil.Process(pid).net_connections("tcp")
+    listening = any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
+    return listening, {c.raddr.port for c in conns if c.raddr and c.laddr.port == port}
+
+
 def test_kill9_one_of_two_frontends_leaves_the_other_serving(servers, smollm2_dir):
     srv = _serve(servers, smollm2_dir, "--frontends", "2")
     fe0, fe1 = find_pid(srv, "kestrel:frontend:0"), find_pid(srv, "kestrel:frontend:1")
-    streams = start_streams(srv.base_url, 8, max_tokens=16)
-    ports1 = {c.raddr.port for c in psutil.Process(fe1).net_connections("tcp")
-              if c.raddr and c.laddr.port == srv.port}
-    os.kill(fe0, signal.SIGKILL)
-    assert join_all(streams, 60 * _slack()) == []
+    # /health answered through one frontend; wait until the other listens on the port too
+    assert wait_for(lambda: _tcp_ports(fe0, srv.port)[0] and _tcp_ports(fe1, srv.port)[0],
+                    30 * _slack()), srv.log_tail()
+    # The kernel spreads SO_REUSEPORT connections by a hash of the 4-tuple: open long
+    # streams in rounds until each frontend holds at least one (P(all on one) halves per
+    # stream), and note which frontend holds which stream while all are still open.
+    streams: list = []
+    ports0: set[int] = set()
+    ports1: set[int] = set()
+    while len(streams) < 24 and not (ports0 & _ports(streams) and ports1 & _ports(streams)):
+        streams += start_streams(srv.base_url, 4, max_tokens=200)
+        ports0 |= _tcp_ports(fe0, srv.port)[1]
+        ports1 |= _tcp_ports(fe1, srv.port)[1]
+    on0 = [s for s in streams if s.client_port in ports0]
     on1 = [s for s in streams if s.client_port in ports1]
-    on0 = [s for s in streams if s.client_port not in ports1]
-    assert on1 and on0, "SO_REUSEPORT put every connection on one frontend"
+    assert on0 and on1, "SO_REUSEPORT put every connection on one frontend"
+    assert len(on0) + len(on1) == len(streams), (ports0, ports1, [s.client_port for s in streams])
+    os.kill(fe0, signal.SIGKILL)
+    assert join_all(streams, 120 * _slack()) == []
     assert all(s.outcome == "done" and s.finish_reason == "length" for s in on1), \
         [(s.outcome, s.detail) for s in on1]
     assert all(s.outcome == "dropped" for s in on0), [(s.outcome, s.detail) for s in on0]
     assert wait_for(lambda: chat_ok(srv.base_url), 10)
+
+
+def _ports(streams) -> set[int]:
+    return {s.client_port for s in streams}
 
 
 @pytest.mark.parametrize("victim", ["kestrel:worker:0", "kestrel:engine"])
