@@ -55,7 +55,9 @@ def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
         a.record()
         result = runner.run_step(out.plan)
         b.record()
-        events.append((a, b))
+        seqs = out.plan.seqs
+        events.append((a, b, len(seqs), sum(len(q.token_ids) for q in seqs),
+                       sum(q.start_pos + len(q.token_ids) for q in seqs)))
         t3 = time.perf_counter()
         t_model += t3 - t2
         sched.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
@@ -63,9 +65,38 @@ def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
         steps += 1
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    gpu = sum(a.elapsed_time(b) for a, b in events) / 1e3
+    gpu = sum(e[0].elapsed_time(e[1]) for e in events) / 1e3
     return seconds, steps, {"schedule_seconds": round(t_sched, 3), "update_seconds": round(t_upd, 3),
-                            "run_step_seconds": round(t_model, 3), "gpu_event_seconds": round(gpu, 3)}
+                            "run_step_seconds": round(t_model, 3), "gpu_event_seconds": round(gpu, 3),
+                            "gpu_by_step_kind": step_breakdown(events, runner)}
+
+
+def step_breakdown(events, runner) -> dict:
+    """GPU time of the steps grouped by kind: steps with prefill tokens, and decode-only
+    steps by batch size (1-16, 17-64, 65-128, 129-256, more). Per group: steps, GPU seconds,
+    mean ms per step, KV bytes read by attention (context tokens x bytes of K and V per
+    token over all layers) and that over the group's GPU time in TB/s (an upper bound of
+    the attention's own bandwidth: the group's time includes the rest of the step).
+    events: (start event, end event, seqs, new tokens, context tokens) per step."""
+    layers, kvh, hd = runner.model.kv_shape()
+    per_tok = 2 * layers * kvh * hd * runner.dtype.itemsize
+    groups: dict[str, list] = {}
+    for a, b, nseq, ntok, ctx in events:
+        if ntok > nseq:
+            key = "prefill"
+        else:
+            key = next(f"decode_b{lo}-{hi}" for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256),
+                                                           (257, 1 << 30)) if nseq <= hi)
+        g = groups.setdefault(key, [0, 0.0, 0])
+        g[0] += 1
+        g[1] += a.elapsed_time(b) / 1e3
+        g[2] += ctx * per_tok
+    out = {k: {"steps": n, "gpu_seconds": round(t, 3), "ms_per_step": round(1e3 * t / n, 3),
+               "kv_bytes": kv, "kv_TBps": round(kv / t / 1e12, 3) if t else None}
+           for k, (n, t, kv) in sorted(groups.items())}
+    out["prefill_steps"] = [{"seqs": nseq, "tokens": ntok, "ms": round(a.elapsed_time(b), 2)}
+                            for a, b, nseq, ntok, _ in events if ntok > nseq]
+    return out
 
 
 def main() -> None:

@@ -94,6 +94,11 @@ def main() -> None:
     runner.graphs = graphs
     res["graph_b256_kernels"] = kernel_table(lambda: runner.execute(p256))
     res["graph_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
+    # a prefill step of the offline workload's size: 16 prompts of 1024 tokens (16,384 tokens)
+    pf = StepPlan(0, [ScheduledSeq(f"p{i}", list(range(1, 1025)), 0,
+                                   list(range(i * nbps, (i + 1) * nbps)), True, SAMP, 0) for i in range(16)])
+    res["prefill_16x1024_kernels"] = kernel_table(lambda: runner.execute(pf))
+    res["prefill_16x1024_ms"] = round(median_ms(lambda: runner.execute(pf), reps=5), 3)
     # phases of the batch-1 graph step
     seqs = p1.seqs
     t_host = []
@@ -124,7 +129,7 @@ def main() -> None:
         "hashed_triton": round(median_ms(lambda: sampling.sample(lg, temp, z, o, zf, seeds, False)), 4),
         "top_p_0.9_path": round(median_ms(lambda: sampling.sample(lg, temp, z, torch.full((256,), 0.9, device="cuda"), zf, seeds, True), 5), 4),
     }
-    for k in ("eager_b1_kernels", "graph_b1_kernels", "graph_b256_kernels"):
+    for k in ("eager_b1_kernels", "graph_b1_kernels", "graph_b256_kernels", "prefill_16x1024_kernels"):
         print(f"== {k}")
         for r in res[k]:
             print(f"{r['us']:>10.1f} us {r['calls']:>5}  {r['name']}")

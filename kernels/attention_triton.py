@@ -22,6 +22,10 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# decode kernel launch: block_n None = 64 (32 for head_dim > 128), splits None = decode_splits,
+# num_stages None = Triton's default. Two stages: best or within 1% of it at b=256 (4.19 TB/s
+# at 1K context) and b=64 mixed contexts (2.2x the default there), H200, kernel_sweep.py
+DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None}
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -194,13 +198,15 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, max_q_len: int | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, decode_config: dict | None = None) -> torch.Tensor:
     """Triton `paged_attention_ref` (same shapes and meaning), all index tensors on q's device.
 
     max_q_len, max_seq_len: host-side bounds of the step's query and sequence lengths (the
         model runner knows them); None reads them from the tensors (a device sync). The
         decode kernel runs when max_q_len == 1. A larger max_seq_len than the true one is
         valid (CUDA graphs pass max_model_len): empty partitions exit at once.
+    decode_config: overrides of the decode kernel's launch (keys block_n, num_warps,
+        num_stages, splits), for benchmarks/attention_sweep.py; None = `DECODE_DEFAULTS`.
     Raises ValueError if num_heads is not a multiple of num_kv_heads.
     """
     t, h, d = q.shape
@@ -221,8 +227,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1))
     if max_q_len == 1:
-        block_n = 64 if bd <= 128 else 32
-        splits = decode_splits(b, kvh, max_seq_len, q.device, block_n)
+        dc = {**DECODE_DEFAULTS, **(decode_config or {})}
+        block_n = dc["block_n"] or (64 if bd <= 128 else 32)
+        splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n)
         one = splits == 1
         m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
         l_ = torch.empty_like(m) if not one else out
@@ -230,7 +237,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
                                          *strides, qk_scale, k_cache.shape[1], splits, h, d,
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
-                                         BLOCK_D=bd, ONE_SPLIT=one, num_warps=4)
+                                         BLOCK_D=bd, ONE_SPLIT=one, num_warps=dc["num_warps"],
+                                         **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}))
         if not one:
             _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d,
                                   BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd)

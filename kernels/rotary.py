@@ -17,6 +17,7 @@ import math
 import torch
 
 from kernels.attention import store_kv_ref
+from kernels.norm import rms_norm_ref
 
 apply_rotary_triton = None  # set below when Triton imports: same signature as apply_rotary_ref
 rotary_and_store_kv_triton = None  # same signature as rotary_and_store_kv_ref
@@ -89,8 +90,14 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                            eps: float = 1e-6) -> None:
     """Rotate q and k in place by their tokens' angles, then store k and v in the KV cache.
+
+    q_norm, k_norm: optional [head_dim] weights of an RMSNorm over each head of q and of k
+    applied first (Qwen3's q_norm / k_norm, `kernels.norm.rms_norm_ref` with eps); both or
+    neither.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (views
     of the fused qkv output are fine: the last dim must have unit stride).
@@ -98,6 +105,9 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [max_positions, rot_dim]. k_cache, v_cache, slot_mapping: see `store_kv_ref`.
     Math as `apply_rotary_ref`.
     """
+    if q_norm is not None:
+        q.copy_(rms_norm_ref(q, q_norm, eps))
+        k.copy_(rms_norm_ref(k, k_norm, eps))
     cs = cos_sin.index_select(0, positions)
     t, h, d = q.shape
     kvh = k.shape[1]
@@ -111,11 +121,13 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
+def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                        q_norm=None, k_norm=None, eps: float = 1e-6) -> None:
     """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes)."""
     if q.is_cuda and rotary_and_store_kv_triton is not None:
-        return rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    rotary_and_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                          q_norm, k_norm, eps)
+    rotary_and_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
 
 
 # ---------------------------------------------------------------- Triton (CUDA)
@@ -133,7 +145,7 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(x_ptr, tok, sx_t, sx_h, n_heads, cos, sin, half,
-                      c_ptr, slot, sc_s, sc_h, STORE: tl.constexpr,
+                      c_ptr, slot, sc_s, sc_h, nw_ptr, eps, STORE: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
         hh = tl.arange(0, BLOCK_H)[:, None]
         ii = tl.arange(0, BLOCK_HALF)[None, :]
@@ -142,6 +154,12 @@ if triton is not None:
         x1 = tl.load(p1, mask=m, other=0.0)
         x2 = tl.load(p1 + half, mask=m, other=0.0)
         x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        if NORM:  # RMSNorm over each head first (full rotary only), rounded as rms_norm_ref
+            r = tl.rsqrt((tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)) / (2 * half) + eps)[:, None]
+            w1 = tl.load(nw_ptr + ii, mask=ii < half, other=0.0).to(tl.float32)
+            w2 = tl.load(nw_ptr + half + ii, mask=ii < half, other=0.0).to(tl.float32)
+            x1f = ((x1f * r).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+            x2f = ((x2f * r).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
         o1 = (x1f * cos - x2f * sin).to(x1.dtype)
         o2 = (x2f * cos + x1f * sin).to(x1.dtype)
         tl.store(p1, o1, mask=m)
@@ -152,22 +170,23 @@ if triton is not None:
             tl.store(c1 + half, o2, mask=m)
 
     @triton.jit
-    def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr,
+    def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr,
                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h, cs_stride,
-                       n_q, n_k, half, head_dim, HAS_K: tl.constexpr, STORE: tl.constexpr,
+                       n_q, n_k, half, head_dim, eps, HAS_K: tl.constexpr, STORE: tl.constexpr,
+                       NORM: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         ii = tl.arange(0, BLOCK_HALF)[None, :]
         cos = tl.load(cs_ptr + pos * cs_stride + ii, mask=ii < half, other=0.0)
         sin = tl.load(cs_ptr + pos * cs_stride + half + ii, mask=ii < half, other=0.0)
-        _rotate_heads(q_ptr, tok, sq_t, sq_h, n_q, cos, sin, half, q_ptr, 0, 0, 0, False,
-                      BLOCK_H, BLOCK_HALF)
+        _rotate_heads(q_ptr, tok, sq_t, sq_h, n_q, cos, sin, half, q_ptr, 0, 0, 0, qn_ptr, eps,
+                      False, NORM, BLOCK_H, BLOCK_HALF)
         if HAS_K:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if STORE and slot >= 0:
                 _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, slot,
-                              sc_s, sc_h, True, BLOCK_H, BLOCK_HALF)
+                              sc_s, sc_h, kn_ptr, eps, True, NORM, BLOCK_H, BLOCK_HALF)
                 hh = tl.arange(0, BLOCK_H)[:, None]
                 dd = tl.arange(0, BLOCK_D)[None, :]
                 m = (hh < n_k) & (dd < head_dim)
@@ -178,9 +197,10 @@ if triton is not None:
                 tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, kp, mask=mp)
             else:
                 _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, 0, 0, 0,
-                              False, BLOCK_H, BLOCK_HALF)
+                              kn_ptr, eps, False, NORM, BLOCK_H, BLOCK_HALF)
 
-    def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None,
+                eps=1e-6):
         t, nq, d = q.shape
         half = cos_sin.shape[-1] // 2
         has_k, store = k is not None, k_cache is not None
@@ -197,18 +217,27 @@ if triton is not None:
         kc = k_cache if store else q
         vc = v_cache if store else q
         sl = slot_mapping if store else positions
+        norm = q_norm is not None
         _rotary_kernel[(t,)](
-            q, kk, vv, positions, cos_sin, kc, vc, sl,
+            q, kk, vv, positions, cos_sin, kc, vc, sl, q_norm if norm else q, k_norm if norm else q,
             q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
             kc.stride(1) if store else 0, kc.stride(2) if store else 0, cos_sin.stride(0),
-            nq, nk, half, d, HAS_K=has_k, STORE=store,
+            nq, nk, half, d, eps, HAS_K=has_k, STORE=store, NORM=norm,
             BLOCK_H=triton.next_power_of_2(max(nq, nk)), BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_D=triton.next_power_of_2(d))
 
-    def rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
-        """Triton `rotary_and_store_kv_ref` (same shapes); one launch, one program per token.
+    def rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                   q_norm=None, k_norm=None, eps: float = 1e-6) -> None:
+        """Triton `rotary_and_store_kv_ref` (same shapes); one launch, one program per token,
+        the per-head q/k RMSNorm fused in when its weights are given (full rotary only: a
+        partial rotary normalises first, with `kernels.norm.rms_norm`).
         Slots < 0 are skipped (CUDA-graph padding). Raises ValueError on a strided last dim."""
-        _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        if q_norm is not None and 2 * (cos_sin.shape[-1] // 2) != q.shape[-1]:
+            from kernels.norm import rms_norm
+            q.copy_(rms_norm(q, q_norm, eps))
+            k.copy_(rms_norm(k, k_norm, eps))
+            q_norm = k_norm = None
+        _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
 
     def apply_rotary_triton(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Triton `apply_rotary_ref` (same shapes): cos_sin holds the tokens' rows."""

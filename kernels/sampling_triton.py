@@ -1,6 +1,6 @@
 """Triton sampler of `kernels.sampling` for batches without top-k/top-p/min-p.
 
-One program per row walks the vocabulary in tiles: score = logits / T + G (G the Gumbel
+One program per row (or per chunk of a row, for small batches) walks the vocabulary in tiles: score = logits / T + G (G the Gumbel
 noise of `kernels.sampling.race_noise`, the same integer hash of (row key, token id)) or
 the raw logit for greedy rows (T == 0), and keeps the best score per lane; the row's token
 is the lowest id among the lanes holding the maximum (ties to the lowest id, like
@@ -28,19 +28,23 @@ def _mix32(x):
     return x ^ (x >> 15)
 
 
-@triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride_row, temp_ptr, key_ptr, out_ptr, vocab,
-                          BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["vocab", "chunk", "n_chunks"])
+def _gumbel_argmax_kernel(logits_ptr, stride_row, temp_ptr, key_ptr, out_ptr, ws_score_ptr,
+                          ws_idx_ptr, vocab, chunk, n_chunks, BLOCK: tl.constexpr,
+                          SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     t = tl.load(temp_ptr + row)
     k0 = tl.load(key_ptr + 2 * row)
     k1 = tl.load(key_ptr + 2 * row + 1)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    for start in range(lo, hi, BLOCK):
         offs = start + lanes
-        m = offs < vocab
+        m = offs < hi
         x = tl.load(logits_ptr + row * stride_row + offs, mask=m, other=float("-inf")).to(tl.float32)
         h = _mix32(_mix32(offs.to(tl.int64) ^ k0) ^ k1)
         u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -53,8 +57,41 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, temp_ptr, key_ptr, out_ptr, vo
     top = tl.max(best, 0)
     cand = tl.where(best == top, best_i, vocab)
     tok = tl.min(cand, 0)
-    tok = tl.where(tok == vocab, 0, tok)  # every score -inf/NaN: token 0
+    if SPLIT:  # this chunk's best (score, lowest id); _pick_kernel picks among the chunks
+        tl.store(ws_score_ptr + row * n_chunks + c, top)
+        tl.store(ws_idx_ptr + row * n_chunks + c, tok)
+    else:
+        tok = tl.where(tok == vocab, 0, tok)  # every score -inf/NaN: token 0
+        tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["vocab", "n_chunks"])
+def _pick_kernel(ws_score_ptr, ws_idx_ptr, out_ptr, vocab, n_chunks, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cc = tl.arange(0, BLOCK_C)
+    m = cc < n_chunks
+    sc = tl.load(ws_score_ptr + row * n_chunks + cc, mask=m, other=float("-inf"))
+    ids = tl.load(ws_idx_ptr + row * n_chunks + cc, mask=m, other=vocab)
+    top = tl.max(sc, 0)
+    tok = tl.min(tl.where(sc == top, ids, vocab), 0)  # chunks hold ascending ids: lowest wins
+    tok = tl.where(tok == vocab, 0, tok)
     tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+_NUM_SMS: dict[int, int] = {}
+# chunks per row at most; one constant block for the pick and no integer specialisation of
+# the chunk arguments, so that every batch size runs one of two compiled variants (split or
+# not) and no batch size compiles a new one in the middle of serving
+MAX_CHUNKS = 64
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter on CPU tensors: a few chunks exercise the pick
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: list[int],
@@ -64,6 +101,10 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: list[i
     logits: [n, vocab] fp32/bf16/fp16, unit last stride. temperature: [n] fp32 on the same
     device (0 = greedy). seeds: n ints (`mix_seed` values); keys: their `noise_keys`, already
     on the device (optional, saves the copy). Returns [n] int64.
+    A batch too small to fill the GPU with one program per row splits each row's vocabulary
+    into chunks (whole BLOCK tiles) and picks the best chunk in a second small kernel; the
+    result is the same token (the lowest id among the maxima either way).
+    `warm_up_sampler` compiles both variants ahead of time.
     """
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.long, device=logits.device)
@@ -73,6 +114,26 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: list[i
         logits = logits.contiguous()
     if keys is None:
         keys = noise_keys(seeds).to(logits.device, non_blocking=True)
-    _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), temperature.float().contiguous(),
-                                keys.contiguous(), out, vocab, BLOCK=2048, num_warps=8)
+    block = 2048 if logits.device.type == "cuda" else 512
+    tiles = triton.cdiv(vocab, block)
+    n_chunks = max(1, min(tiles, MAX_CHUNKS, (2 * _num_sms(logits.device)) // n))
+    chunk = triton.cdiv(tiles, n_chunks) * block
+    n_chunks = triton.cdiv(vocab, chunk)
+    split = n_chunks > 1
+    ws_s = torch.empty((n, n_chunks), dtype=torch.float32, device=logits.device) if split else out
+    ws_i = torch.empty((n, n_chunks), dtype=torch.int32, device=logits.device) if split else out
+    _gumbel_argmax_kernel[(n, n_chunks)](logits, logits.stride(0), temperature.float().contiguous(),
+                                         keys.contiguous(), out, ws_s, ws_i, vocab, chunk, n_chunks,
+                                         BLOCK=block, SPLIT=split, num_warps=8)
+    if split:
+        _pick_kernel[(n,)](ws_s, ws_i, out, vocab, n_chunks, BLOCK_C=MAX_CHUNKS)
     return out
+
+
+def warm_up_sampler(vocab: int, max_rows: int, device: torch.device) -> None:
+    """Compile the kernels of `sample_triton` for one row (chunked) and for max_rows rows
+    (one program per row when that fills the GPU), so that no step compiles them later.
+    vocab: the model's vocabulary size; max_rows: max_num_seqs."""
+    for n in sorted({1, max_rows}):
+        logits = torch.zeros((n, vocab), dtype=torch.float32, device=device)
+        sample_triton(logits, torch.ones(n, device=device), [0] * n)

@@ -94,6 +94,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
             self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs, self.max_model_len,
                                        self.block_size, self.device)
+        if self.device.type == "cuda" and not self.use_ref_attention:
+            from kernels.sampling_triton import warm_up_sampler  # compile now, not mid-serving
+            warm_up_sampler(self.model.args.vocab_size, cfg.max_num_seqs, self.device)
         self.sampler = Sampler(cfg.seed, load_model_info(cfg.model).eos_token_ids)
         # request id -> logits [vocab] of the last position of its previous prompt chunk,
         # which scores the first token of its next chunk (prompt_logprobs across chunks)

@@ -16,7 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from kernels import activation, attention, norm, rotary, sampling, sampling_triton  # noqa: E402
+from kernels import activation, attention, linear, norm, rotary, sampling, sampling_triton  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 
 
@@ -118,6 +118,43 @@ def main() -> None:
         ref = sampling.sample_ref(lg, temp, n7, torch.ones(7), torch.zeros(7), seeds, False)
         got = sampling_triton.sample_triton(lg, temp, seeds)
         out[f"sample_gumbel_{name}"] = float((got != ref).double().mean())
+        # small batches split each row's vocabulary into chunks (1 and 2 rows here)
+        bad = 0.0
+        for rows in ((0,), (1, 3)):
+            ix = torch.tensor(rows)
+            r1 = sampling.sample_ref(lg[ix], temp[ix], n7[ix], torch.ones(len(rows)), torch.zeros(len(rows)),
+                                     [seeds[i] for i in rows], False)
+            g1 = sampling_triton.sample_triton(lg[ix], temp[ix], [seeds[i] for i in rows])
+            bad = max(bad, float((g1 != r1).double().mean()))
+        out[f"sample_gumbel_chunked_{name}"] = bad
+        # skinny linear: one tile, split-K with partial sums, bias, a row-strided x
+        errs = []
+        for m, n, k, kw in ((1, 37, 100, {}), (3, 70, 300, {"split_k": 3, "block_k": 64}),
+                            (5, 16, 48, {"block_n": 16})):
+            xs = torch.randn(m, k + 4, generator=gen).to(dt)[:, 2:k + 2]
+            ws = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
+            bs_ = torch.randn(n, generator=gen).to(dt)
+            for bias in (None, bs_):
+                errs.append(rel(linear.skinny_linear_triton(xs, ws, bias, **kw),
+                                linear.linear_ref(xs.float(), ws.float(), None if bias is None else bias.float())))
+        out[f"skinny_linear_{name}"] = max(errs)
+        # rotary with Qwen3's per-head q/k RMSNorm fused in
+        t, hq, hk, d = 6, 4, 2, 16
+        table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 64)
+        qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dt)
+        pos = torch.randint(0, 64, (t,), generator=gen)
+        slots = torch.randperm(2 * 16, generator=gen)[:t]
+        qn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt)
+        kn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt)
+        res = []
+        for fn in (rotary.rotary_and_store_kv_ref, rotary.rotary_and_store_kv_triton):
+            buf = qkv.clone()
+            q, k, v = buf.split([hq * d, hk * d, hk * d], -1)
+            kc = torch.zeros(2, 16, hk, d, dtype=dt)
+            vc = torch.zeros_like(kc)
+            fn(q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d), pos, table, kc, vc, slots, qn, kn, 1e-6)
+            res.append((buf, kc, vc))
+        out[f"rotary_qk_norm_{name}"] = max(rel(a, b) for a, b in zip(res[1], res[0]))
     print("RESULT " + json.dumps(out))
 
 

@@ -8,8 +8,9 @@ the row sizes of its shards and the loader copies each checkpoint tensor into it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.linear import linear
 
 
 class Linear(nn.Module):
@@ -34,7 +35,7 @@ class Linear(nn.Module):
                     p.shard_sizes = sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def process_weights_after_loading(self) -> None:
         """On the CPU, store W column-major (W.t() contiguous), same shape and values."""

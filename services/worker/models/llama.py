@@ -85,12 +85,15 @@ class LlamaAttention(nn.Module):
                                 k.view(t, self.kv_heads, self.head_dim),
                                 v.view(t, self.kv_heads, self.head_dim), meta)
 
-    def rope_attend(self, positions, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def rope_attend(self, positions, q, k, v, meta: AttentionMetadata, qk_norm=None) -> torch.Tensor:
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place, store k and v
-        in the cache (one kernel on the GPU), attend and project: -> [T, hidden]."""
+        in the cache (one kernel on the GPU), attend and project: -> [T, hidden].
+        qk_norm: (q_norm weight, k_norm weight, eps) of a per-head RMSNorm applied first
+        (Qwen3), or None."""
         a = self.attn
+        qn, kn, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
         rotary_and_store_kv(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
-                            meta.slot_mapping)
+                            meta.slot_mapping, qn, kn, eps)
         return self.o_proj(a.attend(q, meta))
 
 

@@ -31,7 +31,9 @@ class Qwen3Args(LlamaArgs):
 
 
 class Qwen3Attention(LlamaAttention):
-    """Llama attention with per-head q/k RMSNorm (eps = rms_norm_eps) before RoPE."""
+    """Llama attention with per-head q/k RMSNorm (eps = rms_norm_eps) before RoPE; the
+    norms run inside the rotary kernel (`kernels.rotary.rotary_and_store_kv`), in place on
+    the views of the fused qkv output."""
 
     def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
         super().__init__(a, rotary)
@@ -41,9 +43,10 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(t, self.heads, self.head_dim))  # new tensors: rotated in place
-        k = self.k_norm(k.reshape(t, self.kv_heads, self.head_dim))
-        return self.rope_attend(positions, q, k, v.view(t, self.kv_heads, self.head_dim), meta)
+        return self.rope_attend(positions, q.view(t, self.heads, self.head_dim),
+                                k.view(t, self.kv_heads, self.head_dim),
+                                v.view(t, self.kv_heads, self.head_dim), meta,
+                                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

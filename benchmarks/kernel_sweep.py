@@ -1,0 +1,194 @@
+"""Launch-parameter sweep of the decode-path kernels on one GPU, for choosing defaults.
+
+1. Skinny linear (`kernels.linear`): every projection of every layer of a model shape
+   (Qwen3-0.6B, Llama-3.1-8B) at M rows, distinct weights per layer (so the weights
+   stream from HBM as in decode, not from L2), captured in one CUDA graph and replayed:
+   time per pass, and bytes (weights + activations) / time in TB/s. cuBLAS (`F.linear`)
+   is the baseline of the same run; the lm_head is timed alone the same way.
+2. Paged decode attention (`kernels.attention_triton`): one layer's cache, block tables
+   over shuffled blocks, cases b=256 at 1K context, b=256 at mixed contexts U[100, 2048],
+   b=1 at 1K; `triton.testing.do_bench` medians; KV bytes read / time in TB/s.
+Copy bandwidth (device-to-device, read + write) is measured first, as the ceiling.
+Writes JSON to --out; prints the best variants last.
+
+Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from benchmarks.common import device_name  # noqa: E402
+from benchmarks.decode_latency import copy_bandwidth  # noqa: E402
+from kernels import attention_triton as at  # noqa: E402
+from kernels import linear  # noqa: E402
+
+SHAPES = {  # (layers, [(N, K) of qkv, o, gate_up, down], lm_head (N, K))
+    "qwen3-0.6b": (28, [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], (151936, 1024)),
+    "llama-3.1-8b": (32, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], (128256, 4096)),
+}
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Median seconds of one replay of a CUDA graph of fn()."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up: compiles
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for i in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(times)
+
+
+def sweep_linear(quick: bool) -> dict:
+    res: dict = {}
+    variants = [dict(block_k=bk, programs_per_sm=pp, num_warps=nw, num_stages=ns)
+                for bk, pp, nw, ns in itertools.product((128, 256, 512), (1, 2, 4), (4, 8), (3, 5))]
+    if quick:
+        variants = variants[:4]
+    default = dict(linear.SKINNY_TUNING)
+    for name, (layers, mats, head) in SHAPES.items():
+        ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
+              for _ in range(layers)]
+        wbytes = sum(w.numel() * 2 for lw in ws for w in lw)
+        lm = torch.randn(*head, device="cuda", dtype=torch.bfloat16) * head[1] ** -0.5
+        for m in (1, 4, 16):
+            xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in mats}
+
+            def layers_fn(f):
+                def run():
+                    for lw in ws:
+                        for w in lw:
+                            f(xs[w.shape[1]], w)
+                return run
+            row = {"cublas_us": graph_time(layers_fn(F.linear)) * 1e6}
+            for v in variants:
+                linear.SKINNY_TUNING.update(v)
+                key = "bk{block_k}_pp{programs_per_sm}_w{num_warps}_s{num_stages}".format(**v)
+                try:
+                    row[key] = graph_time(layers_fn(linear.skinny_linear_triton)) * 1e6
+                except Exception as e:  # a variant that fails to compile is reported, not fatal
+                    row[key] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            linear.SKINNY_TUNING.update(default)
+            best = min((k for k in row if k != "cublas_us" and isinstance(row[k], float)), key=row.get)
+            row["best"] = best
+            row["weight_bytes"] = wbytes
+            row["best_TBps"] = round(wbytes / row[best] / 1e6, 3)
+            row["cublas_TBps"] = round(wbytes / row["cublas_us"] / 1e6, 3)
+            xh = torch.randn(m, head[1], device="cuda", dtype=torch.bfloat16)
+            row["lm_head_cublas_us"] = graph_time(lambda: F.linear(xh, lm)) * 1e6
+            row["lm_head_skinny_us"] = graph_time(lambda: linear.skinny_linear_triton(xh, lm)) * 1e6
+            res[f"{name}_m{m}"] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
+            print(name, m, "cublas", round(row["cublas_us"], 1), "best", best, round(row[best], 1),
+                  "lm_head", round(row["lm_head_cublas_us"], 1), round(row["lm_head_skinny_us"], 1), flush=True)
+        del ws, lm
+        torch.cuda.empty_cache()
+    return res
+
+
+def attention_case(b: int, lens: list[int], kvh=8, h=16, d=128, bs=16):
+    total = sum(-(-n // bs) for n in lens) + 8
+    kc = torch.randn(total, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(total).tolist()
+    width = max(-(-n // bs) for n in lens)
+    tables = []
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append([perm.pop() for _ in range(nb)] + [0] * (width - nb))
+    q = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
+    bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kv_bytes = sum(lens) * kvh * d * 2 * 2
+    return (q, kc, vc, cu, sl, bt), kv_bytes
+
+
+def sweep_attention(quick: bool) -> dict:
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "b256_ctx1024": [1024] * 256,
+        "b256_mixed": torch.randint(100, 2049, (256,), generator=g).tolist(),
+        "b64_mixed": torch.randint(100, 2049, (64,), generator=g).tolist(),
+        "b1_ctx1024": [1024],
+    }
+    variants = [dict(block_n=bn, num_warps=nw, num_stages=ns)
+                for bn, nw, ns in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
+    if quick:
+        variants = variants[:3]
+    res = {}
+    for cname, lens in cases.items():
+        args, kvb = attention_case(len(lens), lens)
+        row = {}
+        for v in [{}] + variants:
+            key = "default" if not v else "bn{block_n}_w{num_warps}_s{num_stages}".format(**v)
+            try:
+                t = triton.testing.do_bench(lambda: at.paged_attention_triton(
+                    *args, 128 ** -0.5, max_q_len=1, max_seq_len=4096, decode_config=v),
+                    warmup=25, rep=100, return_mode="median") / 1e3
+                row[key] = round(t * 1e6, 2)
+            except Exception as e:
+                row[key] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        best = min((k for k in row if isinstance(row[k], float)), key=row.get)
+        row["best"] = best
+        row["kv_bytes"] = kvb
+        row["best_TBps"] = round(kvb / row[best] / 1e6, 3)
+        row["default_TBps"] = round(kvb / row["default"] / 1e6, 3) if isinstance(row["default"], float) else None
+        res[cname] = row
+        print(cname, "default", row["default"], "best", best, row[best], row["best_TBps"], "TB/s", flush=True)
+        del args
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="a few variants only (a smoke run)")
+    ap.add_argument("--only", choices=["linear", "attention"], default=None)
+    a = ap.parse_args()
+    res = {"benchmark": "kernel_sweep", "device": device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "copy_bandwidth_TBps": round(copy_bandwidth() / 1e12, 3)}
+    if a.only in (None, "attention"):
+        res["attention"] = sweep_attention(a.quick)
+    if a.only in (None, "linear"):
+        res["linear"] = sweep_linear(a.quick)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    print("== best")
+    for k, v in res.get("attention", {}).items():
+        print(f"attention {k}: default {v['default']} us ({v['default_TBps']} TB/s), "
+              f"best {v['best']} {v[v['best']]} us ({v['best_TBps']} TB/s)")
+    for k, v in res.get("linear", {}).items():
+        print(f"linear {k}: cublas {v['cublas_us']} us ({v['cublas_TBps']} TB/s), best {v['best']} "
+              f"{v[v['best']]} us ({v['best_TBps']} TB/s); lm_head cublas {v['lm_head_cublas_us']} "
+              f"skinny {v['lm_head_skinny_us']}")
+
+
+if __name__ == "__main__":
+    main()
