@@ -124,8 +124,12 @@ def main() -> None:
         bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
         return Scheduler(bm, a.max_num_seqs, a.max_num_batched_tokens, runner.max_model_len, [])
 
-    warm = [Request(f"w{i}", b"", list(range(1, 200)), SamplingParams(temperature=0.6, seed=i,
-                    max_tokens=32, ignore_eos=True)) for i in range(8)]
+    # warm-up: prefill chunks, mixed steps and decode batches of several sizes, so that no
+    # kernel variant compiles inside the timed run
+    wr = random.Random(1)
+    warm = [Request(f"w{i}", b"", [wr.randint(0, 10000) for _ in range(wr.randint(20, 1024))],
+                    SamplingParams(temperature=0.6, seed=i, max_tokens=wr.randint(1, 24), ignore_eos=True))
+            for i in range(64)]
     run_engine(runner, scheduler(), warm)
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(a.num_seqs)]
