@@ -249,11 +249,7 @@ class AnthropicServing:
                 "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
     @staticmethod
-    def _stop_reason(request_id: str, fin: Finish, blocks: _Blocks) -> str:
-        if fin.reason == "stop_string":
-            # generation.py logs only the engine's finishes; this one ended in the parser.
-            log.info("%s finished: stop_sequence %r after %d completion tokens", request_id,
-                     fin.stop_string, fin.completion_tokens)
+    def _stop_reason(fin: Finish, blocks: _Blocks) -> str:
         if fin.reason == "stop" and blocks.has_tool_use():
             return "tool_use"
         return STOP_REASONS.get(fin.reason, "end_turn")
@@ -279,7 +275,7 @@ class AnthropicServing:
                         yield chunk
                     yield _sse("message_delta", {
                         "type": "message_delta",
-                        "delta": {"stop_reason": self._stop_reason(request_id, item, blocks),
+                        "delta": {"stop_reason": self._stop_reason(item, blocks),
                                   "stop_sequence": item.stop_string},
                         "usage": {"output_tokens": item.completion_tokens}})
                     yield _sse("message_stop", {"type": "message_stop"})
@@ -331,7 +327,7 @@ class AnthropicServing:
         fin = work.result()
         if fin.error is not None:
             raise InternalError(f"The request failed: {fin.error}")
-        reason = self._stop_reason(request_id, fin, blocks)
+        reason = self._stop_reason(fin, blocks)
         body = self._message(request_id, blocks.final(), reason, fin.stop_string, n_prompt,
                              fin.completion_tokens)
         return Response(orjson.dumps(body), media_type="application/json",

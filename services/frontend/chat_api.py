@@ -36,7 +36,7 @@ from starlette.responses import Response
 
 from services.frontend.errors import InternalError, error_body, model_not_found
 from services.frontend.fanout import FanOut
-from services.frontend.generation import TextDelta
+from services.frontend.generation import TextDelta, end_by_stop_string
 from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, SSE_KEEPALIVE, Collected,
                                           OpenAIServing, context_error, delta_error,
                                           json_response, sse)
@@ -59,8 +59,9 @@ class ChatDelta(TextDelta):
 async def parse_deltas(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
                        ) -> AsyncIterator[TextDelta | None]:
     """Follow `generation.generate` and yield ChatDeltas (errors pass through unchanged).
-    When the parser's stop string matched, the last delta has finish_reason "stop" and
-    closing `gen` aborts the request in the engine."""
+    When the parser's stop string matched, `gen` is ended with `end_by_stop_string` (the
+    request stops in the engine, and finishes as "stop") and the last delta has
+    finish_reason "stop"."""
     try:
         async for d in gen:
             if d is None or d.error is not None:
@@ -72,6 +73,7 @@ async def parse_deltas(gen: AsyncIterator[TextDelta | None], parser: ChatOutputP
             reason = d.finish_reason
             if parser.stopped is not None:
                 reason = "stop"
+                await end_by_stop_string(gen, parser.stopped)
             elif reason is not None:
                 events += parser.finish()
             yield ChatDelta("", reason, None, d.prompt_tokens, d.completion_tokens, None,

@@ -4,6 +4,11 @@ Shared by every API route (streaming or not): follows a request sent to the engi
 token ids into text with the incremental detokenizer, applies stop strings (checked on
 text, DESIGN §5: the frontend aborts the request in the engine when one matches), and
 aborts the request in the engine when the consumer goes away before the end.
+
+A consumer that applies stop strings itself (an output parser: the Anthropic route, chat
+with a reasoning parser) ends the request with `end_by_stop_string(gen, stop)`, which throws
+`StopStringMatched` into the generator: the request is aborted in the engine like any stop
+string's, and logged and counted (metrics.py) as finish reason "stop", not as a client gone.
 """
 
 from __future__ import annotations
@@ -81,6 +86,25 @@ class TextDelta:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
+class StopStringMatched(Exception):
+    """Thrown into a `generate` iterator by a consumer whose own parser matched a stop
+    string (see `end_by_stop_string`). stop: the stop string, for the log."""
+
+    def __init__(self, stop: str):
+        super().__init__(stop)
+        self.stop = stop
+
+
+async def end_by_stop_string(gen: AsyncIterator[TextDelta | None], stop: str) -> None:
+    """End a suspended `generate` iterator because the consumer matched stop string `stop`
+    in its output: the request stops in the engine and finishes as "stop" (log, metrics).
+    Call it between two items (not while `gen` is running); `gen` is exhausted after."""
+    try:
+        await gen.athrow(StopStringMatched(stop))  # type: ignore[attr-defined]
+    except StopAsyncIteration:
+        pass
+
+
 async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestStream,
                    prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
                    tick_s: float | None = None) -> AsyncIterator[TextDelta | None]:
@@ -89,16 +113,22 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
 
     tick_s: if set, yield None whenever no output came for that many seconds (the caller
     sends a keep-alive). If the consumer stops early (client gone, task cancelled), the
-    request is aborted in the engine.
+    request is aborted in the engine and counted as "abort". If the consumer throws
+    StopStringMatched into it (`end_by_stop_string`), the request is aborted in the engine
+    and finishes as "stop". The end is logged and recorded in the metrics once, when the
+    iterator closes.
     """
     started = time.monotonic()
     request_id = stream.request_id
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     matcher = StopStringMatcher(stop) if stop else None
-    n_prompt, n_out, finished = len(prompt_ids), 0, False
+    n_prompt, n_out = len(prompt_ids), 0
     # Prometheus TTFT / ITL / TPOT / e2e and token counters (metrics.py), timed from the
     # request's submission to the engine.
-    timer, reason = RequestTimer(getattr(stream, "created", None)), None
+    timer = RequestTimer(getattr(stream, "created", None))
+    reason: str | None = None  # how the request ended; None while running or if abandoned
+    how = ""  # for the log line: set when the consumer's parser ended the request
+    engine_done = False  # the engine finished the request itself (no Abort to send)
     pending_lps: list[TokenLogprob] = []
     prompt_lps: list[TokenLogprob | None] = []
     try:
@@ -118,27 +148,26 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
                     and ids[-1] == out.stop_token_id):
                 ids = ids[:-1]  # the stop token's text is not part of the answer
             text = detok.add(ids)
-            reason = out.finish_reason
-            if reason in ("abort", "error"):
-                finished = True
+            finish = out.finish_reason
+            engine_done = finish is not None
+            if finish in ("abort", "error"):
+                reason = finish
                 error = out.error or "The request was aborted by the engine."
                 log.error("%s failed in the engine: %s", request_id, error)
                 yield TextDelta(text, "error", error, n_prompt, n_out, out.error_kind)
                 return
-            if reason is not None:
+            if finish is not None:
                 text += detok.flush()
             if matcher is not None:
                 text, matched = matcher.feed(text)
                 if matched:
-                    reason = "stop"
-                elif reason is not None:
+                    finish = "stop"
+                elif finish is not None:
                     text += matcher.flush()
-            if reason is not None:
-                finished = True
-                if out.finish_reason is None:
+            if finish is not None:
+                reason = finish
+                if not engine_done:
                     engine.abort(request_id)  # a stop string matched: the engine stops too
-                log.info("%s finished: %s, %d prompt + %d completion tokens, %.2f s",
-                         request_id, reason, n_prompt, n_out, time.monotonic() - started)
                 yield TextDelta(text, reason, None, n_prompt, n_out, None, pending_lps,
                                 prompt_lps)
                 return
@@ -146,10 +175,16 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
                 yield TextDelta(text, None, None, n_prompt, n_out, None, pending_lps,
                                 prompt_lps)
                 pending_lps, prompt_lps = [], []
+    except StopStringMatched as e:  # the consumer's parser matched it: a stop, no client gone
+        reason, how = "stop", f" (stop string {e.stop!r}, matched by the output parser)"
     finally:
-        timer.finish(reason if finished else "abort", n_prompt, n_out)
-        if not finished:
+        timer.finish(reason or "abort", n_prompt, n_out)
+        if reason is None:
             log.info("%s aborted after %d tokens (client gone)", request_id, n_out)
-            engine.abort(request_id)
-        else:
+        elif reason not in ("abort", "error"):  # (those were logged as errors above)
+            log.info("%s finished: %s%s, %d prompt + %d completion tokens, %.2f s",
+                     request_id, reason, how, n_prompt, n_out, time.monotonic() - started)
+        if engine_done:
             engine.release(request_id)
+        else:
+            engine.abort(request_id)  # no-op when a stop string already aborted it

@@ -13,21 +13,14 @@ import anthropic
 import httpx
 import pytest
 
-from tests.unit.test_frontend_support import MODEL, Stack, wait_for
+from tests.unit.test_frontend_support import MODEL, running_stack, wait_for
 
 OK = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
 def stack():
-    s = Stack()
-    try:
-        s.start_engine()
-        s.start_frontend()
-        s.wait_healthy()
-        yield s
-    finally:
-        s.close()
+    yield from running_stack()
 
 
 def _post(stack, path: str, raw: bytes) -> httpx.Response:
@@ -131,5 +124,6 @@ def test_stop_sequence_finish_is_logged_as_a_stop_not_a_disconnect(stack):
     doc = r.json()
     assert doc["stop_reason"] == "stop_sequence" and doc["stop_sequence"] == "Kestrels", doc
     rid = r.headers["request-id"]
-    wait_for(lambda: f"{rid} finished: stop_sequence 'Kestrels'" in stack.log(), 10,
-             "the stop_sequence log line")
+    wait_for(lambda: f"{rid} finished: stop (stop string 'Kestrels'" in stack.log(), 10,
+             "the stop log line")
+    assert f"{rid} aborted" not in stack.log()

@@ -2,17 +2,21 @@
 official `openai` SDK against a frontend on the fake engine, whose replies are hand-written
 model outputs (test_frontend_support.SCRIPTED): reasoning_content / content / tool_calls,
 streaming equal to non-streaming, stop strings inside the reasoning, forced calls' engine
-constraint, and the 400s of bad tool fields."""
+constraint, and the 400s of bad tool fields. A call cut by max_tokens is also checked on
+/v1/messages with the `anthropic` SDK."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import anthropic
 import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
-from tests.unit.test_frontend_support import MODEL, SCRIPTED, Stack
+from tests.unit.test_frontend_support import MODEL, SCRIPTED, running_stack
 
 TOOLS = [
     {"type": "function", "function": {
@@ -30,14 +34,7 @@ CALLED = [("get_weather", {"city": 'P"<b>', "n": 123456789012345678901234567890,
 
 @pytest.fixture(scope="module")
 def stack():
-    s = Stack("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    try:
-        s.start_engine()
-        s.start_frontend()
-        s.wait_healthy()
-        yield s
-    finally:
-        s.close()
+    yield from running_stack("--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +142,41 @@ def test_call_cut_by_max_tokens_is_closed_to_valid_json_and_matches(client, stre
         s = _stream(client, **kw)
         assert s["finish"] == "length"
         assert s["calls"] == {0: ["get_weather", call.function.arguments]}
+
+
+def _cuts_before_the_arguments(stack) -> list[int]:
+    """The max_tokens values that cut the scripted "please call" reply after the first
+    call's name and before its arguments value, by the fake engine's own tokenization."""
+    tok = Tokenizer.from_file(os.path.join(stack.model_dir, "tokenizer.json"))
+    text = SCRIPTED["please call"]
+    ids = tok.encode(text).ids
+    lo = text.index('"get_weather"') + len('"get_weather"')
+    hi = text.index('{"city"')
+    return [n for n in range(1, len(ids)) if lo <= len(tok.decode(ids[:n])) <= hi]
+
+
+def test_call_cut_before_its_arguments_is_returned_streaming_or_not(client, stack):
+    cuts = _cuts_before_the_arguments(stack)
+    assert cuts
+    anth = anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0)
+    anth_tools = [{"name": t["function"]["name"],
+                   "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    for n in cuts:
+        kw = dict(messages=_msgs("please call"), tools=TOOLS, max_tokens=n)
+        ch = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        assert ch.finish_reason == "length", n
+        assert [(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []] == [
+            ("get_weather", "{}")], n
+        s = _stream(client, **kw)
+        assert s["finish"] == "length" and s["calls"] == {0: ["get_weather", "{}"]}, n
+        akw = dict(model=MODEL, max_tokens=n, tools=anth_tools, messages=_msgs("please call"))
+        m = anth.messages.create(**akw)
+        with anth.messages.stream(**akw) as st:
+            streamed = st.get_final_message()
+        for msg in (m, streamed):
+            assert msg.stop_reason == "max_tokens", n
+            assert [(b.name, b.input) for b in msg.content if b.type == "tool_use"] == [
+                ("get_weather", {})], n
 
 
 @pytest.mark.parametrize("choice", ["none", None])

@@ -3,8 +3,9 @@
 - `build_model_dir(path)`: a model folder with a small byte-level BPE `tokenizer.json`
   trained on mixed English/CJK/emoji text (so that many characters span several tokens) and
   a `tokenizer_config.json` with a ChatML chat template.
-- `Stack`: a model folder, a FakeEngine and a frontend subprocess on a free port (and the
-  module-scoped fixtures `stack` and `tok` built on it).
+- `Stack`: a model folder, a FakeEngine and a frontend subprocess on a free port;
+  `running_stack(*flags)` starts one for a fixture (and the module-scoped fixtures `stack`
+  and `tok` are built on it).
 - `FakeEngine`: a thread with a ZMQ ROUTER that speaks `shared.protocol` like the engine:
   answers Hello with EngineInfo and Heartbeat with Heartbeat, and answers each AddRequest
   with a fixed reply (token ids of REPLY_TEXT), shaped by the last user message:
@@ -292,9 +293,10 @@ class Stack:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = Stack()
+def running_stack(*extra_args: str):
+    """A Stack with its fake engine and a healthy frontend (extra_args: more frontend
+    flags), closed when the generator is closed: `yield from` it in a fixture."""
+    s = Stack(*extra_args)
     try:
         s.start_engine()
         s.start_frontend()
@@ -302,6 +304,11 @@ def stack():
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    yield from running_stack()
 
 
 @pytest.fixture(scope="module")

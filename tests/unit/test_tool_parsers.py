@@ -92,3 +92,35 @@ def test_forced_parser_reads_the_constrained_json_array():
     assert calls(whole) == [("f", {"n": BIG}), ("g", {})]
     for i in range(len(text)):
         assert run("forced", text, [i]) == whole
+
+
+# Outputs cut by max_tokens after the call's name is complete but before its arguments value
+# begins: the call is still returned, with {} as its arguments.
+CUT_BEFORE_ARGS = ['{"name": "get_weather", "argu', '{"name": "get_weather", "arguments"',
+                   '{"name": "get_weather", "arguments": ', '{"name": "get_weather"',
+                   '{"name": "get_weather", ']
+
+
+@pytest.mark.parametrize("body", CUT_BEFORE_ARGS)
+@pytest.mark.parametrize("name,wrap", [("hermes", "Sure.\n<tool_call>\n{}"), ("forced", "[{}")])
+def test_call_cut_before_its_arguments_is_kept_with_empty_arguments(name, wrap, body):
+    text = wrap.replace("{}", body)
+    whole = run(name, text)
+    assert calls(whole) == [("get_weather", {})]
+    assert whole.content == ("Sure." if name == "hermes" else "")
+    for i in range(len(text) + 1):  # streamed, split anywhere: the same events
+        assert run(name, text, [i]) == whole, i
+    assert run(name, text, list(range(len(text)))) == whole
+
+
+@pytest.mark.parametrize("name,wrap", [("hermes", "<tool_call>{}"), ("forced", "[{}")])
+def test_call_cut_inside_its_name_is_dropped(name, wrap):
+    for body in ['{"name": "get_wea', '{"na', '{']:
+        assert run(name, wrap.replace("{}", body)).calls == []
+
+
+def test_cut_call_with_arguments_before_the_name_keeps_what_was_parsed():
+    text = '<tool_call>{"arguments": {"city": "Par", "n": ' + str(BIG) + '}, "name": "get_weather"'
+    assert calls(run("hermes", text)) == [("get_weather", {"city": "Par", "n": BIG})]
+    assert calls(run("hermes", text + ', "x')) == [("get_weather", {"city": "Par", "n": BIG})]
+    assert run("hermes", '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_w').calls == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from services.frontend.generation import StopStringMatcher, TextDelta
+from services.frontend.generation import StopStringMatcher, TextDelta, end_by_stop_string
 from services.frontend.parsers.reasoning import Qwen3ReasoningParser
 from services.frontend.parsers.tool_parsers import (Content, Event, ToolCallArgs, ToolCallStart,
                                                     ToolParser)
@@ -132,8 +132,10 @@ class Finish:
 async def run_parsed(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
                      ) -> AsyncIterator[list[OutEvent] | None | Finish]:
     """Yield event lists (never empty), None for keep-alive ticks, and finally a Finish.
-    The caller closes `gen` afterwards (which aborts the request in the engine when a stop
-    string ended it early)."""
+    When the parser's stop string matched, `gen` is ended with `end_by_stop_string` (the
+    request stops in the engine and finishes as "stop") as soon as it matched. The caller
+    closes `gen` afterwards (which aborts the request in the engine if it is still
+    running: the client went away)."""
     async for d in gen:
         if d is None:
             yield None
@@ -144,6 +146,8 @@ async def run_parsed(gen: AsyncIterator[TextDelta | None], parser: ChatOutputPar
         events = parser.feed(d.text) if d.text else []
         if parser.stopped is None and d.finish_reason is not None:
             events += parser.finish()
+        if parser.stopped is not None:
+            await end_by_stop_string(gen, parser.stopped)  # the engine stops at once
         if events:
             yield events
         if parser.stopped is not None:

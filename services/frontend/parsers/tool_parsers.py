@@ -17,8 +17,11 @@ Every parser has `feed(text) -> events` and `finish() -> events`. Events: `Conte
 `ToolCallStart(index, name)`, `ToolCallArgs(index, text)`. For each index the `ToolCallArgs`
 texts concatenate to one JSON value; a call cut off by the end of the output (max_tokens)
 is closed at its longest closable prefix (partial-json-parser completes the rest where it
-can). Whitespace-only content between or after calls is dropped. Feeding the text in any
-split gives the same events, concatenated, as feeding it whole.
+can). A hermes / forced call cut before its arguments began is still a call once its name
+is complete, with the arguments partial-json-parser reads from the cut body (`{}` if none);
+a call whose name was cut is dropped. Whitespace-only content between or after calls is
+dropped. Feeding the text in any split gives the same events, concatenated, as feeding it
+whole.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import partial_json_parser
+from partial_json_parser import Allow
 
 from services.frontend.parsers.json_prefix import JsonPrefixScanner
 
@@ -77,13 +81,38 @@ def close_partial_json(emitted: str, seen: str, scanner: JsonPrefixScanner) -> s
 
 
 class ToolParser:
-    """Base: content handling (whitespace-only tails held back) and call numbering.
+    """Base: content handling (whitespace-only tails held back), call numbering, and the
+    text around `<tool_call>...</tool_call>` (for the tagged formats).
     tools: function name -> its JSON schema for the parameters ({} if none)."""
 
     def __init__(self, tools: dict[str, dict[str, Any]] | None = None):
         self.tools = tools or {}
         self.num_calls = 0
         self._pending_ws = ""
+        self._buf = ""  # text fed and not yet consumed
+
+    def _text_until_call(self, out: list[Event]) -> bool:
+        """Content up to `<tool_call>` in _buf: emit it and consume the tag (True), or emit
+        all but a possible start of the tag, which stays in _buf (False: feed more)."""
+        i = self._buf.find(TOOL_CALL_OPEN)
+        if i < 0:
+            keep = partial_prefix_len(self._buf, TOOL_CALL_OPEN)
+            self._content(self._buf[:len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep:]
+            return False
+        self._content(self._buf[:i], out)
+        self._buf = self._buf[i + len(TOOL_CALL_OPEN):]
+        return True
+
+    def _skip_call_close(self) -> bool:
+        """After a call: consume whitespace and `</tool_call>` from _buf. True when the
+        text goes on (tag consumed, or missing: go on with text), False: feed more."""
+        s = self._buf.lstrip()
+        if s.startswith(TOOL_CALL_CLOSE):
+            self._buf = s[len(TOOL_CALL_CLOSE):]
+        elif TOOL_CALL_CLOSE.startswith(s):
+            return False
+        return True
 
     def _content(self, text: str, out: list[Event]) -> None:
         text = self._pending_ws + text
@@ -156,20 +185,47 @@ class _CallBody:
             out.append(ToolCallArgs(self.index, self.text[self.args_at + self.emitted:self.args_at + upto]))
             self.emitted = upto
 
+    def _whole_call(self, name: Any, args: Any, out: list[Event]) -> None:
+        """Start and end a call in one go, from a parsed body; no call unless name is a
+        string."""
+        if isinstance(name, str):
+            self.index = self.parser._start_call(name, out)
+            out.append(ToolCallArgs(self.index, json.dumps(args, ensure_ascii=False)))
+
     def _fallback(self, out: list[Event]) -> None:
         """A complete body whose keys were not in the usual order."""
         try:
             obj = json.loads(self.text)
-            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
-            if not isinstance(name, str):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
             return
-        self.index = self.parser._start_call(name, out)
-        out.append(ToolCallArgs(self.index, json.dumps(args, ensure_ascii=False)))
+        if isinstance(obj, dict):
+            self._whole_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})),
+                             out)
+
+    def _cut_before_args(self, out: list[Event]) -> None:
+        """End of output before the arguments value began (or in a body whose keys are in
+        another order): a call once the name is complete, its arguments what
+        partial-json-parser reads from the body (an object, else {}). A cut name is not a
+        name: the partial string is left out of the parse that reads it."""
+        try:
+            named = partial_json_parser.loads(self.text, Allow.ALL & ~Allow.STR)
+            obj = partial_json_parser.loads(self.text)
+        except Exception:  # the library raises several types on text it cannot complete
+            return
+        if isinstance(named, dict) and isinstance(obj, dict):
+            args = obj.get("arguments", obj.get("parameters"))
+            self._whole_call(named.get("name"), args if isinstance(args, dict) else {}, out)
+
+    def cut(self, out: list[Event]) -> None:
+        """End of output (max_tokens) inside the body: finish the call it began."""
+        if self.args is None:
+            self._cut_before_args(out)
+        else:
+            self.close(out)
 
     def close(self, out: list[Event]) -> None:
-        """End of output inside the body: close the arguments JSON."""
+        """End of the body's text (cut, or malformed after the arguments began): close the
+        arguments JSON."""
         if self.args is None or self.args.done:
             return
         self.args.finish()
@@ -188,7 +244,6 @@ class HermesToolParser(ToolParser):
 
     def __init__(self, tools: dict[str, dict[str, Any]] | None = None):
         super().__init__(tools)
-        self._buf = ""
         self._state = "text"  # text | body | close
         self._body: _CallBody | None = None
 
@@ -197,14 +252,8 @@ class HermesToolParser(ToolParser):
         self._buf += text
         while self._buf:
             if self._state == "text":
-                i = self._buf.find(TOOL_CALL_OPEN)
-                if i < 0:
-                    keep = partial_prefix_len(self._buf, TOOL_CALL_OPEN)
-                    self._content(self._buf[:len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep:]
+                if not self._text_until_call(out):
                     break
-                self._content(self._buf[:i], out)
-                self._buf = self._buf[i + len(TOOL_CALL_OPEN):]
                 self._state, self._body = "body", _CallBody(self)
             elif self._state == "body":
                 rest = self._body.feed(self._buf, out)
@@ -216,14 +265,10 @@ class HermesToolParser(ToolParser):
                     self._state = "text"
                 else:
                     self._state = "close"
-            else:  # after a body: whitespace, then </tool_call>
-                s = self._buf.lstrip()
-                if s.startswith(TOOL_CALL_CLOSE):
-                    self._buf, self._state = s[len(TOOL_CALL_CLOSE):], "text"
-                elif TOOL_CALL_CLOSE.startswith(s):
-                    break
-                else:
-                    self._state = "text"  # a missing close tag: go on with text
+            elif self._skip_call_close():  # after a body: whitespace, then </tool_call>
+                self._state = "text"
+            else:
+                break
         return out
 
     def finish(self) -> list[Event]:
@@ -231,7 +276,7 @@ class HermesToolParser(ToolParser):
         if self._state == "text":
             self._content(self._buf, out)
         elif self._state == "body":
-            self._body.close(out)
+            self._body.cut(out)
         self._buf = ""
         self._finish_content(out)
         return out
@@ -242,7 +287,6 @@ class ForcedToolParser(ToolParser):
 
     def __init__(self, tools: dict[str, dict[str, Any]] | None = None):
         super().__init__(tools)
-        self._buf = ""
         self._state = "open"  # open | body | sep | end
         self._body: _CallBody | None = None
 
@@ -269,7 +313,7 @@ class ForcedToolParser(ToolParser):
     def finish(self) -> list[Event]:
         out: list[Event] = []
         if self._state == "body":
-            self._body.close(out)
+            self._body.cut(out)
         return out
 
 
@@ -311,7 +355,6 @@ class Qwen3CoderToolParser(ToolParser):
 
     def __init__(self, tools: dict[str, dict[str, Any]] | None = None):
         super().__init__(tools)
-        self._buf = ""
         self._state = "text"  # text | func | params | value | close
         self._name = self._param = ""
         self._index = -1
@@ -351,14 +394,9 @@ class Qwen3CoderToolParser(ToolParser):
         while self._buf:
             s = self._buf.lstrip()
             if self._state == "text":
-                i = self._buf.find(TOOL_CALL_OPEN)
-                if i < 0:
-                    keep = partial_prefix_len(self._buf, TOOL_CALL_OPEN)
-                    self._content(self._buf[:len(self._buf) - keep], out)
-                    self._buf = self._buf[len(self._buf) - keep:]
+                if not self._text_until_call(out):
                     break
-                self._content(self._buf[:i], out)
-                self._buf, self._state = self._buf[i + len(TOOL_CALL_OPEN):], "func"
+                self._state = "func"
             elif self._state == "func":
                 if "<function=".startswith(s) or (s.startswith("<function=") and ">" not in s):
                     break
@@ -390,13 +428,10 @@ class Qwen3CoderToolParser(ToolParser):
                     break
                 self._emit_param(self._buf[:j], out)
                 self._buf, self._state = self._buf[j + len(self.VALUE_END):], "params"
-            else:  # close
-                if s.startswith(TOOL_CALL_CLOSE):
-                    self._buf, self._state = s[len(TOOL_CALL_CLOSE):], "text"
-                elif TOOL_CALL_CLOSE.startswith(s):
-                    break
-                else:
-                    self._state = "text"
+            elif self._skip_call_close():  # close
+                self._state = "text"
+            else:
+                break
         return out
 
     def finish(self) -> list[Event]:
