@@ -1,28 +1,185 @@
-"""Helpers of the GPU benchmarks: a model folder from a config in benchmarks/configs, and
-the runner's settings."""
+"""Helpers of the benchmarks: a model folder from a config in benchmarks/configs, the device
+name, and the in-process engine (`ModelRunner` + `Scheduler`, no HTTP, no ZMQ) that the
+offline benchmarks drive.
+
+torch and the engine are imported inside the functions that need them, so that HTTP-only
+code (benchmarks/serve_bench.py's client processes) can import this module cheaply.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def model_dir(config_name: str) -> str:
-    """A temporary model folder holding only benchmarks/configs/<config_name>.json as its
-    config.json (for `--load-format dummy`; no tokenizer: the benchmarks feed token ids)."""
+def model_dir(config_name: str, tokenizer: bool = False) -> str:
+    """A temporary model folder holding benchmarks/configs/<config_name>.json as its
+    config.json (for `--load-format dummy`). The in-process benchmarks feed token ids and
+    need no tokenizer; `tokenizer=True` adds a synthetic one (`write_synthetic_tokenizer`)
+    for a server, whose frontend cannot start without tokenizer.json."""
     src = os.path.join(ROOT, "benchmarks", "configs", config_name + ".json")
     with open(src) as fh:
         cfg = json.load(fh)
     d = tempfile.mkdtemp(prefix=f"kestrel-{config_name}-")
     with open(os.path.join(d, "config.json"), "w") as fh:
         json.dump(cfg, fh)
+    if tokenizer:
+        write_synthetic_tokenizer(d, int(cfg["vocab_size"]))
     return d
 
 
+def write_synthetic_tokenizer(folder: str, vocab_size: int) -> str:
+    """Write `<folder>/tokenizer.json`: a `tokenizers` WordLevel tokenizer whose id i is the
+    token `t<i>`, for every id below vocab_size (the logits width, so that any id a model
+    with dummy weights samples decodes), whitespace pre-tokenizer, no decoder (decode joins
+    tokens with spaces), no special tokens. Every output token thus decodes to non-empty
+    text and reaches the client as stream text; it stands in for a real tokenizer whose
+    files the benchmark configs do not have. Returns the file's path."""
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+          "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
+          "post_processor": None, "decoder": None,
+          "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)},
+                    "unk_token": "t0"}}
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path, "w") as fh:
+        json.dump(tj, fh)
+    return path
+
+
 def device_name() -> str:
+    """The CUDA device's name, or "cpu" without one."""
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def load_runner(cli: dict):
+    """A `ModelRunner` built from settings `cli` (as `build_config(cli=cli, env={})`: the
+    environment is ignored). Returns (runner, startup seconds)."""
+    from services.worker.model_runner import ModelRunner
+    from shared.config import build_config
+
+    t0 = time.perf_counter()
+    runner = ModelRunner(build_config(cli=cli, env={}))
+    return runner, time.perf_counter() - t0
+
+
+def new_scheduler(runner, max_num_seqs: int, max_num_batched_tokens: int):
+    """A fresh `Scheduler` over a fresh `BlockManager` of the runner's KV blocks (prefix
+    caching off; no EOS ids: the benchmarks use ignore_eos)."""
+    from services.engine.block_manager import BlockManager
+    from services.engine.scheduler import Scheduler
+
+    bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, runner.max_model_len, [])
+
+
+def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
+    """Add requests, step until done. Returns (seconds, steps, timings): the host seconds
+    spent scheduling and applying results (`schedule_seconds`, `update_seconds`), the wall
+    seconds inside `run_step` (`run_step_seconds`: host prepare + launch + the wait for the
+    sampled ids) and, on CUDA, the GPU seconds of the steps (`gpu_event_seconds`: CUDA events
+    around each run_step, read at the end so that timing adds no sync; None on CPU)."""
+    import torch
+
+    cuda = runner.device.type == "cuda"
+    for r in requests:
+        sched.add(r)
+    steps, t_model, t_sched, t_upd = 0, 0.0, 0.0, 0.0
+    events = []
+    t0 = time.perf_counter()
+    while sched.has_work():
+        t1 = time.perf_counter()
+        out = sched.schedule()
+        t2 = time.perf_counter()
+        t_sched += t2 - t1
+        if out is None or not out.plan.seqs:
+            continue
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        result = runner.run_step(out.plan)
+        if cuda:
+            b.record()
+            seqs = out.plan.seqs
+            events.append((a, b, len(seqs), sum(len(q.token_ids) for q in seqs),
+                           sum(q.start_pos + len(q.token_ids) for q in seqs)))
+        t3 = time.perf_counter()
+        t_model += t3 - t2
+        sched.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
+        t_upd += time.perf_counter() - t3
+        steps += 1
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    gpu = round(sum(e[0].elapsed_time(e[1]) for e in events) / 1e3, 3) if cuda else None
+    return seconds, steps, {"schedule_seconds": round(t_sched, 3), "update_seconds": round(t_upd, 3),
+                            "run_step_seconds": round(t_model, 3), "gpu_event_seconds": gpu,
+                            "gpu_by_step_kind": step_breakdown(events, runner) if cuda else None}
+
+
+def step_breakdown(events, runner) -> dict:
+    """GPU time of the steps grouped by kind: steps with prefill tokens, and decode-only
+    steps by batch size (1-16, 17-64, 65-128, 129-256, more). Per group: steps, GPU seconds,
+    mean ms per step, KV bytes read by attention (context tokens x bytes of K and V per
+    token over all layers) and that over the group's GPU time in TB/s (a lower bound of
+    the attention's own bandwidth: the group's time includes the rest of the step); plus
+    each prefill step's sequences, tokens and ms (`prefill_steps`).
+    events: (start event, end event, seqs, new tokens, context tokens) per step."""
+    layers, kvh, hd = runner.model.kv_shape()
+    per_tok = 2 * layers * kvh * hd * runner.dtype.itemsize
+    groups: dict[str, list] = {}
+    for a, b, nseq, ntok, ctx in events:
+        if ntok > nseq:
+            key = "prefill"
+        else:
+            key = next(f"decode_b{lo}-{hi}" for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256),
+                                                           (257, 1 << 30)) if nseq <= hi)
+        g = groups.setdefault(key, [0, 0.0, 0])
+        g[0] += 1
+        g[1] += a.elapsed_time(b) / 1e3
+        g[2] += ctx * per_tok
+    out: dict = {k: {"steps": n, "gpu_seconds": round(t, 3), "ms_per_step": round(1e3 * t / n, 3),
+                     "kv_bytes": kv, "kv_TBps": round(kv / t / 1e12, 3) if t else None}
+                 for k, (n, t, kv) in sorted(groups.items())}
+    out["prefill_steps"] = [{"seqs": nseq, "tokens": ntok, "ms": round(a.elapsed_time(b), 2)}
+                            for a, b, nseq, ntok, _ in events if ntok > nseq]
+    return out
+
+
+def offline_run(runner, max_num_seqs: int, max_num_batched_tokens: int,
+                prompts: list[list[int]], params: list,
+                warm_prompts: list[list[int]] | None = None, warm_tokens: int = 32) -> dict:
+    """Warm the runner up (one request of warm_tokens output tokens per warm prompt; default
+    64 random prompts of 20..1024 tokens with 1..24 output tokens each), then run one request per (prompt token ids, `SamplingParams`
+    with ignore_eos) through a fresh scheduler. Returns {seconds, steps, prompt_tokens,
+    output_tokens, output_tok_per_s, total_tok_per_s, and run_engine's timings}; seconds =
+    wall time from the first schedule to the last token. Raises AssertionError if a request
+    ended before its max_tokens."""
+    from services.engine.request import Request
+    from shared.protocol import SamplingParams
+
+    if warm_prompts is None:  # prefill chunks, mixed steps and decode batches of many sizes,
+        wr = random.Random(1)  # so that no kernel variant compiles inside the timed run
+        warm_prompts = [[wr.randint(0, 10000) for _ in range(wr.randint(20, 1024))] for _ in range(64)]
+        warm_lens = [wr.randint(1, 24) for _ in warm_prompts]
+    else:
+        warm_lens = [warm_tokens] * len(warm_prompts)
+    warm = [Request(f"w{i}", b"", p, SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(warm_prompts, warm_lens))]
+    run_engine(runner, new_scheduler(runner, max_num_seqs, max_num_batched_tokens), warm)
+    reqs = [Request(f"r{i}", b"", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    seconds, steps, timing = run_engine(
+        runner, new_scheduler(runner, max_num_seqs, max_num_batched_tokens), reqs)
+    out_tokens = sum(len(r.output_token_ids) for r in reqs)
+    assert out_tokens == sum(sp.max_tokens for sp in params), "a request ended early"
+    n_prompt = sum(map(len, prompts))
+    return {"prompt_tokens": n_prompt, "output_tokens": out_tokens,
+            "seconds": round(seconds, 3), "steps": steps,
+            "output_tok_per_s": round(out_tokens / seconds, 1),
+            "total_tok_per_s": round((out_tokens + n_prompt) / seconds, 1), **timing}

@@ -23,6 +23,7 @@ timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/decode_latency.py --out "$OUT/d
 timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/offline_throughput.py --out "$OUT/offline_throughput.json" 2>&1 | tail -30 | tee "$OUT/offline_throughput.txt"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/decode_latency.py --config llama-3.1-8b --steps 64 --out "$OUT/decode_latency_llama.json" 2>&1 | tail -40 | tee "$OUT/decode_latency_llama.txt"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/step_profile.py --out "$OUT/step_profile.json" 2>&1 | tail -60 | tee "$OUT/step_profile.txt"
+timeout ${SERVE_BENCH_TIMEOUT:-420} python3 benchmarks/serve_bench.py --out "$OUT/serve_bench.json" 2>&1 | tail -30 | tee "$OUT/serve_bench.txt"
 echo "== summary"
 python3 - "$OUT" <<'PY'
 import json, os, sys
@@ -37,4 +38,13 @@ for f in ("decode_latency.json", "offline_throughput.json", "decode_latency_llam
         print(f, json.dumps(keep))
     else:
         print(f, "missing")
+p = os.path.join(d, "serve_bench.json")
+if os.path.exists(p):
+    r = json.load(open(p))
+    levels = {lv["concurrency"]: {"out_tok_s": lv["output_tok_per_s"], "errors": lv["errors"],
+              "ttft_p50_ms": lv["ttft_ms"]["p50"], "tpot_p50_ms": lv["tpot_ms"]["p50"]} for lv in r["levels"]}
+    print("serve_bench.json", json.dumps({"levels": levels, "offline_tok_s": (r["offline"] or {}).get("output_tok_per_s"),
+          "ratio": r["ratio"], "ratio_concurrency": r["ratio_concurrency"]}))
+else:
+    print("serve_bench.json missing")
 PY

@@ -1,0 +1,289 @@
+"""HTTP serving benchmark: streamed /v1/completions against a real `kestrel serve`, at
+several concurrency levels, against the offline throughput of the same prompts.
+
+Server: `python -m services.cli serve` (this interpreter, PYTHONPATH passed through, KESTREL_*
+variables not: only this script's settings apply) as a subprocess in its own session, on a
+free port, torn down at the end, also on error or SIGTERM (SIGTERM, then SIGKILL of its
+process group). Its log goes to a temp file (path in the JSON; tail printed on failure).
+Model: a config of benchmarks/configs (default Qwen3-0.6B) with dummy weights, bf16 on CUDA,
+or `--model DIR`, a real folder (its weights and tokenizer). A config-only folder gets a
+synthetic tokenizer (benchmarks/common.py `write_synthetic_tokenizer`: id i <-> "t<i>"),
+because the frontend needs tokenizer.json; prompts are token-id lists, so only output
+detokenization uses it. Settings shared by server and offline run: max_num_seqs (default
+the highest concurrency), max_num_batched_tokens 16384, max_model_len 4096, prefix caching
+off, gpu_memory_utilization 0.9 (as benchmarks/offline_throughput.py).
+
+Workload: per level, max(concurrency * 2, 8) requests (--requests-per-concurrency,
+--min-requests), each a prompt of --prompt-len (1024) random token ids in [0, 10000]
+(`random.Random(seed * 1000003 + concurrency)`: every level its own prompts), max_tokens
+--output-len (128), ignore_eos, temperature 0.6, `stream: true` with
+`stream_options.include_usage`. Each level keeps `concurrency` requests in flight, from
+--client-procs processes (asyncio + httpx each; auto: one per 32 streams, at most a quarter
+of the cores) so that parsing the stream never limits the server; all start at one instant.
+Before the levels, and again before the offline run, --warmup-requests (8) requests of
+the same lengths (not measured) warm the server, then the in-process engine, up.
+Metrics per level (definitions in benchmarks/serve_stats.py): TTFT (sent -> first content
+chunk), TPOT ((last - first content chunk) / (output tokens - 1)), ITL (gaps between
+content chunks; a chunk may hold several tokens, so tokens are counted from the stream's
+usage, never from chunks), p50/p99/mean in ms; output tok/s (usage.completion_tokens of the
+successful requests / level wall time); requests and errors (HTTP errors, error events,
+no usage, fewer tokens than asked).
+Offline (--offline, default on): after the server stopped, the highest level's prompts with
+the same output length and temperature through the in-process engine
+(benchmarks/common.py `offline_run`, as benchmarks/offline_throughput.py); ratio = HTTP
+output tok/s at the highest concurrency / offline output tok/s (issue #5: >= 0.85 at 256 on
+an H200).
+Writes JSON (settings, device, per-level results, offline result, ratio) to --out and
+prints a table last. Exit status 1 if any request failed.
+
+Usage:
+  python benchmarks/serve_bench.py [--config qwen3-0.6b] [--concurrency 1 16 64 256] [--out FILE]
+  python benchmarks/serve_bench.py --model models/SmolLM2-135M-Instruct --device cpu \\
+      --prompt-len 64 --output-len 8 --concurrency 1 4 --offline        # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import signal
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx  # noqa: E402
+
+from benchmarks.common import device_name, load_runner, model_dir, offline_run  # noqa: E402
+from benchmarks.serve_process import ServeProcess  # noqa: E402
+from benchmarks.serve_stats import RequestRecord, summarize  # noqa: E402
+
+try:
+    from orjson import loads
+except ImportError:  # the stdlib parser is fine, only slower
+    from json import loads
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord) -> None:
+    """Send one streamed completion; fill rec (chunk arrival times, usage, error, end)."""
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
+                return
+            async for line in r.aiter_lines():
+                now = time.monotonic()
+                if not line.startswith("data: "):
+                    continue  # blank separators, keep-alive comments
+                if line == "data: [DONE]":
+                    break
+                ev = loads(line[6:])
+                if "error" in ev:
+                    rec.error = f"error event: {ev['error'].get('message')}"
+                    return
+                if ev.get("usage") and not ev.get("choices"):
+                    rec.output_tokens = ev["usage"]["completion_tokens"]
+                if any(c.get("text") for c in ev.get("choices") or ()):
+                    rec.chunks.append(now)
+    except Exception as e:  # connection refused/reset, timeout, bad JSON: this request failed
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        rec.end = time.monotonic()
+    want = body["max_tokens"]
+    if rec.output_tokens is None:
+        rec.error = "stream had no usage chunk"
+    elif rec.output_tokens != want or not rec.chunks:
+        rec.error = f"{rec.output_tokens} output tokens in {len(rec.chunks)} chunks, asked {want}"
+
+
+def client_worker(url: str, body: dict, prompts: list[list[int]], concurrency: int,
+                  start_at: float, timeout: float) -> list[RequestRecord]:
+    """Stream one request per prompt (body + {"prompt": ids}) to url, keeping `concurrency`
+    in flight, starting at monotonic time start_at (seconds). Runs in a client process.
+    Returns one record per prompt, in prompt order."""
+
+    async def run() -> list[RequestRecord]:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30.0),
+                                     trust_env=False) as client:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            records: list[RequestRecord | None] = [None] * len(prompts)
+            todo = iter(range(len(prompts)))
+
+            async def loop() -> None:
+                for i in todo:  # one shared iterator: each index is taken once
+                    rec = records[i] = RequestRecord(sent=time.monotonic())
+                    await _stream(client, url, {**body, "prompt": prompts[i]}, rec)
+
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+            return records  # type: ignore[return-value]
+
+    return asyncio.run(run())
+
+
+def _ready() -> float:
+    """A no-op task: makes the pool start its processes before any level is timed."""
+    time.sleep(0.2)
+    return time.monotonic()
+
+
+def run_level(pool: ProcessPoolExecutor, procs: int, url: str, body: dict,
+              prompts: list[list[int]], concurrency: int, timeout: float) -> list[RequestRecord]:
+    """Run one level: `concurrency` streams split over min(procs, concurrency) client
+    processes, prompts split in proportion to each process's streams. Returns the records."""
+    p = min(procs, concurrency)
+    streams = [concurrency // p + (i < concurrency % p) for i in range(p)]
+    counts = [len(prompts) * s // concurrency for s in streams]
+    for i in range(len(prompts) - sum(counts)):
+        counts[i] += 1
+    start_at = time.monotonic() + 0.2  # every process starts sending at the same instant
+    futures, k = [], 0
+    for s, n in zip(streams, counts):
+        futures.append(pool.submit(client_worker, url, body, prompts[k:k + n], s, start_at, timeout))
+        k += n
+    return [r for f in futures for r in f.result()]
+
+
+def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """n prompts of `length` random token ids in [0, 10000], from random.Random(seed)."""
+    rng = random.Random(seed)
+    return [[rng.randint(0, 10000) for _ in range(length)] for _ in range(n)]
+
+
+def _flags(settings: dict) -> list[str]:
+    """`kestrel serve` flags of a settings dict (None values left out)."""
+    out = []
+    for k, v in settings.items():
+        if v is not None:
+            out += ["--" + k.replace("_", "-"), str(v).lower() if isinstance(v, bool) else str(v)]
+    return out
+
+
+def _row(c, r: dict) -> str:
+    def pair(m):
+        return f"{m['p50']:.1f} / {m['p99']:.1f}" if m["p50"] is not None else "-"
+    tps = f"{r['output_tok_per_s']:.1f}" if r["output_tok_per_s"] else "-"
+    return (f"{c:>7} {r['requests']:>5} {r['errors']:>4} {tps:>11} {pair(r['ttft_ms']):>17} "
+            f"{pair(r['tpot_ms']):>17} {pair(r['itl_ms']):>17}")
+
+
+def table(res: dict) -> str:
+    """The short human-readable summary printed last."""
+    w = res["workload"]
+    lines = [f"serve_bench: {res['model']} ({res['weights']} weights) on {res['device']}, "
+             f"prompt {w['prompt_len']}, output {w['output_len']} tokens",
+             f"{'conc':>7} {'reqs':>5} {'err':>4} {'out tok/s':>11} {'TTFT p50/p99 ms':>17} "
+             f"{'TPOT p50/p99 ms':>17} {'ITL p50/p99 ms':>17}"]
+    lines += [_row(lv["concurrency"], lv) for lv in res["levels"]]
+    if res["offline"]:
+        lines.append(f"{'offline':>7} {res['offline']['requests']:>5} {'':>4} "
+                     f"{res['offline']['output_tok_per_s']:>11.1f}")
+        lines.append(f"HTTP / offline output tok/s at concurrency {res['ratio_concurrency']}: "
+                     f"{res['ratio']} (issue #5 target >= 0.85 at 256 on an H200)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="qwen3-0.6b", help="benchmarks/configs name (dummy weights)")
+    ap.add_argument("--model", default=None, help="a real model folder instead of --config")
+    ap.add_argument("--load-format", default=None, help="default: dummy for --config, auto for --model")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: the server's (bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--requests-per-concurrency", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-requests", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the highest concurrency")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--client-procs", type=int, default=0, help="0: auto")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
+    ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    # SIGTERM (e.g. from `timeout`) unwinds like an exception, so the server is torn down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    top = max(a.concurrency)
+    settings = {
+        "model": os.path.abspath(a.model) if a.model else model_dir(a.config, tokenizer=True),
+        "load_format": a.load_format or ("auto" if a.model else "dummy"),
+        "device": a.device, "dtype": a.dtype, "max_num_seqs": a.max_num_seqs or top,
+        "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len,
+        "enforce_eager": a.enforce_eager, "gpu_memory_utilization": a.gpu_memory_utilization,
+        "enable_prefix_caching": False}
+    procs = a.client_procs or max(1, min(-(-top // 32), (os.cpu_count() or 1) // 4))
+    body = {"max_tokens": a.output_len, "temperature": a.temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    prompts = {c: make_prompts(max(c * a.requests_per_concurrency, a.min_requests), a.prompt_len,
+                               a.seed * 1000003 + c) for c in a.concurrency}
+    # Shutdown drains in-flight requests; only a failed run has any, and it needs no drain.
+    server = ServeProcess([*_flags(settings), "--max-num-waiting", str(max(256, top)),
+                           "--shutdown-timeout", "5"])
+    # The same warm-up, not measured, before the levels and before the offline run.
+    warm = make_prompts(a.warmup_requests, a.prompt_len, a.seed * 1000003 - 1)
+    levels = []
+    pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for f in [pool.submit(_ready) for _ in range(procs)]:
+            f.result()
+        server.start(a.startup_timeout)
+        body["model"] = server.model_name()
+        url = server.base_url + "/v1/completions"
+        if warm:
+            run_level(pool, procs, url, body, warm, min(a.warmup_requests, top), a.request_timeout)
+        for c in a.concurrency:
+            lv = {"concurrency": c, "client_procs": min(procs, c),
+                  **summarize(run_level(pool, procs, url, body, prompts[c], c, a.request_timeout))}
+            levels.append(lv)
+            print(json.dumps(lv), flush=True)
+    except BaseException:
+        print(f"serve_bench failed; server log {server.log_path}:\n{server.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()  # first: requests still in flight then fail at once and the pool can end
+        pool.shutdown(wait=True, cancel_futures=True)
+    offline = None
+    if a.offline:
+        from shared.protocol import SamplingParams
+
+        runner, startup = load_runner(settings)
+        params = [SamplingParams(temperature=a.temperature, ignore_eos=True, max_tokens=a.output_len,
+                                 seed=i) for i in range(len(prompts[top]))]
+        offline = {"concurrency": top, "requests": len(params),
+                   **offline_run(runner, settings["max_num_seqs"], a.max_num_batched_tokens,
+                                 prompts[top], params, warm, a.output_len),
+                   "startup_seconds": round(startup, 2), "runner": runner.report()}
+    http_top = next(lv for lv in levels if lv["concurrency"] == top)["output_tok_per_s"]
+    res = {"benchmark": "serve_bench",
+           "device": device_name() if a.device != "cpu" else "cpu",
+           "model": a.model or a.config, "weights": settings["load_format"],
+           "settings": {k: v for k, v in settings.items() if k != "model"},
+           "workload": {"prompt_len": a.prompt_len, "output_len": a.output_len,
+                        "temperature": a.temperature, "seed": a.seed, "concurrency": a.concurrency,
+                        "requests": {c: len(p) for c, p in prompts.items()},
+                        "warmup_requests": a.warmup_requests, "client_procs": procs},
+           "server_startup_seconds": server.startup_seconds, "server_log": server.log_path,
+           "levels": levels, "offline": offline, "ratio_concurrency": top,
+           "ratio": round(http_top / offline["output_tok_per_s"], 3) if offline and http_top else None}
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    print(table(res))
+    return 1 if any(lv["errors"] for lv in levels) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`kestrel serve` as a benchmark's subprocess.
+
+Started as `<this python> -m services.cli serve` (the `kestrel` console script need not be
+installed: the GPU machine runs from a checkout with PYTHONPATH=.), on a free port of
+127.0.0.1, in its own session, with its output in a temp log file. Stopped with SIGTERM
+(the supervisor drains and stops its children, which also die with it: PR_SET_PDEATHSIG),
+then SIGKILL of its process group, so nothing it started outlives the benchmark.
+tests/e2e/server.py does the same for the tests, through the console script and psutil.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(environ: dict[str, str]) -> dict[str, str]:
+    """The server's environment: environ without KESTREL_* variables (the benchmark's flags
+    are the only settings), PYTHONPATH with the repo root first and every entry absolute."""
+    env = {k: v for k, v in environ.items() if not k.startswith("KESTREL_")}
+    paths = [ROOT] + [os.path.abspath(p) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+class ServeProcess:
+    """One `kestrel serve` subprocess. flags: its settings as CLI flags (without --host and
+    --port). Attributes: base_url, log_path, startup_seconds (None until healthy)."""
+
+    def __init__(self, flags: list[str]):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "services.cli", "serve", *flags,
+                     "--host", "127.0.0.1", "--port", str(self.port)]
+        fd, self.log_path = tempfile.mkstemp(prefix="kestrel-serve-bench-", suffix=".log")
+        os.close(fd)
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    def start(self, timeout: float) -> None:
+        """Start the server and wait until GET /health answers 200. Raises RuntimeError if
+        it exits first, TimeoutError after `timeout` seconds (the caller then calls stop)."""
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=server_env(dict(os.environ)),
+                                         start_new_session=True)
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kestrel serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    self.startup_seconds = round(time.monotonic() - t0, 2)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"kestrel serve not healthy after {timeout} s")
+
+    def model_name(self) -> str:
+        """The served model's name (GET /v1/models)."""
+        r = httpx.get(self.base_url + "/v1/models", timeout=10.0, trust_env=False)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+    def log_tail(self, n: int = 40) -> str:
+        """The last n lines of the server's log."""
+        with open(self.log_path, errors="replace") as fh:
+            return "".join(fh.readlines()[-n:])
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """SIGTERM, wait up to `grace` seconds, then SIGKILL whatever is left of the
+        server's process group. Returns the server's exit status (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the group is the server's own session (start_new_session): only its processes
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return self.proc.wait()
