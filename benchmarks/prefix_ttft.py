@@ -13,6 +13,12 @@ Before 3 and 4 it waits until the engine's stores and the store's disk writes ar
 Prints one JSON object (seconds, plus the tier hit counters) and writes it to --out.
 
     python benchmarks/prefix_ttft.py --tokens 8192 [--model DIR] [--out FILE]
+    python benchmarks/prefix_ttft.py --tokens 32768 --config qwen3-0.6b   # GPU, dummy bf16
+
+With --config, the model is a config of benchmarks/configs with dummy weights (and a
+synthetic tokenizer, `benchmarks.common.model_dir`) on CUDA in bf16; the server runs as
+`python -m services.cli serve` (`benchmarks/serve_process.py`), so no console script is
+needed on the GPU machine.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.e2e.server import KestrelServer  # noqa: E402
+from benchmarks.common import model_dir  # noqa: E402
+from benchmarks.serve_process import ServeProcess  # noqa: E402
 
 BS = 16
 
@@ -38,18 +45,38 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
-    ap.add_argument("--block-bytes", type=int, default=737280, help="bytes of one KV block "
-                    "(SmolLM2-135M fp32: 737280); sizes the pool")
+    ap.add_argument("--config", default=None, help="a benchmarks/configs name: dummy bf16 weights on CUDA")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.config:
+        a.model = model_dir(a.config, tokenizer=True)
+        dtype, extra = "bfloat16", ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
+                                    "--max-num-batched-tokens", "8192"]
+    else:
+        dtype, extra = "float32", []
+    with open(os.path.join(a.model, "config.json")) as fh:
+        c = json.load(fh)
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    # bytes of one KV block: K and V of every layer for BS tokens
+    block_bytes = (2 * c["num_hidden_layers"] * BS * (c.get("num_key_value_heads") or heads) * head_dim
+                   * (2 if dtype == "bfloat16" else 4))
     n_blocks = a.tokens // BS + 1
-    pool_gib = round(n_blocks * 1.1 * (a.block_bytes + 64) / (1 << 30) + 0.001, 4)
+    pool_gib = round(n_blocks * 1.1 * (block_bytes + 64) / (1 << 30) + 0.001, 4)
     disk = tempfile.mkdtemp(prefix="kestrel-bench-disk-")
-    srv = KestrelServer(a.model, "--kv-offload-cpu-gib", str(pool_gib), "--kv-offload-disk-dir",
-                        disk, "--kv-offload-disk-gib", str(round(pool_gib * 4, 3)),
-                        "--max-model-len", str(a.tokens + 64)).start()
+    instance = "b" + os.urandom(4).hex()
+    srv = ServeProcess(["--model", a.model, "--instance-id", instance, *extra,
+                        "--kv-offload-cpu-gib", str(pool_gib), "--kv-offload-disk-dir", disk,
+                        "--kv-offload-disk-gib", str(round(pool_gib * 4, 3)),
+                        "--max-model-len", str(a.tokens + 64)])
+    try:
+        srv.start(timeout=600)
+    except (RuntimeError, TimeoutError):
+        print(srv.log_tail(), file=sys.stderr)
+        srv.stop(5)
+        raise
     url = srv.base_url
-    model = os.path.basename(os.path.normpath(a.model))
+    model = srv.model_name()
 
     def stats() -> dict:
         return httpx.get(url + "/internal/stats", timeout=30).json()
@@ -67,9 +94,9 @@ def main() -> int:
 
         while stats().get("kv_tier_pending_stores"):
             time.sleep(0.05)
-        ident = model_identity_hash(os.path.abspath(a.model), "float32", "float32", BS, 1)
-        c = KVStoreClient(f"ipc:///tmp/kestrel-{srv.instance_id}/kvstore.sock", "bench", ident,
-                          a.block_bytes, timeout_s=30)
+        ident = model_identity_hash(os.path.abspath(a.model), dtype, dtype, BS, 1)
+        c = KVStoreClient(f"ipc:///tmp/kestrel-{instance}/kvstore.sock", "bench", ident,
+                          block_bytes, timeout_s=30)
         c.connect()
         while c.stats()["pending_writes"]:
             time.sleep(0.05)
@@ -84,7 +111,8 @@ def main() -> int:
             time.sleep(0.1)
         rnd = random.Random(0)
         prompt = [rnd.randrange(1000, 20000) for _ in range(a.tokens)]
-        out = {"tokens": a.tokens, "pool_gib": pool_gib, "device": "cpu"}
+        out = {"tokens": a.tokens, "pool_gib": pool_gib, "block_bytes": block_bytes,
+               "device": "cuda" if a.config else "cpu", "config": a.config or a.model}
         out["cold_s"] = ttft(prompt)
         out["gpu_hit_s"] = ttft(prompt)
         settle()
@@ -98,7 +126,7 @@ def main() -> int:
         s = stats()
         out.update({k: s[k] for k in ("kv_tier_hits_cpu", "kv_tier_hits_disk", "prefix_cache_hits")})
     finally:
-        srv.stop()
+        srv.stop(10)
     text = json.dumps(out, indent=2)
     print(text)
     if a.out:
