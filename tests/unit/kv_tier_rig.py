@@ -1,0 +1,236 @@
+"""An engine with KV tiers inside one test process, for the tier unit tests.
+
+Engine side: the real Scheduler, BlockManager and KVTiers (services/engine/kv_tiers.py),
+driven in the order of `EngineCore.run` / `EngineCore.step`. Store side: a real kvstore
+(`services.kvstore.server.serve_in_thread`: its index, its shm pool, its ZMQ socket) on a
+thread. Worker side: `ToyWorker`, whose paged "KV cache" is the prefix-cache tests'
+`BlockKVModel` ((block, offset) -> (position, token, digest of the context)), and whose
+tier copies move those entries through the pool slots byte for byte, before the forward
+(loads) and after it (stores), as services/worker/kv_transfer.py does. A block loaded with
+the wrong bytes, into the wrong block or not at all fails the toy model's checks when the
+request samples.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import tempfile
+import time
+import uuid
+from collections import Counter
+from types import SimpleNamespace
+
+import zmq
+
+from services.engine.block_manager import BlockManager
+from services.engine.kv_tiers import KVTiers
+from services.engine.scheduler import Scheduler
+from services.kvstore.client import KVStoreClient
+from services.kvstore.cpu_tier import KVPool
+from services.kvstore.server import serve_in_thread
+from services.kvstore.settings import StoreSetup
+from shared.hashing import model_identity_hash
+from shared.protocol import StepPlan
+from tests.unit.test_prefix_cache import EOS, BlockKVModel
+
+BS = 4                                  # tokens per block
+ENTRY = struct.Struct("<qqqq")          # a token's KV in a slot: written?, position, token, digest
+SLOT_BYTES = BS * ENTRY.size
+
+
+class ToyWorker:
+    """Runs plans on a BlockKVModel and copies blocks to and from the kvstore's pool.
+
+    fail_stores: when True the stores of a plan are not copied and reported failed, as the
+    real worker reports a pool it cannot map (`StepResult.kv_store_error`).
+    """
+
+    def __init__(self, bm: BlockManager):
+        self.model = BlockKVModel(bm)
+        self.fail_stores = False
+
+    def execute(self, plan: StepPlan) -> tuple[list[int], str]:
+        """Loads, forward, stores. Returns (sampled tokens, store error or "")."""
+        if plan.kv_loads:
+            pool = KVPool.attach(plan.kv_pool)
+            for slot, blk in plan.kv_loads:
+                raw = bytes(pool.slot(slot))
+                for off in range(BS):
+                    written, pos, tok, digest = ENTRY.unpack_from(raw, off * ENTRY.size)
+                    if written:
+                        self.model.kv[(blk, off)] = (pos, tok, digest)
+                    else:
+                        self.model.kv.pop((blk, off), None)
+            pool.close()
+        sampled = self.model.execute(plan)
+        if not plan.kv_stores:
+            return sampled, ""
+        if self.fail_stores:
+            return sampled, "OSError: the pool is unavailable (test)"
+        pool = KVPool.attach(plan.kv_pool)
+        for blk, slot in plan.kv_stores:
+            raw = bytearray(SLOT_BYTES)
+            for off in range(BS):
+                entry = self.model.kv.get((blk, off))
+                if entry is not None:
+                    ENTRY.pack_into(raw, off * ENTRY.size, 1, *entry)
+            pool.slot(slot)[:] = raw
+        pool.close()
+        return sampled, ""
+
+
+def check_blocks(bm: BlockManager, sched: Scheduler) -> None:
+    """Ref counts match the tables; free, evictable and held/pinned blocks are disjoint and
+    cover the cache; a store-pinned block is neither free nor evictable."""
+    holders = Counter(b for r in sched.requests.values() for b in r.block_ids)
+    assert all(bm.ref_cnt[b] == holders[b] for b in range(bm.num_blocks)), "ref counts"
+    free, evict, pinned = set(bm.free_blocks), set(bm.evictable), set(bm.store_pins)
+    assert len(free) == len(bm.free_blocks), "a block twice in the free list"
+    assert free.isdisjoint(evict) and free.isdisjoint(holders) and evict.isdisjoint(holders)
+    assert pinned.isdisjoint(free | evict), "a store-pinned block is allocatable"
+    assert len(free | evict | set(holders) | pinned) == bm.num_blocks, "blocks leaked"
+
+
+class TierRig:
+    """One engine + kvstore + toy worker. Times in seconds; see the module doc.
+
+    Attributes: bm, sched, tiers, worker, plans (every plan run, in order), held (store
+    requests held back by `hold`).
+    """
+
+    def __init__(self, num_blocks: int = 64, n_slots: int = 64, budget: int = 16,
+                 max_num_seqs: int = 8, reply_timeout_s: float = 2.0):
+        self.runtime = tempfile.mkdtemp(prefix="kvu-")
+        self.instance = "kvu" + uuid.uuid4().hex[:8]
+        self.address = f"ipc://{self.runtime}/kvstore.sock"
+        self.root = model_identity_hash("toy-model", "float32", "float32", BS)
+        self.n_slots = n_slots
+        self.bm = BlockManager(num_blocks, BS, root_hash=self.root)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, 400, [EOS])
+        self.worker = ToyWorker(self.bm)
+        self.plans: list[StepPlan] = []
+        self.held: list = []
+        self._hold_kinds: tuple = ()
+        self.server = None
+        self.start_store()
+        self.ctx = zmq.Context()
+        self.tiers = KVTiers(self.address, self.root, SLOT_BYTES, self.sched, self.ctx,
+                             reply_timeout_s=reply_timeout_s, load_timeout_s=reply_timeout_s,
+                             ping_s=0.05, retry_s=0.2)
+        self.wait(lambda: self.tiers.connected, "the store's answer to the engine's hello")
+
+    # ------------------------------------------------------------ the store
+    def start_store(self) -> None:
+        """Start a kvstore on a thread at this rig's address (empty pool)."""
+        cfg = SimpleNamespace(instance_id=self.instance, kvstore_address=self.address)
+        setup = StoreSetup(self.root, SLOT_BYTES, self.n_slots, None, 0)
+        self.server, self.thread = serve_in_thread(cfg, setup)
+        real = self.server._handle
+
+        def handle(rid, msg):  # the store's thread: hold back, or answer held ones first
+            if self._hold_kinds and isinstance(msg, self._hold_kinds):
+                self.held.append((rid, msg))
+                return
+            while self.held and not self._hold_kinds:
+                real(*self.held.pop(0))
+            real(rid, msg)
+
+        self.server._handle = handle
+
+    def stop_store(self) -> None:
+        """Stop the kvstore as a dying process would: its socket and pool go away."""
+        self.server.stopping = True
+        self.thread.join(5)
+        self.server.close()
+        self.held.clear()
+
+    def hold(self, *kinds) -> None:
+        """Make the store sit on requests of these shared.protocol classes (a slow store)
+        until `release`; they are answered when its next message arrives (a ping)."""
+        self._hold_kinds = kinds
+
+    def release(self) -> None:
+        self._hold_kinds = ()
+
+    def probe(self, hashes: list[bytes]) -> tuple[list[str], dict]:
+        """(tiers of the longest stored run of `hashes`, the store's counters), asked over
+        a session of its own."""
+        c = KVStoreClient(self.address, "probe", self.root, SLOT_BYTES, timeout_s=5.0, ctx=self.ctx)
+        try:
+            c.connect()
+            return c.lookup(hashes), c.stats()
+        finally:
+            c.close()
+
+    # ------------------------------------------------------------ the engine loop
+    def step(self) -> StepPlan | None:
+        """One turn of the engine loop: service the tiers, plan, run the plan on the toy
+        worker, complete its transfers, apply its tokens; a transfer-only plan when nothing
+        else runs and stores are ready. Returns the plan run, or None."""
+        self.tiers.service()
+        out = self.sched.schedule()
+        if out is None and not self.tiers.has_stores():
+            return None
+        if out is None:
+            self.sched.step_id += 1
+            plan = StepPlan(step_id=self.sched.step_id, seqs=[])
+        else:
+            plan = out.plan
+        self.tiers.attach_to_plan(plan)
+        written = {s.block_table[i] for s in plan.seqs  # blocks the forward writes into
+                   for i in range(s.start_pos // BS, -(-(s.start_pos + len(s.token_ids)) // BS))}
+        assert written.isdisjoint(b for b, _ in plan.kv_stores), "a step writes a block it stores"
+        sampled, store_error = self.worker.execute(plan)
+        self.tiers.after_step(plan, not store_error)
+        if out is not None:
+            self.sched.update(out, sampled)
+        check_blocks(self.bm, self.sched)
+        self.plans.append(plan)
+        return plan
+
+    def _idle(self) -> None:
+        sock = self.tiers.socket
+        if sock is not None:
+            sock.poll(10)  # wakes on the store's reply
+
+    def wait(self, pred, what: str, timeout: float = 10.0) -> None:
+        """Service the tiers (no steps) until pred() holds. Raises AssertionError."""
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            self.tiers.service()
+            self._idle()
+
+    def run_until(self, pred, what: str, timeout: float = 10.0) -> None:
+        """Run engine steps until pred() holds. Raises AssertionError."""
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            if self.step() is None:
+                self._idle()
+
+    def quiet(self) -> bool:
+        """Nothing left: no request, no store or load in flight."""
+        return (not self.sched.requests and not self.sched.waiting_for_kv
+                and not self.sched.new_cached and not self.tiers.has_stores()
+                and not self.bm.store_pins
+                and not any(e[0] != "ping" for e in self.tiers.pending.values()))
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Run until every request finished and every transfer is complete."""
+        self.run_until(self.quiet, "the requests and transfers to finish", timeout)
+
+    def seqs_of(self, rid: str) -> list:
+        """The ScheduledSeq of request `rid` in every plan run so far, in order."""
+        return [s for p in self.plans for s in p.seqs if s.request_id == rid]
+
+    def close(self) -> None:
+        """Close the engine's session, stop the store, remove the runtime folder."""
+        self.tiers.close()
+        if not self.server._closed:
+            self.stop_store()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.runtime, ignore_errors=True)
