@@ -54,7 +54,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                                BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                    sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                    n_splits, n_heads, head_dim, G: tl.constexpr,
@@ -106,7 +106,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, so_t, so_h, n_heads, n_splits, head_dim,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
@@ -127,7 +127,7 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, so_t, so_h, n_heads, n_splits,
     tl.store(out_ptr + seq * so_t + h * so_h + dd, o.to(out_ptr.dtype.element_ty), mask=dd < head_dim)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
                     sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                     head_dim, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

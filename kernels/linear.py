@@ -93,7 +93,7 @@ if triton is not None:
                 acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "n_splits"])
     def _split_sum_kernel(ws_ptr, b_ptr, y_ptr, M, N, sy_m, n_splits, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr):
         m = tl.program_id(0)

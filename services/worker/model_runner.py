@@ -242,11 +242,24 @@ class ModelRunner:
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         dev = self.device
         if not self.use_ref_attention:  # GPU kernels: one host->device copy of all int inputs
-            packed = torch.cat([torch.tensor(ids, dtype=torch.long), positions, slots, cu.long(),
-                                seq_lens_t.long(), block_tables.long().flatten()])
-            packed = packed.pin_memory() if dev.type == "cuda" else packed
+            # each part starts on a 16-byte boundary (an even int64 offset): Triton compiles a
+            # kernel per pointer alignment, and unaligned views made steps of some shapes
+            # compile mid-run (0.8 s each, H200 offline benchmark)
+            parts = [torch.tensor(ids, dtype=torch.long), positions, slots, cu.long(),
+                     seq_lens_t.long(), block_tables.long().flatten()]
+            sizes = [p.numel() for p in parts]
+            packed = torch.empty(sum(n + n % 2 for n in sizes), dtype=torch.long,
+                                 pin_memory=dev.type == "cuda")
+            off = 0
+            for p, n in zip(parts, sizes):
+                packed[off:off + n] = p
+                off += n + n % 2
             d = packed.to(dev, non_blocking=True)
-            ids_d, pos_d, slots_d, cu_d, sl_d, bt_d = d.split([t, t, t, b + 1, b, b * width])
+            views, off = [], 0
+            for n in sizes:
+                views.append(d[off:off + n])
+                off += n + n % 2
+            ids_d, pos_d, slots_d, cu_d, sl_d, bt_d = views
             meta = AttentionMetadata(cu_d, sl_d, bt_d.view(b, width), slots_d, None,
                                      max_q_len=max(q_lens), max_seq_len=max(seq_lens))
             return ids_d, pos_d, meta
