@@ -61,6 +61,20 @@ class EngineUnavailable(Exception):
     """The engine cannot take a request now (not connected, or silent too long)."""
 
 
+def merge_outputs(outs: list[p.RequestOutput]) -> p.RequestOutput:
+    """One RequestOutput equal to `outs` (consecutive outputs of one request, in order)
+    applied one after another: the new tokens and their logprobs concatenated, the prompt
+    logprobs of whichever carried them, and the end (finish_reason, stop_token_id, error,
+    error_kind) and num_cached_tokens of the last."""
+    last = outs[-1]
+    merged = p.RequestOutput(last.request_id, [t for o in outs for t in o.new_token_ids],
+                             last.num_prompt_tokens, last.finish_reason, last.stop_token_id,
+                             last.error, last.num_cached_tokens, last.error_kind)
+    merged.logprobs = [lp for o in outs for lp in o.logprobs]
+    merged.prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs), [])
+    return merged
+
+
 class RequestStream:
     """The outputs of one request, in engine order. Iterate with `async for`; iteration
     ends after the output that carries a finish_reason."""
@@ -76,8 +90,20 @@ class RequestStream:
         self._queue.put_nowait(out)
 
     async def get(self, timeout: float | None = None) -> p.RequestOutput:
-        """The next output. Raises TimeoutError if none comes within `timeout` seconds."""
-        out = await asyncio.wait_for(self._queue.get(), timeout)
+        """The next output, merged with every output queued behind it (`merge_outputs`):
+        a consumer that fell behind (many streams on one event loop) catches up in one
+        iteration instead of one per engine step. Raises TimeoutError if none comes within
+        `timeout` seconds."""
+        q = self._queue
+        if q.empty():  # wait_for's timer only when there is something to wait for
+            out = await (asyncio.wait_for(q.get(), timeout) if timeout is not None else q.get())
+        else:
+            out = q.get_nowait()
+        if not q.empty():
+            more = [out]
+            while not q.empty():
+                more.append(q.get_nowait())
+            out = merge_outputs(more)
         if out.finish_reason is not None:
             self.finished = True
         return out

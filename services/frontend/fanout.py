@@ -50,10 +50,14 @@ class FanOut:
         final delta, raises StopAsyncIteration."""
         if self._open == 0:
             raise StopAsyncIteration
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
+        q = self._queue
+        if not q.empty():  # no timer when a delta is already there (most calls under load)
+            item = q.get_nowait()
+        else:
+            try:
+                item = await (asyncio.wait_for(q.get(), timeout) if timeout is not None else q.get())
+            except TimeoutError:
+                return None
         if item[1].finish_reason is not None:
             self._open -= 1
         return item

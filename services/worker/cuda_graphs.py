@@ -16,7 +16,10 @@ it, so one graph serves every context length with the whole grid.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
+
+import numpy as np
 
 import torch
 
@@ -99,9 +102,15 @@ class DecodeGraphs:
         h[2 * mb + b:2 * mb + bs] = -1  # padding rows: no KV write
         h[3 * mb:3 * mb + b] = seq_lens
         h[3 * mb + b:3 * mb + bs] = 0  # padding rows: no attention
-        ht = self._host_tables
-        for i, t in enumerate(tables):  # entries past a table's end are stale and never read
-            ht[i, :len(t)] = t           # (attention reads only blocks below seq_len)
+        # one vectorised scatter of all tables (a Python-level row loop cost ~1 ms at b=256);
+        # entries past a table's end are stale and never read (attention reads only blocks
+        # below seq_len)
+        lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=b)
+        total = int(lens.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=total)
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        rows = np.repeat(np.arange(b), lens)
+        self._host_tables[rows, np.arange(total) - starts] = flat
         n = 4 * mb + bs * nb
         self.flat[:n].copy_(self.host[:n], non_blocking=True)
         self._copied.record()

@@ -120,3 +120,45 @@ def test_undecodable_message_is_dropped_and_engine_restart_fails_requests(workdi
     finally:
         router.close(0)
         ctx.term()
+
+
+def test_queued_outputs_reach_the_consumer_merged_and_equal_to_one_by_one():
+    """A consumer that fell behind gets every queued output in one merged RequestOutput;
+    tokens, logprobs, prompt logprobs and the end equal those of the outputs taken singly."""
+    from services.frontend.engine_client import RequestStream, merge_outputs
+
+    def lp(t):
+        return p.TokenLogprob(t, -0.5 * t, 1, [t], [-0.5 * t])
+    outs = [p.RequestOutput("r", [5, 6], 7, num_cached_tokens=3, logprobs=[lp(5), lp(6)],
+                            prompt_logprobs=[None, lp(1)]),
+            p.RequestOutput("r", [8], 7, num_cached_tokens=3, logprobs=[lp(8)]),
+            p.RequestOutput("r", [9, 2], 7, "stop", 2, num_cached_tokens=3, logprobs=[lp(9), lp(2)])]
+
+    async def main():
+        s = RequestStream("r")
+        s.put(outs[0])
+        first = await s.get(1.0)  # alone in the queue: unchanged
+        for o in outs[1:]:
+            s.put(o)
+        rest = await s.get(1.0)  # the two queued behind: one merged output
+        return first, rest, s.finished
+    first, rest, finished = asyncio.run(main())
+    assert first == outs[0] and finished
+    assert rest.new_token_ids == [8, 9, 2] and rest.logprobs == [lp(8), lp(9), lp(2)]
+    assert (rest.finish_reason, rest.stop_token_id, rest.prompt_logprobs) == ("stop", 2, [])
+    whole = merge_outputs(outs)
+    assert whole.new_token_ids == [t for o in outs for t in o.new_token_ids]
+    assert whole.prompt_logprobs == outs[0].prompt_logprobs and whole.num_cached_tokens == 3
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(whole), type=p.RequestOutput) == whole
+
+
+def test_stream_get_times_out_only_when_nothing_is_queued():
+    from services.frontend.engine_client import RequestStream
+
+    async def main():
+        s = RequestStream("r")
+        with pytest.raises(TimeoutError):
+            await s.get(0.05)
+        s.put(p.RequestOutput("r", [1], 3))
+        return await s.get(0.0)  # already queued: returned even with a zero timeout
+    assert asyncio.run(main()).new_token_ids == [1]
