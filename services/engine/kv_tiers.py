@@ -180,7 +180,13 @@ class KVTiers:
             self._submit(("ack",), KVCompleteLoad, slots=s.released_slots)
             s.released_slots = []
         if s.new_cached:
-            blocks, s.new_cached = s.new_cached, []
+            # a block renamed or freed since the step named it (e.g. reset_prefix_cache in
+            # between) holds other bytes now, or none: it is not stored and never pinned
+            # (a pin on a free block would let it be handed out twice)
+            blocks = [(blk, h) for blk, h in s.new_cached if self.bm.block_hash[blk] == h]
+            s.new_cached = []
+            if not blocks:
+                return
             for blk, _ in blocks:
                 self.bm.pin_for_store(blk)
             self._submit(("prepare", time.monotonic(), blocks), KVPrepareStore,

@@ -17,7 +17,9 @@ num_kv_heads * head_dim * element_size bytes, which is what
 order, as in `services.worker.kv_cache`.
 
 On a CUDA device the pool is registered as pinned host memory (cudaHostRegister through
-torch.cuda.cudart()) when that works, so copies are DMA; otherwise plain pageable copies.
+torch.cuda.cudart()) when that works, so each slot is copied by DMA straight to or from the
+device (one async copy per slot, no host staging); otherwise plain pageable copies through
+a host stack.
 """
 
 from __future__ import annotations
@@ -102,9 +104,15 @@ class KVTransfer:
         if not pairs:
             return
         self._attach(name, pid)
-        src = torch.stack([self._slot(s) for s, _ in pairs])          # [n, L, 2, ...]
-        if self.device.type != "cpu":
-            src = src.to(self.device, non_blocking=self._registered)
+        if self._registered:  # DMA straight from each pinned slot into one device staging
+            src = torch.empty((len(pairs), self.num_layers, 2, *self.block_shape), dtype=self.dtype,
+                              device=self.device)
+            for i, (s, _) in enumerate(pairs):
+                src[i].copy_(self._slot(s), non_blocking=True)
+        else:
+            src = torch.stack([self._slot(s) for s, _ in pairs])      # [n, L, 2, ...]
+            if self.device.type != "cpu":
+                src = src.to(self.device)
         idx = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
         for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
             k.index_copy_(0, idx, src[:, layer, 0])
@@ -119,6 +127,11 @@ class KVTransfer:
         idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=self.device)
         data = torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1)
                             for k, v in zip(self.kv.k, self.kv.v)], dim=1)  # [n, L, 2, ...]
+        if self._registered:  # DMA straight into each pinned slot, then wait for them
+            for i, (_, slot) in enumerate(pairs):
+                self._slot(slot).copy_(data[i], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return
         if self.device.type != "cpu":
             data = data.cpu()
         for i, (_, slot) in enumerate(pairs):

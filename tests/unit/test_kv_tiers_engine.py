@@ -247,3 +247,23 @@ def test_reservation_is_cut_to_extend_the_current_local_hit(gpu_hit, first, slot
     assert sorted(sched.released_slots) == sorted(set(slots) - set(want_loaded))
     assert b.kv_load is None and sched.tier_hit_tokens["cpu"] == len(want_loaded) * BS
     assert seq.start_pos == (gpu_hit + len(want_loaded)) * BS
+
+
+def test_blocks_renamed_before_their_store_is_prepared_are_neither_pinned_nor_stored(rigs):
+    rig = rigs(num_blocks=8, budget=64)
+    a = req("a", tokens(21, 3 * BS + 1), 1)  # finishes in the step that names its 3 blocks
+    rig.sched.add(a)
+    rig.run_until(lambda: a.is_finished, "a to finish")
+    named = list(rig.sched.new_cached)
+    assert len(named) == 3 and not rig.bm.store_pins
+    assert rig.bm.reset_prefix_cache()  # the names go before the engine asks to store them
+    rig.tiers.service()  # pump: nothing to store, nothing pinned (a pin would keep a free block)
+    assert not rig.bm.store_pins and not rig.sched.new_cached
+    rig.drain()
+    from tests.unit.kv_tier_rig import check_blocks
+    check_blocks(rig.bm, rig.sched)
+    assert rig.probe([h for _, h in named])[0] == []  # the store never got them
+    b = req("b", a.prompt_token_ids, 2)  # the same prompt recomputes, with the right output
+    rig.sched.add(b)
+    rig.drain()
+    assert outputs(b) == reference([b])
