@@ -149,6 +149,33 @@ def run_level(pool: ProcessPoolExecutor, procs: int, url: str, body: dict,
     return [r for f in futures for r in f.result()]
 
 
+def server_cpu(server: ServeProcess) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each process of the server, by process
+    title (e.g. "kestrel:engine"; processes that share a title are summed)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return out
+    for pr in procs:
+        try:
+            title = (pr.cmdline() or ["?"])[0].strip().split(" ")[0]
+            t = pr.cpu_times()
+            out[title] = out.get(title, 0.0) + t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+def engine_steps(server: ServeProcess) -> int:
+    """The engine's step count (its `stats` utility through the frontend)."""
+    r = httpx.get(server.base_url + "/internal/stats", timeout=10.0, trust_env=False)
+    return int(r.json().get("num_steps", 0)) if r.status_code == 200 else 0
+
+
 def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     """n prompts of `length` random token ids in [0, 10000], from random.Random(seed)."""
     rng = random.Random(seed)
@@ -245,8 +272,12 @@ def main() -> int:
         if warm:
             run_level(pool, procs, url, body, warm, min(a.warmup_requests, top), a.request_timeout)
         for c in a.concurrency:
-            lv = {"concurrency": c, "client_procs": min(procs, c),
-                  **summarize(run_level(pool, procs, url, body, prompts[c], c, a.request_timeout))}
+            cpu0, steps0 = server_cpu(server), engine_steps(server)
+            records = run_level(pool, procs, url, body, prompts[c], c, a.request_timeout)
+            lv = {"concurrency": c, "client_procs": min(procs, c), **summarize(records)}
+            lv["engine_steps"] = engine_steps(server) - steps0
+            lv["server_cpu_ms_per_step"] = {k: round(1e3 * (v - cpu0.get(k, 0.0)) / max(lv["engine_steps"], 1), 3)
+                                            for k, v in server_cpu(server).items()}
             levels.append(lv)
             print(json.dumps(lv), flush=True)
     except BaseException:
