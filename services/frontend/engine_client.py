@@ -41,6 +41,7 @@ import zmq
 import zmq.asyncio
 
 from shared import protocol as p
+from services.frontend.mailbox import Mailbox
 
 log = logging.getLogger("kestrel.frontend.engine_client")
 
@@ -59,6 +60,9 @@ class EngineCallError(Exception):
 
 class EngineUnavailable(Exception):
     """The engine cannot take a request now (not connected, or silent too long)."""
+
+
+_FAILED = ("abort", "error")
 
 
 def merge_outputs(outs: list[p.RequestOutput]) -> p.RequestOutput:
@@ -83,26 +87,25 @@ class RequestStream:
         self.request_id = request_id
         self.created = time.monotonic()  # submission time (metrics: TTFT, e2e)
         self.finished = False
-        self._queue: asyncio.Queue[p.RequestOutput] = asyncio.Queue()
+        self._box: Mailbox[p.RequestOutput] = Mailbox()
 
     def put(self, out: p.RequestOutput) -> None:
         """Queue one output (called by the client's reader task)."""
-        self._queue.put_nowait(out)
+        self._box.put(out)
 
     async def get(self, timeout: float | None = None) -> p.RequestOutput:
-        """The next output, merged with every output queued behind it (`merge_outputs`):
-        a consumer that fell behind (many streams on one event loop) catches up in one
-        iteration instead of one per engine step. Raises TimeoutError if none comes within
-        `timeout` seconds."""
-        q = self._queue
-        if q.empty():  # wait_for's timer only when there is something to wait for
-            out = await (asyncio.wait_for(q.get(), timeout) if timeout is not None else q.get())
-        else:
-            out = q.get_nowait()
-        if not q.empty():
+        """The next output, merged with the outputs queued behind it (`merge_outputs`): a
+        consumer that fell behind (many streams on one event loop) catches up in one
+        iteration instead of one per engine step. An output that ends the request with an
+        error or abort is never merged into the tokens before it, which are delivered
+        first, as they were produced. Raises TimeoutError if none comes within `timeout`
+        seconds."""
+        out = await self._box.get(timeout)
+        box = self._box
+        if box and out.finish_reason is None and box.peek().finish_reason not in _FAILED:
             more = [out]
-            while not q.empty():
-                more.append(q.get_nowait())
+            while box and more[-1].finish_reason is None and box.peek().finish_reason not in _FAILED:
+                more.append(box.take())
             out = merge_outputs(more)
         if out.finish_reason is not None:
             self.finished = True

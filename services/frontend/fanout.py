@@ -2,8 +2,9 @@
 
 `n > 1` (and several completions prompts) fan out as one engine request per choice, ids
 `<request id>-<index>` (the bare request id when there is one choice). `FanOut` pumps each
-choice's `generate` iterator in its own task and yields `(index, TextDelta)` in arrival
-order, or None every `tick_s` seconds of silence (for SSE keep-alives). Closing it cancels
+choice's `generate` iterator in its own task (one choice: iterates it directly) and yields
+`(index, TextDelta)` in arrival order, or None every `tick_s` seconds of silence (for SSE
+keep-alives). Closing it cancels
 the pumps; each `generate` then aborts its request in the engine if it had not finished.
 
 `SSEResponse` is a StreamingResponse that always watches for the client's disconnect (also
@@ -23,39 +24,55 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.frontend.generation import TextDelta
+from services.frontend.mailbox import Mailbox
 
 
 class FanOut:
     """Merge per-choice TextDelta iterators. Iterate with `async for` (ends once every
-    choice has yielded its final delta); always `await aclose()` at the end."""
+    choice has yielded its final delta); always `await aclose()` at the end.
+
+    One choice (the common case) is iterated directly, with no pump task and no queue: the
+    iterator must then tick by itself (`generate(tick_s=...)`, which `fan_out` arranges),
+    and `next`'s timeout is not used. Several choices are pumped in tasks into a mailbox.
+    """
 
     def __init__(self, gens: list[AsyncIterator[TextDelta | None]], tick_s: float | None):
-        self._queue: asyncio.Queue[tuple[int, TextDelta]] = asyncio.Queue()
         self._tick_s = tick_s
         self._open = len(gens)
-        self._tasks = [asyncio.ensure_future(self._pump(i, g)) for i, g in enumerate(gens)]
+        self._single = gens[0] if len(gens) == 1 else None
+        self._box: Mailbox[tuple[int, TextDelta]] = Mailbox()
+        self._tasks = [] if self._single is not None else \
+            [asyncio.ensure_future(self._pump(i, g)) for i, g in enumerate(gens)]
 
     async def _pump(self, index: int, gen: AsyncIterator[TextDelta | None]) -> None:
         try:
             async for d in gen:
                 if d is not None:
-                    self._queue.put_nowait((index, d))
+                    self._box.put((index, d))
         except Exception as e:  # a fault in one choice fails that choice, visibly
-            self._queue.put_nowait((index, TextDelta("", "error", f"internal error: {e}")))
+            self._box.put((index, TextDelta("", "error", f"internal error: {e}")))
         finally:
             await gen.aclose()  # type: ignore[attr-defined]
 
     async def next(self, timeout: float | None) -> tuple[int, TextDelta] | None:
-        """The next delta, or None after `timeout` seconds without one. After the last
-        final delta, raises StopAsyncIteration."""
+        """The next delta, or None after `timeout` seconds without one (one choice: when
+        its iterator ticks). After the last final delta, raises StopAsyncIteration."""
         if self._open == 0:
             raise StopAsyncIteration
-        q = self._queue
-        if not q.empty():  # no timer when a delta is already there (most calls under load)
-            item = q.get_nowait()
+        if self._single is not None:
+            try:
+                d = await self._single.__anext__()
+            except StopAsyncIteration:
+                self._open = 0
+                raise
+            except Exception as e:  # a fault in the choice fails it, visibly (as _pump)
+                d = TextDelta("", "error", f"internal error: {e}")
+            if d is None:
+                return None
+            item = (0, d)
         else:
             try:
-                item = await (asyncio.wait_for(q.get(), timeout) if timeout is not None else q.get())
+                item = await self._box.get(timeout)
             except TimeoutError:
                 return None
         if item[1].finish_reason is not None:
@@ -69,7 +86,11 @@ class FanOut:
         return await self.next(self._tick_s)
 
     async def aclose(self) -> None:
-        """Cancel the pumps (aborting unfinished requests in the engine) and wait for them."""
+        """Cancel the pumps (aborting unfinished requests in the engine) and wait for them;
+        one choice: close its iterator (which aborts it the same way)."""
+        if self._single is not None:
+            await self._single.aclose()  # type: ignore[attr-defined]
+            return
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -92,6 +92,18 @@ disable_created_metrics()  # no `*_created` series (as vLLM): they only add nois
 METRICS = RequestMetrics()  # one per frontend process
 
 
+_ITL_CHILD: dict[str, Any] = {}
+
+
+def _itl_child():
+    """The ITL histogram's child for this process's model name (looked up once)."""
+    name = METRICS.model_name
+    child = _ITL_CHILD.get(name)
+    if child is None:
+        child = _ITL_CHILD[name] = METRICS.itl.labels(name)
+    return child
+
+
 class RequestTimer:
     """Times one request for the histograms above. Create it when the request is sent to the
     engine; call `tokens(n)` for each output carrying n > 0 tokens and `finish(...)` once."""
@@ -114,7 +126,7 @@ class RequestTimer:
             self.first = now
             METRICS.ttft.labels(METRICS.model_name).observe(now - self.start)
         elif self.last is not None:
-            METRICS.itl.labels(METRICS.model_name).observe(now - self.last)
+            _itl_child().observe(now - self.last)  # per output: the labelled child, cached
         self.last = now
 
     def finish(self, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:

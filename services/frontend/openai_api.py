@@ -210,8 +210,10 @@ class OpenAIServing:
                 rid = request_id if len(choices) == 1 else f"{request_id}-{i}"
                 stream = self.engine.open_request(rid, prompt_ids, params)
                 opened.append(rid)
+                # one streamed choice ticks by itself (FanOut iterates it directly)
+                tick = self.keepalive_s if sampling.stream and len(choices) == 1 else None
                 gen = generate(self.engine, self.tokenizer, stream, prompt_ids, stop,
-                               sampling.skip_special_tokens)
+                               sampling.skip_special_tokens, tick_s=tick)
                 gens.append(wrap(i, gen) if wrap is not None else gen)
         except EngineUnavailable:
             for rid in opened:

@@ -162,3 +162,17 @@ def test_stream_get_times_out_only_when_nothing_is_queued():
         s.put(p.RequestOutput("r", [1], 3))
         return await s.get(0.0)  # already queued: returned even with a zero timeout
     assert asyncio.run(main()).new_token_ids == [1]
+
+
+def test_an_error_output_is_not_merged_into_the_tokens_before_it():
+    from services.frontend.engine_client import RequestStream
+
+    async def main():
+        s = RequestStream("r")
+        for o in (p.RequestOutput("r", [1], 3), p.RequestOutput("r", [2], 3),
+                  p.RequestOutput("r", [], 3, "error", error="boom")):
+            s.put(o)
+        return await s.get(1.0), await s.get(1.0)
+    tokens, end = asyncio.run(main())
+    assert tokens.new_token_ids == [1, 2] and tokens.finish_reason is None
+    assert (end.new_token_ids, end.finish_reason, end.error) == ([], "error", "boom")
