@@ -36,6 +36,7 @@ from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.kvstore")
 DISK_THREADS = 2
+PENDING_WRITE_BYTES = 1 << 30  # RAM for slot copies waiting to be written to the disk tier
 
 
 class KVStoreServer:
@@ -54,7 +55,9 @@ class KVStoreServer:
         self.router = None
         self._io = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-disk")
         try:
-            self.store = BlockStore(setup.n_slots, setup.disk_capacity)
+            # demotions queued at once: copies of their slots wait in RAM for the disk
+            self.store = BlockStore(setup.n_slots, setup.disk_capacity,
+                                    max(64, PENDING_WRITE_BYTES // max(setup.block_bytes, 1)))
             self.disk = None
             if setup.disk_dir:
                 self.disk = DiskTier(setup.disk_dir, setup.model_identity, setup.block_bytes)

@@ -18,7 +18,9 @@ limit counts files being written). A file is WRITING while a demotion writes it 
 never evicted) and VALID after its rename; a VALID file with readers (a promotion reading
 it) is never evicted. Eviction from the CPU tier demotes the block to disk when the disk
 tier is on and the block has no file yet; if the disk tier is full of files that cannot be
-evicted, or too many demotions are queued (`max_pending_writes`), the block is dropped.
+evicted, the block is dropped. While `max_pending_writes` demotions are queued, blocks
+that would need one are not evicted (an allocation then finds no slot: a store is skipped,
+a promotion stops), so that a burst of stores never drops blocks the disk could keep.
 
 Sessions: every pin and every WRITING slot belongs to a client session (one connected
 engine). `drop_session` releases them all, so a client that restarts never leaks slots.
@@ -30,6 +32,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 WRITING, LOADING, VALID = "writing", "loading", "valid"
+EVICTION_SCAN = 64  # LRU entries an allocation looks at for one it may evict now
 
 
 @dataclass
@@ -135,10 +138,19 @@ class BlockStore:
         or dropped). None when every slot is pinned or being written."""
         if self.free_slots:
             return self.free_slots.pop()
-        for h in self.cpu_lru:
+        writes_full = self.pending_writes >= self.max_pending_writes
+        for scanned, h in enumerate(self.cpu_lru):
             e = self.cpu[h]
-            if e.pins == 0:
-                break
+            if e.pins:
+                continue
+            # While the demotion queue is full, a block that would need a disk write stays
+            # (backpressure: the caller gets no slot now) rather than being dropped; blocks
+            # already on disk, or all blocks without a disk tier, go as before.
+            if writes_full and self.disk_capacity and h not in self.disk:
+                if scanned >= EVICTION_SCAN:
+                    return None
+                continue
+            break
         else:
             return None
         del self.cpu_lru[h], self.cpu[h], self.by_slot[e.slot]

@@ -220,3 +220,26 @@ def test_pool_is_listed_by_shm_ls_and_gone_after_sigterm(stores):
     assert oct(os.stat(f"/dev/shm/{name}").st_mode & 0o777) == "0o600"
     assert s.stop() == 0
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_full_demotion_queue_skips_new_stores_instead_of_dropping_old_blocks():
+    """BlockStore alone: with max_pending_writes demotions queued, a store that would need
+    one more gets no slot (backpressure) and no block is lost; once a write is done the
+    next store demotes again; a block already on disk is evicted without a write."""
+    from services.kvstore.store import BlockStore
+
+    st = BlockStore(n_slots=3, disk_capacity=10, max_pending_writes=2)
+    h = [bytes([i]) * 32 for i in range(8)]
+    slots, _, _ = st.prepare_store("s", h[:3])
+    st.complete_store("s", slots, True)
+    slots, evicted, acts = st.prepare_store("s", h[3:6])
+    assert slots[:2] != [-1, -1] and slots[2] == -1 and evicted == []  # 2 demoted, 1 skipped
+    assert [x for x, _ in acts.demote] == h[:2] and st.tier(h[2]) == "cpu"
+    st.complete_store("s", [s for s in slots if s >= 0], True)
+    st.write_done(h[0], True)  # one demotion finished: room for one more
+    slots, evicted, acts = st.prepare_store("s", [h[6]])
+    assert slots != [-1] and [x for x, _ in acts.demote] == [h[2]] and evicted == []
+    assert [st.tier(x) for x in h[:3]] == ["disk", None, None]  # h[1], h[2] still being written
+    st.write_done(h[1], True)
+    st.write_done(h[2], True)
+    assert [st.tier(x) for x in h[:3]] == ["disk", "disk", "disk"]
