@@ -21,12 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_info import num_sms
+
 _LOG2E = 1.4426950408889634
 # decode kernel launch: block_n None = 64 (32 for head_dim > 128), splits None = decode_splits,
 # num_stages None = Triton's default. Two stages: best or within 1% of it at b=256 (4.19 TB/s
 # at 1K context) and b=64 mixed contexts (2.2x the default there), H200, kernel_sweep.py
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None}
-_NUM_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -174,15 +175,6 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
              mask=qmask)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU tensors: a few splits exercise the merge
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                   block_n: int = 64) -> int:
     """Number of split-K partitions of the decode: about four programs per SM, at most one
@@ -192,7 +184,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
     context still uses every split (round 1 sized them by max_seq_len: a 1K context in a
     graph captured for 4K used a quarter of the grid)."""
     n_tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    return max(1, min(n_tiles, triton.cdiv(4 * _num_sms(device), num_seqs * num_kv_heads)))
+    return max(1, min(n_tiles, triton.cdiv(4 * num_sms(device), num_seqs * num_kv_heads)))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

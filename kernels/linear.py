@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.device_info import num_sms
+
 skinny_linear_triton = None  # set below when Triton imports: same signature as linear_ref
 SKINNY_MAX_ROWS = 16  # rows of x up to which CUDA inputs take the skinny kernel
 # weights of at most this many elements take it: larger ones (Llama-3.1-8B's) stream at
@@ -57,7 +59,6 @@ try:
 except ImportError:  # CPU-only installs: the dispatcher keeps the reference
     triton = None
 
-_NUM_SMS: dict[int, int] = {}
 # launch defaults of the skinny kernel (benchmarks/kernel_sweep.py sweeps them): K tile,
 # the programs per SM that the K split aims for, warps and software-pipeline stages
 SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3}
@@ -106,13 +107,6 @@ if triton is not None:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * sy_m + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
-    def _num_sms(device: torch.device) -> int:
-        if device.type != "cuda":
-            return 4  # the interpreter on CPU tensors
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in _NUM_SMS:
-            _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        return _NUM_SMS[idx]
 
     def skinny_plan(m: int, n: int, k: int, device: torch.device, block_n: int | None = None,
                     block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int]:
@@ -127,7 +121,7 @@ if triton is not None:
             programs = triton.cdiv(n, bn)
             split_k = 1
             max_split = max(1, min(8, triton.cdiv(k, bk)))
-            target = SKINNY_TUNING["programs_per_sm"] * _num_sms(device)
+            target = SKINNY_TUNING["programs_per_sm"] * num_sms(device)
             while programs * split_k < target and split_k < max_split:
                 split_k *= 2
             split_k = min(split_k, max_split)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_info import num_sms
 from kernels.sampling import HASH_C1, HASH_C2, noise_keys
 
 assert (HASH_C1, HASH_C2) == (0x21F0AAAD, 0x735A2D97), "keep _mix32's literals in step"
@@ -78,20 +79,10 @@ def _pick_kernel(ws_score_ptr, ws_idx_ptr, out_ptr, vocab, n_chunks, BLOCK_C: tl
     tl.store(out_ptr + row, tok.to(tl.int64))
 
 
-_NUM_SMS: dict[int, int] = {}
 # chunks per row at most; one constant block for the pick and no integer specialisation of
 # the chunk arguments, so that every batch size runs one of two compiled variants (split or
 # not) and no batch size compiles a new one in the middle of serving
 MAX_CHUNKS = 64
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU tensors: a few chunks exercise the pick
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: list[int],
@@ -116,7 +107,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: list[i
         keys = noise_keys(seeds).to(logits.device, non_blocking=True)
     block = 2048 if logits.device.type == "cuda" else 512
     tiles = triton.cdiv(vocab, block)
-    n_chunks = max(1, min(tiles, MAX_CHUNKS, (2 * _num_sms(logits.device)) // n))
+    n_chunks = max(1, min(tiles, MAX_CHUNKS, (2 * num_sms(logits.device)) // n))
     chunk = triton.cdiv(tiles, n_chunks) * block
     n_chunks = triton.cdiv(vocab, chunk)
     split = n_chunks > 1
