@@ -43,6 +43,8 @@ class Request:
     sampling.prompt_logprobs is set); sent once, with the first output
     (prompt_logprobs_sent). grammar: the structured-output matcher
     (`services.engine.structured.RequestGrammar`) or None.
+    worker_blocks: how many leading entries of block_ids the workers already hold
+    (`shared.plan_state`); 0 = the next seq carries the whole table and the parameters.
     """
 
     __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
@@ -50,7 +52,7 @@ class Request:
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
-                 "kv_checked", "kv_load")
+                 "kv_checked", "kv_load", "worker_blocks")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -77,6 +79,7 @@ class Request:
         self.grammar = None
         self.kv_checked = False
         self.kv_load: tuple[int, list[int], list[str]] | None = None
+        self.worker_blocks = 0  # leading block_ids the workers hold (0: send all, with sampling)
 
     @property
     def has_penalty(self) -> bool:

@@ -88,6 +88,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.num_preemptions = 0  # cumulative
+        self.worker_forget: list[str] = []  # ended requests the next plan names (plan.forget)
         # KV tiers (module doc); the engine drains kv_lookups, new_cached, released_slots.
         self.tiers_enabled = False
         self.waiting_for_kv: dict[str, Request] = {}
@@ -111,6 +112,9 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if request.worker_blocks:  # the next plan tells the workers to drop its table
+            self.worker_forget.append(request.request_id)
+            request.worker_blocks = 0
         self.bm.free(request)
         self._drop_kv_load(request)
         if request in self.running:
@@ -225,15 +229,18 @@ class Scheduler:
         for req, n in scheduled:
             start = req.num_computed_tokens
             end = start + n
+            known = req.worker_blocks  # the workers hold the rest (shared.plan_state)
             seq = ScheduledSeq(
                 request_id=req.request_id,
                 token_ids=req.token_slice(start, end),
                 start_pos=start,
-                block_table=req.block_ids,
+                block_table=req.block_ids[known:] if known else list(req.block_ids),
                 sample=end == req.num_tokens and req.sampling.max_tokens > 0,
-                sampling=req.sampling,
+                sampling=None if known else req.sampling,
                 output_index=len(req.output_token_ids),
+                table_start=known,
             )
+            req.worker_blocks = len(req.block_ids)
             if req.has_penalty:
                 seq.penalty_token_ids = req.prompt_token_ids + req.output_token_ids
                 seq.num_prompt_tokens = req.num_prompt_tokens
@@ -242,7 +249,9 @@ class Scheduler:
             if seq.sample and req.grammar is not None:
                 seq.allowed_token_bitmask = req.grammar.bitmask()
             seqs.append(seq)
-        return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs, kv_loads=kv_loads),
+        forget, self.worker_forget = self.worker_forget, []
+        return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs, kv_loads=kv_loads,
+                                             forget=forget),
                                requests=[r for r, _ in scheduled],
                                num_tokens={r.request_id: n for r, n in scheduled},
                                preempted=preempted)
@@ -295,6 +304,7 @@ class Scheduler:
         """Free the victim's blocks and put it first in line to recompute from token 0."""
         self.running.remove(victim)
         self.bm.free(victim)
+        victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
         victim.num_computed_tokens = 0
         victim.kv_checked = False  # it recomputes from token 0: ask the kvstore again
         victim.status = RequestStatus.WAITING

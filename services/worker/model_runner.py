@@ -27,6 +27,7 @@ from services.worker.models import model_class
 from services.worker.sampler import Sampler, make_token_logprobs
 from shared.config import KestrelConfig
 from shared.model_info import load_model_info
+from shared.plan_state import PlanState
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,6 +99,7 @@ class ModelRunner:
             from kernels.sampling_triton import warm_up_sampler  # compile now, not mid-serving
             warm_up_sampler(self.model.args.vocab_size, cfg.max_num_seqs, self.device)
         self.sampler = Sampler(cfg.seed, load_model_info(cfg.model).eos_token_ids)
+        self.plan_state = PlanState()  # what the engine sends once per request
         # request id -> logits [vocab] of the last position of its previous prompt chunk,
         # which scores the first token of its next chunk (prompt_logprobs across chunks)
         self._prompt_carry: dict[str, torch.Tensor] = {}
@@ -134,6 +136,7 @@ class ModelRunner:
         logprobs where asked (`Sampler.sample`), and the prompt logprobs of prefill chunks
         of requests with `prompt_logprobs` set. KV tier copies: plan.kv_loads before the
         forward, plan.kv_stores after it (`kv_transfer.py`). Raises like `execute`."""
+        self.plan_state.resolve(plan)  # whole block tables and sampling params (plan_state.py)
         self.kv_transfer.before_step(plan)
         logits, rows, prompt_logits = self._forward(plan)
         seqs = plan.seqs
@@ -177,6 +180,7 @@ class ModelRunner:
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """Run one step like `execute` (the KV cache is written the same way) but return the
         logits instead of sampling: [num sample=True seqs, vocab] fp32, plan order."""
+        self.plan_state.resolve(plan)
         return self._forward(plan)[0]
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, list[int], dict[int, torch.Tensor]]:

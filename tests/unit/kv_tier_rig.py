@@ -178,6 +178,7 @@ class TierRig:
         else:
             plan = out.plan
         self.tiers.attach_to_plan(plan)
+        self.worker.model.state.resolve(plan)  # whole tables (execute resolves again: a no-op)
         written = {s.block_table[i] for s in plan.seqs  # blocks the forward writes into
                    for i in range(s.start_pos // BS, -(-(s.start_pos + len(s.token_ids)) // BS))}
         assert written.isdisjoint(b for b, _ in plan.kv_stores), "a step writes a block it stores"

@@ -22,6 +22,7 @@ from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from shared import hashing
 from shared import protocol as P
+from shared.plan_state import PlanState
 
 VOCAB = 50
 EOS = 0
@@ -45,6 +46,7 @@ class BlockKVModel:
     def __init__(self, bm):
         self.bm = bm
         self.kv = {}
+        self.state = PlanState()  # whole tables from the engine's increments, as a worker
 
     def read(self, table, pos):
         bs = self.bm.block_size
@@ -54,6 +56,7 @@ class BlockKVModel:
         return slot
 
     def execute(self, plan):
+        self.state.resolve(plan)
         bs, out, writer = self.bm.block_size, [], {}
         for s in plan.seqs:
             table, end = s.block_table, s.start_pos + len(s.token_ids)

@@ -9,6 +9,7 @@ import pytest
 from services.engine.block_manager import BlockManager, blocks_needed
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
+from shared.plan_state import PlanState
 from shared.protocol import SamplingParams
 
 VOCAB = 50
@@ -22,8 +23,10 @@ class ToyModel:
     def __init__(self, block_size):
         self.kv: dict[str, list[int]] = {}
         self.block_size = block_size
+        self.state = PlanState()  # whole tables from the engine's increments, as a worker
 
     def execute(self, plan):
+        self.state.resolve(plan)
         out = []
         for s in plan.seqs:
             cache = self.kv.setdefault(s.request_id, [])
