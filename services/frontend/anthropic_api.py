@@ -219,7 +219,8 @@ class AnthropicServing:
             parser = self.features.output_parser(
                 prompt, req.stop_sequences, req.thinking,
                 req.tool_schemas if req.tool_choice != "none" else None, forced)
-            stream = self.engine.open_request(request_id, ids, sampling)
+            stream = self.engine.open_request(request_id, ids, sampling,
+                                              merge=not req.stop_sequences)
             gen = generate(self.engine, self.tokenizer, stream, ids, [],
                            tick_s=self.keepalive_s if req.stream else None)
             log.info("%s added: %d prompt tokens, max_tokens %d, stream %s", request_id, n,

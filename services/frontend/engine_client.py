@@ -83,8 +83,9 @@ class RequestStream:
     """The outputs of one request, in engine order. Iterate with `async for`; iteration
     ends after the output that carries a finish_reason."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, merge: bool = False):
         self.request_id = request_id
+        self.merge = merge
         self.created = time.monotonic()  # submission time (metrics: TTFT, e2e)
         self.finished = False
         self._box: Mailbox[p.RequestOutput] = Mailbox()
@@ -94,15 +95,17 @@ class RequestStream:
         self._box.put(out)
 
     async def get(self, timeout: float | None = None) -> p.RequestOutput:
-        """The next output, merged with the outputs queued behind it (`merge_outputs`): a
-        consumer that fell behind (many streams on one event loop) catches up in one
-        iteration instead of one per engine step. An output that ends the request with an
+        """The next output; with `merge`, merged with the outputs queued behind it
+        (`merge_outputs`): a consumer that fell behind (many streams on one event loop)
+        catches up in one iteration instead of one per engine step. Streams of requests
+        with stop strings do not merge: a stop string found in the text must cut the
+        tokens (usage, logprobs) at the output that completed it. An output that ends the request with an
         error or abort is never merged into the tokens before it, which are delivered
         first, as they were produced. Raises TimeoutError if none comes within `timeout`
         seconds."""
         out = await self._box.get(timeout)
         box = self._box
-        if box and out.finish_reason is None and box.peek().finish_reason not in _FAILED:
+        if self.merge and box and out.finish_reason is None and box.peek().finish_reason not in _FAILED:
             more = [out]
             while box and more[-1].finish_reason is None and box.peek().finish_reason not in _FAILED:
                 more.append(box.take())
@@ -208,13 +211,15 @@ class EngineClient:
     # ------------------------------------------------------------ requests
 
     def open_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: p.SamplingParams) -> RequestStream:
-        """Send an AddRequest; return the stream its outputs arrive on.
+                     sampling: p.SamplingParams, merge: bool = False) -> RequestStream:
+        """Send an AddRequest; return the stream its outputs arrive on. merge: let the
+        stream merge queued outputs (`RequestStream.get`); only for requests without stop
+        strings, whose end is found in the text and must cut the token count there.
 
         Raises EngineUnavailable if the engine is not connected or not answering."""
         if self.is_dead():
             raise EngineUnavailable("the engine is not responding")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, merge)
         self._streams[request_id] = stream
         if not self._send(p.AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                        sampling=sampling, arrival_time=time.time())):

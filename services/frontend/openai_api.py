@@ -208,7 +208,9 @@ class OpenAIServing:
         try:
             for i, (prompt_ids, params) in enumerate(choices):
                 rid = request_id if len(choices) == 1 else f"{request_id}-{i}"
-                stream = self.engine.open_request(rid, prompt_ids, params)
+                # no stop strings (sampling.stop, also when an output parser checks them):
+                # queued outputs may merge into one chunk under load
+                stream = self.engine.open_request(rid, prompt_ids, params, merge=not sampling.stop)
                 opened.append(rid)
                 # one streamed choice ticks by itself (FanOut iterates it directly)
                 tick = self.keepalive_s if sampling.stream and len(choices) == 1 else None

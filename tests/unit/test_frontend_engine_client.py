@@ -135,7 +135,7 @@ def test_queued_outputs_reach_the_consumer_merged_and_equal_to_one_by_one():
             p.RequestOutput("r", [9, 2], 7, "stop", 2, num_cached_tokens=3, logprobs=[lp(9), lp(2)])]
 
     async def main():
-        s = RequestStream("r")
+        s = RequestStream("r", merge=True)
         s.put(outs[0])
         first = await s.get(1.0)  # alone in the queue: unchanged
         for o in outs[1:]:
@@ -168,7 +168,7 @@ def test_an_error_output_is_not_merged_into_the_tokens_before_it():
     from services.frontend.engine_client import RequestStream
 
     async def main():
-        s = RequestStream("r")
+        s = RequestStream("r", merge=True)
         for o in (p.RequestOutput("r", [1], 3), p.RequestOutput("r", [2], 3),
                   p.RequestOutput("r", [], 3, "error", error="boom")):
             s.put(o)
@@ -176,3 +176,16 @@ def test_an_error_output_is_not_merged_into_the_tokens_before_it():
     tokens, end = asyncio.run(main())
     assert tokens.new_token_ids == [1, 2] and tokens.finish_reason is None
     assert (end.new_token_ids, end.finish_reason, end.error) == ([], "error", "boom")
+
+
+def test_a_stream_opened_without_merge_hands_outputs_over_one_by_one():
+    """Requests with stop strings: each output stays separate, so that a stop string found
+    in the text ends the token count at the output that completed it."""
+    from services.frontend.engine_client import RequestStream
+
+    async def main():
+        s = RequestStream("r")  # merge off (the default)
+        for o in (p.RequestOutput("r", [1], 3), p.RequestOutput("r", [2], 3), p.RequestOutput("r", [3], 3)):
+            s.put(o)
+        return [(await s.get(1.0)).new_token_ids for _ in range(3)]
+    assert asyncio.run(main()) == [[1], [2], [3]]
