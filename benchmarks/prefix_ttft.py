@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import model_dir  # noqa: E402
 from benchmarks.serve_process import ServeProcess  # noqa: E402
+from services.kvstore.settings import derive_block_bytes, store_identity  # noqa: E402
+from shared.config import build_config  # noqa: E402
 
 BS = 16
 
@@ -54,13 +56,9 @@ def main() -> int:
                                     "--max-num-batched-tokens", "8192"]
     else:
         dtype, extra = "float32", []
-    with open(os.path.join(a.model, "config.json")) as fh:
-        c = json.load(fh)
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    # bytes of one KV block: K and V of every layer for BS tokens
-    block_bytes = (2 * c["num_hidden_layers"] * BS * (c.get("num_key_value_heads") or heads) * head_dim
-                   * (2 if dtype == "bfloat16" else 4))
+    # the block size and model identity the server's kvstore derives from the same settings
+    cfg = build_config(cli={"model": a.model, "dtype": dtype, "block_size": BS}, env={})
+    block_bytes, ident = derive_block_bytes(cfg), store_identity(cfg)
     n_blocks = a.tokens // BS + 1
     pool_gib = round(n_blocks * 1.1 * (block_bytes + 64) / (1 << 30) + 0.001, 4)
     disk = tempfile.mkdtemp(prefix="kestrel-bench-disk-")
@@ -90,11 +88,9 @@ def main() -> int:
 
     def settle() -> None:
         from services.kvstore.client import KVStoreClient
-        from shared.hashing import model_identity_hash
 
         while stats().get("kv_tier_pending_stores"):
             time.sleep(0.05)
-        ident = model_identity_hash(os.path.abspath(a.model), dtype, dtype, BS, 1)
         c = KVStoreClient(f"ipc:///tmp/kestrel-{instance}/kvstore.sock", "bench", ident,
                           block_bytes, timeout_s=30)
         c.connect()

@@ -34,12 +34,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.frontend.errors import InternalError, error_body, model_not_found
+from services.frontend.errors import InternalError, model_not_found
 from services.frontend.fanout import FanOut
 from services.frontend.generation import TextDelta, end_by_stop_string
-from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, SSE_KEEPALIVE, Collected,
-                                          OpenAIServing, context_error, delta_error,
-                                          json_response, sse)
+from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, Collected, OpenAIServing,
+                                          context_error, json_response, sse, stream_items)
 from services.frontend.openai_protocol import ChatCompletionRequest, parse_chat_request
 from services.frontend.parsers.output import (ChatOutputParser, OutEvent, ParsedMessage,
                                               Reasoning)
@@ -251,21 +250,13 @@ class ChatServing:
         calls: list[set[int]] = [set() for _ in range(sr.n)]  # indices of started calls
         args_seen: list[set[int]] = [set() for _ in range(sr.n)]
 
-        async def items():
-            if first is not None:
-                yield first
-            async for item in fan:
+        async for item in stream_items(first, fan):
+            if item is None:  # a choice failed: its error event and [DONE] went out
+                return
+            if isinstance(item, bytes):
                 yield item
-
-        async for item in items():
-            if item is None:
-                yield SSE_KEEPALIVE
                 continue
             i, d = item
-            if d.error is not None:
-                yield sse(error_body(delta_error(d)))
-                yield SSE_DONE
-                return
             events = d.events if isinstance(d, ChatDelta) else []
             calls[i].update(e.index for e in events if isinstance(e, ToolCallStart))
             deltas = _event_deltas(events, args_seen[i])

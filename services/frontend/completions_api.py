@@ -25,13 +25,12 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.frontend.errors import error_body, model_not_found
+from services.frontend.errors import model_not_found
 from services.frontend.fanout import FanOut
 from services.frontend.generation import TextDelta
 from services.frontend.logprobs import merge_completion
-from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, SSE_KEEPALIVE,
-                                          OpenAIServing, context_error, delta_error,
-                                          json_response, sse)
+from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, OpenAIServing,
+                                          context_error, json_response, sse, stream_items)
 from services.frontend.openai_protocol import CompletionRequest, parse_completion_request
 
 log = logging.getLogger("kestrel.frontend.completions")
@@ -178,21 +177,13 @@ class CompletionsServing:
                 c["usage"] = None
             return sse(c)
 
-        async def items():
-            if first is not None:
-                yield first
-            async for item in fan:
+        async for item in stream_items(first, fan):
+            if item is None:  # a choice failed: its error event and [DONE] went out
+                return
+            if isinstance(item, bytes):
                 yield item
-
-        async for item in items():
-            if item is None:
-                yield SSE_KEEPALIVE
                 continue
             i, d = item
-            if d.error is not None:
-                yield sse(error_body(delta_error(d)))
-                yield SSE_DONE
-                return
             text, lps = self._piece(req, states[i], d, first=not started[i])
             started[i] = True
             if d.finish_reason is not None:

@@ -53,6 +53,29 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+async def stream_items(first: tuple[int, TextDelta] | None, fan: "FanOut"
+                       ) -> AsyncIterator[tuple[int, TextDelta] | bytes | None]:
+    """The SSE loop's input: `first` (if any), then the items of `fan`. Yields (index,
+    delta) to render; bytes to send as they are (a keep-alive comment); on a choice that
+    failed, its error event and [DONE] as bytes, then None: the stream must end there."""
+    async def items():
+        if first is not None:
+            yield first
+        async for it in fan:
+            yield it
+
+    async for item in items():
+        if item is None:
+            yield SSE_KEEPALIVE
+        elif item[1].error is not None:
+            yield sse(error_body(delta_error(item[1])))
+            yield SSE_DONE
+            yield None
+            return
+        else:
+            yield item
+
+
 def delta_error(d: TextDelta) -> APIError:
     """The API error for a choice that ended with finish_reason "error"."""
     if d.error_kind == "overloaded":

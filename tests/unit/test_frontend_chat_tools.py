@@ -87,29 +87,25 @@ def test_enable_thinking_false_leaves_everything_in_content(client):
     assert _reasoning(m) is None and m.content == SCRIPTED["please think"]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_stop_string_inside_the_reasoning_does_not_stop_it(client, stream):
-    kw = dict(messages=_msgs("please think"), stop=["b"])
+def _reasoning_content_finish(client, stream: bool, **kw) -> tuple:
+    """(reasoning, content, finish_reason) of one chat completion, streamed or not."""
     if stream:
         s = _stream(client, **kw)
-        got = (s["reasoning"], s["content"], s["finish"])
-    else:
-        r = client.chat.completions.create(model=MODEL, **kw)
-        got = (_reasoning(r.choices[0].message), r.choices[0].message.content,
-               r.choices[0].finish_reason)
+        return s["reasoning"], s["content"], s["finish"]
+    r = client.chat.completions.create(model=MODEL, **kw)
+    return (_reasoning(r.choices[0].message), r.choices[0].message.content,
+            r.choices[0].finish_reason)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_inside_the_reasoning_does_not_stop_it(client, stream):
+    got = _reasoning_content_finish(client, stream, messages=_msgs("please think"), stop=["b"])
     assert got == ("abc", "hello", "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_in_the_content_cuts_the_content(client, stream, stack):
-    kw = dict(messages=_msgs("please think"), stop=["ll"])
-    if stream:
-        s = _stream(client, **kw)
-        got = (s["reasoning"], s["content"], s["finish"])
-    else:
-        r = client.chat.completions.create(model=MODEL, **kw)
-        got = (_reasoning(r.choices[0].message), r.choices[0].message.content,
-               r.choices[0].finish_reason)
+    got = _reasoning_content_finish(client, stream, messages=_msgs("please think"), stop=["ll"])
     assert got == ("abc", "he", "stop")
 
 
