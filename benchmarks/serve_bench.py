@@ -236,6 +236,7 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--client-procs", type=int, default=0, help="0: auto")
+    ap.add_argument("--frontends", type=int, default=1, help="frontend processes sharing the port")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
@@ -258,7 +259,7 @@ def main() -> int:
                                a.seed * 1000003 + c) for c in a.concurrency}
     # Shutdown drains in-flight requests; only a failed run has any, and it needs no drain.
     server = ServeProcess([*_flags(settings), "--max-num-waiting", str(max(256, top)),
-                           "--shutdown-timeout", "5"])
+                           "--shutdown-timeout", "5", "--frontends", str(a.frontends)])
     # The same warm-up, not measured, before the levels and before the offline run.
     warm = make_prompts(a.warmup_requests, a.prompt_len, a.seed * 1000003 - 1)
     levels = []

@@ -35,7 +35,7 @@ from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KV
 from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.kvstore")
-DISK_THREADS = 2
+DISK_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))  # readers/writers: crc32 and copies
 PENDING_WRITE_BYTES = 1 << 30  # RAM for slot copies waiting to be written to the disk tier
 
 

@@ -19,8 +19,10 @@ never evicted) and VALID after its rename; a VALID file with readers (a promotio
 it) is never evicted. Eviction from the CPU tier demotes the block to disk when the disk
 tier is on and the block has no file yet; if the disk tier is full of files that cannot be
 evicted, the block is dropped. While `max_pending_writes` demotions are queued, blocks
-that would need one are not evicted (an allocation then finds no slot: a store is skipped,
-a promotion stops), so that a burst of stores never drops blocks the disk could keep.
+that would need one are not evicted by a store (it finds no slot and is skipped), so that a
+burst of stores never drops blocks the disk could keep. A promotion does evict them then,
+without a write: a hit being served now is worth more than a cold block that may be asked for
+again.
 
 Sessions: every pin and every WRITING slot belongs to a client session (one connected
 engine). `drop_session` releases them all, so a client that restarts never leaks slots.
@@ -133,9 +135,10 @@ class BlockStore:
                 **self.counters}
 
     # ------------------------------------------------------------ allocation
-    def _alloc_slot(self, acts: Actions, evicted: list[bytes]) -> int | None:
+    def _alloc_slot(self, acts: Actions, evicted: list[bytes], may_drop: bool = False) -> int | None:
         """A free slot, else the slot of the least recently used unpinned VALID block (demoted
-        or dropped). None when every slot is pinned or being written."""
+        or dropped). None when every slot is pinned or being written, or (unless may_drop)
+        when the demotion queue is full and the LRU blocks would need a disk write."""
         if self.free_slots:
             return self.free_slots.pop()
         writes_full = self.pending_writes >= self.max_pending_writes
@@ -146,7 +149,7 @@ class BlockStore:
             # While the demotion queue is full, a block that would need a disk write stays
             # (backpressure: the caller gets no slot now) rather than being dropped; blocks
             # already on disk, or all blocks without a disk tier, go as before.
-            if writes_full and self.disk_capacity and h not in self.disk:
+            if writes_full and not may_drop and self.disk_capacity and h not in self.disk:
                 if scanned >= EVICTION_SCAN:
                     return None
                 continue
@@ -205,7 +208,7 @@ class BlockStore:
         for i, h in enumerate(run):
             e = self.cpu.get(h)
             if e is None:   # on disk only: promote into a slot
-                slot = self._alloc_slot(acts, evicted)
+                slot = self._alloc_slot(acts, evicted, may_drop=True)
                 if slot is None:
                     for rest in run[i + 1:]:
                         if rest in self.cpu:

@@ -243,3 +243,25 @@ def test_a_full_demotion_queue_skips_new_stores_instead_of_dropping_old_blocks()
     st.write_done(h[1], True)
     st.write_done(h[2], True)
     assert [st.tier(x) for x in h[:3]] == ["disk", "disk", "disk"]
+
+
+def test_a_full_demotion_queue_does_not_stop_a_promotion():
+    """BlockStore alone: with the demotion queue full, a promotion (a hit being served) still
+    gets slots, by evicting LRU blocks without a disk write, so the whole disk run loads."""
+    from services.kvstore.store import BlockStore
+
+    st = BlockStore(n_slots=3, disk_capacity=10, max_pending_writes=1)
+    h = [bytes([i]) * 32 for i in range(8)]
+    for i in range(3):  # h0..h2 stored, each demoted in turn and written
+        slots, _, _ = st.prepare_store("s", [h[i]])
+        st.complete_store("s", slots, True)
+    slots, _, acts = st.prepare_store("s", h[3:5])  # h0 demoted; the queue is then full
+    assert [x for x, _ in acts.demote] == [h[0]] and slots[1] == -1
+    st.complete_store("s", [s for s in slots if s >= 0], True)
+    st.write_done(h[0], True)
+    slots, _, acts = st.prepare_store("s", [h[5]])  # h1 demoted: the queue is full again
+    st.complete_store("s", slots, True)
+    assert st.tier(h[0]) == "disk" and st.pending_writes == 1
+    slots, res, acts = st.reserve_load("s", 1, [h[0]])
+    assert len(slots) == 1 and res is not None and [x for x, _ in acts.read] == [h[0]]
+    assert st.pending_writes == 1  # no new write: the evicted block was dropped
