@@ -86,17 +86,22 @@ def main() -> int:
         r.raise_for_status()
         return time.perf_counter() - t
 
-    def settle() -> None:
+    def store_stats() -> dict:
         from services.kvstore.client import KVStoreClient
 
-        while stats().get("kv_tier_pending_stores"):
-            time.sleep(0.05)
         c = KVStoreClient(f"ipc:///tmp/kestrel-{instance}/kvstore.sock", "bench", ident,
                           block_bytes, timeout_s=30)
         c.connect()
-        while c.stats()["pending_writes"]:
+        try:
+            return c.stats()
+        finally:
+            c.close()
+
+    def settle() -> None:
+        while stats().get("kv_tier_pending_stores"):
             time.sleep(0.05)
-        c.close()
+        while store_stats()["pending_writes"]:
+            time.sleep(0.05)
 
     def reset() -> None:
         while httpx.post(url + "/reset_prefix_cache", timeout=30).status_code != 200:
@@ -121,6 +126,10 @@ def main() -> int:
         out["disk_tier_hit_s"] = ttft(prompt)
         s = stats()
         out.update({k: s[k] for k in ("kv_tier_hits_cpu", "kv_tier_hits_disk", "prefix_cache_hits")})
+        # where a disk hit's time goes: promotions (disk -> pool) and their summed read time
+        ks = store_stats()
+        out["kvstore"] = {k: ks.get(k, 0) for k in ("promotions", "disk_read_us", "promotion_wait_ms",
+                                                 "demotions", "cpu_evictions", "store_no_slot")}
     finally:
         srv.stop(10)
     text = json.dumps(out, indent=2)

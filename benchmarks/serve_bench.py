@@ -237,6 +237,8 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--client-procs", type=int, default=0, help="0: auto")
     ap.add_argument("--frontends", type=int, default=1, help="frontend processes sharing the port")
+    ap.add_argument("--server-args", default="", help="more `kestrel serve` flags, one string "
+                    "(e.g. --server-args=--no-async-scheduling)")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
@@ -259,7 +261,8 @@ def main() -> int:
                                a.seed * 1000003 + c) for c in a.concurrency}
     # Shutdown drains in-flight requests; only a failed run has any, and it needs no drain.
     server = ServeProcess([*_flags(settings), "--max-num-waiting", str(max(256, top)),
-                           "--shutdown-timeout", "5", "--frontends", str(a.frontends)])
+                           "--shutdown-timeout", "5", "--frontends", str(a.frontends),
+                           *a.server_args.split()])
     # The same warm-up, not measured, before the levels and before the offline run.
     warm = make_prompts(a.warmup_requests, a.prompt_len, a.seed * 1000003 - 1)
     levels = []
@@ -302,7 +305,8 @@ def main() -> int:
     res = {"benchmark": "serve_bench",
            "device": device_name() if a.device != "cpu" else "cpu",
            "model": a.model or a.config, "weights": settings["load_format"],
-           "settings": {k: v for k, v in settings.items() if k != "model"},
+           "settings": {**{k: v for k, v in settings.items() if k != "model"},
+                        "frontends": a.frontends, "server_args": a.server_args},
            "workload": {"prompt_len": a.prompt_len, "output_len": a.output_len,
                         "temperature": a.temperature, "seed": a.seed, "concurrency": a.concurrency,
                         "requests": {c: len(p) for c, p in prompts.items()},

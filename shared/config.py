@@ -92,6 +92,8 @@ FIELDS: list[Field] = [
     # --- GPU path
     Field("load_format", str, "auto", "auto (safetensors) or dummy (seeded random weights)", ("auto", "dummy")),
     Field("enforce_eager", _bool, False, "disable CUDA graphs"),
+    Field("async_scheduling", _bool, True,
+          "plan step N+1 while step N runs (decodes feed the workers' own pending token)"),
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
     Field("kv_cache_dtype", str, "auto", "KV cache dtype", ("auto", "fp8_e4m3", "int8")),
     # --- KV tier store (services/kvstore; DESIGN §4 "Tiers")

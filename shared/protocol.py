@@ -18,6 +18,9 @@ from typing import Any
 import msgspec
 
 PROTOCOL_VERSION = 1
+# ScheduledSeq.token_ids entry for a token the workers sampled in the previous plan and the
+# engine has not seen yet (async scheduling: plan N+1 is sent while step N runs).
+PENDING_TOKEN = -1
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -197,6 +200,9 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's share of a step.
 
     token_ids: the tokens to run now (a prefill chunk, or the last sampled token for decode).
+        A decode's one token may be PENDING_TOKEN: the token the workers sampled for this
+        request in the previous plan with sampled seqs (the engine scheduled this step
+        before that result came back); the workers take it from their own copy, on the GPU.
     start_pos: the position of token_ids[0]; tokens [0, start_pos) are already in the KV
         cache. The KV of token_ids is written at positions start_pos .. start_pos+len-1.
     block_table: the request's KV block ids from index `table_start` on; with the entries
@@ -209,7 +215,8 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
         (the workers keep them). Sending tables and parameters once per request instead of
         every step halves the plan's decode time at 256 decodes (shared.plan_state).
     output_index: index of the token to be sampled among the request's outputs (0 for the
-        first). Seeded sampling draws from (seed, output_index), so recompute is exact.
+        first; a pending token counts). Seeded sampling draws from (seed, output_index), so
+        recompute is exact.
     """
 
     request_id: str

@@ -139,18 +139,20 @@ class BlockManager:
             hit.append(blk)
         return hit, len(hit) * self.block_size
 
-    def cache_full_blocks(self, request: Request) -> list[tuple[int, bytes]]:
+    def cache_full_blocks(self, request: Request, upto: int | None = None) -> list[tuple[int, bytes]]:
         """Name and register the request's blocks whose tokens are all computed.
 
-        Call after request.num_computed_tokens advanced (the worker wrote the KV). A block
-        taken from the cache is already named; a block whose name another block already
-        holds stays unnamed (the first one wins). Returns the (block id, name) pairs newly
-        registered by this call, in table order.
+        upto: tokens whose KV a step that came back has written (default: the request's
+        num_computed_tokens; with async scheduling that also counts plans still in flight,
+        whose tokens may not be known yet). A block taken from the cache is already named;
+        a block whose name another block already holds stays unnamed (the first one wins).
+        Returns the (block id, name) pairs newly registered by this call, in table order.
         """
         new: list[tuple[int, bytes]] = []
         if not self.enable_prefix_caching:
             return new
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        done = request.num_computed_tokens if upto is None else min(upto, request.num_tokens)
+        full = min(done // self.block_size, len(request.block_ids))
         if full <= request.num_registered_blocks:
             return new
         self._ensure_block_hashes(request, full)

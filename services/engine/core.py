@@ -72,6 +72,7 @@ class EngineCore:
     """One engine process: scheduler + block manager + sockets + plan ring."""
 
     tiers: KVTiers | None = None  # class default: tests build engines without __init__
+    inflight: SchedulerOutput | None = None  # the plan sent and not yet finished (async)
     _structured_thread: threading.Thread | None = None  # the startup build of the compiler
 
     def __init__(self, cfg: KestrelConfig, num_workers: int = 1):
@@ -471,9 +472,17 @@ class EngineCore:
         log.warning("debug_sleep: woke up after %.1f s", secs)
 
     def step(self, out: SchedulerOutput) -> None:
+        """Run one planned step to its end: send the plan, wait for the result, apply it."""
+        self._send_plan(out)
+        self._finish_step(out)
+
+    def _send_plan(self, out: SchedulerOutput) -> None:
         if self.tiers is not None:
             self.tiers.attach_to_plan(out.plan)
         self.ring.write(self.enc.encode(out.plan), msg_type="step")
+
+    def _finish_step(self, out: SchedulerOutput) -> None:
+        """Wait for a sent plan's result, apply it to the scheduler and send the outputs."""
         result = self._wait_result(out.plan.step_id)
         self.num_steps += 1
         if self.tiers is not None:
@@ -490,6 +499,29 @@ class EngineCore:
         changed = self.scheduler.update(out, result.sampled_token_ids, result.logprobs,
                                         result.prompt_logprobs)
         self._emit(changed)
+
+    def _advance(self) -> None:
+        """One turn of the step pipeline. With async scheduling the next plan is sent
+        before the result of the one in flight is awaited, so that the workers find it
+        waiting when they finish (the scheduling, the result handling and the outputs of
+        this process overlap the GPU); decodes then feed PENDING_TOKEN. Without it (or when
+        `Scheduler.can_schedule_ahead` says no) each step is planned after the last one's
+        result."""
+        prev, self.inflight = self.inflight, None
+        out = None
+        if prev is None or (self.cfg.async_scheduling and self.scheduler.can_schedule_ahead()):
+            out = self.scheduler.schedule()
+            if out is not None:
+                self._send_plan(out)
+        if prev is not None:
+            self._finish_step(prev)
+        if out is not None:
+            if self.cfg.async_scheduling:
+                self.inflight = out
+            else:
+                self._finish_step(out)
+        elif prev is None and self.tiers is not None and self.tiers.has_stores():
+            self._transfer_step()
 
     def _transfer_step(self) -> None:
         """A plan with only KV tier stores (nothing else runs, stores are ready)."""
@@ -529,7 +561,8 @@ class EngineCore:
                 self.tiers.service()
                 if self.tiers.socket is not tier_sock:
                     poller, tier_sock = self._poller(self.router, self.worker_sock), self.tiers.socket
-            busy = self.scheduler.has_work() or (self.tiers is not None and self.tiers.has_stores())
+            busy = (self.scheduler.has_work() or self.inflight is not None
+                    or (self.tiers is not None and self.tiers.has_stores()))
             events = dict(poller.poll(0 if busy else 100))
             if self.router in events:
                 self._drain_frontends(in_step=False)
@@ -543,12 +576,8 @@ class EngineCore:
                 self._apply_aborts()
                 last_check = now
             if busy:
-                out = self.scheduler.schedule()
-                if out is not None:
-                    self.step(out)
-                    self._apply_aborts()
-                elif self.tiers is not None and self.tiers.has_stores():
-                    self._transfer_step()
+                self._advance()
+                self._apply_aborts()
 
     def shutdown(self, reason: str = "the engine stopped before the request finished") -> None:
         """Fail what is in flight with `reason`, stop the workers, unlink the ring, close

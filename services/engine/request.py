@@ -45,6 +45,10 @@ class Request:
     (`services.engine.structured.RequestGrammar`) or None.
     worker_blocks: how many leading entries of block_ids the workers already hold
     (`shared.plan_state`); 0 = the next seq carries the whole table and the parameters.
+    Async scheduling: num_computed_tokens counts the tokens of plans already sent (their
+    KV is written before any later plan runs); inflight is the number of tokens those plans
+    sample whose values have not come back yet (the next decode feeds PENDING_TOKEN);
+    epoch counts preemptions, so a result of a plan made before one only adds its token.
     """
 
     __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
@@ -52,7 +56,7 @@ class Request:
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
-                 "kv_checked", "kv_load", "worker_blocks")
+                 "kv_checked", "kv_load", "worker_blocks", "inflight", "epoch")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -80,6 +84,8 @@ class Request:
         self.kv_checked = False
         self.kv_load: tuple[int, list[int], list[str]] | None = None
         self.worker_blocks = 0  # leading block_ids the workers hold (0: send all, with sampling)
+        self.inflight = 0  # tokens sampled by plans whose results have not come back (0 or 1)
+        self.epoch = 0  # bumped by each preemption: results of older plans only add tokens
 
     @property
     def has_penalty(self) -> bool:
@@ -97,7 +103,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
+        """Prompt plus generated tokens (those that came back; `inflight` not counted)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:

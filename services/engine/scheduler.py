@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
-from shared.protocol import ScheduledSeq, StepPlan, TokenLogprob
+from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, TokenLogprob
 
 
 @dataclass
@@ -65,6 +65,7 @@ class SchedulerOutput:
     requests: list[Request]
     num_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # each request's epoch when planned
 
 
 class Scheduler:
@@ -163,16 +164,19 @@ class Scheduler:
         budget = self.budget
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_tokens - 1]
-        prefills = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_tokens + r.inflight - 1]
+        prefills = [r for r in self.running if r.num_computed_tokens < r.num_tokens + r.inflight - 1]
 
         taken: set[str] = set()
         for req in decodes:
             if req.status != RequestStatus.RUNNING or budget <= 0:
                 continue
-            if not self._allocate_or_preempt(req, req.num_tokens, taken, preempted):
+            end = req.num_tokens + req.inflight
+            if req.inflight and (self._must_sync(req) or self._at_limit(req)):
+                continue  # its pending token decides (or is its last): wait for it
+            if not self._allocate_or_preempt(req, end, taken, preempted):
                 continue
-            scheduled.append((req, req.num_tokens - req.num_computed_tokens))
+            scheduled.append((req, end - req.num_computed_tokens))
             taken.add(req.request_id)
             budget -= scheduled[-1][1]
 
@@ -190,6 +194,8 @@ class Scheduler:
         kv_loads: list[tuple[int, int]] = []
         while self.waiting and prefill_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.inflight:  # preempted with a token still coming back: take it first
+                break
             # A waiting request holds no blocks and has computed nothing (new or preempted).
             if req.wants_prompt_logprobs:  # every prompt position must run to be scored
                 hit_blocks, hit_tokens = [], 0
@@ -230,17 +236,23 @@ class Scheduler:
             start = req.num_computed_tokens
             end = start + n
             known = req.worker_blocks  # the workers hold the rest (shared.plan_state)
+            toks = req.token_slice(start, min(end, req.num_tokens))
+            if end > req.num_tokens:  # a decode of the token step N is sampling now
+                toks.append(PENDING_TOKEN)
             seq = ScheduledSeq(
                 request_id=req.request_id,
-                token_ids=req.token_slice(start, end),
+                token_ids=toks,
                 start_pos=start,
                 block_table=req.block_ids[known:] if known else list(req.block_ids),
-                sample=end == req.num_tokens and req.sampling.max_tokens > 0,
+                sample=end == req.num_tokens + req.inflight and req.sampling.max_tokens > 0,
                 sampling=None if known else req.sampling,
-                output_index=len(req.output_token_ids),
+                output_index=len(req.output_token_ids) + req.inflight,
                 table_start=known,
             )
             req.worker_blocks = len(req.block_ids)
+            req.num_computed_tokens = end  # the KV is written before any later plan runs
+            if seq.sample:
+                req.inflight += 1
             if req.has_penalty:
                 seq.penalty_token_ids = req.prompt_token_ids + req.output_token_ids
                 seq.num_prompt_tokens = req.num_prompt_tokens
@@ -254,7 +266,25 @@ class Scheduler:
                                              forget=forget),
                                requests=[r for r, _ in scheduled],
                                num_tokens={r.request_id: n for r, n in scheduled},
-                               preempted=preempted)
+                               preempted=preempted, epochs=[r.epoch for r, _ in scheduled])
+
+    @staticmethod
+    def _must_sync(req: Request) -> bool:
+        """Whether req's next seq needs its previous token on the engine's side: penalties
+        count it, a grammar's mask follows from it."""
+        return req.has_penalty or req.grammar is not None
+
+    def _at_limit(self, req: Request) -> bool:
+        """Whether the pending tokens already reach max_tokens or max_model_len."""
+        return (len(req.output_token_ids) + req.inflight >= req.sampling.max_tokens
+                or req.num_tokens + req.inflight >= self.max_model_len)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be planned before the results of the plans in flight
+        (async scheduling): False while a running request that needs its previous token
+        on this side (penalties, a grammar) still waits for one, so that it is not
+        left out of a step."""
+        return not any(r.inflight and self._must_sync(r) for r in self.running)
 
     def _park_for_kv(self, req: Request, num_hit_blocks: int) -> bool:
         """Move req (head of the queue) to WAITING_FOR_KV when the kvstore may hold blocks
@@ -306,6 +336,7 @@ class Scheduler:
         self.bm.free(victim)
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
         victim.num_computed_tokens = 0
+        victim.epoch += 1
         victim.kv_checked = False  # it recomputes from token 0: ask the kvstore again
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
@@ -333,26 +364,31 @@ class Scheduler:
             raise ValueError(f"step {out.plan.step_id}: {len(sampled)} tokens for {expected} samples")
         changed = []
         it = iter(sampled)
-        for req, seq in zip(out.requests, out.plan.seqs):
-            if req.is_finished or req.status != RequestStatus.RUNNING:
-                if seq.sample:
-                    next(it)
-                    k += 1
-                continue
-            req.num_computed_tokens += len(seq.token_ids)
-            new = self.bm.cache_full_blocks(req)  # before a finish frees the blocks
-            if self.tiers_enabled:
-                self.new_cached.extend(new)
-            if req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
-                req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
-            if not seq.sample:
-                if req.sampling.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+        epochs = out.epochs or [r.epoch for r in out.requests]
+        for req, seq, epoch in zip(out.requests, out.plan.seqs, epochs):
+            tok = lp = None
+            if seq.sample:
+                tok = next(it)
+                lp = logprobs[k] if k < len(logprobs) else None
+                k += 1
+                req.inflight = max(0, req.inflight - 1)
+            if req.is_finished:
+                continue  # e.g. a decode planned before its previous token ended the request
+            current = epoch == req.epoch and req.status == RequestStatus.RUNNING
+            if current:
+                done = seq.start_pos + len(seq.token_ids)
+                new = self.bm.cache_full_blocks(req, upto=done)  # before a finish frees them
+                if self.tiers_enabled:
+                    self.new_cached.extend(new)
+                if req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
+                    req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
+                if not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
                     self.finish(req, "length")  # scored the prompt; nothing to generate
                     changed.append(req)
+            if tok is None:
                 continue
-            tok = next(it)
-            lp = logprobs[k] if k < len(logprobs) else None
-            k += 1
+            # A token sampled before a preemption is still the right one: it is kept, and
+            # the recompute runs it as context.
             req.output_token_ids.append(tok)
             if req.sampling.logprobs is not None and lp is not None:
                 req.output_logprobs.append(lp)

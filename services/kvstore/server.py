@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,6 +67,7 @@ class KVStoreServer:
                 log.info("disk tier %s: %d block files indexed (capacity %d)", self.disk.folder,
                          len(self.store.disk), setup.disk_capacity)
             self._done: queue.SimpleQueue = queue.SimpleQueue()
+            self._promo_started: dict[tuple[str, int], float] = {}  # reservation -> start
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             self.router = make_socket(self.ctx, zmq.ROUTER, cfg.kvstore_address, bind=True)
@@ -136,6 +138,8 @@ class KVStoreServer:
             self._send(rid, KVLookupResult(msg.req_id, st.lookup(_hashes(msg.hashes))))
         elif isinstance(msg, KVReserveLoad):
             slots, resv, acts = st.reserve_load(session, msg.req_id, _hashes(msg.hashes))
+            if resv is not None:
+                self._promo_started[(session, msg.req_id)] = time.monotonic()
             self._run(acts)
             self._send(rid, KVLoadReserved(msg.req_id, slots, resv is None))
         elif isinstance(msg, KVCompleteLoad):
@@ -210,9 +214,10 @@ class KVStoreServer:
         except Exception as e:
             log.warning("demotion of %s failed: %s", h.hex()[:16], e)
             ok = False
-        self._post(("w", h, ok))
+        self._post(("w", h, ok, 0.0))
 
     def _read_job(self, h: bytes, slot: int) -> None:
+        t0 = time.perf_counter()
         try:
             self.disk.read_into(h, self.pool.slot(slot))
             ok = True
@@ -222,7 +227,7 @@ class KVStoreServer:
         except Exception as e:
             log.warning("promotion of %s failed: %s", h.hex()[:16], e)
             ok = False
-        self._post(("r", h, ok))
+        self._post(("r", h, ok, time.perf_counter() - t0))
 
     def _drain_done(self) -> None:
         try:
@@ -232,13 +237,17 @@ class KVStoreServer:
             pass
         while True:
             try:
-                kind, h, ok = self._done.get_nowait()
+                kind, h, ok, secs = self._done.get_nowait()
             except queue.Empty:
                 return
             if kind == "w":
                 self.store.write_done(h, ok)
                 continue
+            self.store.counters["disk_read_us"] += round(1e6 * secs)  # summed over threads
             for r in self.store.read_done(h, ok):
+                t0 = self._promo_started.pop((r.session, r.req_id), None)
+                if t0 is not None:  # wall time of the reservation's promotions, seconds
+                    self.store.counters["promotion_wait_ms"] += round(1e3 * (time.monotonic() - t0))
                 rid = self.session_peer.get(r.session)
                 if rid is not None:
                     self._send(rid, KVLoadReady(r.req_id, r.num_ok))

@@ -84,12 +84,14 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
+            tables: list[list[int]], fill=None) -> torch.Tensor:
         """Replay the decode graph for b = len(ids) sequences (b <= max_num_seqs).
 
         ids, positions, slots, seq_lens: b ints each; tables: b block tables (each at most
-        max_blocks long). Returns hidden [b, hidden] (a view of the graph's output buffer,
-        valid until the next replay).
+        max_blocks long). fill: None, or a callable given the graph's input ids [b] int64 on
+        the device after the copy and before the replay (it may rewrite entries there).
+        Returns hidden [b, hidden] (a view of the graph's output buffer, valid until the
+        next replay).
         """
         b = len(ids)
         bs = self.padded_size(b)
@@ -97,6 +99,7 @@ class DecodeGraphs:
         self._copied.synchronize()  # never overwrite host data an earlier copy still reads
         h = self._host_np
         h[:b] = ids
+        h[b:bs] = 0  # padding rows: a real token id (a PENDING_TOKEN left by a larger step is not)
         h[mb:mb + b] = positions
         h[2 * mb:2 * mb + b] = slots
         h[2 * mb + b:2 * mb + bs] = -1  # padding rows: no KV write
@@ -114,5 +117,7 @@ class DecodeGraphs:
         n = 4 * mb + bs * nb
         self.flat[:n].copy_(self.host[:n], non_blocking=True)
         self._copied.record()
+        if fill is not None:
+            fill(self.ids[:b])
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

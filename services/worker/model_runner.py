@@ -28,7 +28,7 @@ from services.worker.sampler import Sampler, make_token_logprobs
 from shared.config import KestrelConfig
 from shared.model_info import load_model_info
 from shared.plan_state import PlanState
-from shared.protocol import SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
+from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_MODEL_LEN_CAP = 8192  # default cap of max_model_len (config.py: "capped at 8192")
@@ -103,6 +103,9 @@ class ModelRunner:
         # request id -> logits [vocab] of the last position of its previous prompt chunk,
         # which scores the first token of its next chunk (prompt_logprobs across chunks)
         self._prompt_carry: dict[str, torch.Tensor] = {}
+        # the last step that sampled: (its token ids on the device [rows] int64, request id ->
+        # row); a PENDING_TOKEN of the next plan is read from it (async scheduling)
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.load_seconds = time.perf_counter() - t0
 
     def report(self) -> dict:
@@ -138,13 +141,18 @@ class ModelRunner:
         forward, plan.kv_stores after it (`kv_transfer.py`). Raises like `execute`."""
         self.plan_state.resolve(plan)  # whole block tables and sampling params (plan_state.py)
         self.kv_transfer.before_step(plan)
-        logits, rows, prompt_logits = self._forward(plan)
+        try:
+            logits, rows, prompt_logits = self._forward(plan)
+        except BaseException:
+            self._last_sampled = None  # a later plan's pending tokens cannot come from here
+            raise
         seqs = plan.seqs
         result = StepResult(plan.step_id, [])
         if rows:
             out = self.sampler.sample(logits, [seqs[i] for i in rows])
             result.sampled_token_ids = out.token_ids
             result.logprobs = out.logprobs
+            self._last_sampled = (out.token_tensor, {seqs[i].request_id: j for j, i in enumerate(rows)})
         for i, chunk_logits in prompt_logits.items():
             result.prompt_logprobs[seqs[i].request_id] = self._prompt_logprobs(seqs[i], chunk_logits)
         result.kv_store_error = self.kv_transfer.after_step(plan)
@@ -195,6 +203,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=hidden.device))
                                              if len(rows) != len(seqs) else hidden), rows, {}
         input_ids, positions, meta = self._prepare(seqs)
+        self._fill_pending(input_ids, seqs)
         hidden = self.model(input_ids, positions, meta)
         prompt_logits: dict[int, torch.Tensor] = {}
         for i, s in enumerate(seqs):
@@ -289,16 +298,46 @@ class ModelRunner:
                                  f"{len(s.block_table)} blocks of {bs} or max_model_len {self.max_model_len}")
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
         return self.graphs.run([s.token_ids[0] for s in seqs], pos, slots, [p + 1 for p in pos],
-                               [s.block_table for s in seqs])
+                               [s.block_table for s in seqs],
+                               fill=lambda ids: self._fill_pending(ids, seqs))
+
+    def _fill_pending(self, ids: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+        """Replace the PENDING_TOKEN entries of the step's flattened input ids [T] int64 (on
+        the device) with the tokens the last sampling step drew for those requests, on the
+        device (no host sync). Raises ValueError when a pending token has no such draw (the
+        engine and the worker disagree, or the step that drew it failed)."""
+        dst, rows, off = [], [], 0
+        for s in seqs:
+            off += len(s.token_ids)
+            if s.token_ids[-1] == PENDING_TOKEN:
+                dst.append(off - 1)
+                rows.append(s.request_id)
+        if not dst:
+            return
+        last = self._last_sampled
+        missing = [r for r in rows if last is None or r not in last[1]]
+        if missing:
+            raise ValueError(f"request {missing[0]}: a pending token with no draw of the last step")
+        src, index = last
+        rows = [index[r] for r in rows]
+        n = len(dst)
+        if dst == list(range(n)) and rows == list(range(n)) and src.numel() == n:
+            ids[:n].copy_(src)  # the usual decode step: the same requests in the same order
+            return
+        idx = torch.tensor(dst + rows, dtype=torch.long, pin_memory=ids.is_cuda).to(ids.device, non_blocking=True)
+        ids.index_copy_(0, idx[:n], src.index_select(0, idx[n:]).to(ids.dtype))
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], n: int,
-             sampling: SamplingParams | None = None, chunk: int | None = None) -> list[list[int]]:
+             sampling: SamplingParams | None = None, chunk: int | None = None,
+             pending: bool = False) -> list[list[int]]:
     """Drive `runner.execute` with hand-made StepPlans, for tests and benchmarks (no engine).
 
     Each prompt gets its own blocks (0, 1, ... in prompt order). Prefills run in chunks of
     at most `chunk` tokens (None = whole prompt); a sequence decodes as soon as its prefill
-    is done, so chunked runs mix prefill chunks and decodes in one step.
+    is done, so chunked runs mix prefill chunks and decodes in one step. pending: decodes
+    feed PENDING_TOKEN (the runner's own copy of the last draw, as under async scheduling)
+    instead of the token that came back.
     Returns n new token ids per prompt. Raises ValueError when the KV cache is too small.
     """
     sampling = sampling or SamplingParams(temperature=0.0)
@@ -325,7 +364,8 @@ def generate(runner: ModelRunner, prompts: list[list[int]], n: int,
                     who.append(i)
             elif len(outs[i]) < n:
                 o = outs[i]
-                seqs.append(ScheduledSeq(f"r{i}", [o[-1]], len(p) + len(o) - 1, tables[i], True, sampling, len(o)))
+                seqs.append(ScheduledSeq(f"r{i}", [PENDING_TOKEN if pending else o[-1]], len(p) + len(o) - 1,
+                                         tables[i], True, sampling, len(o)))
                 who.append(i)
         for i, tok in zip(who, runner.execute(StepPlan(step, seqs))):
             outs[i].append(tok)

@@ -31,10 +31,12 @@ from shared.protocol import SamplingParams, ScheduledSeq, TokenLogprob
 @dataclass
 class SamplerOutput:
     """token_ids: one per row. logprobs: one per row (None for rows that did not ask), or
-    empty when no row asked."""
+    empty when no row asked. token_tensor: the same ids where they were drawn (the next
+    step's pending tokens come from it)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    token_tensor: torch.Tensor | None = None  # token_ids on the logits' device, int64 [rows]
 
 
 def make_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
@@ -103,7 +105,7 @@ class Sampler:
             lps = [None] * len(seqs)
             for i, tl in zip(rows, made):
                 lps[i] = tl
-        return SamplerOutput(toks.tolist(), lps)
+        return SamplerOutput(toks.tolist(), lps, toks)
 
     def process(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """The logits after bias, min_tokens, penalties and the structured mask.

@@ -52,6 +52,15 @@ def _heartbeats(ctx: zmq.Context, address: str, rank: int, stop: threading.Event
         sock.close(0)
 
 
+def device_lost(e: BaseException) -> bool:
+    """Whether `e` leaves the CUDA context unusable (a device-side assert, an illegal
+    address: CUDA reports them as sticky errors, so the process cannot go on)."""
+    import torch
+
+    kinds = tuple(k for k in (getattr(torch, "AcceleratorError", None),) if k is not None)
+    return isinstance(e, kinds) or "CUDA error" in str(e)
+
+
 def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     """Entry point of `kestrel worker`. Returns the process exit code."""
     set_title(f"kestrel:worker:{rank}")
@@ -99,14 +108,20 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
             if not isinstance(msg, P.StepPlan):
                 continue
             c0 = time.process_time()
+            lost = False
             try:
                 result = runner.run_step(msg)  # tokens, logprobs, prompt logprobs
             except Exception as e:
                 log.error("step %d failed: %s\n%s", msg.step_id, e, traceback.format_exc())
                 result = P.StepResult(msg.step_id, [], error=f"{type(e).__name__}: {e}")
+                lost = device_lost(e)
             result.cpu_time = time.process_time() - c0
             if rank == 0:
                 push.send(enc.encode(result))
+            if lost:  # every later CUDA call fails or hangs: a new process is the way back
+                log.error("the device context is broken: exiting so that the supervisor restarts")
+                code = 1
+                break
     except RingClosed as e:  # the engine died or closed the ring without a shutdown message
         log.error("%s: exiting", e)
         code = 1

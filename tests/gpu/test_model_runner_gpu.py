@@ -47,6 +47,15 @@ def test_graph_decode_equals_eager_and_logits_are_finite(model_dir):
     eager = generate(r, prompts, 12, chunk=64)
     r.graphs = graphs
     assert with_graphs == eager
+    # async scheduling's pending tokens, read on the GPU from the last draw: graphs and eager
+    assert generate(r, prompts, 12, chunk=64, pending=True) == with_graphs
+    r.graphs = None
+    assert generate(r, prompts, 12, chunk=64, pending=True) == eager
+    r.graphs = graphs
+    # a smaller batch after a larger one: its padding rows must not run the larger step's
+    # pending markers (-1) through the embedding (a device-side assert)
+    few = generate(r, prompts[:3], 6, pending=True)
+    assert few == generate(r, prompts[:3], 6)
     plan = StepPlan(0, [ScheduledSeq("x", prompts[1], 0, list(range(10)), True, SamplingParams(temperature=0.0))])
     assert torch.isfinite(r.logits(plan)).all()
 

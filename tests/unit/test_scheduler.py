@@ -10,7 +10,7 @@ from services.engine.block_manager import BlockManager, blocks_needed
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from shared.plan_state import PlanState
-from shared.protocol import SamplingParams
+from shared.protocol import PENDING_TOKEN, SamplingParams
 
 VOCAB = 50
 EOS = 0
@@ -24,18 +24,28 @@ class ToyModel:
         self.kv: dict[str, list[int]] = {}
         self.block_size = block_size
         self.state = PlanState()  # whole tables from the engine's increments, as a worker
+        self.last: dict[str, int] = {}  # the last sampling plan's draws (PENDING_TOKEN)
+        self.pending_fed = 0
 
     def execute(self, plan):
         self.state.resolve(plan)
-        out = []
+        out, drawn = [], {}
         for s in plan.seqs:
             cache = self.kv.setdefault(s.request_id, [])
             del cache[s.start_pos:]  # recompute after preemption rewrites from start_pos
             assert len(cache) == s.start_pos, "plan skips tokens"
-            cache.extend(s.token_ids)
+            toks = list(s.token_ids)
+            if PENDING_TOKEN in toks:
+                assert toks.index(PENDING_TOKEN) == len(toks) - 1 == 0, "pending token not a decode's"
+                toks[-1] = self.last[s.request_id]  # KeyError: not drawn by the last plan
+                self.pending_fed += 1
+            cache.extend(toks)
             assert len(s.block_table) * self.block_size >= len(cache), "blocks do not cover tokens"
             if s.sample:
                 out.append(self.next_token(cache))
+                drawn[s.request_id] = out[-1]
+        if out:
+            self.last = drawn
         return out
 
     @staticmethod
@@ -46,27 +56,45 @@ class ToyModel:
         return 1 + h % (VOCAB - 1) if len(ctx) % 13 else EOS  # EOS now and then
 
 
-def run(requests, num_blocks, budget=32, max_num_seqs=8, block_size=4, max_model_len=200):
+def run(requests, num_blocks, budget=32, max_num_seqs=8, block_size=4, max_model_len=200,
+        overlap=False, stats=None):
+    """Run to the end. overlap: as the engine's async scheduling, plan step N+1 before
+    applying step N's result (the toy model runs each plan when it is made, as the worker
+    runs plans in order); decodes then feed PENDING_TOKEN."""
     bm = BlockManager(num_blocks, block_size)
     sched = Scheduler(bm, max_num_seqs, budget, max_model_len, [EOS])
     model = ToyModel(block_size)
     for r in requests:
         sched.add(r)
     steps = 0
-    while sched.has_work():
-        out = sched.schedule()
-        assert out is not None, "scheduler stalled with work left"
-        total = sum(len(s.token_ids) for s in out.plan.seqs)
-        assert total <= budget
-        assert len(out.plan.seqs) <= max_num_seqs
-        ids = [s.request_id for s in out.plan.seqs]
-        assert len(ids) == len(set(ids))
-        sched.update(out, model.execute(out.plan))
+    inflight = None
+    while sched.has_work() or inflight:
+        out = None
+        if inflight is None or (overlap and sched.can_schedule_ahead()):
+            out = sched.schedule()
+            assert out is not None or inflight, "scheduler stalled with work left"
+        if out is not None:
+            total = sum(len(s.token_ids) for s in out.plan.seqs)
+            assert total <= budget
+            assert len(out.plan.seqs) <= max_num_seqs
+            ids = [s.request_id for s in out.plan.seqs]
+            assert len(ids) == len(set(ids))
+            result = model.execute(out.plan)
+        if inflight is not None:
+            sched.update(*inflight)
+        inflight = None
+        if out is not None:
+            if overlap:
+                inflight = (out, result)
+            else:
+                sched.update(out, result)
         used = sum(len(r.block_ids) for r in sched.requests.values())
         assert used + bm.num_free_blocks == num_blocks, "blocks leaked or double-counted"
         steps += 1
         assert steps < 10000
     assert bm.num_free_blocks == num_blocks
+    if stats is not None:
+        stats.update(steps=steps, pending_fed=model.pending_fed)
     return {r.request_id: (r.output_token_ids, r.finish_reason) for r in requests}
 
 
@@ -90,6 +118,22 @@ def reference(seed, ignore_eos=False):
 @pytest.mark.parametrize("seed", range(5))
 def test_batched_chunked_outputs_equal_one_at_a_time(seed):
     assert run(make_requests(seed), num_blocks=1000, budget=16) == reference(seed)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_async_scheduling_outputs_equal_one_at_a_time(seed):
+    """Steps planned before the previous result (pending tokens), with chunking, EOS found
+    one step late and max_tokens: the same outputs as one request at a time."""
+    stats = {}
+    assert run(make_requests(seed), num_blocks=1000, budget=16, overlap=True, stats=stats) == reference(seed)
+    assert stats["pending_fed"] > 0, "test did not exercise pending tokens"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_async_scheduling_with_preemption_keeps_outputs(seed):
+    reqs = make_requests(seed, ignore_eos=True)
+    assert run(reqs, num_blocks=20, budget=16, block_size=4, overlap=True) == reference(seed, ignore_eos=True)
+    assert any(r.num_preemptions for r in reqs), "test did not exercise preemption"
 
 
 @pytest.mark.parametrize("seed", range(5))
