@@ -73,6 +73,7 @@ class EngineCore:
 
     tiers: KVTiers | None = None  # class default: tests build engines without __init__
     inflight: SchedulerOutput | None = None  # the plan sent and not yet finished (async)
+    early_results: dict | None = None  # step id -> StepResult that came before awaited
     _structured_thread: threading.Thread | None = None  # the startup build of the compiler
 
     def __init__(self, cfg: KestrelConfig, num_workers: int = 1):
@@ -99,6 +100,7 @@ class EngineCore:
         self.engine_id = f"{cfg.instance_id}-{os.getpid()}"
         self.rng = random.Random(cfg.seed ^ os.getpid())
         self.num_steps = 0
+        self.early_results: dict[int, P.StepResult] = {}  # results that came before awaited
         self.worker_timeout_s = float(cfg.worker_timeout_s or 10.0)
         self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
         self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps
@@ -437,6 +439,9 @@ class EngineCore:
         Raises TimeoutError when no worker message arrives for cfg.worker_timeout_s seconds,
         or the step runs longer than cfg.step_timeout_s; EngineStopping on SIGTERM.
         """
+        early = self.early_results.pop(step_id, None) if self.early_results else None
+        if early is not None:  # it came back while the loop was between steps
+            return early
         poller = self._poller(self.worker_sock, self.router)
         tier_sock = self.tiers.socket if self.tiers is not None else None
         last = started = time.monotonic()
@@ -456,14 +461,34 @@ class EngineCore:
                 while self.worker_sock.poll(0):
                     msg = safe_decode(self.dec_worker, self.worker_sock.recv(), "worker")
                     last = time.monotonic()
-                    if isinstance(msg, P.StepResult) and msg.step_id == step_id:
-                        return msg
+                    if isinstance(msg, P.StepResult):
+                        if msg.step_id == step_id:
+                            return msg
+                        self._keep_result(msg)
             now = time.monotonic()
             if now - last > self.worker_timeout_s:
                 raise TimeoutError(f"no word from the workers for {self.worker_timeout_s:.0f} s "
                                    f"in step {step_id}")
             if now - started > limit:
                 raise TimeoutError(f"step {step_id} still running after {limit:.0f} s")
+
+    def _drain_workers(self) -> None:
+        """Read what the workers sent while no step was awaited: heartbeats, and with async
+        scheduling the result of the plan in flight, kept for `_wait_result`."""
+        while self.worker_sock.poll(0):
+            msg = safe_decode(self.dec_worker, self.worker_sock.recv(), "worker")
+            if msg is not None:
+                self.last_worker_msg = time.monotonic()
+            if isinstance(msg, P.StepResult):
+                self._keep_result(msg)
+
+    def _keep_result(self, msg: P.StepResult) -> None:
+        """Keep a result that came before it was awaited (only plans in flight can have one;
+        older ids are stale and dropped)."""
+        if self.inflight is not None and msg.step_id == self.inflight.plan.step_id:
+            if self.early_results is None:
+                self.early_results = {}
+            self.early_results[msg.step_id] = msg
 
     def _debug_sleep_in_step(self) -> None:
         """The debug_sleep hang: block the engine's loop (no beats, no answers)."""
@@ -507,20 +532,18 @@ class EngineCore:
         this process overlap the GPU); decodes then feed PENDING_TOKEN. Without it (or when
         `Scheduler.can_schedule_ahead` says no) each step is planned after the last one's
         result."""
-        prev, self.inflight = self.inflight, None
+        prev = self.inflight
         out = None
         if prev is None or (self.cfg.async_scheduling and self.scheduler.can_schedule_ahead()):
             out = self.scheduler.schedule()
             if out is not None:
                 self._send_plan(out)
+        self.inflight = out if self.cfg.async_scheduling else None
         if prev is not None:
             self._finish_step(prev)
-        if out is not None:
-            if self.cfg.async_scheduling:
-                self.inflight = out
-            else:
-                self._finish_step(out)
-        elif prev is None and self.tiers is not None and self.tiers.has_stores():
+        if out is not None and not self.cfg.async_scheduling:
+            self._finish_step(out)
+        elif out is None and prev is None and self.tiers is not None and self.tiers.has_stores():
             self._transfer_step()
 
     def _transfer_step(self) -> None:
@@ -567,9 +590,7 @@ class EngineCore:
             if self.router in events:
                 self._drain_frontends(in_step=False)
             if self.worker_sock in events:
-                while self.worker_sock.poll(0):
-                    if safe_decode(self.dec_worker, self.worker_sock.recv(), "worker") is not None:
-                        self.last_worker_msg = time.monotonic()
+                self._drain_workers()
             now = time.monotonic()
             if now - last_check > 1.0:
                 self._check_frontends()
