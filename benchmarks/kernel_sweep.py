@@ -5,13 +5,22 @@
    stream from HBM as in decode, not from L2), captured in one CUDA graph and replayed:
    time per pass, and bytes (weights + activations) / time in TB/s. cuBLAS (`F.linear`)
    is the baseline of the same run; the lm_head is timed alone the same way.
-2. Paged decode attention (`kernels.attention_triton`): one layer's cache, block tables
+2. Fused decoder-layer linear work (`kernels.linear` prologues/epilogue, --only fused): the
+   linear part of every layer of Qwen3-0.6B at M = 1 (and 4, 16) rows, distinct weights
+   per layer, in one CUDA graph: the unfused sequence the models ran before (fused_add_
+   rms_norm, qkv, o_proj, fused_add_rms_norm, gate_up, silu_and_mul, down; skinny kernels
+   with their split-K sum kernels: `unfused_us`; with the in-kernel split sum:
+   `unfused_atomic_split_us`) against the fused one (norm+qkv, o_proj+residual,
+   norm+gate_up, silu+down+residual), its K splits summed in-kernel (`fused_us`, the
+   default) and by the 2-kernel path (`fused_2kernel_split_us`). Attention is left out (a
+   fixed [M, 2048] input of o_proj). `speedup` = unfused_us / fused_us.
+3. Paged decode attention (`kernels.attention_triton`): one layer's cache, block tables
    over shuffled blocks, cases b=256 at 1K context, b=256 at mixed contexts U[100, 2048],
    b=1 at 1K; `triton.testing.do_bench` medians; KV bytes read / time in TB/s.
 Copy bandwidth (device-to-device, read + write) is measured first, as the ceiling.
 Writes JSON to --out; prints the best variants last.
 
-Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick]
+Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention]
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import triton  # noqa: E402
 from benchmarks.common import device_name  # noqa: E402
 from benchmarks.decode_latency import copy_bandwidth  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import linear  # noqa: E402
+from kernels import activation, linear, norm  # noqa: E402
 
 SHAPES = {  # (layers, [(N, K) of qkv, o, gate_up, down], lm_head (N, K))
     "qwen3-0.6b": (28, [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], (151936, 1024)),
@@ -110,6 +119,62 @@ def sweep_linear(quick: bool) -> dict:
     return res
 
 
+def sweep_fused_layer(quick: bool) -> dict:
+    """Qwen3-0.6B's layer stack, linear work only: fused vs unfused, in one CUDA graph."""
+    layers, mats, _ = SHAPES["qwen3-0.6b"]
+    hid, eps, dt = 1024, 1e-6, torch.bfloat16
+    ws = [[torch.randn(n, k, device="cuda", dtype=dt) * k ** -0.5 for n, k in mats] for _ in range(layers)]
+    lns = [[(1 + 0.1 * torch.randn(hid, device="cuda")).to(dt) for _ in range(2)] for _ in range(layers)]
+    final = (1 + 0.1 * torch.randn(hid, device="cuda")).to(dt)
+    wbytes = sum(w.numel() * 2 for lw in ws for w in lw)
+    res: dict = {}
+    for m in ((1,) if quick else (1, 4, 16)):
+        emb = torch.randn(m, hid, device="cuda", dtype=dt)
+        attn = torch.randn(m, 2048, device="cuda", dtype=dt)  # stands in for attention's output
+
+        def unfused():
+            x, r = norm.rms_norm(emb, lns[0][0], eps), emb
+            for i, (wqkv, wo, wgu, wd) in enumerate(ws):
+                if i:
+                    x, r = norm.fused_add_rms_norm(x, r, lns[i][0], eps)
+                linear.linear(x, wqkv)
+                x, r = norm.fused_add_rms_norm(linear.linear(attn, wo), r, lns[i][1], eps)
+                x = linear.linear(activation.silu_and_mul(linear.linear(x, wgu)), wd)
+            return norm.fused_add_rms_norm(x, r, final, eps)[0]
+
+        def fused():
+            h = emb
+            for i, (wqkv, wo, wgu, wd) in enumerate(ws):
+                linear.linear(h, wqkv, norm_weight=lns[i][0], eps=eps)
+                h = linear.linear(attn, wo, residual=h)
+                gu = linear.linear(h, wgu, norm_weight=lns[i][1], eps=eps)
+                h = linear.linear(gu, wd, silu_mul=True, residual=h)
+            return norm.rms_norm(h, final, eps)
+
+        def timed(fn, split_reduce):
+            linear.SKINNY_TUNING["split_reduce"] = split_reduce
+            try:
+                return graph_time(fn) * 1e6
+            finally:
+                linear.SKINNY_TUNING["split_reduce"] = "atomic"
+
+        row = {"unfused_us": timed(unfused, "kernel"), "unfused_atomic_split_us": timed(unfused, "atomic"),
+               "fused_us": timed(fused, "atomic"), "fused_2kernel_split_us": timed(fused, "kernel")}
+        out_u, out_f = unfused(), fused()
+        row["rel_diff_fused_vs_unfused"] = float((out_f.double() - out_u.double()).norm() / out_u.double().norm())
+        # a launch per projection, + 3 unfused (2 norms, silu_and_mul), + 1 per K-split
+        # projection with the 2-kernel split sum
+        splits = sum(linear.skinny_plan(m, n, k, torch.device("cuda"))[2] > 1 for n, k in mats)
+        row["launches_per_layer"] = {"unfused": 7 + splits, "unfused_atomic_split": 7, "fused": 4,
+                                     "fused_2kernel_split": 4 + splits}
+        row["weight_bytes"] = wbytes
+        row["speedup"] = row["unfused_us"] / row["fused_us"]
+        res[f"qwen3-0.6b_m{m}"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+        print("fused layer stack m", m, {k: v for k, v in res[f"qwen3-0.6b_m{m}"].items()
+                                         if k.endswith("_us") or k == "speedup"}, flush=True)
+    return res
+
+
 def attention_case(b: int, lens: list[int], kvh=8, h=16, d=128, bs=16):
     total = sum(-(-n // bs) for n in lens) + 8
     kc = torch.randn(total, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
@@ -169,7 +234,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few variants only (a smoke run)")
-    ap.add_argument("--only", choices=["linear", "attention"], default=None)
+    ap.add_argument("--only", choices=["linear", "fused", "attention"], default=None)
     a = ap.parse_args()
     res = {"benchmark": "kernel_sweep", "device": device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "copy_bandwidth_TBps": round(copy_bandwidth() / 1e12, 3)}
@@ -177,6 +242,8 @@ def main() -> None:
         res["attention"] = sweep_attention(a.quick)
     if a.only in (None, "linear"):
         res["linear"] = sweep_linear(a.quick)
+    if a.only in (None, "fused"):
+        res["fused_layer"] = sweep_fused_layer(a.quick)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)
@@ -188,6 +255,12 @@ def main() -> None:
         print(f"linear {k}: cublas {v['cublas_us']} us ({v['cublas_TBps']} TB/s), best {v['best']} "
               f"{v[v['best']]} us ({v['best_TBps']} TB/s); lm_head cublas {v['lm_head_cublas_us']} "
               f"skinny {v['lm_head_skinny_us']}")
+    for k, v in res.get("fused_layer", {}).items():
+        print(f"fused layer stack {k}: unfused {v['unfused_us']} us ({v['launches_per_layer']['unfused']} "
+              f"launches/layer), fused {v['fused_us']} us ({v['launches_per_layer']['fused']}), "
+              f"fused with 2-kernel split {v['fused_2kernel_split_us']} us "
+              f"({v['launches_per_layer']['fused_2kernel_split']}); speedup {v['speedup']:.2f}x, "
+              f"rel diff {v['rel_diff_fused_vs_unfused']:.1e}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Linear layer matmul, y = x @ W.T (+ b), with a skinny-batch kernel for decode.
+"""Linear layer matmul, y = x @ W.T (+ b), with a skinny-batch kernel for decode that can
+also fuse the RMSNorm before it, the SiLU-and-mul before it, or the residual add after it.
 
-`linear` (the dispatcher) calls `linear_ref` (torch's `F.linear`: cuBLAS on the GPU, MKL on
-the CPU) except for CUDA inputs with few rows, where `skinny_linear_triton` is used.
+`linear` (the dispatcher) calls `skinny_linear_triton` for CUDA inputs with few rows
+(`skinny_applies`) and otherwise torch (`F.linear`: cuBLAS on the GPU, MKL on the CPU),
+with the fused steps run as their own ops (`kernels.norm`, `kernels.activation`, an add).
+`linear_ref` is the pure-torch truth for tests.
 
 Why a kernel of our own: at decode batch 1..16 a linear layer is a matrix-vector product
 bound by reading W once. cuBLAS picks tiles meant for larger M there and reaches about a
@@ -11,7 +14,33 @@ benchmarks/results/). The kernel below streams W in [BLOCK_N, BLOCK_K] tiles, ea
 owning BLOCK_N output columns of every row (so each W element is read exactly once), with
 the rows of x padded to 16 for the tensor-core dot (the multiply is free: the time is the
 W read). When N / BLOCK_N programs would not fill the GPU, the K dimension is split in
-SPLIT_K parts that write fp32 partials, summed by a second small kernel.
+SPLIT_K parts that write fp32 partials.
+
+Why the fusions: at that batch a decoder layer is ~14 launches of a few microseconds each,
+half of them tiny elementwise kernels. x is a few KB, so the kernel recomputes what those
+kernels did on each x tile it loads (prologue) or on the output tile (epilogue):
+- norm: each program computes the per-row rstd over the whole of x (K <= ~8192 values a
+  row, from L2), then loads x tiles as rms_norm_ref would produce them.
+- silu_mul: x is [M, 2K] = cat(gate, up); the tile is silu(gate) * up.
+- residual: y = round(x @ W.T + b) + residual, the add in fp32, rounded once more.
+- split-K: each split program stores its fp32 partial; then (CTA barrier, acq_rel atomic on
+  a per-N-tile int32 counter) the last program to arrive for its N tile sums the partials
+  in split order (deterministic, and the same order as the 2-kernel path), applies the
+  epilogue, stores y and resets its counter to 0. The counters are one persistent zeroed
+  buffer per device (`_tile_counters`), shared by every launch: each launch leaves it
+  zeroed, so launches that follow each other on one stream (or in one CUDA graph) can share
+  it. Two streams of one device must not run split launches at the same time. The older
+  path (`split_reduce="kernel"`: a second kernel sums the partials) stays for comparison
+  (benchmarks/kernel_sweep.py) and for a first call made inside CUDA-graph capture.
+Rounding follows the references op by op (fp32 math, rounded to the dtype where torch
+rounds), so the fused output equals the unfused kernel sequence up to summation order:
+- the residual sum is bit for bit the `x + residual` of `fused_add_rms_norm` given the same
+  matmul output (round(acc + bias), then the add in fp32, rounded), and the matmul is the
+  unfused skinny kernel's (same tiles, partials summed in the same order);
+- the norm's rstd sums its squares in BLOCK_K chunks here, in one reduction in
+  kernels/norm.py, so a normalised x may round to the neighbouring value;
+- bias is added to the fp32 accumulator before the one rounding (as cuBLAS's epilogue);
+  torch's CPU half `F.linear` may round the product before adding it.
 """
 
 from __future__ import annotations
@@ -19,9 +48,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.device_info import num_sms
+from kernels.norm import rms_norm, rms_norm_ref
 
-skinny_linear_triton = None  # set below when Triton imports: same signature as linear_ref
+skinny_linear_triton = None  # set below when Triton imports: linear_ref's signature plus tiles
 SKINNY_MAX_ROWS = 16  # rows of x up to which CUDA inputs take the skinny kernel
 # weights of at most this many elements take it: larger ones (Llama-3.1-8B's) stream at
 # 3.7 TB/s through cuBLAS already, against 3.5 here (benchmarks/kernel_sweep.py, H200)
@@ -29,26 +60,78 @@ SKINNY_MAX_WEIGHT = 16 << 20
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T + bias.
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = prologue(x) @ weight.T + bias (+ residual), in torch.
 
-    x: [M, K]; weight: [N, K]; bias: [N] or None; one dtype (fp32/bf16/fp16).
+    weight: [N, K]; bias: [N] or None; one dtype for all tensors (fp32/bf16/fp16/fp64).
+    x: [M, K], or [M, 2K] = cat(gate, up) with silu_mul.
+    prologue: rms_norm_ref(x, norm_weight [K], eps) with norm_weight; silu_and_mul_ref(x)
+    with silu_mul; x itself otherwise (not both: see `linear`).
+    residual: [M, N] or None, added to the matmul output after that is rounded to the dtype
+    (the add in fp32 for half dtypes, rounded: torch's half add).
     Returns [M, N] in x's dtype.
     """
-    return F.linear(x, weight, bias)
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    if silu_mul:
+        x = silu_and_mul_ref(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y + residual
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatcher for `linear_ref` (see there for shapes): the skinny kernel for CUDA x
-    with at most SKINNY_MAX_ROWS rows, bf16/fp16, a row-major weight of at most
-    SKINNY_MAX_WEIGHT elements, torch otherwise
-    (fp32 stays on cuBLAS: the kernel's dot would run as tf32)."""
-    if (x.is_cuda and skinny_linear_triton is not None and x.dim() == 2
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight, ...)` runs the skinny Triton kernel: CUDA x with
+    1..SKINNY_MAX_ROWS rows, bf16/fp16 (fp32 stays on cuBLAS: the kernel's dot would run as
+    tf32), weight of x's dtype with unit stride along K and at most SKINNY_MAX_WEIGHT
+    elements, Triton importable."""
+    return (x.is_cuda and skinny_linear_triton is not None and x.dim() == 2
             and 0 < x.shape[0] <= SKINNY_MAX_ROWS and weight.stride(1) == 1
             and x.dtype in _HALF and weight.dtype == x.dtype
-            and weight.numel() <= SKINNY_MAX_WEIGHT):
-        return skinny_linear_triton(x, weight, bias)
-    return linear_ref(x, weight, bias)
+            and weight.numel() <= SKINNY_MAX_WEIGHT)
+
+
+def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
+    """Raise ValueError for fused arguments that do not fit x and weight (see `linear`)."""
+    n, k = weight.shape
+    if norm_weight is not None and silu_mul:
+        raise ValueError("linear: norm_weight and silu_mul are both prologues; give one")
+    if x.dim() != 2 or x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
+                         f"{' with silu_mul (x needs 2K columns)' if silu_mul else ''}")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"linear: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}, "
+                         f"want ({k},) {x.dtype}")
+    if residual is not None and (residual.shape != (x.shape[0], n) or residual.dtype != x.dtype):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype}, "
+                         f"want ({x.shape[0]}, {n}) {x.dtype}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatcher for `linear_ref` (see there for shapes and rounding): one skinny-kernel
+    launch when `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the
+    residual add as separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place
+    add), which is the reference on the CPU.
+    Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
+    norm_weight or residual (shape or dtype) do not fit weight.
+    """
+    if norm_weight is None and residual is None and not silu_mul:  # the plain (per-call cheap) path
+        if x.is_cuda and skinny_applies(x, weight):
+            return skinny_linear_triton(x, weight, bias)
+        return F.linear(x, weight, bias)  # = linear_ref(x, weight, bias)
+    _check_fused(x, weight, norm_weight, silu_mul, residual)
+    if skinny_applies(x, weight):
+        return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                                    silu_mul=silu_mul, residual=residual)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if silu_mul:
+        x = silu_and_mul(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y.add_(residual)
 
 
 # ---------------------------------------------------------------- Triton (CUDA)
@@ -60,21 +143,74 @@ except ImportError:  # CPU-only installs: the dispatcher keeps the reference
     triton = None
 
 # launch defaults of the skinny kernel (benchmarks/kernel_sweep.py sweeps them): K tile,
-# the programs per SM that the K split aims for, warps and software-pipeline stages
-SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3}
+# the programs per SM that the K split aims for, warps, software-pipeline stages, and how
+# K-split partials are summed ("atomic": by the last split program; "kernel": a 2nd kernel)
+SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3,
+                       "split_reduce": "atomic"}
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> zeroed int32 tile counters
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers: captured graphs may still use them
+COUNTERS_MIN = 4096  # counters allocated at least (Qwen3-0.6B's widest layer has 384 N tiles)
+
+
+def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor | None:
+    """The device's persistent int32 counter buffer, at least n_tiles long and all zero
+    between launches; allocated (or grown) on first need, outside CUDA-graph capture.
+    Returns None when it would have to be allocated during capture (the caller then sums
+    the partials with the second kernel)."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= n_tiles:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    new = torch.zeros(max(COUNTERS_MIN, 1 << (n_tiles - 1).bit_length()), dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # zeroed before any stream's launch reads it
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[device] = new
+    return new
+
 
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, sx_m, sw_n, sy_m, k_per_split,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m,
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        """Store y = round(acc + bias) (+ residual in fp32, rounded again) for one tile:
+        acc [BLOCK_M, BLOCK_N] fp32, rows rm, columns rn."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(y_ptr.dtype.element_ty)
+        mask = mmask[:, None] & nmask[None, :]
+        if HAS_RES:
+            r = tl.load(r_ptr + rm[:, None] * sr_m + rn[None, :], mask=mask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], out, mask=mask)
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, nw_ptr, r_ptr, cnt_ptr, M, N, K,
+                       sx_m, sw_n, sy_m, sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr,
+                       NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr,
+                       SPLIT: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # grid (N tiles, K splits). x: [M, K] ([M, 2K] with SILU), W: [N, K], ws: [splits, M, N]
+        # fp32 partials (SPLIT), cnt: int32 per N tile (ATOMIC), nw: [K] (NORM), r: [M, N]
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         nmask = rn < N
         mmask = rm < M
+        x_rows = x_ptr + rm[:, None] * sx_m
+        if NORM:  # rstd of each row over all of K (padding rows: 0 * rsqrt(eps))
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                xf = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+                xf = xf.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -83,20 +219,41 @@ if triton is not None:
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < k_hi
             w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x = tl.load(x_ptr + rm[:, None] * sx_m + rk[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0)
+            xmask = mmask[:, None] & kmask[None, :]
+            x = tl.load(x_rows + rk[None, :], mask=xmask, other=0.0)
+            if SILU:  # x holds the gate; as silu_and_mul_ref: silu rounded, then the product
+                u = tl.load(x_rows + K + rk[None, :], mask=xmask, other=0.0)
+                gf = x.to(tl.float32)
+                s = (gf / (1.0 + tl.exp(-gf))).to(x.dtype)
+                x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+            if NORM:  # as rms_norm_ref: x * rstd rounded, times the weight rounded
+                nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
+                xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+                x = (xn.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xn.dtype)
             acc += tl.dot(x, tl.trans(w))
-        out_mask = mmask[:, None] & nmask[None, :]
         if SPLIT:
-            tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=out_mask)
+            ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
+            out_mask = mmask[:, None] & nmask[None, :]
+            tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
+            if ATOMIC:
+                # every thread's partial is stored before the release below (CTA barrier,
+                # then one gpu-scope acq_rel atomic); the last arrival acquires all partials
+                tl.debug_barrier()
+                n_splits = tl.num_programs(1)
+                arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_splits - 1:
+                    tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    for s in range(0, n_splits):  # split order: deterministic
+                        tot += tl.load(ws_tile + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+                    tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
         else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
 
     @triton.jit(do_not_specialize=["M", "n_splits"])
-    def _split_sum_kernel(ws_ptr, b_ptr, y_ptr, M, N, sy_m, n_splits, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+    def _split_sum_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, sr_m, sy_m, n_splits,
+                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        # the 2-kernel path: y[m] = sum over splits of ws[s, m] in split order, then the epilogue
         m = tl.program_id(0)
         rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         nmask = rn < N
@@ -105,8 +262,11 @@ if triton is not None:
             acc += tl.load(ws_ptr + (s * M + m) * N + rn, mask=nmask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * sy_m + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
-
+        out = acc.to(y_ptr.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(r_ptr + m * sr_m + rn, mask=nmask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + m * sy_m + rn, out, mask=nmask)
 
     def skinny_plan(m: int, n: int, k: int, device: torch.device, block_n: int | None = None,
                     block_k: int | None = None, split_k: int | None = None) -> tuple[int, int, int]:
@@ -127,40 +287,56 @@ if triton is not None:
             split_k = min(split_k, max_split)
         return bn, bk, split_k
 
-    def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                             norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                             silu_mul: bool = False, residual: torch.Tensor | None = None,
                              block_n: int | None = None, block_k: int | None = None,
                              split_k: int | None = None, num_warps: int | None = None,
-                             num_stages: int | None = None) -> torch.Tensor:
-        """Triton `linear_ref` for x with M <= 64 rows (same shapes and dtypes).
+                             num_stages: int | None = None, split_reduce: str | None = None) -> torch.Tensor:
+        """Triton `linear_ref` for x with M <= 64 rows (same shapes, dtypes and fused steps;
+        norm_weight and silu_mul not both: `linear` checks the arguments).
 
-        weight must have unit stride along K; x may be a row-strided view. The tile
-        arguments default to `skinny_plan`. Raises ValueError for M > 64 or a weight whose
-        last stride is not 1.
+        weight must have unit stride along K; x and residual may be row-strided views. The
+        tile arguments default to `skinny_plan`; split_reduce ("atomic" or "kernel") to
+        SKINNY_TUNING. Raises ValueError for M > 64, a weight whose last stride is not 1 or
+        an unknown split_reduce.
         """
-        m, k = x.shape
-        n = weight.shape[0]
-        if m > 64 or weight.stride(1) != 1:
-            raise ValueError(f"skinny kernel: M={m} (max 64), weight stride {tuple(weight.stride())}")
+        m = x.shape[0]
+        n, k = weight.shape
+        reduce = split_reduce or SKINNY_TUNING["split_reduce"]
+        if m > 64 or weight.stride(1) != 1 or reduce not in ("atomic", "kernel"):
+            raise ValueError(f"skinny kernel: M={m} (max 64), weight stride {tuple(weight.stride())}, "
+                             f"split_reduce {reduce!r}")
         if x.stride(1) != 1:
             x = x.contiguous()
+        if residual is not None and residual.stride(1) != 1:
+            residual = residual.contiguous()
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if m == 0 or n == 0:
             return y
         if k == 0:
-            return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+            return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                                      silu_mul=silu_mul, residual=residual))
         bn, bk, split = skinny_plan(m, n, k, x.device, block_n, block_k, split_k)
         bm = max(16, triton.next_power_of_2(m))
         k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
         split = triton.cdiv(k, k_per)  # no empty trailing split
+        n_tiles = triton.cdiv(n, bn)
+        counters = _tile_counters(x.device, n_tiles) if split > 1 and reduce == "atomic" else None
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-        b = bias if bias is not None else y
-        _skinny_kernel[(triton.cdiv(n, bn), split)](
-            x, weight, b, y, ws, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_per,
-            HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=num_warps or SKINNY_TUNING["num_warps"],
+        _skinny_kernel[(n_tiles, split)](
+            x, weight, y if bias is None else bias, y, ws,
+            x if norm_weight is None else norm_weight, y if residual is None else residual,
+            y if counters is None else counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            0 if residual is None else residual.stride(0), k_per, eps,
+            HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu_mul,
+            HAS_RES=residual is not None, SPLIT=split > 1, ATOMIC=counters is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or SKINNY_TUNING["num_warps"],
             num_stages=num_stages or SKINNY_TUNING["num_stages"])
-        if split > 1:
+        if split > 1 and counters is None:
             blk = 1024
-            _split_sum_kernel[(m, triton.cdiv(n, blk))](ws, b, y, m, n, y.stride(0), split,
-                                                        HAS_BIAS=bias is not None, BLOCK=blk)
+            _split_sum_kernel[(m, triton.cdiv(n, blk))](
+                ws, y if bias is None else bias, y if residual is None else residual, y, m, n,
+                0 if residual is None else residual.stride(0), y.stride(0), split,
+                HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=blk)
         return y

@@ -21,6 +21,9 @@ class Linear(nn.Module):
     Parameters are created uninitialised (torch.empty, in the default dtype and device):
     the loader fills them. Stacked parameters carry `shard_sizes` for the loader.
     x: [num_tokens, in_features] -> [num_tokens, sum(out_features)].
+    forward's keyword arguments fuse a step before or after the matmul (see
+    `kernels.linear.linear`): norm_weight / eps an RMSNorm of x, silu_mul a SiLU-and-mul of
+    x [num_tokens, 2 * in_features], residual [num_tokens, out] an add to the output.
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False):
@@ -34,8 +37,12 @@ class Linear(nn.Module):
                 if p is not None:
                     p.shard_sizes = sizes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if norm_weight is None and residual is None and not silu_mul:
+            return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                      residual=residual)
 
     def process_weights_after_loading(self) -> None:
         """On the CPU, store W column-major (W.t() contiguous), same shape and values."""

@@ -7,6 +7,15 @@ Source of the architecture: Touvron et al. 2023 and Hugging Face's `modeling_lla
 
 Inputs are flattened over the step's sequences: input_ids and positions [num_tokens], plus
 the step's `AttentionMetadata`.
+
+Two layer paths, chosen once per forward (`LlamaModel.fused_layers`):
+- unfused (CPU, prefill, batches over 16): each layer takes (x, residual) and returns
+  (mlp output, residual); the residual adds run inside the RMSNorms (fused_add_rms_norm).
+- fused (CUDA, 1..16 tokens, bf16/fp16, every projection on the skinny kernel): the layer
+  carries the residual stream h alone, and the norms, the SiLU-and-mul and the residual adds
+  run inside the projections' kernel (`kernels.linear`): 6-7 launches a layer instead of
+  ~14. Same rounding op by op, so the outputs equal the unfused path's up to summation
+  order. Inside a CUDA graph the path is fixed at capture: batch sizes 1..16 replay it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
+from kernels import linear as linear_kernels
 from kernels.rotary import rotary_and_store_kv
 
 
@@ -78,23 +88,33 @@ class LlamaAttention(nn.Module):
         self.rotary = [rotary]  # a list, so that the shared module is not registered per layer
         self.attn = Attention(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. Fused path: norm, applied to x inside the qkv
+        projection; residual [T, hidden], added to the o_proj output inside it."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.weight, eps=norm.eps)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.rope_attend(positions, q.view(t, self.heads, self.head_dim),
                                 k.view(t, self.kv_heads, self.head_dim),
-                                v.view(t, self.kv_heads, self.head_dim), meta)
+                                v.view(t, self.kv_heads, self.head_dim), meta, self.qk_norm(), residual)
 
-    def rope_attend(self, positions, q, k, v, meta: AttentionMetadata, qk_norm=None) -> torch.Tensor:
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q_norm weight, k_norm weight, eps) of a per-head RMSNorm before RoPE (Qwen3), or None."""
+        return None
+
+    def rope_attend(self, positions, q, k, v, meta: AttentionMetadata, qk_norm=None,
+                    residual=None) -> torch.Tensor:
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place, store k and v
         in the cache (one kernel on the GPU), attend and project: -> [T, hidden].
         qk_norm: (q_norm weight, k_norm weight, eps) of a per-head RMSNorm applied first
-        (Qwen3), or None."""
+        (Qwen3), or None. residual: [T, hidden] added to the projection, or None."""
         a = self.attn
         qn, kn, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
         rotary_and_store_kv(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
                             meta.slot_mapping, qn, kn, eps)
-        return self.o_proj(a.attend(q, meta))
+        o = a.attend(q, meta)
+        return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
 
 
 class LlamaMLP(nn.Module):
@@ -106,6 +126,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """h + mlp(norm(h)) for the residual stream h [T, hidden], in two projections."""
+        gu = self.gate_up_proj(h, norm_weight=norm.weight, eps=norm.eps)
+        return self.down_proj(gu, silu_mul=True, residual=h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,9 +152,15 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def forward_fused(self, positions, h, meta):
+        """The fused path (module docstring): residual stream h [T, hidden] -> the next h."""
+        h = self.self_attn(positions, h, meta, norm=self.input_layernorm, residual=h)
+        return self.mlp.forward_fused(h, self.post_attention_layernorm)
+
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
+    fuse_small_batches = True  # False keeps the unfused layer path everywhere (tests compare)
 
     def __init__(self, a: LlamaArgs, max_positions: int):
         super().__init__()
@@ -138,8 +169,23 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(a, self.rotary) for _ in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
+    def fused_layers(self, h: torch.Tensor) -> bool:
+        """Whether a forward whose embeddings are h [T, hidden] takes the fused layer path:
+        every projection runs on the skinny kernel (`kernels.linear.skinny_applies`: CUDA,
+        1..16 rows, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Depends on T, the device
+        and the dtype only, so it is fixed inside a captured CUDA graph."""
+        if not (h.is_cuda and self.fuse_small_batches and len(self.layers)):
+            return False
+        layer = self.layers[0]  # every layer has the same shapes
+        return all(linear_kernels.skinny_applies(h, p.weight) for p in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
+        if self.fused_layers(x):
+            for layer in self.layers:
+                x = layer.forward_fused(positions, x, meta)
+            return self.norm(x)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)

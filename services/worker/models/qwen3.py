@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.layers.attention import AttentionMetadata
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.models.llama import LlamaArgs, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -40,13 +39,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.rope_attend(positions, q.view(t, self.heads, self.head_dim),
-                                k.view(t, self.kv_heads, self.head_dim),
-                                v.view(t, self.kv_heads, self.head_dim), meta,
-                                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
