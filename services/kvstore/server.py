@@ -54,7 +54,9 @@ class KVStoreServer:
                                   setup.model_identity)
         self.ctx = zmq.Context()
         self.router = None
-        self._io = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-disk")
+        # promotions never queue behind demotion writes: a hit being served waits on reads
+        self._reads = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-read")
+        self._writes = ThreadPoolExecutor(max(1, DISK_THREADS // 2), thread_name_prefix="kvstore-write")
         try:
             # demotions queued at once: copies of their slots wait in RAM for the disk
             self.store = BlockStore(setup.n_slots, setup.disk_capacity,
@@ -187,14 +189,18 @@ class KVStoreServer:
 
     # ------------------------------------------------------------ disk I/O
     def _run(self, acts: Actions) -> None:
-        """Carry out a store call's I/O: copy demoted slots now, delete evicted files, then
-        queue the writes and reads."""
-        demoted = [(h, bytes(self.pool.slot(slot))) for h, slot in acts.demote]
+        """Carry out a store call's I/O: copy demoted slots, delete evicted files, then queue
+        the writes and reads. A demoted slot that a promotion reads into is copied by that
+        read's job (on the reader threads, before its read); the others are copied now,
+        before the reply lets a client write into them."""
+        reading = {slot for _, slot in acts.read}
+        copy_first = {slot: h for h, slot in acts.demote if slot in reading}
+        demoted = [(h, bytes(self.pool.slot(slot))) for h, slot in acts.demote if slot not in reading]
         self._unlink(acts)
         for h, data in demoted:
-            self._io.submit(self._write_job, h, data)
+            self._writes.submit(self._write_job, h, data)
         for h, slot in acts.read:
-            self._io.submit(self._read_job, h, slot)
+            self._reads.submit(self._read_job, h, slot, copy_first.get(slot))
 
     def _unlink(self, acts: Actions) -> None:
         for h in acts.unlink:
@@ -216,7 +222,11 @@ class KVStoreServer:
             ok = False
         self._post(("w", h, ok, 0.0))
 
-    def _read_job(self, h: bytes, slot: int) -> None:
+    def _read_job(self, h: bytes, slot: int, demote: bytes | None = None) -> None:
+        """Promote block h into slot; first, when `demote` names the block the slot held,
+        copy it out and queue its disk write."""
+        if demote is not None:
+            self._writes.submit(self._write_job, demote, bytes(self.pool.slot(slot)))
         t0 = time.perf_counter()
         try:
             self.disk.read_into(h, self.pool.slot(slot))
@@ -259,7 +269,8 @@ class KVStoreServer:
             return
         self._closed = True
         try:
-            self._io.shutdown(wait=True)
+            self._reads.shutdown(wait=True)  # first: a read job may queue a write
+            self._writes.shutdown(wait=True)
         finally:
             self.pool.close()
             if self.router is not None:
