@@ -54,7 +54,7 @@ FIELDS: list[Field] = [
     Field("kv_cache_gib", float, 1.0, "KV cache memory of each worker on the CPU path, GiB"),
     Field("enable_prefix_caching", _bool, True,
           "keep freed full KV blocks and reuse them for requests sharing a prefix"),
-    Field("num_threads", int, 0, "torch intra-op threads of the worker (0: all cores)"),
+    Field("num_threads", int, 0, "torch intra-op threads of the worker (0: all cores on the CPU, 4 with a GPU)"),
     Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
     Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
     Field("runtime_dir", str, None, "folder for ipc sockets (default: /tmp/kestrel-<instance>)"),
