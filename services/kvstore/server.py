@@ -36,7 +36,9 @@ from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KV
 from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.kvstore")
-DISK_THREADS = max(2, min(8, (os.cpu_count() or 2) // 2))  # readers/writers: crc32 and copies
+# reader threads (file read + crc32 into the pool; the GIL is released for both): a 16-core
+# H200 host read 1.8 MB block files at 12.5 GB/s with 8 threads and 16 GB/s with 16
+DISK_THREADS = max(2, min(16, os.cpu_count() or 2))
 PENDING_WRITE_BYTES = 1 << 30  # RAM for slot copies waiting to be written to the disk tier
 
 
@@ -56,7 +58,7 @@ class KVStoreServer:
         self.router = None
         # promotions never queue behind demotion writes: a hit being served waits on reads
         self._reads = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-read")
-        self._writes = ThreadPoolExecutor(max(1, DISK_THREADS // 2), thread_name_prefix="kvstore-write")
+        self._writes = ThreadPoolExecutor(max(1, DISK_THREADS // 4), thread_name_prefix="kvstore-write")
         try:
             # demotions queued at once: copies of their slots wait in RAM for the disk
             self.store = BlockStore(setup.n_slots, setup.disk_capacity,

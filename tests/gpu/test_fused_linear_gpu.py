@@ -124,11 +124,12 @@ def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counter
         return L.linear(L.linear(x, w, b, **kw), w[:, :1024], residual=kw["residual"])
 
     eager = step()
+    default = L.SKINNY_TUNING["split_reduce"]
     L.SKINNY_TUNING["split_reduce"] = "kernel"  # compile the 2-kernel path outside capture too
     try:
         assert torch.equal(step(), eager)
     finally:
-        L.SKINNY_TUNING["split_reduce"] = "atomic"
+        L.SKINNY_TUNING["split_reduce"] = default
     saved = dict(L._COUNTERS)
     assert saved, "the eager call allocated the counters"
     try:
@@ -172,11 +173,17 @@ def one_layer_runner(tmp_path_factory):
 
 
 def test_fused_path_is_chosen_for_1_to_16_rows_of_half_dtypes_on_cuda(one_layer_runner):
+    from services.worker.models.llama import LlamaModel
+
     model = one_layer_runner.model.model
-    for rows, dtype, want in ((1, torch.bfloat16, True), (16, torch.bfloat16, True), (17, torch.bfloat16, False),
-                              (4, torch.float16, False), (4, torch.float32, False)):
-        assert model.fused_layers(torch.zeros(rows, 1024, device="cuda", dtype=dtype)) == want, (rows, dtype)
-    assert not model.fused_layers(torch.zeros(1, 1024))
+    default, LlamaModel.fuse_small_batches = LlamaModel.fuse_small_batches, True
+    try:
+        for rows, dtype, want in ((1, torch.bfloat16, True), (16, torch.bfloat16, True), (17, torch.bfloat16, False),
+                                  (4, torch.float16, False), (4, torch.float32, False)):
+            assert model.fused_layers(torch.zeros(rows, 1024, device="cuda", dtype=dtype)) == want, (rows, dtype)
+        assert not model.fused_layers(torch.zeros(1, 1024))
+    finally:
+        LlamaModel.fuse_small_batches = default
 
 
 @pytest.mark.parametrize("batch", [1, 7, 16])
@@ -191,11 +198,13 @@ def test_one_decoder_layer_fused_matches_unfused_at_decode(one_layer_runner, bat
     r.logits(StepPlan(0, [ScheduledSeq(f"s{i}", p, 0, tables[i], True, greedy) for i, p in enumerate(prompts)]))
     decode = StepPlan(0, [ScheduledSeq(f"s{i}", [7 + i], len(p), tables[i], True, greedy, 1)
                           for i, p in enumerate(prompts)])
+    default = LlamaModel.fuse_small_batches
     try:
+        LlamaModel.fuse_small_batches = True
         fused = r.logits(decode)
         LlamaModel.fuse_small_batches = False
         unfused = r.logits(decode)  # the same step again: rewrites the same KV slots
     finally:
-        LlamaModel.fuse_small_batches = True
+        LlamaModel.fuse_small_batches = default
     assert rel(fused, unfused) < TOL[torch.bfloat16]
     assert _counters_zero()

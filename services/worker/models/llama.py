@@ -160,7 +160,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
-    fuse_small_batches = True  # False keeps the unfused layer path everywhere (tests compare)
+    # The fused layer path (kernels.linear prologues/epilogue) is off: on the H200 it measured
+    # slower than the unfused sequence (Qwen3-0.6B b=1 linear stack in one CUDA graph,
+    # benchmarks/kernel_sweep.py --only fused: 1,302 against 851 us). True turns it on.
+    fuse_small_batches = False
 
     def __init__(self, a: LlamaArgs, max_positions: int):
         super().__init__()
