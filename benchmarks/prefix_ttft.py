@@ -129,7 +129,8 @@ def main() -> int:
         # where a disk hit's time goes: promotions (disk -> pool) and their summed read time
         ks = store_stats()
         out["kvstore"] = {k: ks.get(k, 0) for k in ("promotions", "disk_read_us", "promotion_wait_ms",
-                                                 "demotions", "cpu_evictions", "store_no_slot")}
+                                                 "demotions", "demotions_skipped", "cpu_evictions",
+                                                 "store_no_slot")}
     finally:
         srv.stop(10)
     text = json.dumps(out, indent=2)

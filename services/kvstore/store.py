@@ -344,8 +344,9 @@ class BlockStore:
             acts.unlink.append(h)
         return acts
 
-    def write_done(self, h: bytes, ok: bool) -> None:
-        """A demotion's file write finished: the file becomes VALID, or is forgotten."""
+    def write_done(self, h: bytes, ok: bool, skipped: bool = False) -> None:
+        """A demotion's file write finished: the file becomes VALID, or is forgotten (a
+        failed write, or with skipped a write the server did not make: the block is dropped)."""
         self.pending_writes -= 1
         d = self.disk.get(h)
         if d is None or d.state != WRITING:
@@ -355,7 +356,7 @@ class BlockStore:
             self.counters["demotions"] += 1
         else:
             del self.disk[h]
-            self.counters["demotion_failures"] += 1
+            self.counters["demotions_skipped" if skipped else "demotion_failures"] += 1
 
     # ------------------------------------------------------------ sessions
     def drop_session(self, session: str) -> int:
