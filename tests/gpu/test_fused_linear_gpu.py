@@ -36,16 +36,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 DTYPES = [torch.bfloat16, torch.float16]
 QWEN3_06B = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite output"
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
 
 
 def _inputs(pro: str, res: bool, m: int, n: int, k: int, dtype, bias: bool = True):
