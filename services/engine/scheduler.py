@@ -172,6 +172,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget <= 0:
                 continue
             end = req.num_tokens + req.inflight
+            if end <= req.num_computed_tokens:
+                continue  # nothing to run: its last chunk sampled nothing (max_tokens 0)
             if req.inflight and (self._must_sync(req) or self._at_limit(req)):
                 continue  # its pending token decides (or is its last): wait for it
             if not self._allocate_or_preempt(req, end, taken, preempted):
@@ -380,8 +382,12 @@ class Scheduler:
                 new = self.bm.cache_full_blocks(req, upto=done)  # before a finish frees them
                 if self.tiers_enabled:
                     self.new_cached.extend(new)
-                if req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
-                    req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
+            # Prompt logprobs of a plan made before a preemption still count while the
+            # request waits (it rescores from scratch only when re-admitted): its kept
+            # token may end it, prompt logprobs complete.
+            if (current or req.status == RequestStatus.WAITING) and req.wants_prompt_logprobs \
+                    and req.request_id in prompt_logprobs:
+                req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
                 if not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
                     self.finish(req, "length")  # scored the prompt; nothing to generate
                     changed.append(req)

@@ -30,7 +30,12 @@ class ToyModel:
     def execute(self, plan):
         self.state.resolve(plan)
         out, drawn = [], {}
+        self.prompt_lps = {}  # request id -> one entry per prompt position scored (1..p-1)
         for s in plan.seqs:
+            p = s.num_prompt_tokens
+            if s.sampling.prompt_logprobs is not None and s.start_pos < p:
+                n = min(len(s.token_ids), p - s.start_pos) - (s.start_pos == 0)
+                self.prompt_lps[s.request_id] = [("lp", s.start_pos)] * n
             cache = self.kv.setdefault(s.request_id, [])
             del cache[s.start_pos:]  # recompute after preemption rewrites from start_pos
             assert len(cache) == s.start_pos, "plan skips tokens"
@@ -74,20 +79,21 @@ def run(requests, num_blocks, budget=32, max_num_seqs=8, block_size=4, max_model
             out = sched.schedule()
             assert out is not None or inflight, "scheduler stalled with work left"
         if out is not None:
+            assert all(s.token_ids for s in out.plan.seqs), "a seq with no tokens"
             total = sum(len(s.token_ids) for s in out.plan.seqs)
             assert total <= budget
             assert len(out.plan.seqs) <= max_num_seqs
             ids = [s.request_id for s in out.plan.seqs]
             assert len(ids) == len(set(ids))
-            result = model.execute(out.plan)
+            result = (model.execute(out.plan), None, model.prompt_lps)
         if inflight is not None:
-            sched.update(*inflight)
+            sched.update(inflight[0], *inflight[1])
         inflight = None
         if out is not None:
             if overlap:
                 inflight = (out, result)
             else:
-                sched.update(out, result)
+                sched.update(out, *result)
         used = sum(len(r.block_ids) for r in sched.requests.values())
         assert used + bm.num_free_blocks == num_blocks, "blocks leaked or double-counted"
         steps += 1
@@ -134,6 +140,35 @@ def test_async_scheduling_with_preemption_keeps_outputs(seed):
     reqs = make_requests(seed, ignore_eos=True)
     assert run(reqs, num_blocks=20, budget=16, block_size=4, overlap=True) == reference(seed, ignore_eos=True)
     assert any(r.num_preemptions for r in reqs), "test did not exercise preemption"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_async_preemption_keeps_prompt_logprobs_whole(seed):
+    """Prompt logprobs under preemption with async scheduling: a request preempted while
+    its first token is in flight keeps that token, which may end it (max_tokens 1 or 2):
+    its prompt logprobs must still cover positions 1..p-1 (found by a fresh-user pass:
+    they were dropped, and the API answered null logprobs)."""
+    def reqs():
+        rng = random.Random(seed)
+        return [Request(f"r{i}", b"fe", [rng.randrange(1, VOCAB) for _ in range(rng.choice([8, 25, 40]))],
+                        SamplingParams(temperature=0, max_tokens=rng.choice([1, 1, 1, 2]), ignore_eos=True,
+                                       prompt_logprobs=1), arrival_time=float(i)) for i in range(10)]
+    got = reqs()
+    out = run(got, num_blocks=12, budget=16, block_size=4, overlap=True)
+    assert any(r.num_preemptions for r in got), "test did not exercise preemption"
+    for r in got:
+        assert r.finish_reason == "length"
+        assert [pos for _, pos in r.prompt_logprobs] == sorted(pos for _, pos in r.prompt_logprobs)
+        assert len(r.prompt_logprobs) >= r.num_prompt_tokens - 1, (r.request_id, len(r.prompt_logprobs))
+    assert out == run(reqs(), num_blocks=1000, budget=1000)
+
+
+def test_async_max_tokens_0_plans_no_empty_seq():
+    """max_tokens 0 (score the prompt only): its last chunk samples nothing, and the plan
+    made before that result must not give it a 0-token seq."""
+    r = Request("a", b"fe", list(range(1, 31)), SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1))
+    run([r], num_blocks=100, budget=16, block_size=4, overlap=True)  # asserts plan validity
+    assert r.finish_reason == "length" and len(r.prompt_logprobs) == 29
 
 
 @pytest.mark.parametrize("seed", range(5))
