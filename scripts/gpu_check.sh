@@ -24,6 +24,8 @@ timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/offline_throughput.py --out "$O
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/decode_latency.py --config llama-3.1-8b --steps 64 --out "$OUT/decode_latency_llama.json" 2>&1 | tail -40 | tee "$OUT/decode_latency_llama.txt"
 timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/step_profile.py --out "$OUT/step_profile.json" 2>&1 | tail -60 | tee "$OUT/step_profile.txt"
 timeout ${SERVE_BENCH_TIMEOUT:-420} python3 benchmarks/serve_bench.py --out "$OUT/serve_bench.json" 2>&1 | tail -30 | tee "$OUT/serve_bench.txt"
+timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/prefix_ttft.py --tokens 32768 --config qwen3-0.6b --out "$OUT/prefix_ttft.json" 2>&1 | tail -30 | tee "$OUT/prefix_ttft.txt"
+timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/kv_disk_read.py --out "$OUT/kv_disk_read.json" 2>&1 | tail -20 | tee "$OUT/kv_disk_read.txt"
 echo "== summary"
 python3 - "$OUT" <<'PY'
 import json, os, sys
