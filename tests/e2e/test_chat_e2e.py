@@ -11,10 +11,10 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from tests.e2e.server import KestrelServer, segments
+from tests.faults.helpers import gone
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -132,13 +132,7 @@ def test_models_and_health(server):
 
 
 def _wait_gone(pids, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return alive
+    return gone(pids, timeout)  # tests.faults.helpers: a pid that exits while looked at is gone
 
 
 def test_sigterm_stops_everything_and_leaves_no_segments(smollm2_dir):

@@ -32,13 +32,21 @@ def find_pid(srv, title: str, exclude: tuple[int, ...] = (), timeout: float = 30
     raise TimeoutError(f"no {title} child within {timeout} s")
 
 
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (not gone, not a zombie); a process that exits while
+    it is looked at is gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def gone(pids, timeout: float) -> list[int]:
     """Wait up to `timeout` s for every pid to exit; returns those still alive."""
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _running(p)]
         if not alive:
             break
         time.sleep(0.1)
