@@ -51,6 +51,15 @@ def write_synthetic_tokenizer(folder: str, vocab_size: int) -> str:
     return path
 
 
+def emit_json(result: dict, path: str | None, indent: int = 1) -> None:
+    """Print a benchmark's result as JSON, and write it to `path` too when one is given."""
+    text = json.dumps(result, indent=indent)
+    print(text)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+
+
 def device_name() -> str:
     """The CUDA device's name, or "cpu" without one."""
     import torch

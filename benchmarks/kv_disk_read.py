@@ -20,7 +20,6 @@ Reports GB/s of reads for each, at each thread count, as JSON (stdout and --out)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import shutil
@@ -31,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import emit_json  # noqa: E402
 from services.kvstore.cpu_tier import KVPool  # noqa: E402
 from services.kvstore.disk_tier import DiskTier  # noqa: E402
 from services.kvstore.server import STAGING_KEEP  # noqa: E402
@@ -96,11 +96,7 @@ def main() -> int:
     finally:
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text + "\n")
+    emit_json(out, a.out, indent=1)
     return 0
 
 

@@ -24,7 +24,6 @@ needed on the GPU machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -35,7 +34,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import model_dir  # noqa: E402
+from benchmarks.common import emit_json, model_dir  # noqa: E402
 from benchmarks.serve_process import ServeProcess  # noqa: E402
 from services.kvstore.settings import derive_block_bytes, store_identity  # noqa: E402
 from shared.config import build_config  # noqa: E402
@@ -133,11 +132,7 @@ def main() -> int:
                                                  "store_no_slot")}
     finally:
         srv.stop(10)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text + "\n")
+    emit_json(out, a.out, indent=2)
     return 0
 
 

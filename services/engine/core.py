@@ -100,7 +100,6 @@ class EngineCore:
         self.engine_id = f"{cfg.instance_id}-{os.getpid()}"
         self.rng = random.Random(cfg.seed ^ os.getpid())
         self.num_steps = 0
-        self.early_results: dict[int, P.StepResult] = {}  # results that came before awaited
         self.worker_timeout_s = float(cfg.worker_timeout_s or 10.0)
         self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
         self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps

@@ -44,7 +44,6 @@ DISK_THREADS = max(2, min(16, os.cpu_count() or 2))
 # at 1.2 GB/s against 12 without (H200 host, 16 threads, a probe of this code path). A
 # promotion that finds no free buffer drops the block it evicts instead of demoting it.
 STAGING_KEEP = 64
-WRITE_YIELD_S = 2.0  # longest a demotion write waits for promotion reads in flight
 PENDING_WRITE_BYTES = 1 << 30  # RAM for slot copies waiting to be written to the disk tier
 
 
@@ -81,10 +80,6 @@ class KVStoreServer:
             self._staging: queue.SimpleQueue = queue.SimpleQueue()  # copy-out buffers
             for _ in range(STAGING_KEEP if setup.disk_dir else 0):
                 self._staging.put(bytearray(setup.block_bytes))  # zero-filled: faulted now
-            self._reads_lock = threading.Lock()
-            self._reads_pending = 0  # promotion reads queued or running
-            self._reads_idle = threading.Event()
-            self._reads_idle.set()
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             self.router = make_socket(self.ctx, zmq.ROUTER, cfg.kvstore_address, bind=True)
@@ -215,9 +210,6 @@ class KVStoreServer:
         for h, data in demoted:
             self._writes.submit(self._write_job, h, data)
         for h, slot in acts.read:
-            with self._reads_lock:
-                self._reads_pending += 1
-                self._reads_idle.clear()
             self._reads.submit(self._read_job, h, slot, copy_first.get(slot))
 
     def _unlink(self, acts: Actions) -> None:
@@ -244,10 +236,6 @@ class KVStoreServer:
         return buf
 
     def _write_job(self, h: bytes, data: bytearray) -> None:
-        # promotions first: writes beside them cut their reads from 3.6 to 0.4-1.0 GB/s (a
-        # probe of DiskTier into the pool on the 2-core VM); a write waits for the reads in
-        # flight to end, at most WRITE_YIELD_S, so that a run of reads cannot starve it
-        self._reads_idle.wait(WRITE_YIELD_S)
         try:
             self.disk.write(h, data)
             ok = True
@@ -276,11 +264,6 @@ class KVStoreServer:
             log.warning("disk block is corrupt, removed (a miss): %s", e)
         except Exception as e:
             log.warning("promotion of %s failed: %s", h.hex()[:16], e)
-        finally:
-            with self._reads_lock:
-                self._reads_pending -= 1
-                if self._reads_pending == 0:
-                    self._reads_idle.set()
         self._post(("r", h, ok, time.perf_counter() - t0))
 
     def _drain_done(self) -> None:

@@ -32,8 +32,8 @@ from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPla
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_MODEL_LEN_CAP = 8192  # default cap of max_model_len (config.py: "capped at 8192")
-MAX_PROMPT_CARRY = 256
-GPU_WORKER_THREADS = 4  # torch intra-op threads of a GPU worker unless num_threads is set  # requests whose last prompt-chunk logits wait for their next chunk
+MAX_PROMPT_CARRY = 256  # requests whose last prompt-chunk logits wait for their next chunk
+GPU_WORKER_THREADS = 4  # torch intra-op threads of a GPU worker unless num_threads is set
 
 
 @contextlib.contextmanager
@@ -50,8 +50,8 @@ class ModelRunner:
     """One worker's model, KV cache and sampler.
 
     cfg fields used: model (HF folder), device, dtype, block_size, kv_cache_gib,
-    num_threads (0 = all cores on the CPU, GPU_WORKER_THREADS with a GPU), max_model_len (None = model's, capped at 8192), seed
-    (sampling seed of requests without one).
+    num_threads (0 = all cores on the CPU, GPU_WORKER_THREADS with a GPU), max_model_len
+    (None = model's, capped at 8192), seed (sampling seed of requests without one).
     Raises FileNotFoundError / ValueError from the loader, ValueError for an unknown
     architecture or a KV budget below one block.
     """
