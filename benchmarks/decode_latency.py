@@ -10,7 +10,12 @@ lm_head) + the KV cache read at the context length; time = bytes / copy bandwidt
 bandwidth measured in this run (device-to-device copy of 2 GiB, read + write bytes).
 Writes JSON to --out and stdout.
 
+--pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
+--gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
+and attention apart; --attn overrides the attention kernel's launch defaults.
+
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--out FILE]
+       [--pdl on|off] [--gemv on|off] [--gemv-plans FILE] [--rope-decode on|off] [--attn JSON]
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
+from kernels import attention_triton as at  # noqa: E402
+from kernels import gemv, pdl, rope_decode  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
@@ -79,7 +86,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pdl", choices=["on", "off"], default="on",
+                    help="programmatic dependent launch of the decode kernels (kernels.pdl)")
+    ap.add_argument("--gemv", choices=["on", "off"], default="on",
+                    help="the one-row matrix-vector kernel (kernels.gemv) for batch-1 projections")
+    ap.add_argument("--gemv-plans", default=None,
+                    help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
+    ap.add_argument("--rope-decode", choices=["on", "off"], default="on",
+                    help="decode attention with the rotary fused in (kernels.rope_decode)")
+    ap.add_argument("--attn", default=None,
+                    help="JSON overrides of kernels.rope_decode.ROPE_DECODE_DEFAULTS (or of the unfused "
+                         "kernel's DECODE_DEFAULTS with --rope-decode off)")
     a = ap.parse_args()
+    pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
+    if a.attn:
+        (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
+    if a.gemv_plans:
+        with open(a.gemv_plans) as fh:
+            for key, plan in json.load(fh).items():
+                gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 4096,
            "gpu_memory_utilization": 0.3}
@@ -91,7 +116,8 @@ def main() -> None:
     table = list(range(-(-(a.context + a.steps + 1) // runner.block_size)))
     res = {"benchmark": "decode_latency", "device": device_name(), "config": a.config,
            "weights": "dummy", "context": a.context, "steps": a.steps, "runner": report,
-           "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__}
+           "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
+           "pdl": a.pdl, "gemv": a.gemv, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once + KV of the context (K and V, every layer)
     params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
     layers, kvh, hd = runner.model.kv_shape()

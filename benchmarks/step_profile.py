@@ -4,8 +4,11 @@ phases of the batch-1 graph step (host prepare, graph replay, logits, sampling) 
 events, and the sampler alone (per-row torch.Generator draws, the old way, against the
 hashed-noise torch reference and the Triton kernel) at 256 x vocab rows.
 
-Diagnostic, not a target benchmark. Writes JSON to --out and prints a table.
-Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--out FILE]
+Diagnostic, not a target benchmark. Writes JSON to --out and prints a table. With
+programmatic dependent launch (`kernels.pdl`, on by default) a kernel starts before the one
+before it ends and waits inside, so its profiled time includes that wait: `--pdl off` gives
+each kernel's own time.
+Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--out FILE]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
-from kernels import sampling  # noqa: E402
+from kernels import pdl, sampling  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
@@ -80,12 +83,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="qwen3-0.6b")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pdl", choices=["on", "off"], default="on")
     a = ap.parse_args()
+    pdl.ENABLED = a.pdl == "on"
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
            "gpu_memory_utilization": 0.5}
     runner = ModelRunner(build_config(cli=cli, env={}))
-    res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config}
+    res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl}
     nbps = -(-1100 // runner.block_size)
     p1, p256 = plan(1, 1024, nbps), plan(256, 1024, nbps)
     graphs = runner.graphs

@@ -37,9 +37,12 @@ except ImportError:  # CPU-only installs: the dispatcher keeps the reference
     triton = None
 
 if triton is not None:
+    from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < n
@@ -59,5 +62,7 @@ if triton is not None:
         out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
         block = min(1024, triton.next_power_of_2(n))
         if x2.shape[0]:
-            _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block)
+            pdl = use_pdl(x.device)
+            _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, USE_PDL=pdl,
+                                                                      BLOCK=block, **launch_args(pdl))
         return out.view(*x.shape[:-1], n)

@@ -22,12 +22,17 @@ import triton
 import triton.language as tl
 
 from kernels.device_info import num_sms
+from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 _LOG2E = 1.4426950408889634
 # decode kernel launch: block_n None = 64 (32 for head_dim > 128), splits None = decode_splits,
 # num_stages None = Triton's default. Two stages: best or within 1% of it at b=256 (4.19 TB/s
-# at 1K context) and b=64 mixed contexts (2.2x the default there), H200, kernel_sweep.py
-DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None}
+# at 1K context) and b=64 mixed contexts (2.2x the default there), H200, kernel_sweep.py.
+# prefetch_max_block_n: with PDL, tiles up to this many keys load their first tile before the
+# wait (b=1 1K context, 28 layers in a graph: 32-key tiles 7.0 -> 6.1 us per layer; 64-key
+# tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200)
+DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
+                         "prefetch_max_block_n": 32, "prefetch": None}
 
 
 @triton.jit
@@ -55,15 +60,38 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                                BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d))
 
 
+@triton.jit
+def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
+    """One key tile of the online softmax: q [BLOCK_G, D], k/v [BLOCK_N, D], nm the valid
+    keys [BLOCK_N] (none valid in an empty partition: m stays -inf, l and acc 0); returns
+    the updated (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(nm[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["s_bt"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                    sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                    n_splits, n_heads, head_dim, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ONE_SPLIT: tl.constexpr):
+                   ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if not PREFETCH:
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
+    # seq_lens and block tables are host copies made before the step's first kernel; with
+    # PREFETCH (PDL, small tiles) the first key tile of the older tokens is loaded before
+    # the wait: the kernel before (the rotary + cache write) writes q and this step's
+    # token's K/V only, reloaded after the wait
     seq_len = tl.load(seqlen_ptr + seq)
     # each sequence spreads its own context over the n_splits partitions (whole BLOCK_N
     # tiles), so the grid fixed at capture serves every context length fully
@@ -74,27 +102,37 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < head_dim
     heads = kvh * G + gg
+    if PREFETCH:
+        nn = start + tl.arange(0, BLOCK_N)
+        nm = nn < end
+        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        old = (nm & (nn < seq_len - 1))[:, None] & dmask[None, :]
+        k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=old, other=0.0)
+        v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=old, other=0.0)
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
     q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dd[None, :],
                 mask=(gg < G)[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    lo = start
+    if PREFETCH:
+        new = (nm & (nn == seq_len - 1))[:, None] & dmask[None, :]
+        k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dd[None, :], mask=new, other=0.0), k0)
+        v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0.0), v0)
+        m_i, l_i, acc = _attend_tile(q, k0, v0, nm, m_i, l_i, acc, qk_scale)
+        lo = start + BLOCK_N
+    for n0 in range(lo, end, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < end
         blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
         off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
         kv_mask = nm[:, None] & dmask[None, :]
         k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
     hm = (gg < G)[:, None] & dmask[None, :]
     if ONE_SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -109,7 +147,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
 
 @triton.jit(do_not_specialize=["n_splits"])
 def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, so_t, so_h, n_heads, n_splits, head_dim,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    pdl_wait(USE_PDL)
+    pdl_release(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ss = tl.arange(0, BLOCK_S)
@@ -175,6 +215,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
              mask=qmask)
 
 
+def _prefetch(dc: dict, pdl: bool, block_n: int) -> bool:
+    """Whether a decode kernel loads its first key tile before its PDL wait: dc["prefetch"]
+    when set (True is valid without PDL too; the tests force it under the interpreter),
+    else with PDL for tiles of at most dc["prefetch_max_block_n"] keys."""
+    if dc.get("prefetch") is not None:
+        return bool(dc["prefetch"])
+    return pdl and block_n <= dc["prefetch_max_block_n"]
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                   block_n: int = 64) -> int:
     """Number of split-K partitions of the decode: about four programs per SM, at most one
@@ -197,8 +246,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         model runner knows them); None reads them from the tensors (a device sync). The
         decode kernel runs when max_q_len == 1. A larger max_seq_len than the true one is
         valid (CUDA graphs pass max_model_len): empty partitions exit at once.
-    decode_config: overrides of the decode kernel's launch (keys block_n, num_warps,
-        num_stages, splits), for benchmarks/attention_sweep.py; None = `DECODE_DEFAULTS`.
+    decode_config: overrides of the decode kernel's launch (keys of `DECODE_DEFAULTS`), for
+        the benchmarks and tests; None = `DECODE_DEFAULTS`.
     Raises ValueError if num_heads is not a multiple of num_kv_heads.
     """
     t, h, d = q.shape
@@ -223,17 +272,21 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_n = dc["block_n"] or (64 if bd <= 128 else 32)
         splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n)
         one = splits == 1
+        pdl = use_pdl(q.device)
         m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
         l_ = torch.empty_like(m) if not one else out
         acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device) if not one else out
         _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
                                          *strides, qk_scale, k_cache.shape[1], splits, h, d,
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
-                                         BLOCK_D=bd, ONE_SPLIT=one, num_warps=dc["num_warps"],
-                                         **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}))
+                                         BLOCK_D=bd, ONE_SPLIT=one, USE_PDL=pdl,
+                                         PREFETCH=_prefetch(dc, pdl, block_n),
+                                         num_warps=dc["num_warps"],
+                                         **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
+                                         **launch_args(pdl))
         if not one:
-            _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d,
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd)
+            _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d, USE_PDL=pdl,
+                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd, **launch_args(pdl))
         return out
     block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](

@@ -2,7 +2,7 @@
 also fuse the RMSNorm before it, the SiLU-and-mul before it, or the residual add after it.
 
 `linear` (the dispatcher) calls `skinny_linear_triton` for CUDA inputs with few rows
-(`skinny_applies`) and otherwise torch (`F.linear`: cuBLAS on the GPU, MKL on the CPU),
+(`skinny_applies`; a single row goes to `kernels.gemv` instead) and otherwise torch (`F.linear`: cuBLAS on the GPU, MKL on the CPU),
 with the fused steps run as their own ops (`kernels.norm`, `kernels.activation`, an add).
 `linear_ref` is the pure-torch truth for tests.
 
@@ -53,8 +53,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import gemv
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.device_info import TILE_COUNTERS as _COUNTERS  # noqa: F401 (tests read it)
 from kernels.device_info import num_sms
+from kernels.device_info import tile_counters as _tile_counters
 from kernels.norm import rms_norm, rms_norm_ref
 
 skinny_linear_triton = None  # set below when Triton imports: linear_ref's signature plus tiles
@@ -116,8 +119,10 @@ def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatcher for `linear_ref` (see there for shapes and rounding): one skinny-kernel
-    launch when `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the
+    """Dispatcher for `linear_ref` (see there for shapes and rounding): one launch of
+    `kernels.gemv` for a single row (plain or with silu_mul alone, `gemv.ENABLED`) or of the
+    skinny kernel when
+    `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the
     residual add as separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place
     add), which is the reference on the CPU.
     Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
@@ -125,9 +130,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if norm_weight is None and residual is None and not silu_mul:  # the plain (per-call cheap) path
         if x.is_cuda and skinny_applies(x, weight):
+            if x.shape[0] == 1 and gemv.ENABLED:
+                y = gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
+                if y is not None:
+                    return y
             return skinny_linear_triton(x, weight, bias)
         return F.linear(x, weight, bias)  # = linear_ref(x, weight, bias)
     _check_fused(x, weight, norm_weight, silu_mul, residual)
+    if (silu_mul and norm_weight is None and residual is None and x.shape[0] == 1 and gemv.ENABLED
+            and skinny_applies(x, weight)):
+        y = gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, silu_mul=True)
+        if y is not None:
+            return y
     if skinny_applies(x, weight):
         return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                     silu_mul=silu_mul, residual=residual)
@@ -152,30 +166,6 @@ except ImportError:  # CPU-only installs: the dispatcher keeps the reference
 # K-split partials are summed ("atomic": by the last split program; "kernel": a 2nd kernel)
 SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3,
                        "split_reduce": "kernel"}
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> zeroed int32 tile counters
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers: captured graphs may still use them
-COUNTERS_MIN = 4096  # counters allocated at least (Qwen3-0.6B's widest layer has 384 N tiles)
-
-
-def _tile_counters(device: torch.device, n_tiles: int) -> torch.Tensor | None:
-    """The device's persistent int32 counter buffer, at least n_tiles long and all zero
-    between launches; allocated (or grown) on first need, outside CUDA-graph capture.
-    Returns None when it would have to be allocated during capture (the caller then sums
-    the partials with the second kernel)."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= n_tiles:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    new = torch.zeros(max(COUNTERS_MIN, 1 << (n_tiles - 1).bit_length()), dtype=torch.int32, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # zeroed before any stream's launch reads it
-    if buf is not None:
-        _RETIRED.append(buf)
-    _COUNTERS[device] = new
-    return new
-
 
 if triton is not None:
 

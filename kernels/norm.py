@@ -69,13 +69,18 @@ except ImportError:  # CPU-only installs: the dispatchers keep the references
     triton = None
 
 if triton is not None:
+    from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride,
-                         n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         n_cols, eps, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)  # a weight: no kernel writes it
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
         x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
         if HAS_RES:
             r = tl.load(res_ptr + row * res_stride + cols, mask=m, other=0.0)
@@ -84,7 +89,6 @@ if triton is not None:
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / n_cols
         y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0)
         tl.store(out_ptr + row * n_cols + cols, (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=m)
 
     def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -97,8 +101,10 @@ if triton is not None:
         x2 = _rows(x)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         if x2.shape[0]:
+            pdl = use_pdl(x.device)
             _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, x2.shape[1],
-                                             eps, HAS_RES=False, BLOCK=triton.next_power_of_2(x2.shape[1]))
+                                             eps, HAS_RES=False, USE_PDL=pdl,
+                                             BLOCK=triton.next_power_of_2(x2.shape[1]), **launch_args(pdl))
         return out.view(x.shape)
 
     def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -108,7 +114,8 @@ if triton is not None:
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         res_out = torch.empty_like(out)
         if x2.shape[0]:
+            pdl = use_pdl(x.device)
             _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
-                                             x2.shape[1], eps, HAS_RES=True,
-                                             BLOCK=triton.next_power_of_2(x2.shape[1]))
+                                             x2.shape[1], eps, HAS_RES=True, USE_PDL=pdl,
+                                             BLOCK=triton.next_power_of_2(x2.shape[1]), **launch_args(pdl))
         return out.view(x.shape), res_out.view(x.shape)

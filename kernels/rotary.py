@@ -142,6 +142,7 @@ except ImportError:  # CPU-only installs: the dispatchers keep the references
     triton = None
 
 if triton is not None:
+    from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
     def _rotate_heads(x_ptr, tok, sx_t, sx_h, n_heads, cos, sin, half,
@@ -173,13 +174,17 @@ if triton is not None:
     def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr,
                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h, cs_stride,
                        n_q, n_k, half, head_dim, eps, HAS_K: tl.constexpr, STORE: tl.constexpr,
-                       NORM: tl.constexpr,
+                       NORM: tl.constexpr, USE_PDL: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+        # positions and the angle table are written before the step's first kernel (a host
+        # copy; a table made at load): read before the wait
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         ii = tl.arange(0, BLOCK_HALF)[None, :]
         cos = tl.load(cs_ptr + pos * cs_stride + ii, mask=ii < half, other=0.0)
         sin = tl.load(cs_ptr + pos * cs_stride + half + ii, mask=ii < half, other=0.0)
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
         _rotate_heads(q_ptr, tok, sq_t, sq_h, n_q, cos, sin, half, q_ptr, 0, 0, 0, qn_ptr, eps,
                       False, NORM, BLOCK_H, BLOCK_HALF)
         if HAS_K:
@@ -218,13 +223,14 @@ if triton is not None:
         vc = v_cache if store else q
         sl = slot_mapping if store else positions
         norm = q_norm is not None
+        pdl = use_pdl(q.device)
         _rotary_kernel[(t,)](
             q, kk, vv, positions, cos_sin, kc, vc, sl, q_norm if norm else q, k_norm if norm else q,
             q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
             kc.stride(1) if store else 0, kc.stride(2) if store else 0, cos_sin.stride(0),
-            nq, nk, half, d, eps, HAS_K=has_k, STORE=store, NORM=norm,
+            nq, nk, half, d, eps, HAS_K=has_k, STORE=store, NORM=norm, USE_PDL=pdl,
             BLOCK_H=triton.next_power_of_2(max(nq, nk)), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d))
+            BLOCK_D=triton.next_power_of_2(d), **launch_args(pdl))
 
     def rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                    q_norm=None, k_norm=None, eps: float = 1e-6) -> None:

@@ -16,7 +16,8 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from kernels import activation, attention, linear, norm, rotary, sampling, sampling_triton  # noqa: E402
+from kernels import activation, attention, device_info, gemv, linear, norm, rope_decode, rotary, sampling  # noqa: E402
+from kernels import sampling_triton  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 
 
@@ -102,6 +103,9 @@ def main() -> None:
             "decode_gqa_bs16": ([(40, 1), (0, 1), (16, 1), (130, 1)], 4, 2, 16, 16, {}),
             "decode_long_splitk": ([(300, 1)], 2, 1, 16, 32, {}),
             "decode_graph_bound": ([(20, 1), (5, 1)], 4, 4, 16, 16, {"max_seq_len": 256}),
+            # the first key tile loaded before the (PDL) wait, the step's token reloaded after
+            "decode_prefetch": ([(40, 1), (0, 1), (15, 1), (130, 1)], 4, 2, 16, 16,
+                                {"decode_config": {"prefetch": True, "block_n": 16}}),
             "prefill_varlen_prefix": ([(0, 7), (16, 20), (33, 70)], 4, 2, 16, 16, {}),
             "mixed_prefill_decode_hd24": ([(10, 1), (0, 19), (48, 5)], 6, 3, 24, 16, {}),
         }
@@ -138,6 +142,23 @@ def main() -> None:
                 errs.append(rel(linear.skinny_linear_triton(xs, ws, bias, **kw),
                                 linear.linear_ref(xs.float(), ws.float(), None if bias is None else bias.float())))
         out[f"skinny_linear_{name}"] = max(errs)
+        # one-row matrix-vector kernel: one tile, odd N and K, K split over programs that
+        # sum through the shared counters (run twice: the counters must be left zeroed)
+        errs = []
+        for n, k, kw in ((37, 100, {}), (70, 300, {"split": 3, "block_n": 8}), (16, 48, {"block_n": 2}),
+                         (9, 1000, {"split": 4})):
+            xs = torch.randn(1, k, generator=gen).to(dt)
+            ws = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
+            bs_ = torch.randn(n, generator=gen).to(dt)
+            for bias in (None, bs_, bs_):
+                ref = linear.linear_ref(xs.float(), ws.float(), None if bias is None else bias.float())
+                errs.append(rel(gemv.gemv_triton(xs, ws, bias, **kw), ref))
+            # the SiLU-and-mul of x = cat(gate, up) applied as x loads
+            xg = torch.randn(1, 2 * k, generator=gen).to(dt)
+            ref = linear.linear_ref(xg.float(), ws.float(), silu_mul=True)
+            errs.append(rel(gemv.gemv_triton(xg, ws, silu_mul=True, **kw), ref))
+        zeroed = all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
+        out[f"gemv_{name}"] = max(errs) if zeroed else float("inf")
         # rotary with Qwen3's per-head q/k RMSNorm fused in
         t, hq, hk, d = 6, 4, 2, 16
         table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 64)
@@ -155,6 +176,45 @@ def main() -> None:
             fn(q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d), pos, table, kc, vc, slots, qn, kn, 1e-6)
             res.append((buf, kc, vc))
         out[f"rotary_qk_norm_{name}"] = max(rel(a, b) for a, b in zip(res[1], res[0]))
+        # decode attention with rotary, q/k norm and the KV write fused in, against the
+        # rotary reference then the attention reference; a padding row (slot -1, length 0)
+        errs = []
+        for lens, bs, norm_on, kw in (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
+                                      ([17, 0], 16, True, {"block_n": 16}),
+                                      ([40, 16, 1, 131, 0], 16, True, {"block_n": 16, "prefetch": True}),
+                                      ([300, 33], 16, False, {"splits": 2, "prefetch": True})):
+            b, hq, hk, d = len(lens), 4, 2, 16
+            nb = sum(-(-n // bs) for n in lens) + 3
+            perm = torch.randperm(nb, generator=gen).tolist()
+            width = max(1, max(-(-n // bs) for n in lens))
+            tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            sl = torch.tensor(lens, dtype=torch.int32)
+            pos = (sl - 1).clamp_min(0).long()
+            slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs if n else -1 for t, n in zip(tables, lens)])
+            table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 512)
+            qn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt) if norm_on else None
+            kn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt) if norm_on else None
+            qkv = torch.randn(b, (hq + 2 * hk) * d, generator=gen).to(dt)
+            kc0 = torch.randn(nb, bs, hk, d, generator=gen).to(dt)
+            vc0 = torch.randn(nb, bs, hk, d, generator=gen).to(dt)
+            res = []
+            for fused in (False, True):
+                buf, kc, vc = qkv.clone(), kc0.clone(), vc0.clone()
+                q, k, v = (t.view(b, -1, d) for t in buf.split([hq * d, hk * d, hk * d], -1))
+                if fused:
+                    o = rope_decode.rope_decode_triton(q, k, v, pos, table, kc, vc, slots, sl, bt, d ** -0.5,
+                                                       None, qn, kn, 1e-6, kw)
+                else:
+                    spare = perm[0]  # a block no table uses takes the padding row's write
+                    rotary.rotary_and_store_kv_ref(q, k, v, pos, table, kc, vc,
+                                                   torch.where(slots < 0, spare * bs, slots), qn, kn, 1e-6)
+                    kc[spare], vc[spare] = kc0[spare], vc0[spare]
+                    ok = sl > 0
+                    o = attention.paged_attention_ref(q[ok], kc, vc, torch.arange(int(ok.sum()) + 1, dtype=torch.int32), sl[ok], bt[ok], d ** -0.5)
+                res.append((o[sl > 0] if fused else o, kc, vc))
+            errs.append(max(rel(a, b_) for a, b_ in zip(res[1], res[0])))
+        out[f"rope_decode_{name}"] = max(errs)
     print("RESULT " + json.dumps(out))
 
 

@@ -32,6 +32,7 @@ from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from kernels import linear as linear_kernels
+from kernels.rope_decode import rope_paged_decode
 from kernels.rotary import rotary_and_store_kv
 
 
@@ -106,14 +107,21 @@ class LlamaAttention(nn.Module):
     def rope_attend(self, positions, q, k, v, meta: AttentionMetadata, qk_norm=None,
                     residual=None) -> torch.Tensor:
         """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place, store k and v
-        in the cache (one kernel on the GPU), attend and project: -> [T, hidden].
+        in the cache (one kernel on the GPU), attend and project: -> [T, hidden]. A decode-only
+        step on the GPU does the rotation and the cache write inside the attention kernel
+        (`kernels.rope_decode`; q and k are then left unrotated).
         qk_norm: (q_norm weight, k_norm weight, eps) of a per-head RMSNorm applied first
         (Qwen3), or None. residual: [T, hidden] added to the projection, or None."""
         a = self.attn
         qn, kn, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
-        rotary_and_store_kv(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
-                            meta.slot_mapping, qn, kn, eps)
-        o = a.attend(q, meta)
+        if meta.max_q_len == 1 and q.is_cuda:  # decode only: one fused kernel (kernels.rope_decode)
+            o = rope_paged_decode(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
+                                  meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                  a.scale, qn, kn, eps, meta.ref_plan, meta.max_seq_len).reshape(q.shape[0], -1)
+        else:
+            rotary_and_store_kv(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
+                                meta.slot_mapping, qn, kn, eps)
+            o = a.attend(q, meta)
         return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
 
 
@@ -125,7 +133,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gu = self.gate_up_proj(x)
+        if gu.shape[0] == 1:  # batch-1 decode: the SiLU-and-mul inside the down projection (kernels.gemv)
+            return self.down_proj(gu, silu_mul=True)
+        return self.down_proj(self.act(gu))
 
     def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """h + mlp(norm(h)) for the residual stream h [T, hidden], in two projections."""

@@ -1,0 +1,158 @@
+"""Matrix-vector product of decode batch 1: y [1, N] = x [1, K] @ W [N, K].T (+ bias), with the
+SiLU-and-mul of the MLP optionally applied to x as it is loaded.
+
+Why a second kernel beside `kernels.linear`'s skinny one: at batch 1 the step is ~110 such
+products of 4-12 MB each (Qwen3-0.6B), each bound by reading W once, and each short enough
+(a few microseconds) that its fixed costs (launch, the first DRAM round trip, the tail)
+weigh as much as the stream. The skinny kernel pads x to 16 rows for a tensor-core dot,
+which routes every W tile through shared memory in the dot's layout, and walks K in a
+pipelined loop. Here a program loads its whole [BLOCK_N, BLOCK_K] W tile at once into
+registers (16-byte vector loads, all in flight together), multiplies by x in fp32 and sums
+along K: no shared-memory staging of W, no loop. And with programmatic dependent launch
+(`kernels.pdl`) the W load goes before the wait on the kernel before, so a projection's
+weight stream overlaps the small norm / attention / activation kernel that produces its x.
+
+Grid (N / BLOCK_N, SPLIT): program (n, s) owns BLOCK_N rows of W over the s-th K range of
+k_per_split columns (BLOCK_K = next power of two of k_per_split, masked). With SPLIT > 1
+each program stores its fp32 partial; the last program of a row tile to arrive (CTA
+barrier, acq_rel atomic on the shared per-device counters of `kernels.device_info`) sums
+the partials in split order, deterministically, adds the bias, stores y and re-zeroes its
+counter. Rounding matches `kernels.linear.linear_ref`: fp32 products and sums, bias added
+in fp32, one rounding to the dtype (only the order of the fp32 sum differs from cuBLAS).
+
+`gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)
+(benchmarks/gemv_sweep.py measures them on a GPU), and `TUNING` the heuristic's knobs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.device_info import num_sms, tile_counters
+from kernels.pdl import launch_args, use_pdl
+
+ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inputs
+# heuristic plan: at most tile_elems W elements per program (registers), K ranges of at
+# most max_block_k, and at least programs_per_sm programs per SM (narrower row tiles first)
+TUNING: dict = {"tile_elems": 8192, "max_block_k": 4096, "programs_per_sm": 2, "num_warps": 4}
+PLANS: dict[tuple[int, int], tuple[int, int, int]] = {}  # (N, K) -> (block_n, split, num_warps)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: `linear` keeps its other paths
+    triton = None
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for W [n, k]: PLANS[(n, k)] when present, else
+    the TUNING heuristic (split K only when a row is longer than max_block_k; then halve
+    BLOCK_N from tile_elems / BLOCK_K down to 2 until the grid has programs_per_sm programs
+    per SM)."""
+    if (n, k) in PLANS:
+        bn, split, warps = PLANS[(n, k)]
+    else:
+        split = 1
+        while _pow2(-(-k // split)) > TUNING["max_block_k"]:
+            split *= 2
+        bk = _pow2(-(-k // split))
+        bn = max(2, min(64, TUNING["tile_elems"] // bk))
+        target = TUNING["programs_per_sm"] * num_sms(device)
+        while bn > 2 and -(-n // bn) * split < target:
+            bn //= 2
+        warps = TUNING["num_warps"]
+    split = max(1, min(split, k))
+    k_per = -(-k // split)
+    return bn, _pow2(k_per), -(-k // k_per), warps
+
+
+if triton is not None:
+    from kernels.pdl import pdl_release, pdl_wait
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, sw_n, k_per_split,
+                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
+                     USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x: [K] ([2K] = gate | up with SILU), W: [N, K] (row stride sw_n), y: [N]; ws: [SPLIT
+        # programs, N] fp32 partials and cnt: int32 per row tile (SPLIT only)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        rk = pid_k * k_per_split + kk
+        nmask = rn < N
+        kmask = (kk < k_per_split) & (rk < K)
+        # W is written by no kernel of a step: its load may run before the wait
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * sw_n + rk[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
+        x = tl.load(x_ptr + rk, mask=kmask, other=0.0)
+        if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
+            u = tl.load(x_ptr + K + rk, mask=kmask, other=0.0)
+            gf = x.to(tl.float32)
+            x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        if SPLIT:
+            tl.store(ws_ptr + pid_k * N + rn, acc, mask=nmask)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            n_splits = tl.num_programs(1)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tot = tl.zeros([BLOCK_N], tl.float32)
+                for s in range(0, n_splits):  # split order: deterministic
+                    tot += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    tot += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rn, tot.to(y_ptr.dtype.element_ty), mask=nmask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+
+    def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    silu_mul: bool = False, block_n: int | None = None, split: int | None = None,
+                    num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor | None:
+        """`linear_ref(x, weight, bias, silu_mul=silu_mul)` for one row: x [1, K] ([1, 2K] =
+        cat(gate, up) with silu_mul, whose SiLU-and-mul the kernel applies as it loads x;
+        unit column stride), weight
+        [N, K] (unit stride along K), bias [N] or None, one half dtype (bf16/fp16; fp32 works
+        too). Returns y [1, N] in x's dtype, or None when the plan splits K and the split
+        counters would have to be allocated inside CUDA-graph capture (the caller then uses
+        another kernel).
+        block_n / split / num_warps override `gemv_plan` (the sweep benchmark); pdl
+        overrides `kernels.pdl.use_pdl`.
+        Raises ValueError for more than one row, x's width not K (2K with silu_mul) or a
+        strided K dimension.
+        """
+        n, k = weight.shape
+        if (x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1
+                or weight.stride(1) != 1):
+            raise ValueError(f"gemv: x {tuple(x.shape)} stride {tuple(x.stride())}, weight "
+                             f"{tuple(weight.shape)} stride {tuple(weight.stride())}: want one row of "
+                             f"{'2K' if silu_mul else 'K'} columns and unit stride along K")
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        if n == 0 or k == 0:
+            return y.zero_() if bias is None or n == 0 else y.copy_(bias.view(1, n))
+        bn, _, sp, warps = gemv_plan(n, k, x.device)
+        bn = block_n or bn
+        k_per = -(-k // max(1, min(split or sp, k)))
+        bk, sp = _pow2(k_per), -(-k // k_per)
+        n_tiles = -(-n // bn)
+        counters = tile_counters(x.device, n_tiles) if sp > 1 else y
+        if counters is None:
+            return None
+        ws = torch.empty((sp, n), dtype=torch.float32, device=x.device) if sp > 1 else y
+        pdl = use_pdl(x.device) if pdl is None else pdl
+        _gemv_kernel[(n_tiles, sp)](x, weight, y if bias is None else bias, y, ws, counters, n, k,
+                                    weight.stride(0), k_per, HAS_BIAS=bias is not None, SILU=silu_mul,
+                                    SPLIT=sp > 1, USE_PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+                                    num_warps=num_warps or warps, **launch_args(pdl))
+        return y
+else:
+    gemv_triton = None

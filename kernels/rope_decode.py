@@ -1,0 +1,222 @@
+"""Decode attention with the rotary embedding, the per-head q/k RMSNorm (Qwen3) and the
+KV-cache write of the step's token fused in: one kernel where a decode layer ran two.
+
+`rope_paged_decode` is `rotary_and_store_kv` followed by `paged_attention` for a decode-only
+step (every sequence has one new token, its last): same inputs, same result. On CUDA with
+full rotary it is one launch of `_rope_decode_kernel` (plus the split merge of
+`kernels.attention_triton`); otherwise the two dispatchers in turn (the reference on the CPU).
+
+Why: at batch 1 the rotary kernel is one program that runs ~2.7 us between the qkv
+projection and attention, on the step's critical path (H200, Qwen3-0.6B). Here each
+attention program (seq, kv_head, split) rotates the G query heads it needs itself (a few
+hundred values, cheaper than a launch), and the program whose partition holds the
+sequence's last token rotates that token's key, uses it from registers and writes the key
+and value to the cache slot. The other programs mask that token out of their tiles, so no
+program reads the slot that is being written. The kernel before (the qkv projection)
+writes no KV cache, so with programmatic dependent launch (`kernels.pdl`) each program
+loads its first tile of cached keys and values, the block table, the angles and the norm
+weights before its wait; q, k and v of the step's token after it.
+
+RoPE in the "neox" layout (`kernels.rotary`): for i < D/2, out[i] = x[i] cos - x[i+D/2]
+sin, out[i+D/2] = x[i+D/2] cos + x[i] sin, done on whole [heads, D] tiles by loading each
+element's partner (i +- D/2) as a second, cached load. Rounding follows
+`rotary_and_store_kv_ref`: normalised x rounded to the dtype, times the weight rounded,
+the rotation in fp32 rounded once. The attention math is `_decode_kernel`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import paged_attention
+from kernels.rotary import rotary_and_store_kv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the dispatcher runs the two steps
+    triton = None
+
+# launch defaults (benchmarks/gemv_sweep.py times the alternatives, H200, Qwen3-0.6B heads, 1K
+# context, per layer): block_n None = 32 keys per tile while seqs * kv_heads < SMs (b=1: 8.1
+# us with PDL, 64: 8.0, 16: 8.3), else 64 (b=256: 252 us, 32: 279; b=64: 67 against 72);
+# splits None = programs_per_sm programs per SM over seqs * kv_heads, at most a tile each
+# (b=1: 33 splits, 8.1 us; 64 splits 8.9); prefetch: see kernels.attention_triton; max_seqs:
+# larger batches run the rotary kernel and attention apart (None: no limit)
+ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
+                              "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
+                              "max_seqs": None}
+ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
+
+
+def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cu_seqlens_q,
+                      seq_lens, block_tables, scale, q_norm=None, k_norm=None, eps: float = 1e-6,
+                      plan=None, max_seq_len: int | None = None) -> torch.Tensor:
+    """Rotate q [B, H, D] and k [B, KVH, D] (one token per sequence, at positions [B]),
+    store k and v [B, KVH, D] at slot_mapping [B] (< 0: skipped), and attend over the cache:
+    -> [B, H, D] in q's dtype, as `rotary_and_store_kv` then `paged_attention` (see there for
+    the other shapes). q_norm, k_norm: [D] weights of the per-head RMSNorm, or None.
+    q and k may be left rotated or not (the fused kernel does not write them back).
+    """
+    cap = ROPE_DECODE_DEFAULTS["max_seqs"]
+    if (q.is_cuda and ENABLED and rope_decode_triton is not None and cos_sin.shape[-1] == q.shape[-1]
+            and q.shape[-1] % 2 == 0 and (cap is None or q.shape[0] <= cap)):
+        return rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
+                                  block_tables, scale, max_seq_len, q_norm, k_norm, eps)
+    rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+    return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, plan, 1,
+                           max_seq_len)
+
+
+if triton is not None:
+    from kernels.attention_triton import _LOG2E, _attend_tile, _merge_kernel, _prefetch
+    from kernels.device_info import num_sms
+    from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
+
+    @triton.jit
+    def _rope_rows(x_ptr, rows, dd, pd, mask, cos, sin, w, wp, eps, head_dim, NORM: tl.constexpr):
+        """Rows of x (offsets rows [R, 1], or a scalar for one row, + dd) rotated: fp32 values of the dtype [R, BLOCK_D]
+        (normalised per row first with NORM, weights w at dd and wp at the partners pd)."""
+        x = tl.load(x_ptr + rows + dd[None, :], mask=mask, other=0.0)
+        xp = tl.load(x_ptr + rows + pd[None, :], mask=mask, other=0.0)
+        xf, xpf = x.to(tl.float32), xp.to(tl.float32)
+        if NORM:
+            r = tl.rsqrt(tl.sum(xf * xf, 1) / head_dim + eps)[:, None]
+            xf = ((xf * r).to(x.dtype).to(tl.float32) * w[None, :]).to(x.dtype).to(tl.float32)
+            xpf = ((xpf * r).to(x.dtype).to(tl.float32) * wp[None, :]).to(x.dtype).to(tl.float32)
+        first = (dd < head_dim // 2)[None, :]
+        out = tl.where(first, xf * cos[None, :] - xpf * sin[None, :], xf * cos[None, :] + xpf * sin[None, :])
+        return out.to(x.dtype)
+
+    @triton.jit(do_not_specialize=["s_bt"])
+    def _rope_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, slot_ptr,
+                            kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, cs_stride, sc_b, sc_s, sc_h, s_bt,
+                            so_t, so_h, qk_scale, block_size, n_splits, n_heads, head_dim, eps,
+                            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                            USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        # before the wait: host-written step inputs, weights and, with PREFETCH, the first
+        # tile of the cache (no kernel before writes it; the step's token is masked out and
+        # taken from registers). The owner writes the token's K/V, then every program loads
+        # the rest of its tiles as usual.
+        seq_len = tl.load(seqlen_ptr + seq).to(tl.int32)
+        last = seq_len - 1
+        pos = tl.load(pos_ptr + seq).to(tl.int64)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        half = head_dim // 2
+        dd = tl.arange(0, BLOCK_D)
+        dmask = dd < head_dim
+        pd = tl.where(dd < half, dd + half, dd - half)
+        ci = tl.where(dd < half, dd, dd - half)
+        cos = tl.load(cs_ptr + pos * cs_stride + ci, mask=dmask, other=0.0)
+        sin = tl.load(cs_ptr + pos * cs_stride + half + ci, mask=dmask, other=0.0)
+        if NORM:
+            qw = tl.load(qn_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+            qwp = tl.load(qn_ptr + pd, mask=dmask, other=0.0).to(tl.float32)
+            kw = tl.load(kn_ptr + dd, mask=dmask, other=0.0).to(tl.float32)
+            kwp = tl.load(kn_ptr + pd, mask=dmask, other=0.0).to(tl.float32)
+        else:
+            qw = cos  # unused without NORM
+            qwp = cos
+            kw = cos
+            kwp = cos
+        partition = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), n_splits) * BLOCK_N
+        start = split * partition
+        end = tl.minimum(start + partition, seq_len)
+        if PREFETCH:  # the first tile of cached keys, the step's token masked out
+            nn = start + tl.arange(0, BLOCK_N)
+            nm = nn < end
+            blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+            off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+            cached = (nm & (nn < last))[:, None] & dmask[None, :]
+            k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=cached, other=0.0)
+            v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=cached, other=0.0)
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
+        gg = tl.arange(0, BLOCK_G)
+        heads = kvh * G + gg
+        q = _rope_rows(q_ptr, seq * sq_t + heads[:, None] * sq_h, dd, pd, (gg < G)[:, None] & dmask[None, :],
+                       cos, sin, qw, qwp, eps, head_dim, NORM)
+        k_new = _rope_rows(k_ptr, seq * sk_t + kvh * sk_h, dd, pd, dmask[None, :],
+                           cos, sin, kw, kwp, eps, head_dim, NORM)  # [1, BLOCK_D]
+        v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dd[None, :], mask=dmask[None, :], other=0.0)
+        if (start <= last) & (last < end) & (slot >= 0):  # this program owns the step's token
+            c = slot * sc_s + kvh * sc_h + dd[None, :]
+            tl.store(kc_ptr + c, k_new, mask=dmask[None, :])
+            tl.store(vc_ptr + c, v_new, mask=dmask[None, :])
+        tl.debug_barrier()  # the owner's writes are visible to its own loads below
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        lo = start
+        if PREFETCH:
+            is_new = (nn == last)[:, None]
+            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, k0), tl.where(is_new, v_new, v0), nm,
+                                         m_i, l_i, acc, qk_scale)
+            lo = start + BLOCK_N
+        for n0 in range(lo, end, BLOCK_N):
+            nn = n0 + tl.arange(0, BLOCK_N)
+            nm = nn < end
+            blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+            off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+            kv_mask = nm[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
+        hm = (gg < G)[:, None] & dmask[None, :]
+        if ONE_SPLIT:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + seq * so_t + heads[:, None] * so_h + dd[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=hm)
+        else:
+            row = (seq * n_heads + heads) * n_splits + split  # [BLOCK_G]
+            tl.store(m_ptr + row, m_i, mask=gg < G)
+            tl.store(l_ptr + row, l_i, mask=gg < G)
+            tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
+
+    def rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
+                           block_tables, scale, max_seq_len=None, q_norm=None, k_norm=None, eps=1e-6,
+                           decode_config: dict | None = None) -> torch.Tensor:
+        """The CUDA path of `rope_paged_decode` (full rotary: cos_sin [positions, D]).
+        decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits).
+        Raises ValueError for a strided last dim or num_heads not a multiple of num_kv_heads."""
+        b, h, d = q.shape
+        kvh = k_cache.shape[2]
+        if h % kvh or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError(f"rope decode: heads {h}/{kvh}, last strides {q.stride(-1)} {k.stride(-1)} "
+                             f"{v.stride(-1)}")
+        out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+        if b == 0:
+            return out
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        dc = {**ROPE_DECODE_DEFAULTS, **(decode_config or {})}
+        block_n = dc["block_n"] or (32 if b * kvh < num_sms(q.device) else 64)
+        n_tiles = triton.cdiv(max(1, max_seq_len), block_n)
+        splits = dc["splits"] or max(1, min(n_tiles, triton.cdiv(dc["programs_per_sm"] * num_sms(q.device), b * kvh)))
+        one = splits == 1
+        m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
+        l_ = torch.empty_like(m) if not one else out
+        acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device) if not one else out
+        norm = q_norm is not None
+        pdl = use_pdl(q.device)
+        bd = triton.next_power_of_2(d)
+        _rope_decode_kernel[(b, kvh, splits)](
+            q, k, v, positions, cos_sin, q_norm if norm else q, k_norm if norm else q, slot_mapping,
+            k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1), scale * _LOG2E, k_cache.shape[1], splits, h, d, eps,
+            G=h // kvh, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n, BLOCK_D=bd,
+            NORM=norm, ONE_SPLIT=one, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
+            num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
+        if not one:
+            _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d, USE_PDL=pdl,
+                                     BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd, **launch_args(pdl))
+        return out
+else:
+    rope_decode_triton = None
