@@ -76,6 +76,40 @@ def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dd, dmask,
+                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr):
+    """The key tiles lo, lo + BLOCK_N, .. below end of one sequence and KV head, gathered
+    through its block table row: returns the updated (m_i, l_i, acc) of `_attend_tile`."""
+    for n0 in range(lo, end, BLOCK_N):
+        nn = n0 + tl.arange(0, BLOCK_N)
+        nm = nn < end
+        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        kv_mask = nm[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                   n_heads, n_splits, split, head_dim, G: tl.constexpr, ONE_SPLIT: tl.constexpr):
+    """With ONE_SPLIT the normalised output of the G heads; else this split's (m, l, acc)
+    for `_merge_kernel`."""
+    hm = (gg < G)[:, None] & dmask[None, :]
+    if ONE_SPLIT:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + seq * so_t + heads[:, None] * so_h + dd[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hm)
+    else:
+        row = (seq * n_heads + heads) * n_splits + split  # [BLOCK_G]
+        tl.store(m_ptr + row, m_i, mask=gg < G)
+        tl.store(l_ptr + row, l_i, mask=gg < G)
+        tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
+
+
 @triton.jit(do_not_specialize=["s_bt"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                    sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
@@ -124,25 +158,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0.0), v0)
         m_i, l_i, acc = _attend_tile(q, k0, v0, nm, m_i, l_i, acc, qk_scale)
         lo = start + BLOCK_N
-    for n0 in range(lo, end, BLOCK_N):
-        nn = n0 + tl.arange(0, BLOCK_N)
-        nm = nn < end
-        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
-        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
-        kv_mask = nm[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
-    hm = (gg < G)[:, None] & dmask[None, :]
-    if ONE_SPLIT:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + seq * so_t + heads[:, None] * so_h + dd[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hm)
-    else:
-        row = (seq * n_heads + heads) * n_splits + split  # [BLOCK_G]
-        tl.store(m_ptr + row, m_i, mask=gg < G)
-        tl.store(l_ptr + row, l_i, mask=gg < G)
-        tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
+    m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh,
+                                  dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N)
+    _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                   n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
 
 
 @triton.jit(do_not_specialize=["n_splits"])

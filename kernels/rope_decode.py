@@ -69,7 +69,7 @@ def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
 
 
 if triton is not None:
-    from kernels.attention_triton import _LOG2E, _attend_tile, _merge_kernel, _prefetch
+    from kernels.attention_triton import _LOG2E, _attend_range, _attend_tile, _merge_kernel, _prefetch, _store_partial
     from kernels.device_info import num_sms
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
@@ -158,25 +158,10 @@ if triton is not None:
             m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, k0), tl.where(is_new, v_new, v0), nm,
                                          m_i, l_i, acc, qk_scale)
             lo = start + BLOCK_N
-        for n0 in range(lo, end, BLOCK_N):
-            nn = n0 + tl.arange(0, BLOCK_N)
-            nm = nn < end
-            blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
-            off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
-            kv_mask = nm[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
-        hm = (gg < G)[:, None] & dmask[None, :]
-        if ONE_SPLIT:
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + seq * so_t + heads[:, None] * so_h + dd[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=hm)
-        else:
-            row = (seq * n_heads + heads) * n_splits + split  # [BLOCK_G]
-            tl.store(m_ptr + row, m_i, mask=gg < G)
-            tl.store(l_ptr + row, l_i, mask=gg < G)
-            tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
+        m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
+                                      kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N)
+        _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                       n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
 
     def rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
                            block_tables, scale, max_seq_len=None, q_norm=None, k_norm=None, eps=1e-6,
