@@ -377,20 +377,20 @@ class Scheduler:
             if req.is_finished:
                 continue  # e.g. a decode planned before its previous token ended the request
             current = epoch == req.epoch and req.status == RequestStatus.RUNNING
+            done = seq.start_pos + len(seq.token_ids)  # prompt/context tokens computed by this plan
             if current:
-                done = seq.start_pos + len(seq.token_ids)
                 new = self.bm.cache_full_blocks(req, upto=done)  # before a finish frees them
                 if self.tiers_enabled:
                     self.new_cached.extend(new)
             # Prompt logprobs of a plan made before a preemption still count while the
             # request waits (it rescores from scratch only when re-admitted): its kept
             # token may end it, prompt logprobs complete.
-            if (current or req.status == RequestStatus.WAITING) and req.wants_prompt_logprobs \
-                    and req.request_id in prompt_logprobs:
+            live = current or req.status == RequestStatus.WAITING
+            if live and req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
                 req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
-                if not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
-                    self.finish(req, "length")  # scored the prompt; nothing to generate
-                    changed.append(req)
+            if live and not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
+                self.finish(req, "length")  # scored the prompt (with or without logprobs); nothing to generate
+                changed.append(req)
             if tok is None:
                 continue
             # A token sampled before a preemption is still the right one: it is kept, and

@@ -4,7 +4,8 @@ Each prompt of `prompt` (string, strings, token ids, lists of token ids) gets `n
 choice index = prompt_index * n + j, each its own engine request. String prompts are
 tokenized with the tokenizer's special tokens (BOS where the model has one), as vLLM does.
 `echo` puts the prompt text before each choice's text; `max_tokens: 0` with `echo` scores
-the prompt: no text is generated (one token is sampled in the engine and dropped) and, with
+the prompt: no text is generated (the engine runs the prompt and samples nothing, so the
+prompt may fill max_model_len) and, with
 `logprobs`, the prompt's logprobs come back (`SamplingParams.prompt_logprobs`; the first
 prompt token has none, as in OpenAI's format). max_tokens defaults to OpenAI's 16.
 
@@ -57,7 +58,9 @@ class CompletionsServing:
         self.s = serving
 
     def _prepare(self, req: CompletionRequest) -> list[tuple[list[int], str, int]]:
-        """(token ids, text, max_tokens to send (>= 1)) of each prompt; raises APIError."""
+        """(token ids, text, max_tokens to send) of each prompt; raises APIError. max_tokens 0
+        (scoring, with echo) may fill the whole context: the engine runs the prompt and
+        samples nothing."""
         s = self.s
         if req.model != s.model_name:
             raise model_not_found(req.model)
@@ -68,10 +71,9 @@ class CompletionsServing:
             text = p if isinstance(p, str) else s.tokenizer.decode(
                 p, skip_special_tokens=req.sampling.skip_special_tokens)
             room = s.max_model_len - len(ids)
-            if room < 1 or (want is not None and max(want, 1) > room):
+            if room < (0 if want == 0 else 1) or (want is not None and want > room):
                 raise context_error("prompt", s.max_model_len, len(ids), want, "prompt")
-            out.append((ids, text, max(want, 1) if want is not None
-                        else min(DEFAULT_MAX_TOKENS, room)))
+            out.append((ids, text, want if want is not None else min(DEFAULT_MAX_TOKENS, room)))
         return out
 
     async def completions(self, request: Request) -> Response:

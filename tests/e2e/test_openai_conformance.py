@@ -197,6 +197,25 @@ def test_completions_echo_scoring_with_max_tokens_zero(client, tok):
     assert all(isinstance(x, float) and x <= 0 for x in c.logprobs.token_logprobs[1:])
 
 
+def test_completions_scoring_may_fill_the_whole_context_and_not_one_token_more(client, server, tok):
+    ids = tok.encode("The capital of France is Paris. " * 200, add_special_tokens=True)[:1024]  # = max_model_len
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == 1024 and r.usage.completion_tokens == 0 and c.finish_reason == "length"
+    assert len(c.logprobs.token_logprobs) == 1024 and c.logprobs.token_logprobs[0] is None
+    # the scores of a prefix do not depend on what follows it (causal attention)
+    short = client.completions.create(model=MODEL, prompt=ids[:300], max_tokens=0, echo=True, logprobs=1)
+    assert short.choices[0].logprobs.token_logprobs[1:] == pytest.approx(c.logprobs.token_logprobs[1:300],
+                                                                         abs=1e-3)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids[:300], max_tokens=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == short.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    for body in ({"prompt": ids + [ids[1]], "max_tokens": 0, "echo": True},  # one token more
+                 {"prompt": ids, "max_tokens": 1}):  # no room to generate
+        resp = httpx.post(server.base_url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+
+
 def test_completions_stream_matches_non_stream(client):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
     text = client.completions.create(**kw).choices[0].text

@@ -163,12 +163,20 @@ def test_async_preemption_keeps_prompt_logprobs_whole(seed):
     assert out == run(reqs(), num_blocks=1000, budget=1000)
 
 
-def test_async_max_tokens_0_plans_no_empty_seq():
-    """max_tokens 0 (score the prompt only): its last chunk samples nothing, and the plan
-    made before that result must not give it a 0-token seq."""
-    r = Request("a", b"fe", list(range(1, 31)), SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1))
-    run([r], num_blocks=100, budget=16, block_size=4, overlap=True)  # asserts plan validity
-    assert r.finish_reason == "length" and len(r.prompt_logprobs) == 29
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("prompt_logprobs", [1, None])
+def test_max_tokens_0_finishes_after_the_prompt_with_or_without_prompt_logprobs(overlap, prompt_logprobs):
+    """max_tokens 0 (score the prompt only): its last chunk samples nothing, the plan made
+    before that result must not give it a 0-token seq, and it finishes once the prompt is
+    computed, whether or not it asked for prompt logprobs (without them it once never
+    finished: the HTTP request hung)."""
+    r = Request("a", b"fe", list(range(1, 31)),
+                SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=prompt_logprobs))
+    other = Request("b", b"fe", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    out = run([r, other], num_blocks=100, budget=16, block_size=4, overlap=overlap)  # asserts plan validity
+    assert r.finish_reason == "length" and r.output_token_ids == []
+    assert len(r.prompt_logprobs) == (29 if prompt_logprobs else 0)
+    assert out["b"][1] == "length" and len(out["b"][0]) == 3
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -211,7 +211,8 @@ def main() -> None:
                                                    torch.where(slots < 0, spare * bs, slots), qn, kn, 1e-6)
                     kc[spare], vc[spare] = kc0[spare], vc0[spare]
                     ok = sl > 0
-                    o = attention.paged_attention_ref(q[ok], kc, vc, torch.arange(int(ok.sum()) + 1, dtype=torch.int32), sl[ok], bt[ok], d ** -0.5)
+                    cu = torch.arange(int(ok.sum()) + 1, dtype=torch.int32)
+                    o = attention.paged_attention_ref(q[ok], kc, vc, cu, sl[ok], bt[ok], d ** -0.5)
                 res.append((o[sl > 0] if fused else o, kc, vc))
             errs.append(max(rel(a, b_) for a, b_ in zip(res[1], res[0])))
         out[f"rope_decode_{name}"] = max(errs)
