@@ -22,6 +22,10 @@ in fp32, one rounding to the dtype (only the order of the fp32 sum differs from 
 
 `gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)
 (benchmarks/gemv_sweep.py measures them on a GPU), and `TUNING` the heuristic's knobs.
+Measured on the H200 (gemv_sweep.py, Qwen3-0.6B, 28 distinct weights per shape in one CUDA
+graph, per launch): qkv 5.6 -> 4.2 us against the skinny kernel, o_proj 6.3 -> 3.2, gate_up
+6.9 -> 5.1, down 7.0 -> 3.8; with PDL 3.7 / 2.6 / 5.3 / 3.1 us. The tuned plans gave no TPOT
+gain over the heuristic in decode_latency.py (1.071 against 1.046 ms), so none is committed.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Captured CUDA graphs keep the programmatic edges (CUDA 12.3+).
 
 `ENABLED` turns it on or off for every kernel (benchmarks flip it); `use_pdl(device)` is
 what a launcher passes as the kernel's USE_PDL and as Triton's `launch_pdl`.
+Measured on the H200 (Qwen3-0.6B, batch 1): the decode stack without attention in one graph
+579 -> 495 us with the gemv kernel; decode_latency.py TPOT 1.111 ms with `--pdl off`
+against 0.955 on (one run each, same machine and session).
 """
 
 from __future__ import annotations
