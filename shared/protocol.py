@@ -135,7 +135,9 @@ FrontendToEngine = Hello | AddRequest | Abort | Heartbeat | UtilityCall
 
 
 class EngineInfo(msgspec.Struct, tag="info", array_like=True):
-    """The engine's facts, sent in answer to `Hello`."""
+    """The engine's facts, sent in answer to `Hello`. max_num_waiting: the waiting-queue
+    bound (0: none given); one HTTP request opens at most this many engine requests, or a
+    request that could never be admitted whole would get 503 on every retry."""
 
     engine_id: str
     model_name: str
@@ -144,6 +146,7 @@ class EngineInfo(msgspec.Struct, tag="info", array_like=True):
     block_size: int
     num_blocks: int
     eos_token_ids: list[int]
+    max_num_waiting: int = 0
 
 
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -107,7 +107,7 @@ class FrontendLink:
             engine_id=self.engine_id, model_name=self.cfg.served_model_name,
             model_path=self.info.path, max_model_len=self.max_model_len,
             block_size=self.cfg.block_size, num_blocks=self.scheduler.bm.num_blocks,
-            eos_token_ids=list(self.info.eos_token_ids)))
+            eos_token_ids=list(self.info.eos_token_ids), max_num_waiting=self.cfg.max_num_waiting))
 
     def _validate(self, msg: P.AddRequest) -> str | None:
         """Why an AddRequest is invalid (the client's fault), or None."""

@@ -154,6 +154,7 @@ class ChatServing:
         s = self.s
         if req.model != s.model_name:
             raise model_not_found(req.model)
+        s.check_choices(req.sampling.n, "n")
         if s.template is None:
             raise InternalError("The model has no chat template.")
         kwargs = self.features.template_kwargs() | req.chat_template_kwargs

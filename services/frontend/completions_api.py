@@ -64,6 +64,7 @@ class CompletionsServing:
         s = self.s
         if req.model != s.model_name:
             raise model_not_found(req.model)
+        s.check_choices(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
         out = []
         want = req.sampling.max_tokens
         for p in req.prompts:

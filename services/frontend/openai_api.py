@@ -123,12 +123,14 @@ class OpenAIServing:
     prompt + completion. template: the model's chat template, None if it has none (chat
     requests then fail with 500). keepalive_s: seconds between SSE keep-alive comments.
     max_body_bytes: request bodies above it get 413. features: the tool-call and reasoning
-    parsers of chat requests (default: none).
+    parsers of chat requests (default: none). max_choices: engine requests one HTTP request
+    may open (prompts x n; the engine's waiting-queue bound), 0 for no bound.
     """
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, template: ChatTemplate | None,
                  model_name: str, max_model_len: int, keepalive_s: float,
-                 max_body_bytes: int = 8 << 20, features: ChatFeatures | None = None):
+                 max_body_bytes: int = 8 << 20, features: ChatFeatures | None = None,
+                 max_choices: int = 0):
         self.engine = engine
         self.features = features or ChatFeatures()
         self.tokenizer = tokenizer
@@ -137,6 +139,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.keepalive_s = keepalive_s
         self.max_body_bytes = max_body_bytes
+        self.max_choices = max_choices
         self.created = int(time.time())
         self.lp = LogprobFormatter(tokenizer)
 
@@ -216,6 +219,15 @@ class OpenAIServing:
                 raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def check_choices(self, count: int, param: str) -> None:
+        """Raise InvalidRequest(param) (400) when one request would open more than
+        max_choices engine requests: the engine's waiting queue could never take it whole,
+        so it would get 503 + Retry-After on every retry."""
+        if self.max_choices and count > self.max_choices:
+            raise InvalidRequest(param, f"this request needs {count} sequences (prompts x n), more than the "
+                                        f"server queues at once ({self.max_choices}, --max-num-waiting); "
+                                        "send it in smaller batches")
 
     def fan_out(self, request_id: str, choices: list[tuple[list[int], SamplingParams]],
                 sampling: SamplingRequest,

@@ -121,7 +121,7 @@ async def _build_serving(cfg: KestrelConfig, engine: EngineClient) -> OpenAIServ
     name = cfg.served_model_name or info.model_name
     return OpenAIServing(engine, tokenizer, template, name, info.max_model_len, cfg.keepalive_s,
                          cfg.max_request_body_bytes,
-                         ChatFeatures(cfg.tool_call_parser, cfg.reasoning_parser))
+                         ChatFeatures(cfg.tool_call_parser, cfg.reasoning_parser), info.max_num_waiting)
 
 
 def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:

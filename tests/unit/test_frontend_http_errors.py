@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.unit.test_frontend_support import (HI, MAX_MODEL_LEN, MODEL,  # noqa: F401
+from tests.unit.test_frontend_support import (HI, MAX_MODEL_LEN, MODEL, Stack,  # noqa: F401
                                               client, stack)
 
 # ---------------------------------------------------------------- errors
@@ -104,3 +104,25 @@ def test_engine_error_is_an_sse_error_event_then_done_when_streaming(stack):
     assert b"simulated worker fault" in events[-2]
 
 
+
+
+def test_a_request_larger_than_the_engine_waiting_queue_gets_400_not_a_hopeless_503():
+    """The engine queues at most max_num_waiting requests (beyond: 503 + Retry-After). One
+    HTTP request opening more engine requests than that (prompts x n) could never be
+    admitted whole, so it is the client's 400, naming the field; one that fits is served."""
+    st = Stack()
+    try:
+        st.start_engine().info.max_num_waiting = 3  # sent to the frontend at its Hello
+        st.start_frontend()
+        st.wait_healthy()
+        post = lambda path, body: httpx.post(st.url + path, json={"model": MODEL, **body}, timeout=30)  # noqa: E731
+        r = post("/v1/chat/completions", {"messages": HI, "n": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = post("/v1/completions", {"prompt": ["a", "b"], "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "--max-num-waiting" in r.json()["error"]["message"]
+        assert post("/v1/chat/completions", {"messages": HI, "n": 3}).status_code == 200
+        assert post("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2}).status_code == 200
+        assert len(st.engine.added) == 6  # 3 + 3: the refused requests reached no engine
+    finally:
+        st.close()
