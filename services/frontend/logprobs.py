@@ -6,7 +6,9 @@
   character; `token` is then its bytes decoded with U+FFFD replacement).
 - Completions (`choices[i].logprobs`): {"tokens": [str], "token_logprobs": [float|None],
   "top_logprobs": [{token: logprob}|None], "text_offset": [int]}; text_offset is the
-  character offset of each token in the choice's text (echoed prompt included).
+  character offset of each token in the choice's text (echoed prompt included). Each
+  top_logprobs dict holds the `logprobs` most likely tokens and the chosen one (so
+  `logprobs: 0` gives {chosen: logprob}, as vLLM).
 
 Logprobs are natural logs (the engine's TokenLogprob.logprob); -inf/NaN are not valid JSON,
 so they are clamped to -9999.0 as OpenAI does.
@@ -116,8 +118,7 @@ class LogprobFormatter:
             tops: dict[str, float] = {}
             for t, tlp in list(zip(lp.top_ids, lp.top_logprobs))[:top_n]:
                 tops.setdefault(self.token(t)[0], _lp(tlp))
-            if top_n:
-                tops.setdefault(text, _lp(lp.logprob))
+            tops.setdefault(text, _lp(lp.logprob))  # the chosen token too, also at logprobs 0 (as vLLM)
             res["top_logprobs"].append(tops)
         return res, offset
 

@@ -216,6 +216,13 @@ def test_completions_scoring_may_fill_the_whole_context_and_not_one_token_more(c
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
 
 
+def test_completions_logprobs_0_lists_the_chosen_token_alone(client):
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
+
+
 def test_completions_stream_matches_non_stream(client):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
     text = client.completions.create(**kw).choices[0].text
