@@ -61,6 +61,15 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 @triton.jit
+def _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh):
+    """Element offsets [BLOCK_N] of the cache rows of tokens nn (valid where nm) of one
+    sequence and KV head, through its block-table row (cache [blocks, block_size, heads, D]
+    with strides sc_b, sc_s, sc_h)."""
+    blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
+    return blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+
+
+@triton.jit
 def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
     """One key tile of the online softmax: q [BLOCK_G, D], k/v [BLOCK_N, D], nm the valid
     keys [BLOCK_N] (none valid in an empty partition: m stays -inf, l and acc 0); returns
@@ -84,8 +93,7 @@ def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, 
     for n0 in range(lo, end, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < end
-        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
-        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
         k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
@@ -139,8 +147,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
     if PREFETCH:
         nn = start + tl.arange(0, BLOCK_N)
         nm = nn < end
-        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
-        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         old = (nm & (nn < seq_len - 1))[:, None] & dmask[None, :]
         k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=old, other=0.0)
         v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=old, other=0.0)
@@ -215,8 +222,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
     for n0 in range(0, hi, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < seq_len
-        blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
-        off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+        off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
         k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -241,6 +247,29 @@ def _prefetch(dc: dict, pdl: bool, block_n: int) -> bool:
     if dc.get("prefetch") is not None:
         return bool(dc["prefetch"])
     return pdl and block_n <= dc["prefetch_max_block_n"]
+
+
+def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, l, acc) fp32 partials of a split-K decode into out [B, H, D]: [B, H, splits] twice
+    and [B, H, splits, D]; `out` itself three times for one split (the kernel then stores the
+    output directly)."""
+    if splits == 1:
+        return out, out, out
+    b, h, d = out.shape
+    m = torch.empty((b, h, splits), dtype=torch.float32, device=out.device)
+    return m, torch.empty_like(m), torch.empty((b, h, splits, d), dtype=torch.float32, device=out.device)
+
+
+def merge_splits(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, splits: int,
+                 pdl: bool) -> None:
+    """Launch `_merge_kernel` over the partials of `split_buffers` into out [B, H, D] (nothing
+    for one split)."""
+    if splits == 1:
+        return
+    b, h, d = out.shape
+    _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d, USE_PDL=pdl,
+                          BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(d),
+                          **launch_args(pdl))
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
@@ -290,22 +319,17 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         dc = {**DECODE_DEFAULTS, **(decode_config or {})}
         block_n = dc["block_n"] or (64 if bd <= 128 else 32)
         splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n)
-        one = splits == 1
         pdl = use_pdl(q.device)
-        m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
-        l_ = torch.empty_like(m) if not one else out
-        acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device) if not one else out
+        m, l_, acc = split_buffers(out, splits)
         _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
                                          *strides, qk_scale, k_cache.shape[1], splits, h, d,
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
-                                         BLOCK_D=bd, ONE_SPLIT=one, USE_PDL=pdl,
+                                         BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl,
                                          PREFETCH=_prefetch(dc, pdl, block_n),
                                          num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
                                          **launch_args(pdl))
-        if not one:
-            _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d, USE_PDL=pdl,
-                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd, **launch_args(pdl))
+        merge_splits(m, l_, acc, out, splits, pdl)
         return out
     block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](

@@ -52,26 +52,21 @@ def _pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, num_warps) for W [n, k]: PLANS[(n, k)] when present, else
-    the TUNING heuristic (split K only when a row is longer than max_block_k; then halve
-    BLOCK_N from tile_elems / BLOCK_K down to 2 until the grid has programs_per_sm programs
-    per SM)."""
+def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, SPLIT, num_warps) for W [n, k]: PLANS[(n, k)] when present, else the TUNING
+    heuristic (split K only when a row is longer than max_block_k; then halve BLOCK_N from
+    tile_elems / BLOCK_K down to 2 until the grid has programs_per_sm programs per SM).
+    `gemv_triton` derives BLOCK_K and the final split from SPLIT."""
     if (n, k) in PLANS:
-        bn, split, warps = PLANS[(n, k)]
-    else:
-        split = 1
-        while _pow2(-(-k // split)) > TUNING["max_block_k"]:
-            split *= 2
-        bk = _pow2(-(-k // split))
-        bn = max(2, min(64, TUNING["tile_elems"] // bk))
-        target = TUNING["programs_per_sm"] * num_sms(device)
-        while bn > 2 and -(-n // bn) * split < target:
-            bn //= 2
-        warps = TUNING["num_warps"]
-    split = max(1, min(split, k))
-    k_per = -(-k // split)
-    return bn, _pow2(k_per), -(-k // k_per), warps
+        return PLANS[(n, k)]
+    split = 1
+    while _pow2(-(-k // split)) > TUNING["max_block_k"]:
+        split *= 2
+    bn = max(2, min(64, TUNING["tile_elems"] // _pow2(-(-k // split))))
+    target = TUNING["programs_per_sm"] * num_sms(device)
+    while bn > 2 and -(-n // bn) * split < target:
+        bn //= 2
+    return bn, split, TUNING["num_warps"]
 
 
 if triton is not None:
@@ -143,10 +138,10 @@ if triton is not None:
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
             return y.zero_() if bias is None or n == 0 else y.copy_(bias.view(1, n))
-        bn, _, sp, warps = gemv_plan(n, k, x.device)
+        bn, sp, warps = gemv_plan(n, k, x.device)
         bn = block_n or bn
-        k_per = -(-k // max(1, min(split or sp, k)))
-        bk, sp = _pow2(k_per), -(-k // k_per)
+        k_per = -(-k // max(1, min(split or sp, k)))  # K columns per split program
+        bk, sp = _pow2(k_per), -(-k // k_per)  # no empty trailing split
         n_tiles = -(-n // bn)
         counters = tile_counters(x.device, n_tiles) if sp > 1 else y
         if counters is None:

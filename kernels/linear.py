@@ -2,8 +2,9 @@
 also fuse the RMSNorm before it, the SiLU-and-mul before it, or the residual add after it.
 
 `linear` (the dispatcher) calls `skinny_linear_triton` for CUDA inputs with few rows
-(`skinny_applies`; a single row goes to `kernels.gemv` instead) and otherwise torch (`F.linear`: cuBLAS on the GPU, MKL on the CPU),
-with the fused steps run as their own ops (`kernels.norm`, `kernels.activation`, an add).
+(`skinny_applies`; a single row goes to `kernels.gemv` instead) and otherwise torch
+(`F.linear`: cuBLAS on the GPU, MKL on the CPU), with the fused steps run as their own ops
+(`kernels.norm`, `kernels.activation`, an add).
 `linear_ref` is the pure-torch truth for tests.
 
 Why a kernel of our own: at decode batch 1..16 a linear layer is a matrix-vector product
@@ -116,13 +117,21 @@ def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
                          f"want ({x.shape[0]}, {n}) {x.dtype}")
 
 
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             silu_mul: bool) -> torch.Tensor | None:
+    """`kernels.gemv` for a one-row x that `skinny_applies` to (gemv.ENABLED), else None
+    (more rows, or gemv declined: the caller takes the skinny kernel)."""
+    if x.shape[0] != 1 or not gemv.ENABLED:
+        return None
+    return gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, silu_mul=silu_mul)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `linear_ref` (see there for shapes and rounding): one launch of
     `kernels.gemv` for a single row (plain or with silu_mul alone, `gemv.ENABLED`) or of the
-    skinny kernel when
-    `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the
+    skinny kernel when `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the
     residual add as separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place
     add), which is the reference on the CPU.
     Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
@@ -130,16 +139,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if norm_weight is None and residual is None and not silu_mul:  # the plain (per-call cheap) path
         if x.is_cuda and skinny_applies(x, weight):
-            if x.shape[0] == 1 and gemv.ENABLED:
-                y = gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
-                if y is not None:
-                    return y
-            return skinny_linear_triton(x, weight, bias)
+            y = _one_row(x, weight, bias, False)
+            return y if y is not None else skinny_linear_triton(x, weight, bias)
         return F.linear(x, weight, bias)  # = linear_ref(x, weight, bias)
     _check_fused(x, weight, norm_weight, silu_mul, residual)
-    if (silu_mul and norm_weight is None and residual is None and x.shape[0] == 1 and gemv.ENABLED
-            and skinny_applies(x, weight)):
-        y = gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, silu_mul=True)
+    if norm_weight is None and residual is None and skinny_applies(x, weight):  # silu_mul alone
+        y = _one_row(x, weight, bias, True)
         if y is not None:
             return y
     if skinny_applies(x, weight):

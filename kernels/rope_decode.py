@@ -69,7 +69,8 @@ def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
 
 
 if triton is not None:
-    from kernels.attention_triton import _LOG2E, _attend_range, _attend_tile, _merge_kernel, _prefetch, _store_partial
+    from kernels.attention_triton import (_LOG2E, _attend_range, _attend_tile, _kv_offsets, _prefetch,
+                                          _store_partial, merge_splits, split_buffers)
     from kernels.device_info import num_sms
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
@@ -130,8 +131,7 @@ if triton is not None:
         if PREFETCH:  # the first tile of cached keys, the step's token masked out
             nn = start + tl.arange(0, BLOCK_N)
             nm = nn < end
-            blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
-            off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
+            off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
             cached = (nm & (nn < last))[:, None] & dmask[None, :]
             k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=cached, other=0.0)
             v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=cached, other=0.0)
@@ -183,10 +183,7 @@ if triton is not None:
         block_n = dc["block_n"] or (32 if b * kvh < num_sms(q.device) else 64)
         n_tiles = triton.cdiv(max(1, max_seq_len), block_n)
         splits = dc["splits"] or max(1, min(n_tiles, triton.cdiv(dc["programs_per_sm"] * num_sms(q.device), b * kvh)))
-        one = splits == 1
-        m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device) if not one else out
-        l_ = torch.empty_like(m) if not one else out
-        acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device) if not one else out
+        m, l_, acc = split_buffers(out, splits)
         norm = q_norm is not None
         pdl = use_pdl(q.device)
         bd = triton.next_power_of_2(d)
@@ -197,11 +194,9 @@ if triton is not None:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), scale * _LOG2E, k_cache.shape[1], splits, h, d, eps,
             G=h // kvh, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n, BLOCK_D=bd,
-            NORM=norm, ONE_SPLIT=one, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
+            NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
             num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
-        if not one:
-            _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d, USE_PDL=pdl,
-                                     BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=bd, **launch_args(pdl))
+        merge_splits(m, l_, acc, out, splits, pdl)
         return out
 else:
     rope_decode_triton = None

@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
         (Qwen3), or None. residual: [T, hidden] added to the projection, or None."""
         a = self.attn
         qn, kn, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
-        if meta.max_q_len == 1 and q.is_cuda:  # decode only: one fused kernel (kernels.rope_decode)
+        if meta.max_q_len == 1:  # decode only: one fused kernel where the device has it (kernels.rope_decode)
             o = rope_paged_decode(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
                                   meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                   a.scale, qn, kn, eps, meta.ref_plan, meta.max_seq_len).reshape(q.shape[0], -1)
