@@ -27,9 +27,11 @@ class PlanState:
         """Make every seq of `plan` whole, in place: block_table becomes the full table
         (a list the next plan may extend: read it before the next resolve), sampling the
         request's parameters, table_start 0; requests in plan.forget are dropped first.
-        Returns plan. Raises ValueError for an increment of a request this state does not
-        hold, or one that starts past its table (the engine and workers disagree), and for
-        a first seq without sampling parameters."""
+        A held table only grows: an increment that starts inside it gets a new list, so the
+        entries of a list once handed out never change. Returns plan. Raises ValueError for
+        an increment of a request this state does not hold, or one that starts past its
+        table (the engine and workers disagree), and for a first seq without sampling
+        parameters."""
         known = self.known
         for rid in plan.forget:
             known.pop(rid, None)
@@ -46,10 +48,10 @@ class PlanState:
                     raise ValueError(f"request {rid}: table increment from block {s.table_start}, "
                                      f"the worker holds {have}")
                 table = entry[0]
-                del table[s.table_start:]
+                if s.table_start < len(table):  # a list's entries never change once held
+                    table = table[:s.table_start]  # (`DecodeGraphs.run` stages only what grew)
                 table.extend(s.block_table)
-                if s.sampling is not None:
-                    known[rid] = (table, s.sampling)
+                known[rid] = (table, entry[1] if s.sampling is None else s.sampling)
             table, sampling = known[rid]
             s.block_table, s.sampling, s.table_start = table, sampling, 0
         return plan

@@ -17,6 +17,7 @@ import time
 import torch
 
 from kernels import attention as attn_kernels
+from kernels.pending_ids import encode_pending
 from services.worker.kv_cache import KVCache, block_bytes, num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
@@ -112,6 +113,7 @@ class ModelRunner:
         # the last step that sampled: (its token ids on the device [rows] int64, request id ->
         # row); a PENDING_TOKEN of the next plan is read from it (async scheduling)
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._last_kept: DecodeGraphs | None = None  # the graphs whose `last` holds that draw
         self.load_seconds = time.perf_counter() - t0
 
     def report(self) -> dict:
@@ -150,15 +152,18 @@ class ModelRunner:
         try:
             logits, rows, prompt_logits = self._forward(plan)
         except BaseException:
-            self._last_sampled = None  # a later plan's pending tokens cannot come from here
+            self._last_sampled = self._last_kept = None  # a later plan's pending tokens cannot come from here
             raise
         seqs = plan.seqs
         result = StepResult(plan.step_id, [])
         if rows:
-            out = self.sampler.sample(logits, [seqs[i] for i in rows])
+            g = self.graphs
+            kept = g if g is not None and len(rows) <= g.max_bs else None
+            out = self.sampler.sample(logits, [seqs[i] for i in rows], keep=kept.keep if kept else None)
             result.sampled_token_ids = out.token_ids
             result.logprobs = out.logprobs
             self._last_sampled = (out.token_tensor, {seqs[i].request_id: j for j, i in enumerate(rows)})
+            self._last_kept = kept
         for i, chunk_logits in prompt_logits.items():
             result.prompt_logprobs[seqs[i].request_id] = self._prompt_logprobs(seqs[i], chunk_logits)
         result.kv_store_error = self.kv_transfer.after_step(plan)
@@ -303,9 +308,24 @@ class ModelRunner:
                 raise ValueError(f"request {s.request_id}: 1 token at {p} does not fit its "
                                  f"{len(s.block_table)} blocks of {bs} or max_model_len {self.max_model_len}")
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-        return self.graphs.run([s.token_ids[0] for s in seqs], pos, slots, [p + 1 for p in pos],
-                               [s.block_table for s in seqs],
-                               fill=lambda ids: self._fill_pending(ids, seqs))
+        ids = [s.token_ids[0] for s in seqs]
+        if PENDING_TOKEN in ids:  # a reference to the last draw's row, resolved in the graph
+            index = self._pending_rows([s.request_id for s, t in zip(seqs, ids) if t == PENDING_TOKEN])
+            if self._last_kept is not self.graphs:  # that draw is not in the graphs' copy yet
+                self.graphs.keep(self._last_sampled[0])
+                self._last_kept = self.graphs
+            ids = [encode_pending(index[s.request_id]) if t == PENDING_TOKEN else t for s, t in zip(seqs, ids)]
+        return self.graphs.run(ids, pos, slots, [p + 1 for p in pos], [s.block_table for s in seqs])
+
+    def _pending_rows(self, request_ids: list[str]) -> dict[str, int]:
+        """request id -> its row in the last draw, for requests whose input is pending.
+        Raises ValueError when one has no such draw (the engine and the worker disagree, or
+        the step that drew it failed)."""
+        last = self._last_sampled
+        missing = [r for r in request_ids if last is None or r not in last[1]]
+        if missing:
+            raise ValueError(f"request {missing[0]}: a pending token with no draw of the last step")
+        return last[1]
 
     def _fill_pending(self, ids: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
         """Replace the PENDING_TOKEN entries of the step's flattened input ids [T] int64 (on
@@ -320,11 +340,8 @@ class ModelRunner:
                 rows.append(s.request_id)
         if not dst:
             return
-        last = self._last_sampled
-        missing = [r for r in rows if last is None or r not in last[1]]
-        if missing:
-            raise ValueError(f"request {missing[0]}: a pending token with no draw of the last step")
-        src, index = last
+        index = self._pending_rows(rows)
+        src = self._last_sampled[0]
         rows = [index[r] for r in rows]
         n = len(dst)
         if dst == list(range(n)) and rows == list(range(n)) and src.numel() == n:

@@ -86,10 +86,12 @@ class Sampler:
         return sample(logits, temp.to(dev, non_blocking=True), top_k.to(dev), top_p.to(dev), min_p.to(dev),
                       seeds, filtered)
 
-    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], keep=None) -> SamplerOutput:
         """Apply the logits processors, draw, and compute logprobs where asked.
 
-        logits: [len(seqs), vocab] fp32 (not modified). Returns SamplerOutput.
+        logits: [len(seqs), vocab] fp32 (not modified). keep: None, or a callable given the
+        drawn ids [len(seqs)] int64 on the device before they are read back to the host
+        (so that its device work is queued before the host waits). Returns SamplerOutput.
         Raises ValueError when a row's bitmask is not whole int32 words.
         """
         params = [s.sampling for s in seqs]
@@ -97,6 +99,8 @@ class Sampler:
         raw_lp = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         processed = self.process(logits, seqs)
         toks = self._draw(processed, params, [s.output_index for s in seqs])
+        if keep is not None:
+            keep(toks)
         lps: list[TokenLogprob | None] = []
         if raw_lp is not None:
             rows = [i for i, w in enumerate(want_lp) if w]

@@ -45,3 +45,13 @@ def test_a_pending_token_with_no_draw_of_the_last_step_is_an_error(runner):
     # a failed step leaves no draw behind: its requests' pending tokens are errors too
     with pytest.raises(ValueError, match="pending token"):
         runner.execute(StepPlan(2, [ScheduledSeq("a", [PENDING_TOKEN], 3, [0], True, sp, 1)]))
+
+
+def test_pending_ids_reference_rows_of_the_last_draw():
+    # how the CUDA graphs stage a pending input: -(row + 1) of the last draw, resolved on the device
+    from kernels.pending_ids import encode_pending, resolve_pending_ids, resolve_pending_ids_ref
+    last = torch.tensor([50, 60, 70])
+    ids = torch.tensor([1, encode_pending(2), 0, encode_pending(0), 9])
+    assert resolve_pending_ids(ids, last) is ids
+    assert ids.tolist() == [1, 70, 0, 50, 9]
+    assert resolve_pending_ids_ref(torch.tensor([3, 4]), last).tolist() == [3, 4]

@@ -30,6 +30,18 @@ def test_increments_rebuild_whole_tables_and_parameters():
     assert st.known == {}
 
 
+def test_a_held_table_list_only_grows_an_increment_inside_it_gets_a_new_list():
+    # the CUDA graphs restage a table list only from where it grew (cuda_graphs.DecodeGraphs.run)
+    st = PlanState()
+    t1 = st.resolve(P.StepPlan(1, [_seq("a", [4, 5, 6])])).seqs[0].block_table
+    t2 = st.resolve(P.StepPlan(2, [_seq("a", [7], start=3, sampling=None)])).seqs[0].block_table
+    assert t2 is t1 and t1 == [4, 5, 6, 7]  # appended in place
+    t3 = st.resolve(P.StepPlan(3, [_seq("a", [9, 10], start=2, sampling=None)])).seqs[0].block_table
+    assert t3 == [4, 5, 9, 10] and t3 is not t1 and t1 == [4, 5, 6, 7]
+    t4 = st.resolve(P.StepPlan(4, [_seq("a", [11], start=4, sampling=None)])).seqs[0].block_table
+    assert t4 is t3 and t4 == [4, 5, 9, 10, 11] and st.known["a"][1].temperature == 0.5
+
+
 def test_disagreement_with_the_engine_is_an_error_not_a_wrong_table():
     st = PlanState()
     with pytest.raises(ValueError, match="holds none"):
