@@ -11,11 +11,12 @@ bandwidth measured in this run (device-to-device copy of 2 GiB, read + write byt
 Writes JSON to --out and stdout.
 
 --pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
+--fused-layers off keeps the norms as their own kernels at one row;
 --gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--out FILE]
-       [--pdl on|off] [--gemv on|off] [--gemv-plans FILE] [--rope-decode on|off] [--attn JSON]
+       [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE] [--rope-decode on|off] [--attn JSON]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import gemv, pdl, rope_decode  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
+from services.worker.models.llama import LlamaModel  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
@@ -92,6 +94,9 @@ def main() -> None:
                     help="the one-row matrix-vector kernel (kernels.gemv) for batch-1 projections")
     ap.add_argument("--gemv-plans", default=None,
                     help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
+    ap.add_argument("--fused-layers", choices=["on", "off"], default="on",
+                    help="the fused decoder layer at one row (LlamaModel.fuse_one_row: norms and residual "
+                         "adds inside the gemv projections)")
     ap.add_argument("--rope-decode", choices=["on", "off"], default="on",
                     help="decode attention with the rotary fused in (kernels.rope_decode)")
     ap.add_argument("--attn", default=None,
@@ -99,6 +104,7 @@ def main() -> None:
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
     a = ap.parse_args()
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
+    LlamaModel.fuse_one_row = a.fused_layers == "on"
     if a.attn:
         (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
     if a.gemv_plans:
@@ -117,7 +123,7 @@ def main() -> None:
     res = {"benchmark": "decode_latency", "device": device_name(), "config": a.config,
            "weights": "dummy", "context": a.context, "steps": a.steps, "runner": report,
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
-           "pdl": a.pdl, "gemv": a.gemv, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
+           "pdl": a.pdl, "gemv": a.gemv, "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once + KV of the context (K and V, every layer)
     params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
     layers, kvh, hd = runner.model.kv_shape()

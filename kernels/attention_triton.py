@@ -7,9 +7,11 @@ this file is split off to keep each file near the 300-line mark of CONVENTIONS.m
   the manner of FlashDecoding (Dao et al. 2023): program (seq, kv_head, split) attends the
   G = num_heads / num_kv_heads query heads of one KV head (GQA: K/V are read once per KV
   head) over one partition of the context with an online softmax (Milakov & Gimelshein
-  2018), and a second kernel merges the partitions by their log-sum-exp. Other steps run a
-  varlen causal kernel in the manner of FlashAttention-2 (Dao 2023): program (query tile,
-  seq, head) walks the key tiles up to its causal limit on top of the cached prefix.
+  2018); the partitions are merged by their log-sum-exp (`kernels.decode_merge`): by the
+  last program of each (seq, kv_head) to finish, in the kernel, or by a second kernel with
+  DECODE_DEFAULTS["fused_merge"] False. Other steps run a varlen causal kernel in the
+  manner of FlashAttention-2 (Dao 2023): program (query tile, seq, head) walks the key
+  tiles up to its causal limit on top of the cached prefix.
   Keys are gathered token by token through the block table, so any block size works.
   Scores use exp2 with log2(e) folded into the scale. Dots take the cache dtype
   (bf16/fp16 on tensor cores; fp32 runs as tf32 on the GPU) and accumulate in fp32.
@@ -21,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
 from kernels.device_info import num_sms
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
@@ -30,9 +33,13 @@ _LOG2E = 1.4426950408889634
 # at 1K context) and b=64 mixed contexts (2.2x the default there), H200, kernel_sweep.py.
 # prefetch_max_block_n: with PDL, tiles up to this many keys load their first tile before the
 # wait (b=1 1K context, 28 layers in a graph: 32-key tiles 7.0 -> 6.1 us per layer; 64-key
-# tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200)
+# tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200).
+# fused_merge: the last split program of each (seq, kv_head) merges the partials itself
+# (`kernels.decode_merge._merge_if_last`) instead of a `_merge_kernel` launch after the
+# kernel; not yet measured on the GPU (kernels.rope_decode's merge launch costs ~2.4 us at
+# batch 1, H200, Qwen3-0.6B)
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
-                         "prefetch_max_block_n": 32, "prefetch": None}
+                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": True}
 
 
 @triton.jit
@@ -101,29 +108,15 @@ def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, 
     return m_i, l_i, acc
 
 
-@triton.jit
-def _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
-                   n_heads, n_splits, split, head_dim, G: tl.constexpr, ONE_SPLIT: tl.constexpr):
-    """With ONE_SPLIT the normalised output of the G heads; else this split's (m, l, acc)
-    for `_merge_kernel`."""
-    hm = (gg < G)[:, None] & dmask[None, :]
-    if ONE_SPLIT:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + seq * so_t + heads[:, None] * so_h + dd[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hm)
-    else:
-        row = (seq * n_heads + heads) * n_splits + split  # [BLOCK_G]
-        tl.store(m_ptr + row, m_i, mask=gg < G)
-        tl.store(l_ptr + row, l_i, mask=gg < G)
-        tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=hm)
-
-
 @triton.jit(do_not_specialize=["s_bt"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
                    sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                    n_splits, n_heads, head_dim, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
+    # no program returns early: with FUSED_MERGE each one, empty partitions too, must arrive
+    # on its (seq, kv_head) counter in `_merge_if_last`
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -169,29 +162,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
                                   dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N)
     _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
                    n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
-
-
-@triton.jit(do_not_specialize=["n_splits"])
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, so_t, so_h, n_heads, n_splits, head_dim,
-                  USE_PDL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    pdl_wait(USE_PDL)
-    pdl_release(USE_PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    ss = tl.arange(0, BLOCK_S)
-    dd = tl.arange(0, BLOCK_D)
-    sm = ss < n_splits
-    row = (seq * n_heads + h) * n_splits + ss
-    m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=sm, other=0.0)
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
-    total = tl.sum(l * w, 0)
-    acc = tl.load(acc_ptr + row[:, None] * head_dim + dd[None, :],
-                  mask=sm[:, None] & (dd < head_dim)[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * so_t + h * so_h + dd, o.to(out_ptr.dtype.element_ty), mask=dd < head_dim)
+    if FUSED_MERGE:  # (never with ONE_SPLIT)
+        _merge_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, seq, kvh, so_t, so_h, n_heads, n_splits,
+                       head_dim, G, BLOCK_S, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["s_bt"])
@@ -249,29 +222,6 @@ def _prefetch(dc: dict, pdl: bool, block_n: int) -> bool:
     return pdl and block_n <= dc["prefetch_max_block_n"]
 
 
-def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, l, acc) fp32 partials of a split-K decode into out [B, H, D]: [B, H, splits] twice
-    and [B, H, splits, D]; `out` itself three times for one split (the kernel then stores the
-    output directly)."""
-    if splits == 1:
-        return out, out, out
-    b, h, d = out.shape
-    m = torch.empty((b, h, splits), dtype=torch.float32, device=out.device)
-    return m, torch.empty_like(m), torch.empty((b, h, splits, d), dtype=torch.float32, device=out.device)
-
-
-def merge_splits(m: torch.Tensor, l_: torch.Tensor, acc: torch.Tensor, out: torch.Tensor, splits: int,
-                 pdl: bool) -> None:
-    """Launch `_merge_kernel` over the partials of `split_buffers` into out [B, H, D] (nothing
-    for one split)."""
-    if splits == 1:
-        return
-    b, h, d = out.shape
-    _merge_kernel[(b, h)](m, l_, acc, out, out.stride(0), out.stride(1), h, splits, d, USE_PDL=pdl,
-                          BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(d),
-                          **launch_args(pdl))
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                   block_n: int = 64) -> int:
     """Number of split-K partitions of the decode: about four programs per SM, at most one
@@ -321,15 +271,18 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n)
         pdl = use_pdl(q.device)
         m, l_, acc = split_buffers(out, splits)
+        cnt = merge_counters(out, kvh, splits, dc["fused_merge"])
         _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+                                         out if cnt is None else cnt,
                                          *strides, qk_scale, k_cache.shape[1], splits, h, d,
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
                                          BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl,
-                                         PREFETCH=_prefetch(dc, pdl, block_n),
+                                         PREFETCH=_prefetch(dc, pdl, block_n), FUSED_MERGE=cnt is not None,
+                                         BLOCK_S=1 if cnt is None else triton.next_power_of_2(splits),
                                          num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
                                          **launch_args(pdl))
-        merge_splits(m, l_, acc, out, splits, pdl)
+        merge_splits(m, l_, acc, out, splits, pdl, cnt)
         return out
     block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](

@@ -1,5 +1,6 @@
 """Matrix-vector product of decode batch 1: y [1, N] = x [1, K] @ W [N, K].T (+ bias), with the
-SiLU-and-mul of the MLP optionally applied to x as it is loaded.
+SiLU-and-mul of the MLP or the RMSNorm before the projection optionally applied to x as it is
+loaded, and the residual add optionally applied to y.
 
 Why a second kernel beside `kernels.linear`'s skinny one: at batch 1 the step is ~110 such
 products of 4-12 MB each (Qwen3-0.6B), each bound by reading W once, and each short enough
@@ -18,7 +19,13 @@ each program stores its fp32 partial; the last program of a row tile to arrive (
 barrier, acq_rel atomic on the shared per-device counters of `kernels.device_info`) sums
 the partials in split order, deterministically, adds the bias, stores y and re-zeroes its
 counter. Rounding matches `kernels.linear.linear_ref`: fp32 products and sums, bias added
-in fp32, one rounding to the dtype (only the order of the fp32 sum differs from cuBLAS).
+in fp32, one rounding to the dtype (only the order of the fp32 sum differs from cuBLAS);
+the residual is added to the rounded y in fp32 and rounded again (as `fused_add_rms_norm`).
+With the norm, every program loads the whole row of x (a few KB, from L2) for its rstd,
+then normalises its own K range as `rms_norm_ref` does; the sum of squares is one tree
+reduction here, so a normalised value may round to its neighbour against kernels/norm.py.
+The fused decoder layer at batch 1 (`LlamaModel.fused_layers`) is then 4 of these launches
+and the attention, where the unfused layer adds two norm kernels.
 
 `gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)
 (benchmarks/gemv_sweep.py measures them on a GPU), and `TUNING` the heuristic's knobs.
@@ -73,11 +80,13 @@ if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, sw_n, k_per_split,
-                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr,
-                     USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, N, K, sw_n, k_per_split, eps,
+                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROW_K: tl.constexpr):
         # x: [K] ([2K] = gate | up with SILU), W: [N, K] (row stride sw_n), y: [N]; ws: [SPLIT
-        # programs, N] fp32 partials and cnt: int32 per row tile (SPLIT only)
+        # programs, N] fp32 partials and cnt: int32 per row tile (SPLIT only); nw: [K] norm
+        # weight (NORM); r: [N] residual (HAS_RES); ROW_K: K rounded up to a power of two (NORM)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,9 +94,12 @@ if triton is not None:
         rk = pid_k * k_per_split + kk
         nmask = rn < N
         kmask = (kk < k_per_split) & (rk < K)
-        # W is written by no kernel of a step: its load may run before the wait
+        # W and the norm weight are written by no kernel of a step: their loads may run
+        # before the wait
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * sw_n + rk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
         x = tl.load(x_ptr + rk, mask=kmask, other=0.0)
@@ -95,6 +107,12 @@ if triton is not None:
             u = tl.load(x_ptr + K + rk, mask=kmask, other=0.0)
             gf = x.to(tl.float32)
             x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        if NORM:  # as rms_norm_ref: rstd over the whole row, x * rstd rounded, times the weight rounded
+            rowk = tl.arange(0, ROW_K)
+            xr = tl.load(x_ptr + rowk, mask=rowk < K, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
+            xn = (x.to(tl.float32) * rstd).to(x.dtype)
+            x = (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
         acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if SPLIT:
             tl.store(ws_ptr + pid_k * N + rn, acc, mask=nmask)
@@ -105,23 +123,34 @@ if triton is not None:
                 tot = tl.zeros([BLOCK_N], tl.float32)
                 for s in range(0, n_splits):  # split order: deterministic
                     tot += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    tot += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-                tl.store(y_ptr + rn, tot.to(y_ptr.dtype.element_ty), mask=nmask)
+                _store_y(tot, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS, HAS_RES)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero for the next launch
         else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+            _store_y(acc, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS, HAS_RES)
+
+    @triton.jit
+    def _store_y(acc, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        """y = round(acc + bias), then + residual in fp32 and rounded again (linear_ref's order)."""
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        out = acc.to(y_ptr.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(r_ptr + rn, mask=nmask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rn, out, mask=nmask)
 
     def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    silu_mul: bool = False, block_n: int | None = None, split: int | None = None,
-                    num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor | None:
-        """`linear_ref(x, weight, bias, silu_mul=silu_mul)` for one row: x [1, K] ([1, 2K] =
-        cat(gate, up) with silu_mul, whose SiLU-and-mul the kernel applies as it loads x;
-        unit column stride), weight
-        [N, K] (unit stride along K), bias [N] or None, one half dtype (bf16/fp16; fp32 works
-        too). Returns y [1, N] in x's dtype, or None when the plan splits K and the split
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                    residual: torch.Tensor | None = None, block_n: int | None = None,
+                    split: int | None = None, num_warps: int | None = None,
+                    pdl: bool | None = None) -> torch.Tensor | None:
+        """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for one row:
+        x [1, K] ([1, 2K] = cat(gate, up) with silu_mul; unit column stride), weight [N, K]
+        (unit stride along K), bias [N] or None, norm_weight [K] or None (the RMSNorm of x,
+        computed by every program over the whole row), residual [1, N] or None (added
+        after the rounding, in fp32, rounded again); one half dtype (bf16/fp16; fp32 works
+        too); norm_weight and silu_mul not both (`linear` checks the arguments).
+        Returns y [1, N] in x's dtype, or None when the plan splits K and the split
         counters would have to be allocated inside CUDA-graph capture (the caller then uses
         another kernel).
         block_n / split / num_warps override `gemv_plan` (the sweep benchmark); pdl
@@ -137,7 +166,9 @@ if triton is not None:
                              f"{'2K' if silu_mul else 'K'} columns and unit stride along K")
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
-            return y.zero_() if bias is None or n == 0 else y.copy_(bias.view(1, n))
+            from kernels.linear import linear_ref  # degenerate shapes: no kernel
+            return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                                      residual=residual))
         bn, sp, warps = gemv_plan(n, k, x.device)
         bn = block_n or bn
         k_per = -(-k // max(1, min(split or sp, k)))  # K columns per split program
@@ -147,10 +178,15 @@ if triton is not None:
         if counters is None:
             return None
         ws = torch.empty((sp, n), dtype=torch.float32, device=x.device) if sp > 1 else y
+        if residual is not None and residual.stride(-1) != 1:
+            residual = residual.contiguous()
         pdl = use_pdl(x.device) if pdl is None else pdl
-        _gemv_kernel[(n_tiles, sp)](x, weight, y if bias is None else bias, y, ws, counters, n, k,
-                                    weight.stride(0), k_per, HAS_BIAS=bias is not None, SILU=silu_mul,
-                                    SPLIT=sp > 1, USE_PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+        _gemv_kernel[(n_tiles, sp)](x, weight, y if bias is None else bias, y, ws, counters,
+                                    x if norm_weight is None else norm_weight,
+                                    y if residual is None else residual, n, k, weight.stride(0), k_per, eps,
+                                    HAS_BIAS=bias is not None, SILU=silu_mul, NORM=norm_weight is not None,
+                                    HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, BLOCK_N=bn,
+                                    BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
                                     num_warps=num_warps or warps, **launch_args(pdl))
         return y
 else:

@@ -117,37 +117,36 @@ def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
                          f"want ({x.shape[0]}, {n}) {x.dtype}")
 
 
-def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             silu_mul: bool) -> torch.Tensor | None:
-    """`kernels.gemv` for a one-row x that `skinny_applies` to (gemv.ENABLED), else None
-    (more rows, or gemv declined: the caller takes the skinny kernel)."""
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **fused) -> torch.Tensor | None:
+    """`kernels.gemv` for a one-row x that `skinny_applies` to (gemv.ENABLED), with the fused
+    steps (norm_weight, eps, silu_mul, residual) in the kernel; else None (more rows, or gemv
+    declined: the caller takes the skinny kernel)."""
     if x.shape[0] != 1 or not gemv.ENABLED:
         return None
-    return gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, silu_mul=silu_mul)
+    return gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, **fused)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `linear_ref` (see there for shapes and rounding): one launch of
-    `kernels.gemv` for a single row (plain or with silu_mul alone, `gemv.ENABLED`) or of the
-    skinny kernel when `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the
-    residual add as separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place
-    add), which is the reference on the CPU.
+    `kernels.gemv` for a single row (`gemv.ENABLED`), or of the skinny kernel, when
+    `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the residual add as
+    separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place add), which is
+    the reference on the CPU.
     Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
     norm_weight or residual (shape or dtype) do not fit weight.
     """
     if norm_weight is None and residual is None and not silu_mul:  # the plain (per-call cheap) path
         if x.is_cuda and skinny_applies(x, weight):
-            y = _one_row(x, weight, bias, False)
+            y = _one_row(x, weight, bias)
             return y if y is not None else skinny_linear_triton(x, weight, bias)
         return F.linear(x, weight, bias)  # = linear_ref(x, weight, bias)
     _check_fused(x, weight, norm_weight, silu_mul, residual)
-    if norm_weight is None and residual is None and skinny_applies(x, weight):  # silu_mul alone
-        y = _one_row(x, weight, bias, True)
+    if skinny_applies(x, weight):
+        y = _one_row(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
         if y is not None:
             return y
-    if skinny_applies(x, weight):
         return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                     silu_mul=silu_mul, residual=residual)
     if norm_weight is not None:

@@ -3,8 +3,10 @@ KV-cache write of the step's token fused in: one kernel where a decode layer ran
 
 `rope_paged_decode` is `rotary_and_store_kv` followed by `paged_attention` for a decode-only
 step (every sequence has one new token, its last): same inputs, same result. On CUDA with
-full rotary it is one launch of `_rope_decode_kernel` (plus the split merge of
-`kernels.attention_triton`); otherwise the two dispatchers in turn (the reference on the CPU).
+full rotary it is one launch of `_rope_decode_kernel`, whose last program of each (seq,
+kv_head) to finish merges the splits' partials (`kernels.decode_merge`; with fused_merge
+False a second launch, `_merge_kernel`, merges them); otherwise the two dispatchers in turn
+(the reference on the CPU).
 
 Why: at batch 1 the rotary kernel is one program that runs ~2.7 us between the qkv
 projection and attention, on the step's critical path (H200, Qwen3-0.6B). Here each
@@ -15,7 +17,8 @@ and value to the cache slot. The other programs mask that token out of their til
 program reads the slot that is being written. The kernel before (the qkv projection)
 writes no KV cache, so with programmatic dependent launch (`kernels.pdl`) each program
 loads its first tile of cached keys and values, the block table, the angles and the norm
-weights before its wait; q, k and v of the step's token after it.
+weights before its wait; q, k and v of the step's token after it, and the split counters
+of the merge at the end.
 
 RoPE in the "neox" layout (`kernels.rotary`): for i < D/2, out[i] = x[i] cos - x[i+D/2]
 sin, out[i+D/2] = x[i+D/2] cos + x[i] sin, done on whole [heads, D] tiles by loading each
@@ -41,11 +44,15 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # context, per layer): block_n None = 32 keys per tile while seqs * kv_heads < SMs (b=1: 8.1
 # us with PDL, 64: 8.0, 16: 8.3), else 64 (b=256: 252 us, 32: 279; b=64: 67 against 72);
 # splits None = programs_per_sm programs per SM over seqs * kv_heads, at most a tile each
-# (b=1: 33 splits, 8.1 us; 64 splits 8.9); prefetch: see kernels.attention_triton; max_seqs:
-# larger batches run the rotary kernel and attention apart (None: no limit)
+# (b=1: 33 splits, 8.1 us; 64 splits 8.9; all timed before fused_merge existed); prefetch:
+# see kernels.attention_triton; max_seqs: larger batches run the rotary kernel and attention
+# apart (None: no limit). fused_merge: the kernel's last program of each (seq, kv_head) merges
+# the splits (kernels.decode_merge) instead of the second launch, which costs ~2.4 us per layer
+# at b=1 (28 layers on the critical path); not yet measured on the GPU: False gives the
+# two-launch path to compare (benchmarks/decode_latency.py --attn '{"fused_merge": false}')
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
-                              "max_seqs": None}
+                              "max_seqs": None, "fused_merge": True}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
 
@@ -69,8 +76,8 @@ def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
 
 
 if triton is not None:
-    from kernels.attention_triton import (_LOG2E, _attend_range, _attend_tile, _kv_offsets, _prefetch,
-                                          _store_partial, merge_splits, split_buffers)
+    from kernels.attention_triton import _LOG2E, _attend_range, _attend_tile, _kv_offsets, _prefetch
+    from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
     from kernels.device_info import num_sms
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
@@ -91,12 +98,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["s_bt"])
     def _rope_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, slot_ptr,
-                            kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                            kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
                             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, cs_stride, sc_b, sc_s, sc_h, s_bt,
                             so_t, so_h, qk_scale, block_size, n_splits, n_heads, head_dim, eps,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                            USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                            USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
+                            BLOCK_S: tl.constexpr):
+        # no program returns early (a padding row, seq_len 0, and an empty partition run
+        # through with m -inf, l 0): with FUSED_MERGE each must arrive on its (seq, kv_head)
+        # counter in `_merge_if_last`, after the PDL wait
         seq = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -162,12 +173,15 @@ if triton is not None:
                                       kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N)
         _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
                        n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
+        if FUSED_MERGE:  # (never with ONE_SPLIT)
+            _merge_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, seq, kvh, so_t, so_h, n_heads, n_splits,
+                           head_dim, G, BLOCK_S, BLOCK_D)
 
     def rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
                            block_tables, scale, max_seq_len=None, q_norm=None, k_norm=None, eps=1e-6,
                            decode_config: dict | None = None) -> torch.Tensor:
         """The CUDA path of `rope_paged_decode` (full rotary: cos_sin [positions, D]).
-        decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits).
+        decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits, fused_merge, ..).
         Raises ValueError for a strided last dim or num_heads not a multiple of num_kv_heads."""
         b, h, d = q.shape
         kvh = k_cache.shape[2]
@@ -184,19 +198,21 @@ if triton is not None:
         n_tiles = triton.cdiv(max(1, max_seq_len), block_n)
         splits = dc["splits"] or max(1, min(n_tiles, triton.cdiv(dc["programs_per_sm"] * num_sms(q.device), b * kvh)))
         m, l_, acc = split_buffers(out, splits)
+        cnt = merge_counters(out, kvh, splits, dc["fused_merge"])
         norm = q_norm is not None
         pdl = use_pdl(q.device)
         bd = triton.next_power_of_2(d)
         _rope_decode_kernel[(b, kvh, splits)](
             q, k, v, positions, cos_sin, q_norm if norm else q, k_norm if norm else q, slot_mapping,
-            k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+            k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, out if cnt is None else cnt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), scale * _LOG2E, k_cache.shape[1], splits, h, d, eps,
             G=h // kvh, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n, BLOCK_D=bd,
             NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
+            FUSED_MERGE=cnt is not None, BLOCK_S=1 if cnt is None else triton.next_power_of_2(splits),
             num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
-        merge_splits(m, l_, acc, out, splits, pdl)
+        merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out
 else:
     rope_decode_triton = None

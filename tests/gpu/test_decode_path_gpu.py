@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import activation, attention, device_info, gemv, linear, norm, pdl, rope_decode, rotary  # noqa: E402
+from kernels import (activation, attention, decode_merge, device_info, gemv, linear, norm, pdl,  # noqa: E402
+                     rope_decode, rotary)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -69,43 +70,129 @@ def test_linear_dispatches_one_row_to_gemv_and_more_rows_elsewhere(monkeypatch):
     assert calls == [False, True]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("batch,bs,qk_norm", [(1, 16, True), (3, 32, False), (64, 16, True), (256, 16, True)])
-def test_rope_decode_matches_rotary_then_attention_reference(dtype, batch, bs, qk_norm):
-    torch.manual_seed(batch)
-    hq, hk, d = 16, 8, 128
-    lens = torch.randint(1, 2100, (batch,)).tolist()
-    lens[0] = bs  # the token ends a block
-    if batch > 2:
-        lens[1], lens[2] = 1, bs + 1  # the first token of a sequence; one past a block boundary
+class _LaunchCount:
+    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+def _counters_zero() -> bool:
+    torch.cuda.synchronize()
+    return all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
+
+
+def _rope_step(lens, bs, dtype, qk_norm, hq=16, hk=8, d=128):
+    """A decode step for `rope_paged_decode` over sequences of lengths lens (0: a CUDA-graph
+    padding row, length 0 and slot -1) and its reference, the rotary reference then the
+    attention reference in fp32 over the rows of length > 0. Returns a dict: qkv [B, (H + 2
+    KVH) D], kc0/vc0 the caches before the step, args(q, k, v, kc, vc) the call's arguments,
+    ok [B] the rows of length > 0, want [B, H, D] (zeros on padding rows), want_kc/want_vc."""
+    batch = len(lens)
     nb = sum(-(-n // bs) for n in lens) + 2
     perm = torch.randperm(nb).tolist()
-    width = max(-(-n // bs) for n in lens)
+    width = max(1, max(-(-n // bs) for n in lens))
     tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    pos = (sl - 1).long()
-    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)], device="cuda")
+    pos = (sl - 1).clamp_min(0).long()
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs if n else -1 for t, n in zip(tables, lens)],
+                         device="cuda")
     table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 1e6), 4096).cuda()
     qn = (1 + 0.2 * torch.randn(d, device="cuda")).to(dtype) if qk_norm else None
     kn = (1 + 0.2 * torch.randn(d, device="cuda")).to(dtype) if qk_norm else None
     qkv = torch.randn(batch, (hq + 2 * hk) * d, device="cuda", dtype=dtype)
     kc0 = torch.randn(nb, bs, hk, d, device="cuda", dtype=dtype)
     vc0 = torch.randn_like(kc0)
-    kc, vc = kc0.clone(), vc0.clone()
-    q, k, v = (t.view(batch, -1, d) for t in qkv.clone().split([hq * d, hk * d, hk * d], -1))
-    got = rope_decode.rope_paged_decode(q, k, v, pos, table, kc, vc, slots, None, sl, bt, d ** -0.5,
-                                        qn, kn, 1e-6, None, 4096)
     up = (lambda t: None if t is None else t.float())
-    q, k, v = (t.view(batch, -1, d).float() for t in qkv.split([hq * d, hk * d, hk * d], -1))
-    q, k = q.contiguous(), k.contiguous()
+    ok = sl > 0
+    q, k, v = (t.view(batch, -1, d)[ok].float() for t in qkv.split([hq * d, hk * d, hk * d], -1))
     rkc, rvc = kc0.float(), vc0.float()
-    rotary.rotary_and_store_kv_ref(q, k, v, pos, table, rkc, rvc, slots, up(qn), up(kn), 1e-6)
-    ref = attention.paged_attention_ref(q, rkc, rvc, torch.arange(batch + 1, dtype=torch.int32), sl.cpu(),
-                                        bt, d ** -0.5)
+    rotary.rotary_and_store_kv_ref(q, k, v, pos[ok], table, rkc, rvc, slots[ok], up(qn), up(kn), 1e-6)
+    want = torch.zeros(batch, hq, d, device="cuda")
+    want[ok] = attention.paged_attention_ref(q, rkc, rvc, torch.arange(int(ok.sum()) + 1, dtype=torch.int32),
+                                             sl[ok].cpu(), bt[ok], d ** -0.5)
+
+    def args(q, k, v, kc, vc):
+        return (q, k, v, pos, table, kc, vc, slots, None, sl, bt, d ** -0.5, qn, kn, 1e-6, None, 4096)
+    return {"qkv": qkv, "kc0": kc0, "vc0": vc0, "args": args, "ok": ok, "want": want, "want_kc": rkc,
+            "want_vc": rvc, "split": [hq * d, hk * d, hk * d], "shape": (batch, d)}
+
+
+def _views(step, qkv):
+    batch, d = step["shape"]
+    return tuple(t.view(batch, -1, d) for t in qkv.split(step["split"], -1))
+
+
+# fused_merge on and off, with the default splits (b=1: 33, b=3: 11, b=64 and 256: one) and
+# with 5 forced (several splits at every batch)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch,bs,qk_norm", [(1, 16, True), (3, 32, False), (64, 16, True), (256, 16, True)])
+@pytest.mark.parametrize("fused_merge,splits", [(True, None), (False, None), (True, 5), (False, 5)])
+def test_rope_decode_matches_rotary_then_attention_reference(monkeypatch, dtype, batch, bs, qk_norm, fused_merge,
+                                                             splits):
+    monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "fused_merge", fused_merge)
+    monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "splits", splits)
+    torch.manual_seed(batch)
+    lens = torch.randint(1, 2100, (batch,)).tolist()
+    lens[0] = bs  # the token ends a block
+    if batch > 2:
+        lens[1], lens[2] = 1, bs + 1  # the first token of a sequence; one past a block boundary
+    step = _rope_step(lens, bs, dtype, qk_norm)
+    kc, vc = step["kc0"].clone(), step["vc0"].clone()
+    got = rope_decode.rope_paged_decode(*step["args"](*_views(step, step["qkv"].clone()), kc, vc))
     tol = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
-    assert rel(got, ref) < tol
-    assert rel(kc, rkc) < tol and rel(vc, rvc) < tol
+    assert rel(got, step["want"]) < tol
+    assert rel(kc, step["want_kc"]) < tol and rel(vc, step["want_vc"]) < tol
+    # the same step again: equal bit for bit (the merge sums the splits in split order
+    # whichever program arrives last), which needs the first to have left its counters at 0
+    kc2, vc2 = step["kc0"].clone(), step["vc0"].clone()
+    again = rope_decode.rope_paged_decode(*step["args"](*_views(step, step["qkv"].clone()), kc2, vc2))
+    assert torch.equal(again, got) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("fused_merge", [True, False])
+@pytest.mark.parametrize("lens,splits", [([1000], 7), ([700, 0, 33, 0, 2000], 3)])
+def test_rope_decode_graph_replays_merge_splits_and_zero_padding_rows(monkeypatch, fused_merge, lens, splits):
+    """Captured in a CUDA graph as `services.worker.cuda_graphs` captures the decode step and
+    replayed: every replay equals the eager call bit for bit and the reference, padding rows
+    (length 0, slot -1) give zeros, and the merge counters are left at 0 between replays."""
+    monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "fused_merge", fused_merge)
+    monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "splits", splits)
+    torch.manual_seed(len(lens))
+    step = _rope_step(lens, 16, torch.bfloat16, True)
+    qkv = step["qkv"].clone()
+    kc, vc = step["kc0"].clone(), step["vc0"].clone()
+    args = step["args"](*_views(step, qkv), kc, vc)
+    merges = _LaunchCount(decode_merge._merge_kernel)
+    monkeypatch.setattr(decode_merge, "_merge_kernel", merges)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = rope_decode.rope_paged_decode(*args)  # warm-up: compiles, allocates the counters
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert merges.n == (0 if fused_merge else 1)  # the merge ran in the kernel, or a second launch
+    eager = eager.clone()
+    eager_kc = kc.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rope_decode.rope_paged_decode(*args)
+    for _ in range(3):
+        kc.copy_(step["kc0"])
+        vc.copy_(step["vc0"])
+        out.fill_(float("nan"))  # a row the replay leaves unwritten shows
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) and torch.equal(kc, eager_kc)
+        assert bool((out[~step["ok"]] == 0).all())
+        assert rel(out, step["want"]) < 2e-2
+        assert _counters_zero()
 
 
 def _layer_inputs(dtype=torch.bfloat16, hid=1024, hq=16, hk=8, d=128, inter=3072, ctx=1000, bs=16):
@@ -163,17 +250,27 @@ def _layer(p, ref=False):
     return lin(lin(x, p["wgu"]), p["wd"], silu_mul=True), r  # as LlamaMLP at one row
 
 
-def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_reference(monkeypatch):
+@pytest.mark.parametrize("fused_merge", [None, False])  # None: the default, the merge in the kernel
+def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_reference(monkeypatch, fused_merge):
+    if fused_merge is None:
+        assert rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "the default path merges in the kernel"
+    else:
+        monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "fused_merge", fused_merge)
     p = _layer_inputs()
     slot = int(p["slot"])
     kc_flat, vc_flat = p["kc"].view(-1, *p["kc"].shape[2:]), p["vc"].view(-1, *p["vc"].shape[2:])
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    merges = _LaunchCount(decode_merge._merge_kernel)
+    monkeypatch.setattr(decode_merge, "_merge_kernel", merges)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         _layer(p)  # warm-up: compiles, allocates the split counters
     torch.cuda.current_stream().wait_stream(s)
+    # 1K context at batch 1 runs several splits: merged in the kernel by default, else by a
+    # second launch
+    assert merges.n == (1 if fused_merge is False else 0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, res = _layer(p)
@@ -199,3 +296,4 @@ def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_refere
         p["vc"].copy_(kv0[1])
         ref, _ = _layer(p, ref=True)
         assert rel(got[0], ref) < 3e-2
+    assert _counters_zero()

@@ -65,6 +65,31 @@ def _counters_zero() -> bool:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pro", ["plain", "norm", "silu"])
 @pytest.mark.parametrize("res", [False, True])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_with_norm_silu_and_residual_matches_reference(dtype, pro, res, pdl):
+    # the one-row kernel's prologues and epilogue (kernels.gemv), split K forced 1..4 with
+    # ragged splits and tiles; the residual sum bit for bit the unfused add of the same
+    # matmul output (fused_add_rms_norm rounds x + residual the same way)
+    n, k = 1031, 1000
+    x, w, b, kw = _inputs(pro, res, 1, n, k, dtype)
+    ref = _ref64(x, w, b, kw)
+    assert rel(L.linear(x, w, b, **kw), ref) < TOL[dtype]  # the dispatcher takes gemv at one row
+    for split in (1, 2, 4):
+        got = gemv.gemv_triton(x, w, b, split=split, pdl=pdl, **kw)
+        assert rel(got, ref) < TOL[dtype], split
+        if res:
+            plain = gemv.gemv_triton(x, w, b, split=split, pdl=pdl, **{**kw, "residual": None})
+            assert torch.equal(got, plain + kw["residual"]), split
+        if pro == "norm":  # the prologue against the norm kernel then the plain gemv
+            xn = norm.rms_norm(x, kw["norm_weight"], kw["eps"])
+            two = gemv.gemv_triton(xn, w, b, split=split, pdl=pdl, residual=kw.get("residual"))
+            assert rel(got, two) < 1e-3, split
+    assert _counters_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pro", ["plain", "norm", "silu"])
+@pytest.mark.parametrize("res", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_fused_skinny_linear_matches_reference(dtype, pro, res, m):
     n, k = 1031, 1000  # odd N; K split in 2 or 4 leaves ragged splits and tiles
@@ -168,14 +193,19 @@ def test_fused_path_is_chosen_for_1_to_16_rows_of_half_dtypes_on_cuda(one_layer_
     from services.worker.models.llama import LlamaModel
 
     model = one_layer_runner.model.model
+    one = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)
+    assert model.fused_layers(one) and not model.fused_layers(torch.zeros(2, 1024, device="cuda", dtype=torch.bfloat16))
     default, LlamaModel.fuse_small_batches = LlamaModel.fuse_small_batches, True
     try:
         for rows, dtype, want in ((1, torch.bfloat16, True), (16, torch.bfloat16, True), (17, torch.bfloat16, False),
                                   (4, torch.float16, False), (4, torch.float32, False)):
             assert model.fused_layers(torch.zeros(rows, 1024, device="cuda", dtype=dtype)) == want, (rows, dtype)
         assert not model.fused_layers(torch.zeros(1, 1024))
+        LlamaModel.fuse_small_batches = False
+        LlamaModel.fuse_one_row = False
+        assert not model.fused_layers(one)
     finally:
-        LlamaModel.fuse_small_batches = default
+        LlamaModel.fuse_small_batches, LlamaModel.fuse_one_row = default, True
 
 
 @pytest.mark.parametrize("batch", [1, 7, 16])
@@ -190,13 +220,13 @@ def test_one_decoder_layer_fused_matches_unfused_at_decode(one_layer_runner, bat
     r.logits(StepPlan(0, [ScheduledSeq(f"s{i}", p, 0, tables[i], True, greedy) for i, p in enumerate(prompts)]))
     decode = StepPlan(0, [ScheduledSeq(f"s{i}", [7 + i], len(p), tables[i], True, greedy, 1)
                           for i, p in enumerate(prompts)])
-    default = LlamaModel.fuse_small_batches
+    default = LlamaModel.fuse_small_batches, LlamaModel.fuse_one_row
     try:
-        LlamaModel.fuse_small_batches = True
+        LlamaModel.fuse_small_batches = LlamaModel.fuse_one_row = True
         fused = r.logits(decode)
-        LlamaModel.fuse_small_batches = False
+        LlamaModel.fuse_small_batches = LlamaModel.fuse_one_row = False
         unfused = r.logits(decode)  # the same step again: rewrites the same KV slots
     finally:
-        LlamaModel.fuse_small_batches = default
+        LlamaModel.fuse_small_batches, LlamaModel.fuse_one_row = default
     assert rel(fused, unfused) < TOL[torch.bfloat16]
     assert _counters_zero()

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import activation, attention, norm, rotary  # noqa: E402
+from kernels import activation, attention, attention_triton, norm, rotary  # noqa: E402
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -101,7 +101,9 @@ def _paged(seqs, h, kvh, d, bs, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3, 64, 256])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_paged_decode_attention_matches_reference(dtype, batch, bs):
+@pytest.mark.parametrize("fused_merge", [True, False])  # the split merge in the kernel or a second launch
+def test_paged_decode_attention_matches_reference(monkeypatch, dtype, batch, bs, fused_merge):
+    monkeypatch.setitem(attention_triton.DECODE_DEFAULTS, "fused_merge", fused_merge)
     lens = torch.randint(1, 2100, (batch,)).tolist()
     lens[0] = bs  # block boundary
     if batch > 2:

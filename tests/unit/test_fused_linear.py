@@ -115,8 +115,18 @@ def test_interpreter_cases_really_split_k(interp_results):
 @pytest.mark.parametrize("case", MODEL_CASES)
 def test_fused_layer_path_through_the_kernel_matches_unfused_path_under_interpreter(interp_results, case):
     r = interp_results[case]
-    assert r["kernel_calls"] >= 4 * 2 * 4, r  # 4 projections x 2 layers x 4 steps took the kernel
+    assert r["kernel_calls"] >= 4 * 2 * 4 and r["gemv_calls"] == 0, r  # 4 projections x 2 layers x 4 steps
     assert 0 < r["split_calls"] < r["kernel_calls"], r  # o_proj and down_proj split K, the others not
+    assert r["err"] <= TOL[case.rsplit("_", 1)[1]], f"{case}: relative error {r['err']}"
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_fused_layer_path_at_one_row_through_gemv_matches_unfused_path_under_interpreter(interp_results, case):
+    # the 3 one-row decode steps take kernels.gemv with the norm prologue and residual
+    # epilogue; the 9-token prefill the skinny kernel
+    r = interp_results[case.replace("model_", "model_gemv_")]
+    assert r["gemv_calls"] == 4 * 2 * 3 and r["kernel_calls"] == 4 * 2, r
+    assert 0 < r["gemv_split_calls"] < r["gemv_calls"], r
     assert r["err"] <= TOL[case.rsplit("_", 1)[1]], f"{case}: relative error {r['err']}"
 
 
@@ -233,33 +243,44 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
     from services.worker.layers.linear import Linear
     from services.worker.models.llama import LlamaModel
 
-    calls = {"kernel": 0, "split": 0}
-    real = L.skinny_linear_triton
+    from kernels import gemv
+
+    calls = {"kernel": 0, "split": 0, "gemv": 0, "gemv_split": 0}
+    real, real_gemv = L.skinny_linear_triton, gemv.gemv_triton
 
     def counting(x, weight, *a, **kw):
         calls["kernel"] += 1
         calls["split"] += L.skinny_plan(x.shape[0], *weight.shape, x.device)[2] > 1
         return real(x, weight, *a, **kw)
 
-    # K tiles of 32 and 2 programs per (interpreter) SM: o_proj and down_proj split K in 2
+    def counting_gemv(x, weight, *a, **kw):
+        calls["gemv"] += 1
+        calls["gemv_split"] += gemv.gemv_plan(*weight.shape, x.device)[1] > 1
+        return real_gemv(x, weight, *a, **kw)
+
+    # K tiles of 32 and 2 programs per (interpreter) SM: o_proj and down_proj split K in 2;
+    # gemv: K ranges of at most 64 columns, so rows of 128 and more split
     L.SKINNY_TUNING.update(block_k=32, programs_per_sm=2)
-    for arch, dname in itertools.product(("llama_bias", "qwen3"), DTYPES):
-        runner = tiny_runner(tmp / f"{arch}_{dname}", arch, dname)
+    gemv.TUNING.update(max_block_k=64)
+    for arch, dname, one_row in itertools.product(("llama_bias", "qwen3"), DTYPES, ("skinny", "gemv")):
+        runner = tiny_runner(tmp / f"{arch}_{dname}_{one_row}", arch, dname)
         for mod in runner.model.modules():  # the kernel wants row-major weights (as on the GPU)
             if isinstance(mod, Linear):
                 mod.weight.data = mod.weight.data.contiguous()
         unfused = run_steps(runner)
-        saved = (L.skinny_applies, L.skinny_linear_triton, LlamaModel.fused_layers)
+        saved = (L.skinny_applies, L.skinny_linear_triton, LlamaModel.fused_layers, gemv.gemv_triton, gemv.ENABLED)
         L.skinny_applies = lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= L.SKINNY_MAX_ROWS
-        L.skinny_linear_triton = counting
+        L.skinny_linear_triton, gemv.gemv_triton = counting, counting_gemv
+        gemv.ENABLED = one_row == "gemv"  # one row: the gemv kernel, or the skinny one
         LlamaModel.fused_layers = lambda self, h: h.shape[0] <= L.SKINNY_MAX_ROWS
-        calls.update(kernel=0, split=0)
+        calls.update(kernel=0, split=0, gemv=0, gemv_split=0)
         try:
             fused = run_steps(runner)
         finally:
-            L.skinny_applies, L.skinny_linear_triton, LlamaModel.fused_layers = saved
-        out[f"model_{arch}_{dname}"] = {"err": max(_rel(a, b) for a, b in zip(fused, unfused)),
-                                        "kernel_calls": calls["kernel"], "split_calls": calls["split"]}
+            L.skinny_applies, L.skinny_linear_triton, LlamaModel.fused_layers, gemv.gemv_triton, gemv.ENABLED = saved
+        name = f"model_{arch}_{dname}" if one_row == "skinny" else f"model_gemv_{arch}_{dname}"
+        out[name] = {"err": max(_rel(a, b) for a, b in zip(fused, unfused)), "kernel_calls": calls["kernel"],
+                     "split_calls": calls["split"], "gemv_calls": calls["gemv"], "gemv_split_calls": calls["gemv_split"]}
 
 
 def main() -> None:

@@ -16,9 +16,10 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from kernels import activation, attention, device_info, gemv, linear, norm, rope_decode, rotary, sampling  # noqa: E402
+from kernels import activation, attention, device_info, gemv, linear, norm, pending_ids, rope_decode, rotary, sampling  # noqa: E402
 from kernels import sampling_triton  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
+from kernels import decode_merge as dm  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,6 +49,65 @@ def paged_case(seqs, h, kvh, d, bs, dtype, gen):
     sl = torch.tensor(lens, dtype=torch.int32)
     ref = attention.paged_attention_ref(q.float(), kc.float(), vc.float(), cu_t, sl, bt, d ** -0.5)
     return q, kc, vc, cu_t, sl, bt, ref
+
+
+def rope_decode_case(lens, bs, norm_on, kw, dt, gen, runs=1):
+    """`rope_decode_triton` (decode_config kw) on sequences of lengths lens (0: a CUDA-graph
+    padding row, slot -1), run `runs` times from the same caches and inputs, against
+    `rotary_and_store_kv_ref` then `paged_attention_ref` over the rows of length > 0: the
+    largest relative error of the output and the caches; inf if a padding row's output is
+    not zero."""
+    b, hq, hk, d = len(lens), 4, 2, 16
+    nb = sum(-(-n // bs) for n in lens) + 3
+    perm = torch.randperm(nb, generator=gen).tolist()
+    width = max(1, max(-(-n // bs) for n in lens))
+    tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    pos = (sl - 1).clamp_min(0).long()
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs if n else -1 for t, n in zip(tables, lens)])
+    table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 512)
+    qn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt) if norm_on else None
+    kn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt) if norm_on else None
+    qkv = torch.randn(b, (hq + 2 * hk) * d, generator=gen).to(dt)
+    kc0 = torch.randn(nb, bs, hk, d, generator=gen).to(dt)
+    vc0 = torch.randn(nb, bs, hk, d, generator=gen).to(dt)
+    buf, kc, vc = qkv.clone(), kc0.clone(), vc0.clone()
+    q, k, v = (t.view(b, -1, d) for t in buf.split([hq * d, hk * d, hk * d], -1))
+    spare = perm[0]  # a block no table uses takes the padding row's write
+    rotary.rotary_and_store_kv_ref(q, k, v, pos, table, kc, vc, torch.where(slots < 0, spare * bs, slots), qn, kn,
+                                   1e-6)
+    kc[spare], vc[spare] = kc0[spare], vc0[spare]
+    ok = sl > 0
+    cu = torch.arange(int(ok.sum()) + 1, dtype=torch.int32)
+    want = (attention.paged_attention_ref(q[ok], kc, vc, cu, sl[ok], bt[ok], d ** -0.5), kc, vc)
+    err = 0.0
+    for _ in range(runs):
+        buf, kc, vc = qkv.clone(), kc0.clone(), vc0.clone()
+        q, k, v = (t.view(b, -1, d) for t in buf.split([hq * d, hk * d, hk * d], -1))
+        o = rope_decode.rope_decode_triton(q, k, v, pos, table, kc, vc, slots, sl, bt, d ** -0.5, None, qn, kn,
+                                           1e-6, kw)
+        if not bool((o[~ok] == 0).all()):
+            return float("inf")
+        err = max([err] + [rel(a, b_) for a, b_ in zip((o[ok], kc, vc), want)])
+    return err
+
+
+class LaunchCount:
+    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+def merge_counters_zero() -> bool:
+    """Whether the in-kernel merge's counter pool exists and every counter is back at 0."""
+    pools = [key[1] for key in device_info.TILE_COUNTERS]
+    return dm.MERGE_POOL in pools and all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
 
 
 def main() -> None:
@@ -113,6 +173,29 @@ def main() -> None:
             q, kc, vc, cu, sl, bt, ref = paged_case(seqs, h, kvh, d, bs, dt, gen)
             got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, d ** -0.5, **kw)
             out[f"attn_{cname}_{name}"] = rel(got, ref)
+        # the plain decode kernel's split merge, in the kernel (fused_merge) and by a second
+        # launch, with a padding row (length 0, zeros out) at index 1; each config run twice:
+        # the second run passes only if the first left its counters at 0
+        q, kc, vc, _, sl, bt, ref = paged_case([(40, 1), (130, 1), (15, 1)], 4, 2, 16, 16, dt, gen)
+        q = torch.cat([q[:1], torch.randn(1, 4, 16, generator=gen).to(dt), q[1:]])
+        sl = torch.cat([sl[:1], torch.zeros(1, dtype=torch.int32), sl[1:]])
+        bt = torch.cat([bt[:1], torch.zeros_like(bt[:1]), bt[1:]])
+        cu = torch.arange(5, dtype=torch.int32)
+        ok = sl > 0
+        errs, merges = [], LaunchCount(dm._merge_kernel)
+        dm._merge_kernel = merges
+        try:
+            for fused in (True, False):
+                for kw in ({"splits": 3, "block_n": 16}, {"splits": 5, "block_n": 16, "prefetch": True}):
+                    merges.n = 0
+                    for _ in range(2):
+                        got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, 16 ** -0.5, 1, None,
+                                                        {**kw, "fused_merge": fused})
+                        errs.append(rel(got[ok], ref) if bool((got[~ok] == 0).all()) else float("inf"))
+                    errs.append(0.0 if merges.n == (0 if fused else 2) else float("inf"))
+        finally:
+            dm._merge_kernel = merges.kernel
+        out[f"attn_decode_fused_merge_{name}"] = max(errs) if merge_counters_zero() else float("inf")
         # sampling: the Gumbel-max kernel against the torch reference, same hashed noise;
         # the "error" is the fraction of rows whose token differs (0 expected)
         lg = (torch.randn(7, 3001, generator=gen) * 3).to(dt)
@@ -157,8 +240,24 @@ def main() -> None:
             xg = torch.randn(1, 2 * k, generator=gen).to(dt)
             ref = linear.linear_ref(xg.float(), ws.float(), silu_mul=True)
             errs.append(rel(gemv.gemv_triton(xg, ws, silu_mul=True, **kw), ref))
+            # the RMSNorm of x as it loads, and the residual add on y (the fused decoder layer)
+            res = torch.randn(1, n, generator=gen).to(dt)
+            nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dt)
+            for fused in ({"norm_weight": nw, "eps": 1e-5}, {"residual": res},
+                          {"norm_weight": nw, "eps": 1e-5, "residual": res}):
+                f32 = {a: (b.float() if torch.is_tensor(b) else b) for a, b in fused.items()}
+                ref = linear.linear_ref(xs.float(), ws.float(), bs_.float(), **f32)
+                errs.append(rel(gemv.gemv_triton(xs, ws, bs_, **fused, **kw), ref))
+            ref = linear.linear_ref(xg.float(), ws.float(), silu_mul=True, residual=res.float())
+            errs.append(rel(gemv.gemv_triton(xg, ws, silu_mul=True, residual=res, **kw), ref))
         zeroed = all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
         out[f"gemv_{name}"] = max(errs) if zeroed else float("inf")
+        # a CUDA graph's pending input ids: -(j + 1) = row j of the last draw (in place)
+        ids = torch.tensor([5, pending_ids.encode_pending(2), 0, pending_ids.encode_pending(0), 7])
+        last = torch.tensor([11, 12, 13])
+        want = pending_ids.resolve_pending_ids_ref(ids.clone(), last)
+        got = pending_ids.resolve_pending_ids_triton(ids, last)
+        out[f"pending_ids_{name}"] = 0.0 if got is ids and torch.equal(got, want) and want[1] == 13 else float("inf")
         # rotary with Qwen3's per-head q/k RMSNorm fused in
         t, hq, hk, d = 6, 4, 2, 16
         table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 64)
@@ -178,44 +277,29 @@ def main() -> None:
         out[f"rotary_qk_norm_{name}"] = max(rel(a, b) for a, b in zip(res[1], res[0]))
         # decode attention with rotary, q/k norm and the KV write fused in, against the
         # rotary reference then the attention reference; a padding row (slot -1, length 0)
-        errs = []
-        for lens, bs, norm_on, kw in (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
-                                      ([17, 0], 16, True, {"block_n": 16}),
-                                      ([40, 16, 1, 131, 0], 16, True, {"block_n": 16, "prefetch": True}),
-                                      ([300, 33], 16, False, {"splits": 2, "prefetch": True})):
-            b, hq, hk, d = len(lens), 4, 2, 16
-            nb = sum(-(-n // bs) for n in lens) + 3
-            perm = torch.randperm(nb, generator=gen).tolist()
-            width = max(1, max(-(-n // bs) for n in lens))
-            tables = [[perm.pop() for _ in range(-(-n // bs))] for n in lens]
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-            sl = torch.tensor(lens, dtype=torch.int32)
-            pos = (sl - 1).clamp_min(0).long()
-            slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs if n else -1 for t, n in zip(tables, lens)])
-            table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 512)
-            qn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt) if norm_on else None
-            kn = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt) if norm_on else None
-            qkv = torch.randn(b, (hq + 2 * hk) * d, generator=gen).to(dt)
-            kc0 = torch.randn(nb, bs, hk, d, generator=gen).to(dt)
-            vc0 = torch.randn(nb, bs, hk, d, generator=gen).to(dt)
-            res = []
-            for fused in (False, True):
-                buf, kc, vc = qkv.clone(), kc0.clone(), vc0.clone()
-                q, k, v = (t.view(b, -1, d) for t in buf.split([hq * d, hk * d, hk * d], -1))
-                if fused:
-                    o = rope_decode.rope_decode_triton(q, k, v, pos, table, kc, vc, slots, sl, bt, d ** -0.5,
-                                                       None, qn, kn, 1e-6, kw)
-                else:
-                    spare = perm[0]  # a block no table uses takes the padding row's write
-                    rotary.rotary_and_store_kv_ref(q, k, v, pos, table, kc, vc,
-                                                   torch.where(slots < 0, spare * bs, slots), qn, kn, 1e-6)
-                    kc[spare], vc[spare] = kc0[spare], vc0[spare]
-                    ok = sl > 0
-                    cu = torch.arange(int(ok.sum()) + 1, dtype=torch.int32)
-                    o = attention.paged_attention_ref(q[ok], kc, vc, cu, sl[ok], bt[ok], d ** -0.5)
-                res.append((o[sl > 0] if fused else o, kc, vc))
-            errs.append(max(rel(a, b_) for a, b_ in zip(res[1], res[0])))
+        errs = [rope_decode_case(lens, bs, norm_on, kw, dt, gen)
+                for lens, bs, norm_on, kw in (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
+                                              ([17, 0], 16, True, {"block_n": 16}),
+                                              ([40, 16, 1, 131, 0], 16, True, {"block_n": 16, "prefetch": True}),
+                                              ([300, 33], 16, False, {"splits": 2, "prefetch": True}))]
         out[f"rope_decode_{name}"] = max(errs)
+        # the split merge by the kernel's last program per (seq, kv_head) (fused_merge, no
+        # merge launch) and by a second launch; several splits, empty partitions, batch 1 and
+        # batch > 1 with padding rows. Each case runs twice from the same state: the second
+        # run passes only if the first left its counters at 0
+        errs, merges = [], LaunchCount(dm._merge_kernel)
+        dm._merge_kernel = merges
+        try:
+            for fused in (True, False):
+                for lens, bs, norm_on, kw in (([40, 0, 131, 16], 16, True, {"splits": 3, "block_n": 16}),
+                                              ([300], 32, False, {"splits": 4}),
+                                              ([17, 0, 1], 16, True, {"splits": 5, "block_n": 16, "prefetch": True})):
+                    merges.n = 0
+                    errs.append(rope_decode_case(lens, bs, norm_on, {**kw, "fused_merge": fused}, dt, gen, runs=2))
+                    errs.append(0.0 if merges.n == (0 if fused else 2) else float("inf"))
+        finally:
+            dm._merge_kernel = merges.kernel
+        out[f"rope_decode_fused_merge_{name}"] = max(errs) if merge_counters_zero() else float("inf")
     print("RESULT " + json.dumps(out))
 
 

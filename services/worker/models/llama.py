@@ -11,11 +11,12 @@ the step's `AttentionMetadata`.
 Two layer paths, chosen once per forward (`LlamaModel.fused_layers`):
 - unfused (CPU, prefill, batches over 16): each layer takes (x, residual) and returns
   (mlp output, residual); the residual adds run inside the RMSNorms (fused_add_rms_norm).
-- fused (CUDA, 1..16 tokens, bf16/fp16, every projection on the skinny kernel): the layer
-  carries the residual stream h alone, and the norms, the SiLU-and-mul and the residual adds
-  run inside the projections' kernel (`kernels.linear`): 6-7 launches a layer instead of
-  ~14. Same rounding op by op, so the outputs equal the unfused path's up to summation
-  order. Inside a CUDA graph the path is fixed at capture: batch sizes 1..16 replay it.
+- fused (CUDA, bf16/fp16, every projection on our kernels: one token on `kernels.gemv`, on by
+  default; 2..16 tokens on the skinny kernel, off by default, it measured slower): the
+  layer carries the residual stream h alone, and the norms, the SiLU-and-mul and the
+  residual adds run inside the projections' kernels (`kernels.linear`): 4 projection
+  launches and the attention a layer. Same rounding op by op, so the outputs equal the
+  unfused path's up to summation order. Inside a CUDA graph the path is fixed at capture.
 """
 
 from __future__ import annotations
@@ -171,10 +172,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
-    # The fused layer path (kernels.linear prologues/epilogue) is off: on the H200 it measured
+    # The fused layer path on the skinny kernel (2..16 rows) is off: on the H200 it measured
     # slower than the unfused sequence (Qwen3-0.6B b=1 linear stack in one CUDA graph,
     # benchmarks/kernel_sweep.py --only fused: 1,302 against 851 us). True turns it on.
     fuse_small_batches = False
+    # One row on the gemv kernel (kernels.gemv: the norm in its prologue, the residual add in
+    # its epilogue): 4 projection launches and the attention a layer, no norm kernels.
+    # False keeps batch 1 on the unfused path (benchmarks/decode_latency.py --fused-layers off).
+    fuse_one_row = True
 
     def __init__(self, a: LlamaArgs, max_positions: int):
         super().__init__()
@@ -185,10 +190,14 @@ class LlamaModel(nn.Module):
 
     def fused_layers(self, h: torch.Tensor) -> bool:
         """Whether a forward whose embeddings are h [T, hidden] takes the fused layer path:
-        every projection runs on the skinny kernel (`kernels.linear.skinny_applies`: CUDA,
-        1..16 rows, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Depends on T, the device
+        every projection runs on the gemv kernel (one row, `fuse_one_row`, gemv.ENABLED) or
+        the skinny kernel (`fuse_small_batches`), i.e. `kernels.linear.skinny_applies`: CUDA,
+        1..16 rows, bf16/fp16, weights up to SKINNY_MAX_WEIGHT. Depends on T, the device
         and the dtype only, so it is fixed inside a captured CUDA graph."""
-        if not (h.is_cuda and self.fuse_small_batches and len(self.layers)):
+        if not (h.is_cuda and len(self.layers)):
+            return False
+        one_row = h.shape[0] == 1 and self.fuse_one_row and linear_kernels.gemv.ENABLED
+        if not (one_row or self.fuse_small_batches):
             return False
         layer = self.layers[0]  # every layer has the same shapes
         return all(linear_kernels.skinny_applies(h, p.weight) for p in (
