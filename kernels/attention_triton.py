@@ -36,10 +36,9 @@ _LOG2E = 1.4426950408889634
 # tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200).
 # fused_merge: the last split program of each (seq, kv_head) merges the partials itself
 # (`kernels.decode_merge._merge_if_last`) instead of a `_merge_kernel` launch after the
-# kernel; not yet measured on the GPU (kernels.rope_decode's merge launch costs ~2.4 us at
-# batch 1, H200, Qwen3-0.6B)
+# kernel; off, as in kernels.rope_decode, where it measured slower
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
-                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": True}
+                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False}
 
 
 @triton.jit

@@ -47,12 +47,13 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # (b=1: 33 splits, 8.1 us; 64 splits 8.9; all timed before fused_merge existed); prefetch:
 # see kernels.attention_triton; max_seqs: larger batches run the rotary kernel and attention
 # apart (None: no limit). fused_merge: the kernel's last program of each (seq, kv_head) merges
-# the splits (kernels.decode_merge) instead of the second launch, which costs ~2.4 us per layer
-# at b=1 (28 layers on the critical path); not yet measured on the GPU: False gives the
-# two-launch path to compare (benchmarks/decode_latency.py --attn '{"fused_merge": false}')
+# the splits (kernels.decode_merge) instead of a second launch. Off: it measured slower, the
+# one merging program's serial tail costs more than the launch it saves (H200, Qwen3-0.6B,
+# decode_latency.py TPOT on / off in one call: 0.917, 0.923, 0.918, 0.956 / 0.871, 0.876 ms;
+# another call 0.921 / 0.876, 0.878; offline_throughput.py 18,752 / 19,084 tok/s)
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
-                              "max_seqs": None, "fused_merge": True}
+                              "max_seqs": None, "fused_merge": False}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
 

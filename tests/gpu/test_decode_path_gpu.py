@@ -219,17 +219,24 @@ def _layer_inputs(dtype=torch.bfloat16, hid=1024, hq=16, hk=8, d=128, inter=3072
     return p
 
 
-def _layer(p, ref=False):
+def _layer(p, ref=False, fused=False):
     """One Qwen3-style decoder layer at batch 1 (the kernels' dispatchers, or the torch
-    references in fp32 with ref=True) -> (mlp output, residual)."""
+    references in fp32 with ref=True) -> (mlp output, residual). fused: as the model's fused
+    one-row path (LlamaModel.fuse_one_row): the residual stream s = h + res, the norms inside
+    the qkv / gate_up gemv and the residual adds inside the o_proj / down gemv -> (the next
+    stream, the stream after attention), i.e. (mlp output + residual, residual)."""
     hq, hk, d = p["dims"]
     f = (lambda t: t.float()) if ref else (lambda t: t)
     lin = linear.linear_ref if ref else linear.linear
-    if ref:
+    if fused:
+        s = p["h"] + p["res"]
+        qkv = lin(s, p["wqkv"], norm_weight=p["ln1"], eps=1e-6)
+    elif ref:
         x, r = norm.fused_add_rms_norm_ref(f(p["h"]), f(p["res"]), f(p["ln1"]), 1e-6)
     else:
         x, r = norm.fused_add_rms_norm(p["h"], p["res"], p["ln1"], 1e-6)
-    qkv = lin(x, f(p["wqkv"]))
+    if not fused:
+        qkv = lin(x, f(p["wqkv"]))
     q, k, v = qkv.split([hq * d, hk * d, hk * d], -1)
     q, k, v = q.reshape(1, hq, d), k.reshape(1, hk, d), v.reshape(1, hk, d)
     kc, vc = (p["kc"].float(), p["vc"].float()) if ref else (p["kc"], p["vc"])
@@ -242,6 +249,9 @@ def _layer(p, ref=False):
         o = rope_decode.rope_paged_decode(q, k, v, p["pos"], p["cos_sin"], kc, vc, p["slot"], p["cu"],
                                           p["seq_lens"], p["table"], d ** -0.5, p["qn"], p["kn"], 1e-6,
                                           None, 4096)
+    if fused:
+        s2 = lin(o.reshape(1, hq * d), p["wo"], residual=s)
+        return lin(lin(s2, p["wgu"], norm_weight=p["ln2"], eps=1e-6), p["wd"], silu_mul=True, residual=s2), s2
     o = lin(o.reshape(1, hq * d), f(p["wo"]))
     if ref:
         x, r = norm.fused_add_rms_norm_ref(o, r, f(p["ln2"]), 1e-6)
@@ -250,12 +260,11 @@ def _layer(p, ref=False):
     return lin(lin(x, p["wgu"]), p["wd"], silu_mul=True), r  # as LlamaMLP at one row
 
 
-@pytest.mark.parametrize("fused_merge", [None, False])  # None: the default, the merge in the kernel
-def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_reference(monkeypatch, fused_merge):
-    if fused_merge is None:
-        assert rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "the default path merges in the kernel"
-    else:
-        monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "fused_merge", fused_merge)
+@pytest.mark.parametrize("fused_merge,fused_layer", [(False, True), (False, False), (True, False)])
+def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_reference(monkeypatch, fused_merge,
+                                                                                      fused_layer):
+    # (False, True) is the model's default at batch 1: the merge launch, the fused layer
+    monkeypatch.setitem(rope_decode.ROPE_DECODE_DEFAULTS, "fused_merge", fused_merge)
     p = _layer_inputs()
     slot = int(p["slot"])
     kc_flat, vc_flat = p["kc"].view(-1, *p["kc"].shape[2:]), p["vc"].view(-1, *p["vc"].shape[2:])
@@ -266,14 +275,13 @@ def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_refere
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _layer(p)  # warm-up: compiles, allocates the split counters
+        _layer(p, fused=fused_layer)  # warm-up: compiles, allocates the split counters
     torch.cuda.current_stream().wait_stream(s)
-    # 1K context at batch 1 runs several splits: merged in the kernel by default, else by a
-    # second launch
-    assert merges.n == (1 if fused_merge is False else 0)
+    # 1K context at batch 1 runs several splits: merged by a second launch, or in the kernel
+    assert merges.n == (0 if fused_merge else 1)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, res = _layer(p)
+        out, res = _layer(p, fused=fused_layer)
     g = torch.Generator(device="cuda").manual_seed(2)
     for _ in range(4):
         p["h"].copy_(torch.randn(p["h"].shape, device="cuda", generator=g))
@@ -288,12 +296,13 @@ def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_refere
         p["kc"].copy_(kv0[0])
         p["vc"].copy_(kv0[1])
         monkeypatch.setattr(pdl, "ENABLED", False)
-        want = _layer(p)
+        want = _layer(p, fused=fused_layer)
         monkeypatch.setattr(pdl, "ENABLED", True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(got[2], p["kc"]) and torch.equal(got[3], p["vc"])
         p["kc"].copy_(kv0[0])
         p["vc"].copy_(kv0[1])
-        ref, _ = _layer(p, ref=True)
-        assert rel(got[0], ref) < 3e-2
+        ref, ref_res = _layer(p, ref=True)
+        assert rel(got[0], ref + ref_res if fused_layer else ref) < 3e-2
+        assert rel(got[1], ref_res) < 3e-2
     assert _counters_zero()
