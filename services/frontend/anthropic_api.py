@@ -16,12 +16,14 @@ count_tokens renders system, tools and messages exactly as /v1/messages does and
 
 Errors use Anthropic's envelope (anthropic_errors.py; its middleware covers errors raised
 outside these handlers): 400 invalid_request_error for a body that is not valid JSON (NaN /
-Infinity tokens, strings with lone surrogates included) or fails validation, 404
-not_found_error, 413 request_too_large (bodies over --max-request-body-bytes), 500 api_error,
-529 overloaded_error (engine busy or not answering). Every response carries a `request-id`
+Infinity tokens, strings with lone surrogates included) or fails validation, or whose
+prompt + max_tokens exceeds the context ("prompt is too long: ..." when the prompt alone
+leaves no room, else "max_tokens: N > room, ..."), 404 not_found_error, 413
+request_too_large (bodies over --max-request-body-bytes), 500 api_error, 529
+overloaded_error (engine busy or not answering). Every response carries a `request-id`
 header (`msg_...`, or `req_...` on count_tokens). An error after the stream started is an
-`error` event. The `x-api-key` and
-`anthropic-version` headers are accepted (the key is checked by the server's auth, if set).
+`error` event. The `x-api-key` and `anthropic-version` headers are accepted (the key is
+checked by the server's auth, if set).
 """
 
 from __future__ import annotations
@@ -190,6 +192,20 @@ class AnthropicServing:
             return anthropic_error_response(500, f"Internal error (request {request_id}).",
                                             request_id)
 
+    def _check_length(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise InvalidRequest (400) when a prompt of n_prompt tokens and max_tokens do not
+        fit in max_model_len: "prompt is too long" when the prompt leaves no room for one
+        token, else a message naming max_tokens and the room the prompt leaves. (Anthropic's
+        envelope has no field name: the message says which one is at fault.)"""
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise InvalidRequest("messages", f"prompt is too long: {n_prompt} tokens + "
+                                 f"max_tokens {max_tokens} > {self.max_model_len} maximum")
+        if max_tokens > room:
+            raise InvalidRequest("max_tokens", f"max_tokens: {max_tokens} > {room}, the room "
+                                 f"left after the {n_prompt}-token prompt (context "
+                                 f"{self.max_model_len})")
+
     def _error(self, request_id: str, e: APIError) -> Response:
         status = e.status
         if status >= 500:
@@ -199,17 +215,16 @@ class AnthropicServing:
         return anthropic_error_response(status, e.message, request_id)
 
     async def messages(self, request: Request) -> Response:
-        """POST /v1/messages (Anthropic Messages, streaming and not). Errors: 400 bad body or
-        prompt too long, 404 unknown model, 413 body too large, 529 engine unavailable,
-        500 internal faults (logged with the request id)."""
+        """POST /v1/messages (Anthropic Messages, streaming and not). Errors: 400 bad body,
+        prompt too long or max_tokens past the room it leaves (`_check_length`), 404 unknown
+        model, 413 body too large, 529 engine unavailable, 500 internal faults (logged with
+        the request id)."""
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
         try:
             req = await self._read(request, count_only=False)
             prompt, ids = await asyncio.to_thread(self._render, req)
             n = len(ids)
-            if n + req.max_tokens > self.max_model_len:
-                raise InvalidRequest("messages", f"prompt is too long: {n} tokens + max_tokens "
-                                     f"{req.max_tokens} > {self.max_model_len} maximum")
+            self._check_length(n, req.max_tokens)
             forced = req.tool_choice in ("any", "tool")
             sampling = SamplingParams(
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

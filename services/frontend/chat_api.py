@@ -20,6 +20,9 @@ Streaming (`chat.completion.chunk`): a role chunk per choice, then deltas `reaso
 at a call's start and `tool_calls: [{"index", "function": {"arguments": piece}}]` after;
 per call index the argument pieces concatenate to the non-streaming arguments, valid JSON.
 Then the finish chunk, the usage chunk (stream_options.include_usage) and `data: [DONE]`.
+With stream_options.continuous_usage_stats (and include_usage; vLLM's extension) every chunk
+carries `usage` {prompt_tokens, completion_tokens of its choice so far, total_tokens}
+instead of null.
 """
 
 from __future__ import annotations
@@ -200,8 +203,8 @@ class ChatServing:
                      "(%s)", request_id, len(prompt_ids), sr.n, max_tokens, sr.stream,
                      len(tools.tools), tools.choice)
             if sr.stream:
-                return await s.stream(request, request_id, fan,
-                                      lambda first, f: self._events(request_id, req, first, f))
+                return await s.stream(request, request_id, fan, lambda first, f: self._events(
+                    request_id, req, len(prompt_ids), first, f))
             res = await s.collect(request, request_id, fan, sr.n, ChatCollected)
             if res is None:
                 return Response(status_code=CLIENT_CLOSED)
@@ -230,24 +233,33 @@ class ChatServing:
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                           "total_tokens": n_prompt + completion}}
 
-    async def _events(self, request_id: str, req: ChatCompletionRequest,
+    async def _events(self, request_id: str, req: ChatCompletionRequest, n_prompt: int,
                       first: tuple[int, TextDelta] | None, fan: FanOut) -> AsyncIterator[bytes]:
+        """The SSE chunks of a streamed chat answer (see the module docstring), `data:
+        [DONE]` last. n_prompt: the prompt's tokens. With stream_options.include_usage each
+        chunk has `usage: null`, or with continuous_usage_stats too (vLLM's) {prompt_tokens,
+        completion_tokens of that chunk's choice so far (0 in the role chunks),
+        total_tokens}; the final usage chunk counts every choice's tokens."""
         created = int(time.time())
         sr = req.sampling
         model = self.s.model_name
+        counts = [0] * sr.n  # completion tokens of each choice so far
 
         def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> bytes:
             c: dict[str, Any] = {
                 "id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": model, "choices": [{"index": index, "delta": delta,
                                              "logprobs": logprobs, "finish_reason": finish}]}
-            if sr.include_usage:
+            if sr.continuous_usage:
+                c["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": counts[index],
+                              "total_tokens": n_prompt + counts[index]}
+            elif sr.include_usage:
                 c["usage"] = None
             return sse(c)
 
         for i in range(sr.n):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
-        n_prompt, completion = 0, 0
+        completion = 0
         calls: list[set[int]] = [set() for _ in range(sr.n)]  # indices of started calls
         args_seen: list[set[int]] = [set() for _ in range(sr.n)]
 
@@ -258,6 +270,7 @@ class ChatServing:
                 yield item
                 continue
             i, d = item
+            counts[i] = d.completion_tokens
             events = d.events if isinstance(d, ChatDelta) else []
             calls[i].update(e.index for e in events if isinstance(e, ToolCallStart))
             deltas = _event_deltas(events, args_seen[i])
@@ -270,7 +283,6 @@ class ChatServing:
             for k, delta in enumerate(deltas):
                 yield chunk(i, delta, None, lps if k == 0 else None)
             if d.finish_reason is not None:
-                n_prompt = d.prompt_tokens
                 completion += d.completion_tokens
                 yield chunk(i, {}, _finish_reason(d.finish_reason, bool(calls[i])))
         if sr.include_usage:

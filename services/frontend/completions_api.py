@@ -3,16 +3,21 @@
 Each prompt of `prompt` (string, strings, token ids, lists of token ids) gets `n` choices,
 choice index = prompt_index * n + j, each its own engine request. String prompts are
 tokenized with the tokenizer's special tokens (BOS where the model has one), as vLLM does.
-`echo` puts the prompt text before each choice's text; `max_tokens: 0` with `echo` scores
-the prompt: no text is generated (the engine runs the prompt and samples nothing, so the
-prompt may fill max_model_len) and, with
-`logprobs`, the prompt's logprobs come back (`SamplingParams.prompt_logprobs`; the first
-prompt token has none, as in OpenAI's format). max_tokens defaults to OpenAI's 16.
+`echo` puts the prompt text before each choice's text: a string prompt as sent, a token-id
+prompt decoded with its special tokens kept (as vLLM does, whatever skip_special_tokens
+says), so that its text and its prompt logprobs' tokens and text_offsets agree.
+`max_tokens: 0` with `echo` scores the prompt: no text is generated (the engine runs the
+prompt and samples nothing, so the prompt may fill max_model_len) and, with `logprobs`, the
+prompt's logprobs come back (`SamplingParams.prompt_logprobs`; the first prompt token has
+none, as in OpenAI's format). max_tokens defaults to OpenAI's 16.
 
 Response objects are `text_completion` (non-streaming and each SSE chunk):
 {"id", "object", "created", "model", "choices": [{"index", "text", "logprobs",
 "finish_reason"}], "usage"}; streams end with a `choices: []` usage chunk when
-stream_options.include_usage is set, then `data: [DONE]`.
+stream_options.include_usage is set, then `data: [DONE]`. With
+stream_options.continuous_usage_stats too (vLLM's extension), every chunk carries `usage`
+{prompt_tokens of its prompt, completion_tokens of its choice so far, total_tokens} instead
+of null.
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ class CompletionsServing:
         self.s = serving
 
     def _prepare(self, req: CompletionRequest) -> list[tuple[list[int], str, int]]:
-        """(token ids, text, max_tokens to send) of each prompt; raises APIError. max_tokens 0
-        (scoring, with echo) may fill the whole context: the engine runs the prompt and
-        samples nothing."""
+        """(token ids, text, max_tokens to send) of each prompt; raises APIError. text (what
+        `echo` shows): a string prompt itself, a token-id prompt decoded with its special
+        tokens kept (whatever skip_special_tokens says; that applies to generated text).
+        max_tokens 0 (scoring, with echo) may fill the whole context: the engine runs the
+        prompt and samples nothing."""
         s = self.s
         if req.model != s.model_name:
             raise model_not_found(req.model)
@@ -69,8 +76,9 @@ class CompletionsServing:
         want = req.sampling.max_tokens
         for p in req.prompts:
             ids = s.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
-            text = p if isinstance(p, str) else s.tokenizer.decode(
-                p, skip_special_tokens=req.sampling.skip_special_tokens)
+            # A token-id prompt echoes with its special tokens (as vLLM decodes it): the
+            # prompt logprobs list every prompt token, and their text_offsets index this.
+            text = p if isinstance(p, str) else s.tokenizer.decode(p, skip_special_tokens=False)
             room = s.max_model_len - len(ids)
             if room < (0 if want == 0 else 1) or (want is not None and want > room):
                 raise context_error("prompt", s.max_model_len, len(ids), want, "prompt")
@@ -165,10 +173,16 @@ class CompletionsServing:
     async def _events(self, request_id: str, req: CompletionRequest, states: list[_Choice],
                       n_prompt: int, first: tuple[int, TextDelta] | None, fan: FanOut
                       ) -> AsyncIterator[bytes]:
+        """The SSE chunks of a streamed answer, `data: [DONE]` last. n_prompt: the tokens of
+        every prompt (the final usage chunk's prompt_tokens). With
+        stream_options.include_usage each chunk has `usage: null`, or with
+        continuous_usage_stats too (vLLM's) {prompt_tokens of the chunk's prompt,
+        completion_tokens of its choice so far (0 when scoring), total_tokens}."""
         created = int(time.time())
         sp = req.sampling
         started = [False] * len(states)
         finals: list[TextDelta | None] = [None] * len(states)
+        counts = [0] * len(states)  # completion tokens of each choice so far
 
         def chunk(index: int, text: str, lps, finish: str | None) -> bytes:
             c: dict[str, Any] = {
@@ -176,7 +190,11 @@ class CompletionsServing:
                 "model": self.s.model_name,
                 "choices": [{"index": index, "text": text, "logprobs": lps,
                              "finish_reason": finish}]}
-            if sp.include_usage:
+            if sp.continuous_usage:
+                prompt = len(states[index].prompt_ids)
+                c["usage"] = {"prompt_tokens": prompt, "completion_tokens": counts[index],
+                              "total_tokens": prompt + counts[index]}
+            elif sp.include_usage:
                 c["usage"] = None
             return sse(c)
 
@@ -187,6 +205,7 @@ class CompletionsServing:
                 yield item
                 continue
             i, d = item
+            counts[i] = 0 if self._scoring(req) else d.completion_tokens
             text, lps = self._piece(req, states[i], d, first=not started[i])
             started[i] = True
             if d.finish_reason is not None:

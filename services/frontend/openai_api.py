@@ -4,8 +4,9 @@ Response shapes follow the OpenAI API reference: `chat.completion` objects, and 
 `stream: true` Server-Sent Events, each `data: <chat.completion.chunk JSON>\\n\\n`: a first
 chunk per choice with the assistant role, content deltas (with `logprobs` when asked), a
 chunk per choice with its finish_reason (null before), one usage chunk with `choices: []`
-when stream_options.include_usage is set, then `data: [DONE]\\n\\n`. While waiting, a comment
-line `: keep-alive\\n\\n` goes out every keepalive_s seconds.
+when stream_options.include_usage is set (and `usage` on every chunk with
+stream_options.continuous_usage_stats too), then `data: [DONE]\\n\\n`. While waiting, a
+comment line `: keep-alive\\n\\n` goes out every keepalive_s seconds.
 
 A request is validated completely before the first SSE byte, and the first engine output is
 awaited (up to keepalive_s) so that an engine refusal (overloaded: 503 + Retry-After,

@@ -8,8 +8,8 @@ parallel_tool_calls (`openai_tools`), and the shared sampling fields of `openai_
 (n, seed, penalties, logit_bias, stop, response_format, stream, stream_options, vLLM's
 top_k/min_p/min_tokens/...).
 Completions: model, prompt (a string, a list of strings, a list of token ids or a list of
-lists of token ids), echo, logprobs (0-5 per OpenAI, up to 20 here), suffix (rejected),
-best_of (must equal n), and the same sampling fields.
+lists of token ids; not a list mixing these forms), echo, logprobs (0-5 per OpenAI, up to
+20 here), suffix (rejected), best_of (must equal n), and the same sampling fields.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields that Kestrel
 cannot honour (the legacy `functions`) are rejected unless they hold their neutral value.
@@ -184,18 +184,24 @@ def parse_chat_request(raw: bytes, vocab_size: int) -> ChatCompletionRequest:
 
 
 def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
-    """`prompt` in its four forms -> a list of prompts (strings or token-id lists)."""
+    """`prompt` in its four forms -> a list of prompts (strings or token-id lists).
+
+    The forms are OpenAI's: a string, a list of strings, a list of token ids, a list of
+    lists of token ids. A list mixing them (`["a", [1]]`, `["a", 1]`, `[[1], 2]`) is none of
+    those, and an empty list (also an empty inner one: `[[]]`) holds no prompt: both raise
+    InvalidRequest("prompt"), as do an empty string and a token id outside the vocabulary."""
     msg = ("'prompt' must be a string, a list of strings, a list of token ids or a list "
            "of lists of token ids, and not empty.")
     if value is None:
         raise InvalidRequest("prompt", "Missing required parameter: 'prompt'.")
     if isinstance(value, str):
         prompts: list[Any] = [value]
-    elif isinstance(value, list) and value and all(is_int(t) for t in value):
+    elif not isinstance(value, list) or not value:
+        raise InvalidRequest("prompt", msg)
+    elif all(is_int(t) for t in value):
         prompts = [value]
-    elif isinstance(value, list) and value and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(is_int(t) for t in p))
-            for p in value):
+    elif all(isinstance(p, str) for p in value) or all(
+            isinstance(p, list) and p and all(is_int(t) for t in p) for p in value):
         prompts = value
     else:
         raise InvalidRequest("prompt", msg)

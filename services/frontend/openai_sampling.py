@@ -13,7 +13,10 @@ field in `param` otherwise):
 - ignore_eos, skip_special_tokens: booleans;
 - response_format: {"type": "text"} | {"type": "json_object"} |
   {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; a schema that
-  xgrammar cannot compile is a 400 on `response_format.json_schema.schema`.
+  xgrammar cannot compile is a 400 on `response_format.json_schema.schema`;
+- stream, and stream_options (an object, only with stream: true) with the booleans
+  include_usage (a final usage chunk) and vLLM's continuous_usage_stats (with include_usage,
+  usage on every chunk too).
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ def get_bool(body: dict, name: str, default: bool, param: str | None = None) -> 
 @dataclass
 class SamplingRequest:
     """The validated sampling fields of one request. max_tokens None: not given (chat then
-    uses the rest of the context, completions OpenAI's default of 16)."""
+    uses the rest of the context, completions OpenAI's default of 16). include_usage:
+    stream_options.include_usage. continuous_usage: stream_options.continuous_usage_stats
+    and include_usage both true (vLLM's rule): every streamed chunk carries its usage."""
 
     n: int = 1
     seed: int | None = None
@@ -106,6 +111,7 @@ class SamplingRequest:
     structured: StructuredSpec | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
 
     def to_params(self, max_tokens: int, index: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None) -> SamplingParams:
@@ -239,7 +245,7 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> Samp
         raise InvalidRequest("min_tokens", "'min_tokens' must not exceed 'max_tokens'.")
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if stream_options is not None:
         if not stream:
             raise InvalidRequest("stream_options",
@@ -248,6 +254,8 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> Samp
             raise InvalidRequest("stream_options", "'stream_options' must be an object.")
         include_usage = get_bool(stream_options, "include_usage", False,
                                  "stream_options.include_usage")
+        continuous_usage = get_bool(stream_options, "continuous_usage_stats", False,
+                                    "stream_options.continuous_usage_stats") and include_usage
     return SamplingRequest(
         n=n or 1,
         seed=get_int(body, "seed", INT64_MIN),
@@ -269,4 +277,5 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> Samp
         structured=parse_response_format(body.get("response_format")),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
     )

@@ -51,8 +51,10 @@ SAMPLING_PROPS: dict[str, Any] = {
     "skip_special_tokens": {"type": ["boolean", "null"]},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"],
-                       "properties": {"include_usage": {"type": "boolean"}},
-                       "description": "only with stream: true"},
+                       "properties": {"include_usage": {"type": "boolean"},
+                                      "continuous_usage_stats": {"type": "boolean"}},
+                       "description": "only with stream: true; continuous_usage_stats "
+                                      "(with include_usage): usage on every chunk"},
     "response_format": {"type": ["object", "null"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
         "json_schema": {"type": "object", "properties": {

@@ -1,7 +1,8 @@
 """Errors of the Anthropic routes against a real frontend subprocess and the fake engine:
 bodies that are not valid JSON (lone surrogates, NaN / Infinity) are 400
 invalid_request_error in Anthropic's envelope, errors raised outside the handlers keep that
-envelope, and the server goes on serving. Checked with the `anthropic` SDK's error classes
+envelope, a context overflow names max_tokens or the prompt (whichever is at fault), and
+the server goes on serving. Checked with the `anthropic` SDK's error classes
 and raw HTTP; log lines are read from the frontend's log file."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.unit.test_frontend_support import MODEL, running_stack, wait_for
+from tests.unit.test_frontend_support import MAX_MODEL_LEN, MODEL, running_stack, wait_for
 
 OK = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -127,3 +128,36 @@ def test_stop_sequence_finish_is_logged_as_a_stop_not_a_disconnect(stack):
     wait_for(lambda: f"{rid} finished: stop (stop string 'Kestrels'" in stack.log(), 10,
              "the stop log line")
     assert f"{rid} aborted" not in stack.log()
+
+
+def _anthropic_400_message(r: httpx.Response) -> str:
+    assert r.status_code == 400, r.text
+    doc = r.json()
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+    return doc["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_max_tokens_past_the_room_the_prompt_leaves_is_blamed_on_max_tokens(stack, stream):
+    n = _post(stack, "/v1/messages/count_tokens", json.dumps(OK).encode()).json()["input_tokens"]
+    assert 0 < n < MAX_MODEL_LEN  # the prompt alone fits
+    room = MAX_MODEL_LEN - n
+    for max_tokens in (100000, room + 1):
+        body = OK | {"max_tokens": max_tokens, "stream": stream}
+        msg = _anthropic_400_message(_post(stack, "/v1/messages", json.dumps(body).encode()))
+        assert msg == (f"max_tokens: {max_tokens} > {room}, the room left after the {n}-token "
+                       f"prompt (context {MAX_MODEL_LEN})")
+    # the SDK raises its typed error; exactly the room left is served
+    client = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens: 100000 > "):
+        client.messages.create(model=MODEL, max_tokens=100000, messages=OK["messages"])
+    r = _post(stack, "/v1/messages", json.dumps(OK | {"max_tokens": room}).encode())
+    assert r.status_code == 200 and r.json()["stop_reason"] == "end_turn", r.text
+
+
+def test_a_prompt_that_fills_the_context_alone_is_still_too_long(stack):
+    body = OK | {"max_tokens": 1, "messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}
+    n = _post(stack, "/v1/messages/count_tokens", json.dumps(body).encode()).json()["input_tokens"]
+    assert n >= MAX_MODEL_LEN
+    msg = _anthropic_400_message(_post(stack, "/v1/messages", json.dumps(body).encode()))
+    assert msg.startswith(f"prompt is too long: {n} tokens") and "max_tokens:" not in msg

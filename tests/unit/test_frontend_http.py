@@ -1,19 +1,22 @@
 """The frontend's HTTP layer, as a subprocess, against a fake engine (a ZMQ test double).
 
 Checked with the official `openai` SDK (it parses our responses and streams), and with raw
-httpx for the SSE byte format, client disconnects, startup and health.
+httpx for the SSE byte format, client disconnects, startup and health. Also completions
+`echo` of token-id prompts, and usage on every chunk (stream_options.continuous_usage_stats).
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
 import pytest
 
 from services.frontend.tokenizer import Tokenizer
-from tests.unit.test_frontend_support import (HI, MAX_MODEL_LEN, MODEL, REPLY_TEXT,  # noqa: F401
-                                              Stack, client, health, stack, tok, wait_for)
+from tests.unit.test_frontend_support import (FAKE_PROMPT_LOGPROB, HI,  # noqa: F401
+                                              MAX_MODEL_LEN, MODEL, REPLY_TEXT, Stack,
+                                              client, health, stack, tok, wait_for)
 
 
 def _expected_reply(tok: Tokenizer) -> str:
@@ -134,6 +137,116 @@ def test_client_disconnect_aborts_a_non_streaming_request(stack):
         httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=1.0)
     added = wait_for(lambda: stack.engine.added[n_before:], 5, "AddRequest")
     wait_for(lambda: added[0].request_id in stack.engine.aborted, 10, "Abort")
+
+
+# ---------------------------------------------------------------- completions echo
+
+# Written by hand: the text the token ids below stand for, special tokens included.
+ECHO_PROMPT = "<|im_start|>user\nHello there<|im_end|>\n"
+
+
+def test_echo_of_a_token_id_prompt_keeps_its_special_tokens(client, tok):
+    ids = tok.encode(ECHO_PROMPT)
+    assert {tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")} <= set(ids)
+    reply = tok.decode(tok.encode(REPLY_TEXT)[:3])
+    # skip_special_tokens (default true) is about generated text, not the echoed prompt
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True)
+    assert r.choices[0].text == ECHO_PROMPT + reply
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ECHO_PROMPT + reply
+    # a string prompt echoes as sent
+    r = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, max_tokens=3, echo=True)
+    assert r.choices[0].text == ECHO_PROMPT + reply
+
+
+def test_scoring_a_token_id_prompt_gives_offsets_into_the_echoed_text(client, tok):
+    ids = tok.encode(ECHO_PROMPT)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == ECHO_PROMPT and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and "<|im_start|>" in lp.tokens and "<|im_end|>" in lp.tokens
+    assert lp.token_logprobs == [None] + [FAKE_PROMPT_LOGPROB] * (len(ids) - 1)
+    assert "".join(lp.tokens) == c.text
+    assert all(c.text[o:o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(c.text)
+
+
+# ---------------------------------------------------------------- usage on every chunk
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+CHAT_PROMPT = "<|im_start|>user\nSay hello 你好<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _data_events(raw: bytes) -> list[dict]:
+    return [json.loads(e[len(b"data: "):]) for e in raw.split(b"\n\n")
+            if e.startswith(b"data: ") and e != b"data: [DONE]"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_puts_each_choices_running_usage_on_every_chunk(
+        stack, tok, route, n):
+    if route == "chat":  # the whole reply and its EOS
+        path, body = "/v1/chat/completions", {"messages": HI}
+        n_prompt, per_choice = len(tok.encode(CHAT_PROMPT)), len(tok.encode(REPLY_TEXT)) + 1
+    else:  # cut at max_tokens
+        path, body = "/v1/completions", {"prompt": "Say hello", "max_tokens": 7}
+        n_prompt, per_choice = len(tok.encode("Say hello")), 7
+    # A stop string the reply lacks: queued outputs then never merge, so each engine output
+    # is a chunk and the running count has several values.
+    with httpx.stream("POST", stack.url + path, timeout=30, json={
+            "model": MODEL, "stream": True, "n": n, "stream_options": CONTINUOUS,
+            "stop": ["never in the reply"], **body}) as r:
+        assert r.status_code == 200
+        *chunks, final = _data_events(b"".join(r.iter_bytes()))
+    assert final["choices"] == [] and final["usage"] == {
+        "prompt_tokens": n_prompt, "completion_tokens": n * per_choice,
+        "total_tokens": n_prompt + n * per_choice}
+    counts: dict[int, list[int]] = {i: [] for i in range(n)}
+    for c in chunks:
+        u = c["usage"]
+        assert u["prompt_tokens"] == n_prompt
+        assert u["total_tokens"] == n_prompt + u["completion_tokens"]
+        [choice] = c["choices"]
+        counts[choice["index"]].append(u["completion_tokens"])
+        if route == "chat" and choice["delta"].get("role") == "assistant":
+            assert u["completion_tokens"] == 0
+    for seen in counts.values():
+        assert seen == sorted(seen) and seen[-1] == per_choice
+        assert len(set(seen)) > 2  # a running count, not the total repeated
+
+
+def test_openai_sdk_parses_usage_on_every_chunk(client, tok):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stream=True,
+                                                 stream_options=CONTINUOUS))
+    assert all(c.usage is not None for c in chunks)
+    seen = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert seen[0] == 0 and seen == sorted(seen)
+    assert seen[-1] == chunks[-1].usage.completion_tokens == len(tok.encode(REPLY_TEXT)) + 1
+    chunks = list(client.completions.create(model=MODEL, prompt="Say hello", max_tokens=7,
+                                            stream=True, stream_options=CONTINUOUS))
+    assert all(c.usage is not None for c in chunks)
+    seen = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert seen == sorted(seen) and seen[-1] == chunks[-1].usage.completion_tokens == 7
+
+
+def test_without_continuous_usage_stats_chunks_keep_usage_null(stack):
+    for opts in ({"include_usage": True}, {"include_usage": True,
+                                            "continuous_usage_stats": False},
+                 {"continuous_usage_stats": True}):  # vLLM: only together with include_usage
+        with httpx.stream("POST", stack.url + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": "Say hello", "max_tokens": 7, "stream": True,
+                "stream_options": opts}) as r:
+            events = _data_events(b"".join(r.iter_bytes()))
+        with_choices = [e for e in events if e["choices"]]
+        if opts.get("include_usage"):
+            assert all(e["usage"] is None for e in with_choices)
+            assert events[-1]["usage"]["completion_tokens"] == 7
+        else:
+            assert all("usage" not in e for e in events)
 
 
 # ---------------------------------------------------------------- startup and health

@@ -38,6 +38,10 @@ BAD_REQUESTS = [
     ("stream_options without stream", {"model": MODEL, "messages": HI,
                                        "stream_options": {"include_usage": True}}, 400,
      "stream_options", None),
+    ("continuous_usage_stats not a boolean", {
+        "model": MODEL, "messages": HI, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}}, 400,
+     "stream_options.continuous_usage_stats", None),
     ("too long", {"model": MODEL, "messages": HI, "max_tokens": MAX_MODEL_LEN}, 400,
      "messages", "context_length_exceeded"),
     ("too long streamed", {"model": MODEL, "messages": HI, "stream": True,
@@ -71,6 +75,30 @@ def test_bad_request_gets_openai_error_envelope_then_server_still_serves(
     ok = httpx.post(f"{stack.url}/v1/chat/completions", json={"model": MODEL, "messages": HI},
                     timeout=10)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+
+
+# Not one of OpenAI's four forms (a string, strings, token ids, lists of token ids).
+BAD_PROMPTS = [["a", 1], [[1], "a"], ["a", [1]], [[1], 2], [1, [2]], [[1], [2, "x"]],
+               [[]], [[1], []], [], [True], ""]
+
+
+@pytest.mark.parametrize("prompt", BAD_PROMPTS, ids=[repr(p) for p in BAD_PROMPTS])
+def test_mixed_or_empty_prompt_list_is_a_400_naming_prompt_then_server_still_serves(
+        stack, prompt):
+    r = httpx.post(f"{stack.url}/v1/completions", timeout=10,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "prompt", None)
+    assert err["message"] and "Traceback" not in err["message"]
+    # each of the four forms is still served: (prompt, number of prompts)
+    for good, n in (("Say hello", 1), (["Say", "hello"], 2), ([5, 6], 1), ([[5, 6], [7]], 2)):
+        ok = httpx.post(f"{stack.url}/v1/completions", timeout=10,
+                        json={"model": MODEL, "prompt": good, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        assert [c["finish_reason"] for c in ok.json()["choices"]] == ["length"] * n
 
 
 def test_unknown_model_raises_not_found_in_openai_sdk(client):

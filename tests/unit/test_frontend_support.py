@@ -13,7 +13,10 @@
   "slow" -> the reply after 0.5 s; "keep going" -> the reply without a finish
   (the request runs until aborted); "please drop" -> a few tokens, then finish "abort" with
   an error, unasked (as the engine does when it drops a silent frontend); a message containing a key of SCRIPTED -> that reply
-  instead of REPLY_TEXT (reasoning and tool-call outputs for the output parsers). It records
+  instead of REPLY_TEXT (reasoning and tool-call outputs for the output parsers). A request
+  with `max_tokens: 0` (completions scoring) finishes "length" with no token. A request with
+  `prompt_logprobs` gets them on its first output: None for the first prompt token, then
+  each prompt token as chosen with logprob FAKE_PROMPT_LOGPROB. It records
   AddRequests, Aborts and Hellos. `forget()` makes it forget every frontend: their next
   Heartbeat is answered with NotAttached (as the engine answers an identity it dropped),
   until they say Hello again.
@@ -52,6 +55,7 @@ SCRIPTED = {
     "please force": '[{"name": "get_weather", "arguments": {"city": "Oslo", "n": 3}}]',
 }
 MAX_MODEL_LEN = 256
+FAKE_PROMPT_LOGPROB = -1.5  # every prompt token's logprob (requests with prompt_logprobs)
 MODEL = "test-model"  # the served model name
 HI = [{"role": "user", "content": "Say hello 你好"}]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,9 +144,17 @@ class FakeEngine:
     def _plan(self, ident: bytes, req: p.AddRequest) -> None:
         now, user = time.monotonic(), self._last_user_text(req)
         n_prompt = len(req.prompt_token_ids)
+        prompt_lps: list = []  # on the first output only
+        if req.sampling.prompt_logprobs is not None:
+            prompt_lps = [None] + [p.TokenLogprob(t, FAKE_PROMPT_LOGPROB, 1, [t],
+                                                  [FAKE_PROMPT_LOGPROB])
+                                   for t in req.prompt_token_ids[1:]]
 
         def out(ids, finish=None, **kw):
-            return p.Outputs([p.RequestOutput(req.request_id, ids, n_prompt, finish, **kw)])
+            nonlocal prompt_lps
+            lps, prompt_lps = prompt_lps, []
+            return p.Outputs([p.RequestOutput(req.request_id, ids, n_prompt, finish,
+                                              prompt_logprobs=lps, **kw)])
 
         if "please hang" in user:
             return
@@ -155,6 +167,9 @@ class FakeEngine:
         if "please fail" in user:
             self._pending.append((now, ident, out(self.reply_ids[:2])))
             self._pending.append((now, ident, out([], "error", error="simulated worker fault")))
+            return
+        if req.sampling.max_tokens == 0:  # scoring: the prompt runs, nothing is sampled
+            self._pending.append((now, ident, out([], "length")))
             return
         reply_ids = next((self.tokenizer.encode(text).ids for key, text in SCRIPTED.items()
                           if key in user), self.reply_ids)
