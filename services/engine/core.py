@@ -14,7 +14,8 @@ An AddRequest is refused with an error output when the waiting queue holds
 cfg.max_num_waiting requests (error_kind "overloaded": the frontend answers 503), when it
 is invalid (empty, too long, token ids out of range, bad logprobs counts, a grammar that
 fails to compile: "invalid", 400). A worker fault fails the step's requests ("internal").
-Structured-output grammars are compiled at add time (`services.engine.structured`).
+Structured-output grammars are compiled at add time (`services.engine.structured`); a new
+one in a thread, its request admitted by the loop when it is ready (`_finish_compiles`).
 
 KV tiers (kv_offload_cpu_gib > 0 with the prefix cache on): `services.engine.kv_tiers`
 talks to the kvstore on this loop (its socket is polled next to the others, also while a
@@ -54,6 +55,7 @@ from shared.shm_ring import ShmRingWriter
 from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.engine")
+COMPILE_POLL_MS = 5  # the loop's poll timeout while grammars compile and nothing else runs
 
 # Names that moved to frontends.py / steps.py, still importable from here. The constants are
 # read where they are defined now: a test that patches one patches it in that module.
@@ -242,7 +244,9 @@ class EngineCore(FrontendLink, StepPipeline):
                     poller, tier_sock = self._poller(self.router, self.worker_sock), self.tiers.socket
             busy = (self.scheduler.has_work() or self.inflight is not None
                     or (self.tiers is not None and self.tiers.has_stores()))
-            events = dict(poller.poll(0 if busy else 100))
+            if self._compiling:  # grammars compiling in threads: admit the ready ones
+                self._finish_compiles()
+            events = dict(poller.poll(0 if busy else (COMPILE_POLL_MS if self._compiling else 100)))
             if self.router in events:
                 self._drain_frontends(in_step=False)
             if self.worker_sock in events:
@@ -264,6 +268,10 @@ class EngineCore(FrontendLink, StepPipeline):
             for req in reqs:
                 self.scheduler.finish(req, "error")
             self._emit(reqs, error=reason)
+            for _, ident, msg in (self._compiling or {}).values():
+                self._refuse(ident, msg, "internal", reason)
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
         try:
             self.ring.write(self.enc.encode(P.WorkerShutdown(reason)), msg_type="shutdown", timeout=1.0)
         except Exception as e:  # a dead worker cannot drain the ring

@@ -5,25 +5,31 @@ and its validation, Abort, UtilityCall, Heartbeat, and anything from an identity
 said Hello), the liveness of each frontend (`FRONTEND_TIMEOUT_S`), the aborts queued for
 after a step, and the `RequestOutput`s sent back (`_output`, `_emit`).
 
-It is a mixin of `services.engine.core.EngineCore` and keeps no state of its own.
+It is a mixin of `services.engine.core.EngineCore` and keeps no state of its own beyond
+the requests whose grammar is compiling (`_compiling`, made on first use): a new grammar is
+compiled by a thread, so that a schema that takes seconds does not stall the loop (and every
+other request with it); the request joins the scheduler when it is ready.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
 
 from services.engine.request import Request
-from services.engine.structured import GrammarError
+from services.engine.structured import GrammarError, RequestGrammar
 from shared import protocol as P
 from shared.zmq_utils import safe_decode
 
 log = logging.getLogger("kestrel.engine")
 
 FRONTEND_TIMEOUT_S = 5.0  # a frontend silent this long is dead: its requests are aborted
+COMPILE_THREADS = 2  # threads that compile new grammars off the engine loop
 DEBUG_SLEEP_MAX_S = 600.0
 
 
@@ -43,6 +49,12 @@ class FrontendLink:
     debug_sleep_s (written by the debug_sleep utility), tiers (None when off), and the
     method `structured()` (the grammar compiler).
     """
+
+    # request id -> (future of its compiled grammar, frontend identity, AddRequest), while the
+    # grammar compiles (None until the first compile; `_finish_compiles` empties it)
+    _compiling: dict | None = None
+    _compile_jobs: dict | None = None  # (kind, spec) -> the future of its compiled grammar
+    _compile_pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ frontend messages
 
@@ -130,34 +142,94 @@ class FrontendLink:
             return "logit_bias / stop_token_ids token id out of range"
         if sp.repetition_penalty <= 0:
             return "repetition_penalty must be > 0"
-        if msg.request_id in self.scheduler.requests:
+        # what the worker turns into int64 / fp32 tensors: a value it cannot hold would fail
+        # the whole step (every request in it), not just this one
+        if not 0 <= sp.top_k < 2 ** 31:
+            return "top_k must be in 0..2147483647 (0: off)"
+        if sp.seed is not None and not -2 ** 63 <= sp.seed < 2 ** 63:
+            return "seed must fit in 64 bits"
+        finite = (sp.temperature, sp.top_p, sp.min_p, sp.presence_penalty, sp.frequency_penalty,
+                  sp.repetition_penalty, *sp.logit_bias.values())
+        if not all(math.isfinite(v) for v in finite):
+            return "sampling parameters must be finite numbers"
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or not 0 <= sp.min_p <= 1:
+            return "temperature must be >= 0, top_p in (0, 1] and min_p in [0, 1]"
+        if msg.request_id in self.scheduler.requests or msg.request_id in (self._compiling or {}):
             return "duplicate request id"
         return None
 
     def _on_add(self, ident: bytes, msg: P.AddRequest) -> None:
+        """Validate and admit a request. One whose grammar is not compiled yet waits in
+        `_compiling` while a thread compiles it (`_finish_compiles` admits it)."""
         sp = msg.sampling
-        n = len(msg.prompt_token_ids)
         kind, error = "invalid", self._validate(msg)
-        if error is None and len(self.scheduler.waiting) >= self.cfg.max_num_waiting:
+        waiting = len(self.scheduler.waiting) + len(self._compiling or {})
+        if error is None and waiting >= self.cfg.max_num_waiting:
             kind, error = "overloaded", f"waiting queue full ({self.cfg.max_num_waiting} requests)"
         grammar = None
         if error is None and sp.structured is not None:
             try:
-                grammar = self.structured().grammar_for(sp.structured)
-            except GrammarError as e:
-                error = str(e)
+                mgr = self.structured()
+                grammar = mgr.cached_grammar_for(sp.structured)
+                if grammar is None:  # compiled off the loop: a big schema takes seconds
+                    self._compiling_add(ident, msg, mgr)
+                    return
             except Exception as e:  # no tokenizer.json, xgrammar fault: not the client's fault
                 log.exception("request %s: structured output unavailable", msg.request_id)
                 kind, error = "internal", f"structured output unavailable: {e}"
         if error:
-            self._send(ident, P.Outputs([P.RequestOutput(msg.request_id, [], n, "error", error=error,
-                                                         error_kind=kind)]))
+            self._refuse(ident, msg, kind, error)
             return
+        self._admit(ident, msg, grammar)
+
+    def _refuse(self, ident: bytes, msg: P.AddRequest, kind: str, error: str) -> None:
+        self._send(ident, P.Outputs([P.RequestOutput(msg.request_id, [], len(msg.prompt_token_ids), "error",
+                                                     error=error, error_kind=kind)]))
+
+    def _admit(self, ident: bytes, msg: P.AddRequest, grammar) -> None:
+        sp = msg.sampling
         if sp.seed is None:
             sp.seed = self.rng.getrandbits(63)
         req = Request(msg.request_id, ident, msg.prompt_token_ids, sp, msg.arrival_time)
         req.grammar = grammar
         self.scheduler.add(req)
+
+    def _compiling_add(self, ident: bytes, msg: P.AddRequest, mgr) -> None:
+        """Park msg until its grammar compiles in a thread; requests with the same spec share
+        one compile."""
+        if self._compiling is None:
+            self._compiling, self._compile_jobs = {}, {}
+            self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, "xgrammar-compile")
+        spec = msg.sampling.structured
+        key = (spec.kind, spec.spec)
+        fut = self._compile_jobs.get(key)
+        if fut is None or fut.done():
+            fut = self._compile_jobs[key] = self._compile_pool.submit(mgr.compile, spec)
+        self._compiling[msg.request_id] = (fut, ident, msg)
+
+    def _finish_compiles(self) -> None:
+        """Admit the requests whose grammar compiled, refuse those whose grammar failed
+        (GrammarError: "invalid"; anything else: "internal"). A request whose frontend was
+        dropped meanwhile is forgotten (its abort went out with the others)."""
+        for rid, (fut, ident, msg) in list((self._compiling or {}).items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            if ident not in self.frontends:
+                continue
+            try:
+                grammar = RequestGrammar(fut.result(), self.info.vocab_size)
+            except GrammarError as e:
+                self._refuse(ident, msg, "invalid", str(e))
+                continue
+            except Exception as e:
+                log.error("request %s: grammar compile failed: %r", rid, e)
+                self._refuse(ident, msg, "internal", f"structured output unavailable: {e}")
+                continue
+            self._admit(ident, msg, grammar)
+        for key, fut in list((self._compile_jobs or {}).items()):
+            if fut.done():
+                del self._compile_jobs[key]
 
     def _on_utility(self, msg: P.UtilityCall) -> P.UtilityResult:
         s = self.scheduler
@@ -200,6 +272,9 @@ class FrontendLink:
         for req in list(self.scheduler.requests.values()):
             if req.frontend == ident:
                 self.pending_aborts.append((req.request_id, "abort", why))
+        for rid, (_, owner, _) in (self._compiling or {}).items():
+            if owner == ident:
+                self.pending_aborts.append((rid, "abort", why))
 
     def _check_frontends(self) -> None:
         now = time.monotonic()
@@ -218,6 +293,12 @@ class FrontendLink:
         for rid, reason, error in aborts:
             req = self.scheduler.requests.get(rid)
             if req is None:
+                compiling = (self._compiling or {}).pop(rid, None)
+                if compiling is not None:  # its grammar is still compiling: it never ran
+                    _, ident, msg = compiling
+                    self._send(ident, P.Outputs([P.RequestOutput(
+                        rid, [], len(msg.prompt_token_ids), reason, error=error,
+                        error_kind="internal" if error is not None else None)]))
                 continue
             self.scheduler.finish(req, reason)
             if error is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
+import time
 
 import pytest
 
@@ -55,6 +57,7 @@ class InProcessEngine:
         core.rng = random.Random(0)
         core._structured = None
         core.frontends = {b"fe": None}
+        core.pending_aborts = []
         bm = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=True)
         core.scheduler = Scheduler(bm, 32, 1024, core.max_model_len, list(core.info.eos_token_ids))
         self.outputs: dict[str, list[P.RequestOutput]] = {}
@@ -65,11 +68,17 @@ class InProcessEngine:
     def add(self, rid: str, prompt: list[int], sp: P.SamplingParams) -> None:
         self.core._on_add(b"fe", P.AddRequest(rid, prompt, sp, 0.0))
 
-    def run(self, max_steps: int = 2000) -> None:
+    def run(self, max_steps: int = 2000, wait_compiles: bool = True) -> None:
+        """Step until idle; while grammars compile (threads) and nothing runs, wait for them
+        (as the engine loop polls), unless wait_compiles is False."""
         s = self.core.scheduler
         for _ in range(max_steps):
+            self.core._finish_compiles()
             if not s.has_work():
-                return
+                if not self.core._compiling or not wait_compiles:
+                    return
+                time.sleep(0.005)
+                continue
             out = s.schedule()
             res = self.runner.run_step(out.plan)
             changed = s.update(out, res.sampled_token_ids, res.logprobs, res.prompt_logprobs)
@@ -108,10 +117,10 @@ def test_twenty_sampled_json_completions_all_validate_and_bad_schema_fails_alone
                                                       structured=spec))
     engine.add("bad", prompt, P.SamplingParams(structured=P.StructuredSpec("json_schema", '{"type": "nosuch"}')))
     engine.add("badjson", prompt, P.SamplingParams(structured=P.StructuredSpec("json_schema", "{oops")))
+    engine.run()
     for rid in ("bad", "badjson"):
         out = engine.final(rid)
         assert out.finish_reason == "error" and out.error_kind == "invalid" and out.error
-    engine.run()
     eos = set(load_model_info(engine.core.info.path).eos_token_ids)
     for i in range(20):
         final = engine.final(f"js{i}")
@@ -163,3 +172,63 @@ def test_waiting_queue_bound_answers_overloaded(smollm2_dir, engine):
         core.cfg.set("max_num_waiting", old, "test")
     engine.run()
     assert engine.final("q0").finish_reason == "length"
+
+
+def test_a_grammar_that_compiles_for_seconds_does_not_stall_the_engine_loop(engine, tokenizer, monkeypatch):
+    # a new grammar compiles in a thread: the add returns at once, other requests run
+    # meanwhile, and the request joins when its grammar is ready; one aborted while its
+    # grammar compiles ends "abort" and never runs (a deep schema took 8.4 s to compile)
+    from services.engine.structured import StructuredOutputManager
+
+    gate = threading.Event()
+    real = StructuredOutputManager.compile
+
+    def slow(self, spec):
+        if "slowmarker" in spec.spec:
+            assert gate.wait(30)
+        return real(self, spec)
+
+    monkeypatch.setattr(StructuredOutputManager, "compile", slow)
+    prompt = _prompt(tokenizer, "Describe a person as JSON with name, age and pet.")
+    schema = dict(SCHEMA, description="slowmarker")
+    spec = P.StructuredSpec("json_schema", json.dumps(schema))
+    t0 = time.monotonic()
+    engine.add("slow0", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
+    engine.add("slow1", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
+    engine.add("gone", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
+    assert time.monotonic() - t0 < 5
+    assert {"slow0", "slow1", "gone"} <= set(engine.core._compiling)
+    assert len(engine.core._compile_jobs) == 1  # one compile for the three
+    engine.add("slow0", prompt, P.SamplingParams(temperature=0.0, max_tokens=4))  # its id is taken
+    assert engine.final("slow0").error == "duplicate request id"
+    engine.add("plain", prompt, P.SamplingParams(temperature=0.0, max_tokens=8))
+    engine.core.pending_aborts.append(("gone", "abort", None))
+    engine.core._apply_aborts()
+    assert engine.final("gone").finish_reason == "abort" and "gone" not in engine.core._compiling
+    engine.run(wait_compiles=False)  # only "plain" can run: the compile waits on the gate
+    assert engine.final("plain").finish_reason == "length" and len(engine.tokens("plain")) == 8
+    assert "slow0" in engine.core._compiling and "slow0" not in engine.core.scheduler.requests
+    gate.set()
+    engine.run()
+    eos = set(engine.core.info.eos_token_ids)
+    for rid in ("slow0", "slow1"):
+        assert engine.final(rid).finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode([t for t in engine.tokens(rid) if t not in eos])), SCHEMA)
+    assert engine.tokens("slow0") == engine.tokens("slow1")  # greedy: one grammar, two matchers
+    assert [o.finish_reason for o in engine.outputs["gone"]] == ["abort"]
+    assert not engine.core._compiling and not engine.core._compile_jobs
+
+
+def test_sampling_values_the_worker_cannot_hold_fail_only_their_request(engine, tokenizer):
+    # top_k 2**63 once failed the whole step: the worker's int64 tensor overflowed
+    prompt = _prompt(tokenizer, "Hi")
+    bad = {"k": P.SamplingParams(top_k=2 ** 63), "seed": P.SamplingParams(seed=2 ** 64),
+           "nan": P.SamplingParams(temperature=float("nan")), "inf": P.SamplingParams(presence_penalty=float("inf")),
+           "p0": P.SamplingParams(top_p=0.0)}
+    for rid, sp in bad.items():
+        engine.add(rid, prompt, sp)
+        out = engine.final(rid)
+        assert out.finish_reason == "error" and out.error_kind == "invalid", (rid, out)
+    engine.add("fine", prompt, P.SamplingParams(temperature=0.0, max_tokens=3, top_k=2 ** 31 - 1))
+    engine.run()
+    assert engine.final("fine").finish_reason == "length"
