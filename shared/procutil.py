@@ -10,6 +10,9 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# the exit code of a process that refuses its configuration (it would refuse it again): the
+# supervisor stops the server instead of restarting it
+EXIT_CONFIG = 2
 
 
 def set_title(title: str) -> None:

@@ -50,7 +50,7 @@ from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.model_info import load_model_info
 from shared.liveness import Beacon
-from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.procutil import EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.shm_ring import ShmRingWriter
 from shared.zmq_utils import make_socket, safe_decode
 
@@ -306,9 +306,9 @@ def run_engine(cfg: KestrelConfig) -> int:
         log.error("%s: failing the requests in flight and exiting for a restart", e)
         reason = f"the model worker stopped answering ({e}); the engine is restarting"
         code = 1
-    except SystemExit as e:
+    except SystemExit as e:  # a configuration the engine refuses (start): no restart
         log.error("%s", e.code)
-        code = 2
+        code = EXIT_CONFIG
     except Exception:
         log.exception("engine failed")
         code = 1

@@ -15,6 +15,10 @@ Policies (DESIGN §8):
 - Restarts back off exponentially (restart.py). A unit that fails more than restart_max
   times within restart_window_s makes `serve` stop everything and exit 1. Restart counts
   per process are in `<runtime_dir>/restarts.json` (restart.read_restart_counts).
+- An engine that exits with EXIT_CONFIG (2: it refused its configuration, e.g. a
+  max_model_len over the KV cache) would refuse it again: `serve` stops at once and exits
+  1, and a server that never became ready has no requests to drain (frontends get
+  GRACE_S, not --shutdown-timeout).
 - The kvstore (when kv_offload_cpu_gib > 0; its settings are checked with
   `services.kvstore.settings.resolve_setup` before anything starts, exit 2 with the message
   when they cannot work) is its own restart unit: it starts first, is not touched when the
@@ -51,7 +55,7 @@ import urllib.request
 from services.supervisor.restart import RestartPolicy, write_restart_counts
 from services.supervisor.watchdog import Watchdog, load_watchdog_config
 from shared.config import KestrelConfig
-from shared.procutil import set_title, setup_logging
+from shared.procutil import EXIT_CONFIG, set_title, setup_logging
 from shared.runtime_dir import sweep_dead_runtime_dirs, write_owner
 
 log = logging.getLogger("kestrel.supervisor")
@@ -193,7 +197,13 @@ class Supervisor:
                 for c in dead:
                     log.error("%s (pid %d) exited with code %s", c.role, c.proc.pid,
                               c.proc.returncode)
-                self._stop_engine_group()
+                self._stop_engine_group()  # the engine's own exit code is known after this
+                engine = self.engine_group[0].proc
+                if engine is not None and engine.returncode == EXIT_CONFIG:
+                    log.error("the engine refused its configuration (exit code %d, see its log "
+                              "above): not restarting it", EXIT_CONFIG)
+                    self.gave_up = True
+                    return
                 self._schedule("engine")
         now = time.monotonic()
         for unit, at in list(self.pending.items()):
@@ -214,11 +224,12 @@ class Supervisor:
         _stop_group(self.engine_group[1:], 3.0)
         _sweep(self.cfg.instance_id)
 
-    def stop_all(self) -> None:
-        """Graceful stop: frontends drain for up to cfg.shutdown_timeout seconds, then the
+    def stop_all(self, drain: bool = True) -> None:
+        """Graceful stop: frontends drain for up to cfg.shutdown_timeout seconds (drain
+        False: a server that never served has nothing to drain, GRACE_S only), then the
         engine, then the workers; SIGKILL for any that outstay their grace."""
         self.pending.clear()
-        _stop_group(self.frontends, self.cfg.shutdown_timeout + GRACE_S)
+        _stop_group(self.frontends, (self.cfg.shutdown_timeout if drain else 0.0) + GRACE_S)
         _stop_group(self.engine_group[:1], GRACE_S)
         # The engine told its workers to exit: let them finish on their own (a SIGTERM in
         # the middle of interpreter shutdown would end one with -15), then signal.
@@ -341,7 +352,7 @@ def serve(cfg: KestrelConfig) -> int:
                      signal.Signals(stop["sig"]).name, cfg.shutdown_timeout)
     finally:
         watchdog.stop()
-        sup.stop_all()
+        sup.stop_all(drain=ready)
         shutil.rmtree(cfg.runtime_dir, ignore_errors=True)
         _sweep(cfg.instance_id)
     log.info("stopped (exit code %d)", code)
