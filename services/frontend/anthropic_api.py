@@ -20,10 +20,18 @@ Infinity tokens, strings with lone surrogates included) or fails validation, or 
 prompt + max_tokens exceeds the context ("prompt is too long: ..." when the prompt alone
 leaves no room, else "max_tokens: N > room, ..."), 404 not_found_error, 413
 request_too_large (bodies over --max-request-body-bytes), 500 api_error, 529
-overloaded_error (engine busy or not answering). Every response carries a `request-id`
-header (`msg_...`, or `req_...` on count_tokens). An error after the stream started is an
-`error` event. The `x-api-key` and `anthropic-version` headers are accepted (the key is
-checked by the server's auth, if set).
+overloaded_error with a Retry-After header (engine busy or not answering). The engine's
+refusal of a request maps by its error_kind, as on the OpenAI routes (`finish_error`):
+"overloaded" (waiting queue full) is 529 overloaded_error + Retry-After, "invalid" (e.g. a
+forced tool_use whose input_schema the engine cannot compile) is 400 invalid_request_error,
+anything else 500 api_error. A stream awaits its first engine output (up to keepalive_s)
+before it starts, so that a refusal is still an HTTP status; an error after the stream
+started is an `error` event of the same type. Every response carries a `request-id`
+header (`msg_...`, or `req_...` on count_tokens). The `x-api-key` and `anthropic-version`
+headers are accepted (the key is checked by the server's auth, if set).
+
+Sampling: a temperature below 1e-5 is sent to the engine as 0.0 (greedy, as vLLM does) and a
+top_p below 1e-6 as 1e-6 (openai_sampling's `engine_temperature` / `engine_top_p`).
 """
 
 from __future__ import annotations
@@ -44,8 +52,10 @@ from services.frontend.anthropic_errors import (anthropic_error_body, anthropic_
 from services.frontend.anthropic_protocol import MessagesRequest, parse_messages_request
 from services.frontend.chat_features import ChatFeatures
 from services.frontend.engine_client import EngineUnavailable
-from services.frontend.errors import APIError, InternalError, InvalidRequest, NotFound
+from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound,
+                                      Overloaded, ServiceUnavailable)
 from services.frontend.generation import generate
+from services.frontend.openai_sampling import engine_temperature, engine_top_p
 from services.frontend.parsers.output import Finish, OutEvent, Reasoning, run_parsed
 from services.frontend.parsers.tool_choice import forced_call_constraint
 from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
@@ -60,6 +70,26 @@ STOP_REASONS = {"length": "max_tokens", "stop_string": "stop_sequence"}
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def finish_error(fin: Finish) -> APIError:
+    """The error of a response that ended with an engine error, by the engine's error_kind
+    (as the OpenAI routes map it): "overloaded" (waiting queue full) -> Overloaded (529
+    overloaded_error with Retry-After in Anthropic's envelope), "invalid" (the engine
+    rejected the request, e.g. a forced tool call's schema it cannot compile) ->
+    InvalidRequest (400 invalid_request_error), anything else -> InternalError (500
+    api_error)."""
+    if fin.error_kind == "overloaded":
+        return Overloaded(f"The server is overloaded ({fin.error}); retry later.")
+    if fin.error_kind == "invalid":
+        return InvalidRequest(None, f"The engine rejected the request: {fin.error}")
+    return InternalError(f"The request failed: {fin.error}")
+
+
+def _error_event(err: APIError) -> bytes:
+    """The SSE `error` event of `err` (in a stream that already started)."""
+    _, body = anthropic_error_body(err.status, err.message)
+    return _sse("error", body)
 
 
 def _tool_input(args: str) -> Any:
@@ -207,18 +237,23 @@ class AnthropicServing:
                                  f"{self.max_model_len})")
 
     def _error(self, request_id: str, e: APIError) -> Response:
+        """The response of `e` in Anthropic's envelope (503 -> 529 overloaded_error, with
+        Retry-After for ServiceUnavailable / Overloaded)."""
         status = e.status
         if status >= 500:
             log.error("%s failed: %s", request_id, e.message)
         else:
             log.info("%s rejected (%d): %s", request_id, status, e.message)
-        return anthropic_error_response(status, e.message, request_id)
+        headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, ServiceUnavailable)
+                   else None)
+        return anthropic_error_response(status, e.message, request_id, headers)
 
     async def messages(self, request: Request) -> Response:
         """POST /v1/messages (Anthropic Messages, streaming and not). Errors: 400 bad body,
-        prompt too long or max_tokens past the room it leaves (`_check_length`), 404 unknown
-        model, 413 body too large, 529 engine unavailable, 500 internal faults (logged with
-        the request id)."""
+        prompt too long or max_tokens past the room it leaves (`_check_length`), or refused
+        by the engine as invalid; 404 unknown model, 413 body too large, 529 (Retry-After)
+        engine unavailable or overloaded, 500 internal faults (logged with the request
+        id). See `finish_error`."""
         request_id = f"msg_{uuid.uuid4().hex[:24]}"
         try:
             req = await self._read(request, count_only=False)
@@ -226,8 +261,9 @@ class AnthropicServing:
             n = len(ids)
             self._check_length(n, req.max_tokens)
             forced = req.tool_choice in ("any", "tool")
-            sampling = SamplingParams(
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            sampling = SamplingParams(  # tiny temperature / top_p: as on the OpenAI routes
+                temperature=engine_temperature(req.temperature),
+                top_p=engine_top_p(req.top_p), top_k=req.top_k,
                 max_tokens=req.max_tokens,
                 structured=forced_call_constraint(req.tool_schemas, req.tool_name,
                                                   req.parallel_tool_use) if forced else None)
@@ -242,7 +278,8 @@ class AnthropicServing:
                      req.max_tokens, req.stream)
             events = run_parsed(gen, parser)
             if req.stream:
-                return StreamingResponse(self._stream(request_id, n, gen, events),
+                first = await self._first(gen, events)
+                return StreamingResponse(self._stream(request_id, n, gen, events, first),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
                                                   "request-id": request_id})
@@ -251,7 +288,9 @@ class AnthropicServing:
             return self._error(request_id, e)
         except EngineUnavailable as e:
             log.warning("%s refused: %s", request_id, e)
-            return anthropic_error_response(529, f"The engine is unavailable: {e}.", request_id)
+            return anthropic_error_response(
+                529, f"The engine is unavailable: {e}.", request_id,
+                {"Retry-After": str(ServiceUnavailable.retry_after_s)})
         except Exception:
             log.exception("%s failed with an internal error", request_id)
             return anthropic_error_response(500, f"Internal error (request {request_id}).",
@@ -270,20 +309,52 @@ class AnthropicServing:
             return "tool_use"
         return STOP_REASONS.get(fin.reason, "end_turn")
 
+    async def _first(self, gen: AsyncIterator, events: AsyncIterator) -> asyncio.Future:
+        """Start awaiting the first item of `events` and give it up to keepalive_s (the
+        streamed `generate` ticks by then), so that an engine refusal of the request
+        (`finish_error`) is raised here, before the stream starts: an HTTP error status.
+        Returns the future of that item (maybe still pending) for `_stream`. On a refusal
+        or a fault, `gen` is closed (the request released or aborted in the engine)."""
+        first = asyncio.ensure_future(events.__anext__())
+        try:
+            await asyncio.wait({first}, timeout=self.keepalive_s)
+            if first.done():
+                item = first.result()  # a fault raises here: a 500 from the handler
+                if isinstance(item, Finish) and item.error is not None:
+                    raise finish_error(item)
+        except BaseException:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+            await gen.aclose()
+            raise
+        return first
+
     async def _stream(self, request_id: str, n_prompt: int, gen: AsyncIterator,
-                      events: AsyncIterator) -> AsyncIterator[bytes]:
+                      events: AsyncIterator, first: asyncio.Future) -> AsyncIterator[bytes]:
+        """The SSE events of a streamed answer: `first` (from `_first`) is the first item
+        of `events`."""
         blocks = _Blocks()
+
+        async def items() -> AsyncIterator:
+            yield await first
+            async for it in events:
+                yield it
+
         try:
             yield _sse("message_start", {"type": "message_start", "message": self._message(
                 request_id, [], None, None, n_prompt, 0)})
             yield _sse("ping", {"type": "ping"})
-            async for item in events:
+            async for item in items():
                 if item is None:
                     yield _sse("ping", {"type": "ping"})
                 elif isinstance(item, Finish):
                     if item.error is not None:
-                        _, body = anthropic_error_body(500, f"The request failed: {item.error}")
-                        yield _sse("error", body)
+                        err = finish_error(item)
+                        log.log(logging.ERROR if err.status >= 500 else logging.INFO,
+                                "%s failed while streaming (%d): %s", request_id,
+                                err.status, err.message)
+                        yield _error_event(err)
                         return
                     out: list[bytes] = []
                     blocks.close(out)
@@ -301,9 +372,11 @@ class AnthropicServing:
                         yield chunk
         except Exception:
             log.exception("%s failed while streaming", request_id)
-            _, body = anthropic_error_body(500, f"Internal error (request {request_id}).")
-            yield _sse("error", body)
+            yield _error_event(InternalError(f"Internal error (request {request_id})."))
         finally:
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
             await gen.aclose()
             self.engine.abort(request_id)  # no-op unless the request is still running
 
@@ -342,7 +415,7 @@ class AnthropicServing:
             return Response(status_code=499)
         fin = work.result()
         if fin.error is not None:
-            raise InternalError(f"The request failed: {fin.error}")
+            raise finish_error(fin)
         reason = self._stop_reason(fin, blocks)
         body = self._message(request_id, blocks.final(), reason, fin.stop_string, n_prompt,
                              fin.completion_tokens)

@@ -5,11 +5,16 @@ Accepted: model, max_tokens (required on /v1/messages, >= 1), messages (roles us
 assistant; content a string or blocks `text`, `image` (base64 source), `tool_use`,
 `tool_result`, and `thinking` / `redacted_thinking` in assistant turns, which are not
 replayed), system (a string or text blocks), stop_sequences, temperature [0, 1], top_p
-(0, 1], top_k >= 0, stream, tools (custom tools: name, description, input_schema),
-tool_choice (auto / any / tool with name / none, disable_parallel_tool_use), metadata
-(user_id, accepted and unused), thinking ({"type": "enabled", "budget_tokens": N >= 1024 and
+(0, 1], top_k in [0, 2**31 - 1] (0: off; larger values would overflow the worker's
+sampler), stream, tools (custom tools: name, description, input_schema), tool_choice
+(auto / any / tool with name / none, disable_parallel_tool_use), metadata (user_id,
+accepted and unused), thinking ({"type": "enabled", "budget_tokens": N >= 1024 and
 < max_tokens} or {"type": "disabled"}; the budget is not enforced: the reasoning ends when
 the model closes it).
+
+Sampling values go to the engine as on the OpenAI routes (anthropic_api.py, with
+openai_sampling's `engine_temperature` / `engine_top_p`): a temperature below 1e-5 is greedy
+(0.0), a top_p below 1e-6 is sent as 1e-6.
 
 Images: the served models are text-only. An image block is decoded and checked with Pillow
 (a bad one is a 400 "invalid image"); a valid one is then rejected with a 400 saying that the
@@ -38,6 +43,7 @@ from services.frontend.errors import InvalidRequest
 IMAGE_MEDIA_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/gif": "GIF",
                      "image/webp": "WEBP"}
 TOOL_CHOICES = ("auto", "any", "tool", "none")
+MAX_TOP_K = 2**31 - 1  # larger values would overflow the worker's sampler tensors
 
 
 @dataclass
@@ -314,8 +320,9 @@ def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequ
         req.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
         req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
         top_k = body.get("top_k")
-        _need(top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0),
-              "top_k", "Input should be an integer greater than or equal to 0.")
+        _need(top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)
+                                and 0 <= top_k <= MAX_TOP_K),
+              "top_k", f"Input should be an integer between 0 and {MAX_TOP_K}.")
         req.top_k = top_k or 0
         stream = body.get("stream", False)
         _need(isinstance(stream, bool), "stream", "Input should be a boolean.")

@@ -3,7 +3,11 @@
 Fields (OpenAI's, plus vLLM's extensions), with the ranges enforced here (400 naming the
 field in `param` otherwise):
 - n: integer in [1, 16]; seed: 64-bit integer (choice i of n samples with seed + i);
-- temperature [0, 2], top_p (0, 1], top_k -1/0 = off or >= 1, min_p [0, 1];
+- temperature [0, 2], top_p (0, 1], top_k -1/0 = off or in [1, 2**31 - 1], min_p [0, 1];
+  as vLLM does, a temperature below SAMPLING_EPS (1e-5) is sent to the engine as 0.0
+  (greedy: a tiny one would underflow to 0 in float32), and a top_p below MIN_TOP_P (1e-6)
+  as MIN_TOP_P (same result, only the most likely token is kept, without underflow)
+  (`engine_temperature`, `engine_top_p`);
 - presence_penalty, frequency_penalty [-2, 2]; repetition_penalty (0, 2];
 - logit_bias: {"<token id>": bias in [-100, 100]}, ids inside the vocabulary, at most 300;
 - max_tokens / max_completion_tokens >= 0 (0 only for completions scoring with echo),
@@ -13,7 +17,8 @@ field in `param` otherwise):
 - ignore_eos, skip_special_tokens: booleans;
 - response_format: {"type": "text"} | {"type": "json_object"} |
   {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; a schema that
-  xgrammar cannot compile is a 400 on `response_format.json_schema.schema`;
+  xgrammar cannot compile, or nested too deeply to serialize (orjson's limit, about 255
+  levels), is a 400 on `response_format.json_schema.schema`;
 - stream, and stream_options (an object, only with stream: true) with the booleans
   include_usage (a final usage chunk) and vLLM's continuous_usage_stats (with include_usage,
   usage on every chunk too).
@@ -35,6 +40,9 @@ from shared.protocol import SamplingParams, StructuredSpec
 log = logging.getLogger("kestrel.frontend.sampling")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1  # the largest top_k (the worker's sampler holds it in a tensor)
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy (vLLM's _SAMPLING_EPS)
+MIN_TOP_P = 1e-6  # smaller top_p values are sent as this (float32 would underflow)
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -76,6 +84,20 @@ def get_number(body: dict, name: str, default: float, lo: float, hi: float,
     return float(v)
 
 
+def engine_temperature(temperature: float) -> float:
+    """The temperature sent to the engine: below SAMPLING_EPS (1e-5) it is 0.0, greedy (as
+    vLLM does): a tiny positive one would become 0 in the worker's float32 and divide the
+    logits into garbage."""
+    return 0.0 if temperature < SAMPLING_EPS else temperature
+
+
+def engine_top_p(top_p: float) -> float:
+    """The top_p sent to the engine: at least MIN_TOP_P (1e-6). Any top_p that small keeps
+    only the most likely token (its probability is at least 1/vocab); a smaller one could
+    underflow to 0 in float32, and top_p 0 drops every token."""
+    return max(top_p, MIN_TOP_P)
+
+
 def get_bool(body: dict, name: str, default: bool, param: str | None = None) -> bool:
     v = body.get(name)
     if v is None:
@@ -115,9 +137,12 @@ class SamplingRequest:
 
     def to_params(self, max_tokens: int, index: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's SamplingParams for choice `index` (seed + index when seeded)."""
+        """The engine's SamplingParams for choice `index` (seed + index when seeded). A
+        temperature below 1e-5 is sent as 0.0 (greedy) and a top_p below 1e-6 as 1e-6
+        (`engine_temperature`, `engine_top_p`)."""
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            temperature=engine_temperature(self.temperature),
+            top_p=engine_top_p(self.top_p), top_k=self.top_k,
             min_p=self.min_p,
             seed=None if self.seed is None else (self.seed + index) % (2**63),
             max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
@@ -224,7 +249,12 @@ def parse_response_format(value: Any) -> StructuredSpec | None:
     if not isinstance(schema, dict):
         raise InvalidRequest("response_format.json_schema.schema",
                              "'response_format.json_schema.schema' must be an object.")
-    text = orjson.dumps(schema).decode()
+    try:
+        text = orjson.dumps(schema).decode()
+    except orjson.JSONEncodeError:  # "Recursion limit reached": nested past ~255 levels
+        raise InvalidRequest("response_format.json_schema.schema",
+                             "'response_format.json_schema.schema' is nested too deeply."
+                             ) from None
     _check_schema(text)
     return StructuredSpec(kind="json_schema", spec=text)
 
@@ -239,7 +269,7 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> Samp
     max_completion = get_int(body, "max_completion_tokens", min_max_tokens)
     if max_completion is not None:
         max_tokens = max_completion
-    top_k = get_int(body, "top_k", -1)
+    top_k = get_int(body, "top_k", -1, INT32_MAX)
     min_tokens = get_int(body, "min_tokens", 0) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest("min_tokens", "'min_tokens' must not exceed 'max_tokens'.")

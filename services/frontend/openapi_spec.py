@@ -30,7 +30,7 @@ SAMPLING_PROPS: dict[str, Any] = {
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
     "seed": _INT64,
     "temperature": _num(0, 2), "top_p": _num(0, 1, excl_lo=True),
-    "top_k": {"type": ["integer", "null"], "minimum": -1},
+    "top_k": {"type": ["integer", "null"], "minimum": -1, "maximum": 2**31 - 1},
     "min_p": _num(0, 1),
     "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
     "repetition_penalty": _num(0, 2, excl_lo=True),
@@ -208,7 +208,7 @@ MESSAGES_REQUEST = {"type": "object", "required": ["model", "max_tokens", "messa
     "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
     "temperature": {"type": "number", "minimum": 0, "maximum": 1},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0},
+    "top_k": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
     "stream": {"type": "boolean"}}}
 COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"],
                         "properties": _A_COMMON}

@@ -161,3 +161,125 @@ def test_a_prompt_that_fills_the_context_alone_is_still_too_long(stack):
     assert n >= MAX_MODEL_LEN
     msg = _anthropic_400_message(_post(stack, "/v1/messages", json.dumps(body).encode()))
     assert msg.startswith(f"prompt is too long: {n} tokens") and "max_tokens:" not in msg
+
+
+# ---------------------------------------------------------------- sampling edge values
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 2**200])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_top_k_past_int32_is_a_400_naming_top_k_then_server_still_serves(stack, top_k, stream):
+    """A huge top_k used to reach the worker, whose sampler tensor overflowed and failed the
+    whole step (every in-flight request)."""
+    msg = _anthropic_400_message(_post(stack, "/v1/messages", json.dumps(
+        OK | {"top_k": top_k, "stream": stream}).encode()))
+    assert msg == "top_k: Input should be an integer between 0 and 2147483647."
+    r = _post(stack, "/v1/messages", json.dumps(OK | {"top_k": 2**31 - 1}).encode())
+    assert r.status_code == 200, r.text
+    assert stack.engine.added[-1].sampling.top_k == 2**31 - 1
+
+
+def test_a_tiny_temperature_is_greedy_and_a_tiny_top_p_is_clamped_in_the_engine_request(stack):
+    """1e-40 would be 0 in the worker's float32 (garbage): as vLLM, below 1e-5 is greedy;
+    a top_p below 1e-6 is sent as 1e-6 (the most likely token only, no underflow)."""
+    tiny = {"temperature": 1e-40, "top_p": 1e-40}
+    r = _post(stack, "/v1/messages", json.dumps(OK | tiny).encode())
+    assert r.status_code == 200, r.text
+    sp = stack.engine.added[-1].sampling
+    assert (sp.temperature, sp.top_p) == (0.0, 1e-6)
+    r = _post(stack, "/v1/messages", json.dumps(OK | {"temperature": 0.5, "top_p": 0.9}).encode())
+    sp = stack.engine.added[-1].sampling
+    assert (sp.temperature, sp.top_p) == (0.5, 0.9)
+
+
+# ---------------------------------------------------------------- engine refusals
+
+REFUSALS = {  # the fake engine's key -> (HTTP status, Anthropic error type, message part)
+    "please overload": (529, "overloaded_error", "waiting queue full"),
+    "please reject": (400, "invalid_request_error", "schema cannot be compiled"),
+}
+
+
+def _ask(text: str, stream: bool) -> dict:
+    return OK | {"stream": stream, "max_tokens": 16,
+                 "messages": [{"role": "user", "content": text}]}
+
+
+def _sse_events(raw: bytes) -> list[tuple[str, dict]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "event" in lines:
+            out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def _assert_serving(stack) -> None:
+    r = _post(stack, "/v1/messages", json.dumps(OK).encode())
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    with httpx.stream("POST", stack.url + "/v1/messages", json=OK | {"stream": True},
+                      timeout=30) as s:
+        events = _sse_events(b"".join(s.iter_bytes()))
+    assert events[-1][0] == "message_stop", events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("key", list(REFUSALS))
+def test_an_engine_refusal_maps_to_its_anthropic_error_not_a_500(stack, key, stream):
+    """The engine refuses an AddRequest with error_kind "overloaded" (waiting queue full) or
+    "invalid" (e.g. a forced tool_use schema it cannot compile): 529 overloaded_error with
+    Retry-After, or 400 invalid_request_error (a stream too: it waits for the first output
+    before it starts), as the OpenAI routes answer 503 / 400."""
+    status, kind, part = REFUSALS[key]
+    r = _post(stack, "/v1/messages", json.dumps(_ask(key, stream)).encode())
+    assert r.status_code == status, r.text
+    doc = r.json()
+    assert doc["type"] == "error" and doc["error"]["type"] == kind, doc
+    assert part in doc["error"]["message"]
+    assert r.headers["request-id"].startswith("msg_")
+    if status == 529:
+        assert int(r.headers["retry-after"]) >= 1
+    else:
+        assert "retry-after" not in r.headers
+    _assert_serving(stack)
+
+
+@pytest.mark.parametrize("key", list(REFUSALS))
+def test_an_engine_refusal_in_a_started_stream_is_an_error_event_of_its_type(stack, key):
+    _, kind, part = REFUSALS[key]
+    with httpx.stream("POST", stack.url + "/v1/messages", json=_ask(f"{key} late", True),
+                      timeout=30) as s:
+        assert s.status_code == 200
+        events = _sse_events(b"".join(s.iter_bytes()))
+    names = [e[0] for e in events]
+    assert names[0] == "message_start" and "content_block_delta" in names, names
+    assert names[-1] == "error", names
+    err = events[-1][1]
+    assert err["type"] == "error" and err["error"]["type"] == kind, err
+    assert part in err["error"]["message"]
+    _assert_serving(stack)
+
+
+def test_an_engine_refusal_through_the_anthropic_sdk(stack):
+    client = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.BadRequestError, match="schema cannot be compiled"):
+        client.messages.create(**_ask("please reject", False))
+    with pytest.raises(anthropic.APIStatusError) as e:
+        client.messages.create(**_ask("please overload", False))
+    assert e.value.status_code == 529
+    assert e.value.body["error"]["type"] == "overloaded_error"
+    assert "Exception in ASGI application" not in stack.log()
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_deeply_nested_input_schema_is_not_an_internal_error(stack, forced):
+    """input_schema is serialized with Python's json (no orjson 255-level limit): a
+    depth-400 schema is rendered (and, forced, sent to the engine as the constraint)."""
+    schema: dict = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "array", "items": schema}
+    body = OK | {"tools": [{"name": "f", "input_schema": schema}]}
+    if forced:
+        body["tool_choice"] = {"type": "tool", "name": "f"}
+    r = _post(stack, "/v1/messages", json.dumps(body).encode())
+    assert r.status_code == 200, r.text

@@ -154,3 +154,95 @@ def test_a_request_larger_than_the_engine_waiting_queue_gets_400_not_a_hopeless_
         assert len(st.engine.added) == 6  # 3 + 3: the refused requests reached no engine
     finally:
         st.close()
+
+
+# ---------------------------------------------------------------- sampling edge values
+
+
+def _deep_array_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_top_k_past_int32_is_a_400_saying_the_range_then_server_still_serves(
+        stack, route, top_k):
+    """A huge top_k used to reach the worker, whose sampler tensor overflowed and failed the
+    whole step (every in-flight request)."""
+    body = {"model": MODEL, "max_tokens": 2, "top_k": top_k}
+    body |= {"messages": HI} if route == "/v1/chat/completions" else {"prompt": "Say hello"}
+    n_added = len(stack.engine.added)
+    r = httpx.post(stack.url + route, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", "top_k")
+    assert err["message"] == "'top_k' must be an integer between -1 and 2147483647."
+    assert len(stack.engine.added) == n_added  # never reached the engine
+    ok = httpx.post(stack.url + route, json=body | {"top_k": 2**31 - 1}, timeout=10)
+    assert ok.status_code == 200, ok.text
+    assert stack.engine.added[-1].sampling.top_k == 2**31 - 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_deeply_nested_response_format_schema_is_a_400_not_a_500(stack, stream):
+    """orjson cannot serialize past ~255 levels ("Recursion limit reached"): a 400 naming
+    the schema, not an internal error."""
+    body = {"model": MODEL, "messages": HI, "stream": stream, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": _deep_array_schema(400)}}}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error",
+                                           "response_format.json_schema.schema")
+    assert "nested too deeply" in err["message"]
+    ok = httpx.post(f"{stack.url}/v1/chat/completions", json={"model": MODEL, "messages": HI},
+                    timeout=10)
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_deeply_nested_tool_parameters_schema_is_not_an_internal_error(stack, forced):
+    """Tool schemas are serialized with Python's json (no 255-level limit): a depth-400
+    schema is rendered (and, forced, sent to the engine as the constraint)."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 4, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": _deep_array_schema(400)}}]}
+    if forced:
+        body["tool_choice"] = {"type": "function", "function": {"name": "f"}}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_tiny_temperature_is_greedy_and_a_tiny_top_p_is_clamped_in_the_engine_request(
+        stack, route):
+    """1e-40 would be 0 in the worker's float32 (garbage): as vLLM, below 1e-5 is greedy;
+    a top_p below 1e-6 is sent as 1e-6 (the most likely token only, no underflow)."""
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 1e-40, "top_p": 1e-40}
+    body |= {"messages": HI} if route == "/v1/chat/completions" else {"prompt": "Say hello"}
+    r = httpx.post(stack.url + route, json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    sp = stack.engine.added[-1].sampling
+    assert (sp.temperature, sp.top_p) == (0.0, 1e-6)
+    r = httpx.post(stack.url + route, json=body | {"temperature": 1e-5, "top_p": 1e-6},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+    sp = stack.engine.added[-1].sampling
+    assert (sp.temperature, sp.top_p) == (1e-5, 1e-6)  # at the bounds: unchanged
+
+
+def test_to_params_makes_tiny_temperature_greedy_and_clamps_tiny_top_p():
+    from services.frontend.openai_sampling import parse_sampling
+
+    def params(**kw):
+        return parse_sampling(kw, vocab_size=100).to_params(8, 0)
+
+    assert params(temperature=1e-40).temperature == 0.0
+    assert params(temperature=9.99e-6).temperature == 0.0
+    assert params(temperature=1e-5).temperature == 1e-5
+    assert params(temperature=0.7).temperature == 0.7
+    assert params(top_p=1e-300).top_p == 1e-6
+    assert params(top_p=0.5).top_p == 0.5
+    assert params().temperature == 1.0 and params().top_p == 1.0

@@ -9,7 +9,10 @@
 - `FakeEngine`: a thread with a ZMQ ROUTER that speaks `shared.protocol` like the engine:
   answers Hello with EngineInfo and Heartbeat with Heartbeat, and answers each AddRequest
   with a fixed reply (token ids of REPLY_TEXT), shaped by the last user message:
-  "please fail" -> finish "error"; "please hang" -> no output until aborted;
+  "please fail" -> finish "error"; "please overload" / "please reject" -> at once, no token,
+  finish "error" with error_kind "overloaded" (waiting queue full) / "invalid" (as the
+  engine refuses an AddRequest), or with "late" in the message too: a few tokens first, the
+  error 0.5 s later (a stream that already started); "please hang" -> no output until aborted;
   "slow" -> the reply after 0.5 s; "keep going" -> the reply without a finish
   (the request runs until aborted); "please drop" -> a few tokens, then finish "abort" with
   an error, unasked (as the engine does when it drops a silent frontend); a message containing a key of SCRIPTED -> that reply
@@ -53,6 +56,11 @@ SCRIPTED = {
                     '{"city": "P\\"<b>", "n": 123456789012345678901234567890, "x": [1.5, null]}}'
                     '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
     "please force": '[{"name": "get_weather", "arguments": {"city": "Oslo", "n": 3}}]',
+}
+# Engine refusals, chosen by a key in the last user message: key -> (error_kind, error).
+ERROR_KINDS = {
+    "please overload": ("overloaded", "waiting queue full (64 requests)"),
+    "please reject": ("invalid", "simulated invalid request: the schema cannot be compiled"),
 }
 MAX_MODEL_LEN = 256
 FAKE_PROMPT_LOGPROB = -1.5  # every prompt token's logprob (requests with prompt_logprobs)
@@ -167,6 +175,14 @@ class FakeEngine:
         if "please fail" in user:
             self._pending.append((now, ident, out(self.reply_ids[:2])))
             self._pending.append((now, ident, out([], "error", error="simulated worker fault")))
+            return
+        refusal = next((v for key, v in ERROR_KINDS.items() if key in user), None)
+        if refusal is not None:
+            kind, error = refusal
+            if "late" in user:
+                self._pending.append((now, ident, out(self.reply_ids[:2])))
+                now += 0.5
+            self._pending.append((now, ident, out([], "error", error=error, error_kind=kind)))
             return
         if req.sampling.max_tokens == 0:  # scoring: the prompt runs, nothing is sampled
             self._pending.append((now, ident, out([], "length")))

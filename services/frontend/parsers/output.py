@@ -120,13 +120,15 @@ class ParsedMessage:
 @dataclass
 class Finish:
     """The end of a response. reason: "stop" (EOS / stop token), "length", "stop_string"
-    (then stop_string is set) or "error" (then error is set)."""
+    (then stop_string is set) or "error" (then error is set, and error_kind is the
+    engine's "invalid" / "overloaded" / "internal", None meaning internal)."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
     stop_string: str | None = None
     error: str | None = None
+    error_kind: str | None = None
 
 
 async def run_parsed(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
@@ -141,7 +143,8 @@ async def run_parsed(gen: AsyncIterator[TextDelta | None], parser: ChatOutputPar
             yield None
             continue
         if d.error is not None:
-            yield Finish("error", d.prompt_tokens, d.completion_tokens, error=d.error)
+            yield Finish("error", d.prompt_tokens, d.completion_tokens, error=d.error,
+                         error_kind=d.error_kind)
             return
         events = parser.feed(d.text) if d.text else []
         if parser.stopped is None and d.finish_reason is not None:
