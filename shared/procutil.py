@@ -11,8 +11,11 @@ import sys
 
 _PR_SET_PDEATHSIG = 1
 # the exit code of a process that refuses its configuration (it would refuse it again): the
-# supervisor stops the server instead of restarting it
+# supervisor stops the server instead of restarting it. The engine also leaves the file
+# CONFIG_REFUSED in the runtime folder (its exit code can be lost to the supervisor's
+# SIGTERM when its worker exits first)
 EXIT_CONFIG = 2
+CONFIG_REFUSED = "engine_refused_config.txt"
 
 
 def set_title(title: str) -> None:

@@ -50,7 +50,7 @@ from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.model_info import load_model_info
 from shared.liveness import Beacon
-from shared.procutil import EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.shm_ring import ShmRingWriter
 from shared.zmq_utils import make_socket, safe_decode
 
@@ -309,6 +309,11 @@ def run_engine(cfg: KestrelConfig) -> int:
     except SystemExit as e:  # a configuration the engine refuses (start): no restart
         log.error("%s", e.code)
         code = EXIT_CONFIG
+        try:
+            with open(os.path.join(cfg.runtime_dir, CONFIG_REFUSED), "w") as fh:
+                fh.write(f"{e.code}\n")
+        except OSError as err:
+            log.warning("could not record the refused configuration: %s", err)
     except Exception:
         log.exception("engine failed")
         code = 1

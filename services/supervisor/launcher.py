@@ -16,9 +16,10 @@ Policies (DESIGN §8):
   times within restart_window_s makes `serve` stop everything and exit 1. Restart counts
   per process are in `<runtime_dir>/restarts.json` (restart.read_restart_counts).
 - An engine that exits with EXIT_CONFIG (2: it refused its configuration, e.g. a
-  max_model_len over the KV cache) would refuse it again: `serve` stops at once and exits
-  1, and a server that never became ready has no requests to drain (frontends get
-  GRACE_S, not --shutdown-timeout).
+  max_model_len over the KV cache; it also leaves CONFIG_REFUSED in the runtime folder, as
+  its exit code is lost when the supervisor's SIGTERM finds it exiting) would refuse it
+  again: `serve` stops at once and exits 1, and a server that never became ready has no
+  requests to drain (frontends get GRACE_S, not --shutdown-timeout).
 - The kvstore (when kv_offload_cpu_gib > 0; its settings are checked with
   `services.kvstore.settings.resolve_setup` before anything starts, exit 2 with the message
   when they cannot work) is its own restart unit: it starts first, is not touched when the
@@ -55,7 +56,7 @@ import urllib.request
 from services.supervisor.restart import RestartPolicy, write_restart_counts
 from services.supervisor.watchdog import Watchdog, load_watchdog_config
 from shared.config import KestrelConfig
-from shared.procutil import EXIT_CONFIG, set_title, setup_logging
+from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging
 from shared.runtime_dir import sweep_dead_runtime_dirs, write_owner
 
 log = logging.getLogger("kestrel.supervisor")
@@ -199,7 +200,8 @@ class Supervisor:
                               c.proc.returncode)
                 self._stop_engine_group()  # the engine's own exit code is known after this
                 engine = self.engine_group[0].proc
-                if engine is not None and engine.returncode == EXIT_CONFIG:
+                if (engine is not None and engine.returncode == EXIT_CONFIG) or \
+                        os.path.exists(os.path.join(self.cfg.runtime_dir, CONFIG_REFUSED)):
                     log.error("the engine refused its configuration (exit code %d, see its log "
                               "above): not restarting it", EXIT_CONFIG)
                     self.gave_up = True
