@@ -53,7 +53,7 @@ from services.frontend.anthropic_protocol import MessagesRequest, parse_messages
 from services.frontend.chat_features import ChatFeatures
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound,
-                                      Overloaded, ServiceUnavailable)
+                                      ServiceUnavailable, engine_error)
 from services.frontend.generation import generate
 from services.frontend.openai_sampling import engine_temperature, engine_top_p
 from services.frontend.parsers.output import Finish, OutEvent, Reasoning, run_parsed
@@ -78,12 +78,8 @@ def finish_error(fin: Finish) -> APIError:
     overloaded_error with Retry-After in Anthropic's envelope), "invalid" (the engine
     rejected the request, e.g. a forced tool call's schema it cannot compile) ->
     InvalidRequest (400 invalid_request_error), anything else -> InternalError (500
-    api_error)."""
-    if fin.error_kind == "overloaded":
-        return Overloaded(f"The server is overloaded ({fin.error}); retry later.")
-    if fin.error_kind == "invalid":
-        return InvalidRequest(None, f"The engine rejected the request: {fin.error}")
-    return InternalError(f"The request failed: {fin.error}")
+    api_error); `services.frontend.errors.engine_error`, shared with the OpenAI routes."""
+    return engine_error(fin.error, fin.error_kind)
 
 
 def _error_event(err: APIError) -> bytes:

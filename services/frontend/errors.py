@@ -92,6 +92,18 @@ class InternalError(APIError):
     type = "server_error"
 
 
+def engine_error(error: str | None, error_kind: str | None) -> APIError:
+    """The API error of a request the engine ended with an error, by its error_kind:
+    "overloaded" (waiting queue full) -> Overloaded (503 / Anthropic's 529, Retry-After),
+    "invalid" (the engine rejected the request) -> InvalidRequest (400), anything else
+    (None: internal) -> InternalError (500)."""
+    if error_kind == "overloaded":
+        return Overloaded(f"The server is overloaded ({error}); retry later.")
+    if error_kind == "invalid":
+        return InvalidRequest(None, f"The engine rejected the request: {error}")
+    return InternalError(f"The request failed: {error}")
+
+
 def model_not_found(model: str) -> NotFound:
     """The error OpenAI returns for an unknown `model` (404, code model_not_found)."""
     return NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")

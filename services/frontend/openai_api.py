@@ -29,7 +29,7 @@ from starlette.responses import Response
 from services.frontend.chat_features import ChatFeatures
 from services.frontend.chat_template import ChatTemplate
 from services.frontend.engine_client import EngineClient, EngineUnavailable
-from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound, Overloaded,
+from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound, engine_error,
                                       PayloadTooLarge, ServiceUnavailable, error_body,
                                       error_response, model_not_found)
 from services.frontend.fanout import FanOut, SSEResponse, until_disconnect
@@ -78,12 +78,8 @@ async def stream_items(first: tuple[int, TextDelta] | None, fan: "FanOut"
 
 
 def delta_error(d: TextDelta) -> APIError:
-    """The API error for a choice that ended with finish_reason "error"."""
-    if d.error_kind == "overloaded":
-        return Overloaded(f"The server is overloaded ({d.error}); retry later.")
-    if d.error_kind == "invalid":
-        return InvalidRequest(None, f"The engine rejected the request: {d.error}")
-    return InternalError(f"The request failed: {d.error}")
+    """The API error for a choice that ended with finish_reason "error" (`engine_error`)."""
+    return engine_error(d.error, d.error_kind)
 
 
 def context_error(param: str, max_model_len: int, n_prompt: int, max_tokens: int | None,
