@@ -14,7 +14,8 @@ import json
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 HASH_VERSION = b"kestrel-block-hash-v1"
 HASH_BYTES = 32  # sha256 digest size

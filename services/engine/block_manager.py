@@ -30,7 +30,7 @@ pins: a pinned block loses its name and becomes a plain free block when unpinned
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from services.engine.request import Request
 from shared.hashing import hash_block_tokens, model_identity_hash

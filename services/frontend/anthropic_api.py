@@ -40,7 +40,8 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import orjson
 import partial_json_parser

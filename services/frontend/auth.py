@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import orjson
 

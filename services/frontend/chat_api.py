@@ -32,7 +32,8 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response

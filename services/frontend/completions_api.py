@@ -26,7 +26,8 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response

@@ -34,7 +34,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import msgspec
 import zmq

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient, RequestStream

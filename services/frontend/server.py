@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import orjson
 from starlette.applications import Starlette

@@ -12,7 +12,7 @@ are applied here) and yields lists of events, None for keep-alive ticks, then a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from services.frontend.generation import StopStringMatcher, TextDelta, end_by_stop_string
 from services.frontend.parsers.reasoning import Qwen3ReasoningParser
