@@ -1,5 +1,5 @@
 """The kvstore service: a ZMQ ROUTER at `kvstore_address` over the index, the pool and the
-disk tier (`kestrel kvstore`; DESIGN §2, §4).
+disk tier (`kestrel kvstore`; docs/ARCHITECTURE.md §2, §4).
 
 One main thread owns the index (`store.BlockStore`) and the socket; disk reads and writes
 run on a small thread pool and report back through a queue plus a wake-up pipe that the
@@ -23,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from services.kvstore.cpu_tier import HEADER_SIZE, KVPool
+from services.kvstore.cpu_tier import OwnedPool
 from services.kvstore.disk_tier import CorruptBlock, DiskTier
 from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
 from services.kvstore.store import Actions, BlockStore
 from shared.config import KestrelConfig
+from shared.kv_pool import HEADER_SIZE
 from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
                              KVCompleteStore, KVError, KVHello, KVInfo, KVLoadReady,
@@ -57,8 +58,8 @@ class KVStoreServer:
         self.cfg, self.setup = cfg, setup
         self.stopping = False
         self._closed = False
-        self.pool = KVPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
-                                  setup.model_identity)
+        self.pool = OwnedPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
+                                     setup.model_identity)
         self.ctx = zmq.Context()
         self.router = None
         # promotions never queue behind demotion writes: a hit being served waits on reads
