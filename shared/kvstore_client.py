@@ -128,7 +128,10 @@ class KVStoreClient:
         return msg
 
     def attach_pool(self) -> KVPool:
-        """Map the store's pool (after connect). Raises FileNotFoundError / ValueError."""
+        """Map the store's pool (after connect). Raises RuntimeError before connect,
+        FileNotFoundError / ValueError from `KVPool.attach`."""
+        if self.info is None:
+            raise RuntimeError("attach_pool() before connect()")
         if self.pool is None:
             self.pool = KVPool.attach(self.info.pool_name)
         return self.pool
