@@ -33,7 +33,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.model_spec import DTYPE_BYTES, ModelFolderError, default_max_model_len, load_model_spec
+from shared.model_spec import (DEFAULT_MAX_POSITIONS, DTYPE_BYTES, ModelFolderError,
+                               default_max_model_len, load_model_spec)
 
 GIB = 1 << 30
 PROFILE_NAMES = ("auto", "cpu", "sm90", "gpu", "none")
@@ -139,7 +140,7 @@ class ModelSize:
 
     params: float | None
     kv_elems_per_token: int = 0
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
 
     @property
     def size_class(self) -> str:

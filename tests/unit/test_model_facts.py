@@ -196,3 +196,19 @@ def test_the_cli_refuses_a_quantized_kv_cache_before_any_process_starts(tmp_path
     assert r.returncode == 2, r.stdout + r.stderr
     assert "kv_cache_dtype" in r.stderr and "not implemented yet" in r.stderr, r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
+
+
+@pytest.mark.parametrize("content, needle", [(None, "kestrel fetch-model"),
+                                             ("{not json", "not valid JSON")])
+def test_serve_refuses_a_bad_model_folder_before_any_process_starts(tmp_path, content, needle):
+    model, runtime = tmp_path / "m", tmp_path / "rt"
+    model.mkdir()
+    if content is not None:
+        (model / "config.json").write_text(content)
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(model),
+                        "--runtime-dir", str(runtime), "--device", "cpu",
+                        "--instance-id", "kvm" + uuid.uuid4().hex[:6]],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr and str(model) in r.stderr, r.stderr
+    assert not runtime.exists(), "a process started: the runtime folder was created"
