@@ -98,7 +98,8 @@ FIELDS: list[Field] = [
     Field("async_scheduling", _bool, True,
           "plan step N+1 while step N runs (decodes feed the workers' own pending token)"),
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
-    Field("kv_cache_dtype", str, "auto", "KV cache dtype", ("auto", "fp8_e4m3", "int8")),
+    Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3 and int8 "
+          "are refused until quantized KV is implemented)", ("auto", "fp8_e4m3", "int8")),
     # --- KV tier store (services/kvstore; DESIGN §4 "Tiers")
     Field("kv_offload_cpu_gib", float, 0.0, "CPU tier of the kvstore: shm pool size, GiB (0: no offload)"),
     Field("kv_offload_disk_dir", str, None, "disk tier folder of the kvstore (needs --kv-offload-disk-gib)"),
