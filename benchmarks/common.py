@@ -140,8 +140,7 @@ def step_breakdown(events, runner) -> dict:
     the attention's own bandwidth: the group's time includes the rest of the step); plus
     each prefill step's sequences, tokens and ms (`prefill_steps`).
     events: (start event, end event, seqs, new tokens, context tokens) per step."""
-    layers, kvh, hd = runner.model.kv_shape()
-    per_tok = 2 * layers * kvh * hd * runner.dtype.itemsize
+    per_tok = runner.kv_layout.block_bytes // runner.kv_layout.block_size  # K and V, all layers
     groups: dict[str, list] = {}
     for a, b, nseq, ntok, ctx in events:
         if ntok > nseq:

@@ -126,8 +126,8 @@ def main() -> None:
            "pdl": a.pdl, "gemv": a.gemv, "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once + KV of the context (K and V, every layer)
     params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
-    layers, kvh, hd = runner.model.kv_shape()
-    kv_bytes = 2 * layers * kvh * hd * runner.dtype.itemsize * (a.context + a.steps // 2)
+    per_tok = runner.kv_layout.block_bytes // runner.kv_layout.block_size
+    kv_bytes = per_tok * (a.context + a.steps // 2)
     bytes_per_token = sum(params.values()) + kv_bytes
     roof = bytes_per_token / bw
     res.update(bytes_per_token=bytes_per_token, roofline_ms=round(roof * 1e3, 4))

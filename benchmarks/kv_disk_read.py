@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import emit_json  # noqa: E402
-from services.kvstore.cpu_tier import KVPool  # noqa: E402
+from services.kvstore.cpu_tier import OwnedPool  # noqa: E402
 from services.kvstore.disk_tier import DiskTier  # noqa: E402
 from services.kvstore.server import STAGING_KEEP  # noqa: E402
 
@@ -46,7 +46,7 @@ def main() -> int:
     a = ap.parse_args()
     n, size = a.blocks, a.block_bytes
     root = tempfile.mkdtemp(prefix="kestrel-kvdisk-", dir=a.dir)
-    pool = KVPool.create("kvdisk" + os.urandom(3).hex(), n, size, b"\0" * 32)
+    pool = OwnedPool.create("kvdisk" + os.urandom(3).hex(), n, size, b"\0" * 32)
     disk = DiskTier(root, b"\1" * 32, size)
     disk.scan()  # creates the model folder
     try:

@@ -36,8 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import emit_json, model_dir  # noqa: E402
 from benchmarks.serve_process import ServeProcess  # noqa: E402
-from services.kvstore.settings import derive_block_bytes, store_identity  # noqa: E402
 from shared.config import build_config  # noqa: E402
+from shared.kv_layout import kv_layout_for  # noqa: E402
+from shared.kvstore_client import KVStoreClient  # noqa: E402
 
 BS = 16
 
@@ -57,7 +58,8 @@ def main() -> int:
         dtype, extra = "float32", []
     # the block size and model identity the server's kvstore derives from the same settings
     cfg = build_config(cli={"model": a.model, "dtype": dtype, "block_size": BS}, env={})
-    block_bytes, ident = derive_block_bytes(cfg), store_identity(cfg)
+    layout = kv_layout_for(cfg)
+    block_bytes, ident = layout.slot_bytes, layout.model_identity
     n_blocks = a.tokens // BS + 1
     pool_gib = round(n_blocks * 1.1 * (block_bytes + 64) / (1 << 30) + 0.001, 4)
     disk = tempfile.mkdtemp(prefix="kestrel-bench-disk-")
@@ -86,8 +88,6 @@ def main() -> int:
         return time.perf_counter() - t
 
     def store_stats() -> dict:
-        from services.kvstore.client import KVStoreClient
-
         c = KVStoreClient(f"ipc:///tmp/kestrel-{instance}/kvstore.sock", "bench", ident,
                           block_bytes, timeout_s=30)
         c.connect()

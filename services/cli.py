@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"kestrel {cmd}: {e}", file=sys.stderr)
         return 2
-    if cmd == "serve":
+    if cmd == "serve":  # the supervisor checks the kvstore's settings before it starts any
+        from services.kvstore.settings import check as check_kvstore
         from services.supervisor.launcher import serve
 
-        return serve(cfg)
+        return serve(cfg, check_kvstore)
     if cmd == "engine":
         from services.engine.core import run_engine
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable
 
+from shared.model_spec import kv_dtype_in_use
+
 
 @dataclass(frozen=True)
 class Field:
@@ -96,7 +98,8 @@ FIELDS: list[Field] = [
     Field("async_scheduling", _bool, True,
           "plan step N+1 while step N runs (decodes feed the workers' own pending token)"),
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
-    Field("kv_cache_dtype", str, "auto", "KV cache dtype", ("auto", "fp8_e4m3", "int8")),
+    Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3 and int8 "
+          "are refused until quantized KV is implemented)", ("auto", "fp8_e4m3", "int8")),
     # --- KV tier store (services/kvstore; DESIGN §4 "Tiers")
     Field("kv_offload_cpu_gib", float, 0.0, "CPU tier of the kvstore: shm pool size, GiB (0: no offload)"),
     Field("kv_offload_disk_dir", str, None, "disk tier folder of the kvstore (needs --kv-offload-disk-gib)"),
@@ -243,7 +246,8 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
 
 
 def _validate(cfg: KestrelConfig) -> None:
-    """Range checks of numeric settings. Raises ValueError naming the setting."""
+    """Range checks of numeric settings, and no quantized KV cache (not implemented yet).
+    Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
                 "ring_chunk_bytes", "frontends", "max_request_body_bytes")
     for name in positive:
@@ -258,6 +262,7 @@ def _validate(cfg: KestrelConfig) -> None:
                          f"{cfg.gpu_memory_utilization!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
+    kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # quantized KV: refused before any process starts
 
 
 def _convert(f: Field, v: Any) -> Any:

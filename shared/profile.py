@@ -27,12 +27,14 @@ and the supervisor prints once the server is ready.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
+
+from shared.model_spec import (DEFAULT_MAX_POSITIONS, DTYPE_BYTES, ModelFolderError,
+                               default_max_model_len, load_model_spec)
 
 GIB = 1 << 30
 PROFILE_NAMES = ("auto", "cpu", "sm90", "gpu", "none")
@@ -138,7 +140,7 @@ class ModelSize:
 
     params: float | None
     kv_elems_per_token: int = 0
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
 
     @property
     def size_class(self) -> str:
@@ -156,34 +158,24 @@ class ModelSize:
 
 
 def estimate_model_size(model_dir: str) -> ModelSize:
-    """Estimate the parameter count of a HF decoder from its config.json.
+    """Estimate the parameter count of a HF decoder from its `ModelSpec`.
 
     Counts embeddings (and an untied lm_head), per-layer attention projections (q, k, v, o),
     the gated MLP (3 * hidden * intermediate, times the expert count for MoE configs) and
     norms. Good to a few percent for Llama-style models, which is all a profile needs.
+    A folder that has no usable config.json gives ModelSize(None).
     """
     try:
-        with open(os.path.join(model_dir, "config.json")) as fh:
-            c = json.load(fh)
-        if "text_config" in c and "hidden_size" not in c:
-            c = c["text_config"]
-        h = int(c["hidden_size"])
-        layers = int(c["num_hidden_layers"])
-        heads = int(c.get("num_attention_heads", max(h // 64, 1)))
-        kv_heads = int(c.get("num_key_value_heads") or heads)
-        head_dim = int(c.get("head_dim") or h // heads)
-        inter = int(c.get("intermediate_size") or 4 * h)
-        vocab = int(c.get("vocab_size", 32000))
-        experts = int(c.get("num_local_experts") or c.get("num_experts") or 1)
-        moe_inter = int(c.get("moe_intermediate_size") or inter)
-    except (OSError, ValueError, KeyError, TypeError):
+        m = load_model_spec(model_dir)
+    except ModelFolderError:
         return ModelSize(None)
+    h, heads, kv_heads, head_dim = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
     attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
-    mlp = 3 * h * (moe_inter * experts if experts > 1 else inter)
+    mlp = 3 * h * (m.moe_intermediate_size * m.num_experts if m.num_experts > 1 else m.intermediate_size)
     per_layer = attn + mlp + 2 * h
-    emb = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
-    return ModelSize(float(layers * per_layer + emb + h), 2 * layers * kv_heads * head_dim,
-                     int(c.get("max_position_embeddings", 2048)))
+    emb = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+    return ModelSize(float(m.num_layers * per_layer + emb + h), 2 * m.num_layers * kv_heads * head_dim,
+                     m.max_position_embeddings)
 
 
 # ---------------------------------------------------------------------------- profiles
@@ -206,7 +198,7 @@ def cpu_kv_cache_gib(device: DeviceInfo, size: ModelSize, dtype_bytes: int,
     free = max(device.host_available_bytes - weights, 0)
     gib = min(max(0.05 * free / GIB, 0.5), 4.0)
     if size.kv_elems_per_token:
-        tokens = max_model_len or min(size.max_position_embeddings, 8192)
+        tokens = max_model_len or default_max_model_len(size.max_position_embeddings)
         need = 1.25 * tokens * size.kv_elems_per_token * dtype_bytes / GIB
         gib = max(gib, need)
     return float(int(gib * 8 + 0.999)) / 8
@@ -237,7 +229,7 @@ def choose_profile(requested: str, device: str, model_dir: str, *, dtype: str = 
             name = "sm90" if dev.compute_cap.strip() == "9.0" else "gpu"
     big = size.size_class
     if name == "cpu":
-        dtype_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+        dtype_bytes = DTYPE_BYTES.get(dtype, DTYPE_BYTES["float32"])  # "auto" on a CPU: float32
         values = {"max_num_seqs": 16 if big == "small" else 8,
                   "max_num_batched_tokens": 1024 if big == "small" else 512,
                   "kv_cache_gib": cpu_kv_cache_gib(dev, size, dtype_bytes, max_model_len)}

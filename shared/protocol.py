@@ -13,6 +13,7 @@ Directions:
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import msgspec
@@ -24,6 +25,25 @@ PENDING_TOKEN = -1
 
 
 # ---------------------------------------------------------------- shared pieces
+
+
+class FinishReason(StrEnum):
+    """Why a request ended (`RequestOutput.finish_reason`). Members are str: they encode as
+    these plain strings and compare equal to them."""
+
+    STOP = "stop"        # EOS or a stop token (a stop string is the frontend's: it aborts)
+    LENGTH = "length"    # max_tokens or max_model_len
+    ABORT = "abort"      # aborted by the frontend, or by the engine for a dropped frontend
+    ERROR = "error"      # failed: `RequestOutput.error` says why, `error_kind` whose fault
+
+
+class ErrorKind(StrEnum):
+    """Whose fault a failed request is (`RequestOutput.error_kind`); each API maps it to its
+    status. Members are str, as FinishReason's."""
+
+    INVALID = "invalid"          # the request's own fault: 400
+    OVERLOADED = "overloaded"    # the waiting queue is full: 503 + Retry-After
+    INTERNAL = "internal"        # a fault inside Kestrel: 500
 
 
 class StructuredSpec(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -152,21 +172,19 @@ class EngineInfo(msgspec.Struct, tag="info", array_like=True):
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request since the last output.
 
-    finish_reason: None while running; "stop" (EOS or stop token), "length" (max_tokens or
-    max_model_len), "abort", or "error" (then `error` says why).
+    finish_reason: None while running, else a `FinishReason` ("error": `error` says why).
     stop_token_id: the token that ended the request on "stop", if any.
+    error_kind: with finish_reason "error", an `ErrorKind`.
     """
 
     request_id: str
     new_token_ids: list[int]
     num_prompt_tokens: int
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str | None = None
     num_cached_tokens: int = 0
-    # With finish_reason "error": "invalid" (the request's own fault: 400), "overloaded"
-    # (queue full: 503 + Retry-After) or "internal" (500).
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     logprobs: list[TokenLogprob] = []  # one per new token when sampling.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] = []  # first output only; None for token 0
 
@@ -241,7 +259,7 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
 class StepPlan(msgspec.Struct, tag="step", array_like=True):
     """The plan of one engine step, broadcast to every worker over the shm ring.
 
-    KV tier transfers (DESIGN §4 "Tiers"; empty unless the kvstore is on):
+    KV tier transfers (docs/ARCHITECTURE.md §4 "Tiers"; empty unless the kvstore is on):
     kv_loads: (pool slot, KV block id) pairs; each worker copies the slot into the block
         before running `seqs` (the step that first reads the block).
     kv_stores: (KV block id, pool slot) pairs; each worker copies the block into the slot
@@ -334,7 +352,7 @@ def decoder(union: Any) -> msgspec.msgpack.Decoder:
 # ---------------------------------------------------------------- engine <-> kvstore
 # Engine (ZMQ DEALER, one per client session) -> kvstore ROUTER at `kvstore_address`, and
 # the replies back. Block names are the 32-byte chained hashes of `shared.hashing`; slots are
-# indices into the kvstore's shm pool (layout in `services.kvstore.cpu_tier`). Every request
+# indices into the kvstore's shm pool (layout in `shared.kv_pool`). Every request
 # carries a client-chosen req_id that its reply repeats. A request before a successful
 # KVHello is answered with KVError. Tiers are "cpu" (a pool slot) or "disk" (a file).
 

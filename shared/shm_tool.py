@@ -52,7 +52,7 @@ def _read_preamble(path: str) -> SegmentInfo:
         _, _, _, pid, pidns, created, kind, inst = PREAMBLE.unpack(raw)
         kind_s = kind.rstrip(b"\0").decode("utf-8", "replace") or "unknown"
         detail = ""
-        if kind_s == "kvpool":   # slots used/free (services/kvstore/cpu_tier.py header, offset 72)
+        if kind_s == "kvpool":   # slots used/free (shared/kv_pool.py header, offset 72)
             with open(path, "rb") as fh:
                 pool = fh.read(112)
             if len(pool) == 112:

@@ -12,7 +12,7 @@ import tempfile
 import time
 import uuid
 
-from services.kvstore.client import KVStoreClient
+from shared.kvstore_client import KVStoreClient
 from shared.hashing import hash_block_chain, model_identity_hash
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -42,13 +42,13 @@ from services.engine.block_manager import BlockManager
 from services.engine.frontends import (DEBUG_SLEEP_MAX_S, FRONTEND_TIMEOUT_S, FrontendLink,
                                        FrontendState)
 from services.engine.kv_tiers import KVTiers
-from services.kvstore.settings import ConfigError, derive_block_bytes, store_identity
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.steps import STEP_LIMIT_FACTOR, EngineStopping, StepPipeline
 from services.engine.structured import StructuredOutputManager
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
-from shared.model_info import load_model_info
+from shared.kv_layout import KVLayout
+from shared.model_spec import model_spec_for
 from shared.liveness import Beacon
 from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.shm_ring import ShmRingWriter
@@ -78,8 +78,9 @@ class EngineCore(FrontendLink, StepPipeline):
 
     def __init__(self, cfg: KestrelConfig, num_workers: int = 1):
         self.cfg = cfg
-        self.info = load_model_info(cfg.model)
-        self.max_model_len = cfg.max_model_len or min(self.info.max_position_embeddings, 8192)
+        self.info = model_spec_for(cfg)  # the model's facts (shared.model_spec.ModelSpec)
+        self.max_model_len = self.info.max_model_len
+        self.kv_layout = KVLayout.for_model(self.info, cfg.block_size)
         self.num_workers = num_workers
         self.ctx = zmq.Context()
         self.enc = P.encoder()
@@ -161,9 +162,8 @@ class EngineCore(FrontendLink, StepPipeline):
         workers = self.wait_for_workers(self.cfg.startup_timeout_s)
         t_workers = time.monotonic() - t0
         num_blocks = min(w.num_blocks for w in workers)
-        # The KV dtype is the model dtype until KV dtypes arrive (DESIGN §4); one rank for now.
-        # The same root as the kvstore's (services.kvstore.settings.store_identity).
-        root = store_identity(self.cfg)
+        # The same root as the kvstore's (shared.kv_layout: the model identity hash).
+        root = self.kv_layout.model_identity
         bm = BlockManager(num_blocks, self.cfg.block_size,
                           enable_prefix_caching=self.cfg.enable_prefix_caching, root_hash=root)
         kv_tokens = num_blocks * self.cfg.block_size
@@ -183,11 +183,13 @@ class EngineCore(FrontendLink, StepPipeline):
                               "engine ready": time.monotonic() - t0})
 
     def _start_tiers(self, workers: list[P.WorkerReady]) -> None:
-        """Start the kvstore client; block bytes as the workers lay them out in a slot."""
-        try:
-            block_bytes = int(workers[0].report.get("kv_block_bytes") or derive_block_bytes(self.cfg))
-        except ConfigError as e:
-            log.error("KV tiers off: %s", e)
+        """Start the kvstore client; block bytes as the workers lay them out in a slot
+        (`KVLayout.slot_bytes`, which the workers report too: tiers stay off if they differ)."""
+        block_bytes = self.kv_layout.slot_bytes
+        reported = workers[0].report.get("kv_block_bytes")
+        if reported is not None and int(reported) != block_bytes:
+            log.error("KV tiers off: the workers lay out %s bytes per block, the KV layout "
+                      "says %d", reported, block_bytes)
             return
         self.tiers = KVTiers(self.cfg.kvstore_address, self.scheduler.bm.root_hash, block_bytes,
                              self.scheduler, self.ctx)

@@ -31,7 +31,7 @@ import time
 
 import zmq
 
-from services.kvstore.client import KVStoreClient
+from shared.kvstore_client import KVStoreClient
 from shared.protocol import (KVAck, KVCompleteLoad, KVCompleteStore, KVError, KVHello, KVInfo,
                              KVLoadReady, KVLoadReserved, KVLookup, KVLookupResult,
                              KVPrepareStore, KVReserveLoad, KVStats, KVStorePrepared, StepPlan)

@@ -359,7 +359,7 @@ class EngineClient:
             self._send(p.Abort(request_ids=list(streams)))
         for rid, stream in streams.items():
             stream.put(p.RequestOutput(request_id=rid, new_token_ids=[], num_prompt_tokens=0,
-                                       finish_reason="error", error=reason))
+                                       finish_reason=p.FinishReason.ERROR, error=reason))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineCallError(reason))

@@ -46,7 +46,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.supervisor.restart import read_restart_counts
+from shared.restart_counts import read_restart_counts
 
 log = logging.getLogger("kestrel.frontend.metrics")
 

@@ -1,5 +1,5 @@
 """The kvstore service: a ZMQ ROUTER at `kvstore_address` over the index, the pool and the
-disk tier (`kestrel kvstore`; DESIGN §2, §4).
+disk tier (`kestrel kvstore`; docs/ARCHITECTURE.md §2, §4).
 
 One main thread owns the index (`store.BlockStore`) and the socket; disk reads and writes
 run on a small thread pool and report back through a queue plus a wake-up pipe that the
@@ -23,11 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from services.kvstore.cpu_tier import HEADER_SIZE, KVPool
+from services.kvstore.cpu_tier import OwnedPool
 from services.kvstore.disk_tier import CorruptBlock, DiskTier
 from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
 from services.kvstore.store import Actions, BlockStore
 from shared.config import KestrelConfig
+from shared.kv_pool import HEADER_SIZE
 from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
                              KVCompleteStore, KVError, KVHello, KVInfo, KVLoadReady,
@@ -57,8 +58,8 @@ class KVStoreServer:
         self.cfg, self.setup = cfg, setup
         self.stopping = False
         self._closed = False
-        self.pool = KVPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
-                                  setup.model_identity)
+        self.pool = OwnedPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
+                                     setup.model_identity)
         self.ctx = zmq.Context()
         self.router = None
         # promotions never queue behind demotion writes: a hit being served waits on reads
@@ -98,16 +99,18 @@ class KVStoreServer:
     # ------------------------------------------------------------ main loop
     def serve_forever(self) -> None:
         """Serve until `stopping` is set (signal handler or another thread)."""
+        router = self.router
+        assert router is not None, "bound in __init__"
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        poller.register(router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         used = -1
         while not self.stopping:
             events = dict(poller.poll(200))
-            if self.router in events:
+            if router in events:
                 for _ in range(256):
                     try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                        frames = router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._on_frames(frames)
@@ -132,6 +135,7 @@ class KVStoreServer:
             self._send(rid, KVError(getattr(msg, "req_id", 0), str(e)))
 
     def _send(self, rid: bytes, msg) -> None:
+        assert self.router is not None, "bound in __init__"
         try:
             self.router.send_multipart([rid, self.enc.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:   # peer gone or its queue full: it will ask again
@@ -213,7 +217,8 @@ class KVStoreServer:
             self._reads.submit(self._read_job, h, slot, copy_first.get(slot))
 
     def _unlink(self, acts: Actions) -> None:
-        for h in acts.unlink:
+        for h in acts.unlink:  # only a store with a disk tier evicts files
+            assert self.disk is not None
             self.disk.remove(h)
 
     def _post(self, item) -> None:
@@ -223,20 +228,25 @@ class KVStoreServer:
         except (BlockingIOError, OSError):
             pass
 
-    def _copy_out(self, slot: int, may_skip: bool = False) -> bytearray | None:
+    def _copy_out(self, slot: int) -> bytearray:
         """A copy of a slot's bytes for its demotion write, in a reused staging buffer (see
-        STAGING_KEEP). When none is free: None if may_skip, else a new buffer."""
-        try:
-            buf = self._staging.get_nowait()
-        except queue.Empty:
-            if may_skip:
-                return None
-            buf = bytearray(len(self.pool.slot(slot)))
+        STAGING_KEEP), or a new one when none is free."""
+        buf = self._staging_buffer()
+        if buf is None:
+            buf = bytearray(self.pool.slot_bytes)
         buf[:] = self.pool.slot(slot)
         return buf
 
+    def _staging_buffer(self) -> bytearray | None:
+        """A free reused staging buffer of slot_bytes, or None."""
+        try:
+            return self._staging.get_nowait()
+        except queue.Empty:
+            return None
+
     def _write_job(self, h: bytes, data: bytearray) -> None:
         try:
+            assert self.disk is not None, "demotions need a disk tier"
             self.disk.write(h, data)
             ok = True
         except Exception as e:
@@ -252,12 +262,14 @@ class KVStoreServer:
         ok, t0 = False, time.perf_counter()
         try:
             if demote is not None:  # the block the slot held: written out, or dropped
-                buf = self._copy_out(slot, may_skip=True)
+                buf = self._staging_buffer()
                 if buf is None:
                     self._post(("s", demote, False, 0.0))
                 else:
+                    buf[:] = self.pool.slot(slot)
                     self._writes.submit(self._write_job, demote, buf)
             t0 = time.perf_counter()
+            assert self.disk is not None, "promotions need a disk tier"
             self.disk.read_into(h, self.pool.slot(slot))
             ok = True
         except CorruptBlock as e:

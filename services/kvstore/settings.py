@@ -5,27 +5,29 @@ derived from the same settings the engine uses, so the pool exists (and `kestrel
 shows it) before any engine connects, and the disk index can be rebuilt at startup. An
 engine's KVHello carries its own identity and block bytes; a mismatch is refused.
 
-- model identity: `shared.hashing.model_identity_hash(abspath(model), dtype, kv dtype,
-  block_size, tensor_parallel_size=1)`, where the kv dtype is `dtype` while
-  kv_cache_dtype is "auto" (as the engine computes its prefix-cache root).
-- block bytes: `kv_offload_block_bytes` when set, else 2 (K and V) * num_hidden_layers *
-  block_size * num_key_value_heads * head_dim * element size, from the model's config.json.
+- model identity: `shared.kv_layout.identity_for(cfg)`, the engine's prefix-cache root
+  (`KVLayout.model_identity`); it needs no model folder.
+- block bytes: `kv_offload_block_bytes` when set, else `KVLayout.slot_bytes` of the
+  model (shared/kv_layout.py, from the model's config.json).
+
+`check` is the supervisor's view of all this: `kestrel serve` (services/cli.py) hands it
+to the supervisor, which runs it before any process starts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import psutil
 
-from services.kvstore.cpu_tier import HEADER_SIZE, slot_stride
 from services.kvstore.disk_tier import file_bytes
-from shared.hashing import model_identity_hash
+from shared.config import KestrelConfig
+from shared.kv_layout import identity_for, kv_layout_for
+from shared.kv_pool import HEADER_SIZE, slot_stride
+from shared.model_spec import ModelFolderError
 
 GIB = 1 << 30
-_ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "int8": 1}
 
 
 class ConfigError(ValueError):
@@ -44,34 +46,20 @@ class StoreSetup:
     disk_capacity: int
 
 
-def store_identity(cfg) -> bytes:
-    """The model identity hash the engine's prefix cache starts from (see module doc)."""
-    kv_dtype = cfg.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
-    return model_identity_hash(os.path.abspath(cfg.model), cfg.dtype, kv_dtype, cfg.block_size,
-                               tensor_parallel_size=1)
-
-
-def derive_block_bytes(cfg) -> int:
-    """Bytes of one KV block (see module doc). Raises ConfigError when the model folder has
-    no usable config.json and kv_offload_block_bytes is unset."""
+def store_block_bytes(cfg: KestrelConfig) -> int:
+    """Bytes of one KV block in a slot (see module doc). Raises ConfigError when
+    kv_offload_block_bytes is not positive, or is unset and the model folder cannot size a
+    block."""
     if cfg.kv_offload_block_bytes is not None:
         if cfg.kv_offload_block_bytes <= 0:
             raise ConfigError("setting kv_offload_block_bytes: must be positive, got "
                               f"{cfg.kv_offload_block_bytes}")
-        return cfg.kv_offload_block_bytes
-    path = os.path.join(cfg.model, "config.json")
+        return int(cfg.kv_offload_block_bytes)
     try:
-        with open(path) as fh:
-            mc = json.load(fh)
-        heads = int(mc["num_attention_heads"])
-        kv_heads = int(mc.get("num_key_value_heads") or heads)
-        head_dim = int(mc.get("head_dim") or int(mc["hidden_size"]) // heads)
-        layers = int(mc["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"cannot size a KV block from {path} ({e}); set "
+        return kv_layout_for(cfg).slot_bytes
+    except (ModelFolderError, ValueError) as e:
+        raise ConfigError(f"cannot size a KV block from {cfg.model!r} ({e}); set "
                           "--kv-offload-block-bytes") from None
-    dt = cfg.dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
-    return 2 * layers * cfg.block_size * kv_heads * head_dim * _ELEM_BYTES.get(dt, 4)
 
 
 def _check_writable(folder: str) -> None:
@@ -86,7 +74,7 @@ def _check_writable(folder: str) -> None:
                           f"({e.strerror or e})") from None
 
 
-def resolve_setup(cfg) -> StoreSetup:
+def resolve_setup(cfg: KestrelConfig) -> StoreSetup:
     """Check the offload settings and size the tiers. Raises ConfigError with a clear
     message for: no CPU tier (kv_offload_cpu_gib <= 0), a disk dir without a size limit (or
     the reverse), a non-positive limit, a limit smaller than one block file, a pool larger
@@ -103,7 +91,11 @@ def resolve_setup(cfg) -> StoreSetup:
         raise ConfigError("setting kv_offload_disk_gib is set but kv_offload_disk_dir is not")
     if cfg.kv_offload_disk_gib is not None and cfg.kv_offload_disk_gib <= 0:
         raise ConfigError(f"setting kv_offload_disk_gib: must be positive, got {cfg.kv_offload_disk_gib}")
-    block_bytes = derive_block_bytes(cfg)
+    try:
+        identity = identity_for(cfg)
+    except ValueError as e:  # a quantized kv_cache_dtype (the config check refuses it first)
+        raise ConfigError(str(e)) from None
+    block_bytes = store_block_bytes(cfg)
     pool_bytes = int(cpu_gib * GIB)
     total = psutil.virtual_memory().total
     if pool_bytes + HEADER_SIZE > total:
@@ -125,4 +117,12 @@ def resolve_setup(cfg) -> StoreSetup:
             raise ConfigError(f"setting kv_offload_disk_gib: {cfg.kv_offload_disk_gib} GiB holds "
                               f"no block file of {file_bytes(block_bytes)} bytes")
         _check_writable(disk_dir)
-    return StoreSetup(store_identity(cfg), block_bytes, n_slots, disk_dir, capacity)
+    return StoreSetup(identity, block_bytes, n_slots, disk_dir, capacity)
+
+
+def check(cfg: KestrelConfig) -> str:
+    """The supervisor's check of the offload settings before anything starts: a one-line
+    summary of the tiers. Raises ConfigError as `resolve_setup`."""
+    setup = resolve_setup(cfg)
+    disk = f"{setup.disk_dir} ({setup.disk_capacity} blocks)" if setup.disk_dir else "off"
+    return f"{setup.n_slots} CPU slots of {setup.block_bytes} bytes, disk tier {disk}"

@@ -14,15 +14,15 @@ Policies (DESIGN §8):
   frontends answer 503 + Retry-After meanwhile and re-attach to the new engine by themselves.
 - Restarts back off exponentially (restart.py). A unit that fails more than restart_max
   times within restart_window_s makes `serve` stop everything and exit 1. Restart counts
-  per process are in `<runtime_dir>/restarts.json` (restart.read_restart_counts).
+  per process are in `<runtime_dir>/restarts.json` (shared.restart_counts).
 - An engine that exits with EXIT_CONFIG (2: it refused its configuration, e.g. a
   max_model_len over the KV cache; it also leaves CONFIG_REFUSED in the runtime folder, as
   its exit code is lost when the supervisor's SIGTERM finds it exiting) would refuse it
   again: `serve` stops at once and exits 1, and a server that never became ready has no
   requests to drain (frontends get GRACE_S, not --shutdown-timeout).
-- The kvstore (when kv_offload_cpu_gib > 0; its settings are checked with
-  `services.kvstore.settings.resolve_setup` before anything starts, exit 2 with the message
-  when they cannot work) is its own restart unit: it starts first, is not touched when the
+- The kvstore (when kv_offload_cpu_gib > 0; its settings are checked with the kvstore's
+  check, which `kestrel serve` hands to `serve` (services.kvstore.settings.check), before
+  anything starts, exit 2 with the message when they cannot work) is its own restart unit: it starts first, is not touched when the
   engine group restarts (a restarted engine finds its prefixes warm), and is restarted
   alone when it dies (the engine carries on without tiers meanwhile and reconnects). It
   stops last.
@@ -52,11 +52,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
-from services.supervisor.restart import RestartPolicy, write_restart_counts
+from services.supervisor.restart import RestartPolicy
 from services.supervisor.watchdog import Watchdog, load_watchdog_config
 from shared.config import KestrelConfig
+from shared.model_spec import ModelFolderError, model_spec_for
 from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging
+from shared.restart_counts import write_restart_counts
 from shared.runtime_dir import sweep_dead_runtime_dirs, write_owner
 
 log = logging.getLogger("kestrel.supervisor")
@@ -277,18 +280,22 @@ def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
         log.info("%s", line)
 
 
-def serve(cfg: KestrelConfig) -> int:
+def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> int:
     """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code:
     0 after a signal, 1 when a process kept failing (restart policy gave up) or the server
-    was not ready within cfg.startup_timeout_s, 2 for a bad model folder or watchdog config."""
+    was not ready within cfg.startup_timeout_s, 2 for a bad model folder, watchdog config or
+    kvstore settings. check_kvstore: the kvstore's check of its settings (a summary line;
+    raises ValueError with the message when they cannot work), run when offload is on; the
+    caller passes it so that the supervisor imports no other service."""
     set_title("kestrel:supervisor")
     setup_logging("supervisor", cfg.log_level)
     log.info("effective settings:\n%s", cfg.table())
     if cfg.profile_detail:
         log.info("%s", cfg.profile_detail)
-    if not os.path.isfile(os.path.join(cfg.model, "config.json")):
-        log.error("model folder %r not found (no config.json). Run `kestrel fetch-model` for "
-                  "the default model, or pass --model DIR.", cfg.model)
+    try:
+        model_spec_for(cfg)
+    except ModelFolderError as e:
+        log.error("%s", e)
         return 2
     try:
         wc = load_watchdog_config(cfg)
@@ -296,17 +303,13 @@ def serve(cfg: KestrelConfig) -> int:
         log.error("%s", e)
         return 2
     if (cfg.kv_offload_cpu_gib or 0) > 0:
-        from services.kvstore.settings import ConfigError, resolve_setup
-
         try:
-            setup = resolve_setup(cfg)
-        except ConfigError as e:
+            summary = check_kvstore(cfg)
+        except ValueError as e:
             log.error("%s", e)
             print(f"kestrel serve: {e}", file=sys.stderr, flush=True)
             return 2
-        log.info("kvstore: %d CPU slots of %d bytes, disk tier %s", setup.n_slots,
-                 setup.block_bytes, f"{setup.disk_dir} ({setup.disk_capacity} blocks)"
-                 if setup.disk_dir else "off")
+        log.info("kvstore: %s", summary)
     _sweep(None)
     _sweep_runtime_dirs()
     os.makedirs(cfg.runtime_dir, mode=0o700, exist_ok=True)

@@ -1,21 +1,17 @@
 """Restart policy of the supervisor: exponential backoff, give up after K failures in a window.
 
 One `RestartPolicy` per restart unit (the engine group = engine + workers, and each
-frontend). Restart counts of every process go to `<runtime_dir>/restarts.json`
-(`{"engine": 1, "worker-0": 1, "frontend-0": 0, ...}`), rewritten atomically after every
-restart; `read_restart_counts` reads it (for /metrics).
+frontend). The launcher writes the restart counts of every process to the instance's
+restart-count file after every restart (its format: `shared.restart_counts`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections import deque
 
 BASE_DELAY_S = 0.25
 MAX_DELAY_S = 10.0
-RESTARTS_FILE = "restarts.json"
 
 
 class RestartPolicy:
@@ -47,21 +43,3 @@ class RestartPolicy:
         self.total += 1
         return min(self.base_delay_s * 2 ** (len(self.failures) - 1), self.max_delay_s)
 
-
-def write_restart_counts(runtime_dir: str, counts: dict[str, int]) -> None:
-    """Write `counts` (process role -> restarts) to <runtime_dir>/restarts.json atomically."""
-    path = os.path.join(runtime_dir, RESTARTS_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(counts, fh)
-    os.replace(tmp, path)
-
-
-def read_restart_counts(runtime_dir: str) -> dict[str, int]:
-    """Restarts per process role of the instance at `runtime_dir` ({} before the first
-    write, or when the supervisor is gone)."""
-    try:
-        with open(os.path.join(runtime_dir, RESTARTS_FILE)) as fh:
-            return {str(k): int(v) for k, v in json.load(fh).items()}
-    except (OSError, ValueError):
-        return {}

@@ -11,13 +11,6 @@ from __future__ import annotations
 import torch
 
 
-def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
-
-
 def num_blocks_for(kv_cache_gib: float, bytes_per_block: int) -> int:
     """floor(kv_cache_gib GiB / bytes_per_block). Raises ValueError when that is 0."""
     n = int(kv_cache_gib * (1 << 30)) // bytes_per_block
@@ -31,7 +24,8 @@ class KVCache:
 
     layers: the model's attention modules (each gets `.k_cache` / `.v_cache`).
     num_kv_heads, head_dim: per layer. dtype, device: of the tensors.
-    Attributes: num_blocks, block_size, bytes (all layers, K and V).
+    Attributes: num_blocks, block_size, bytes (all layers, K and V; the per-block bytes are
+    `shared.kv_layout.KVLayout.block_bytes`).
     """
 
     def __init__(self, layers: list, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -42,4 +36,4 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         for layer, k, v in zip(layers, self.k, self.v):
             layer.k_cache, layer.v_cache = k, v
-        self.bytes = block_bytes(len(layers), block_size, num_kv_heads, head_dim, dtype) * num_blocks
+        self.bytes = sum(t.numel() * t.element_size() for t in self.k + self.v)  # as allocated

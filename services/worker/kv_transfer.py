@@ -1,4 +1,4 @@
-"""Copies of KV blocks between the worker's cache and the kvstore's shm pool (DESIGN §4).
+"""Copies of KV blocks between the worker's cache and the kvstore's shm pool (docs/ARCHITECTURE.md §4).
 
 The engine's plan says what to copy (`StepPlan.kv_loads`: slot -> block before the step's
 forward; `StepPlan.kv_stores`: block -> slot after it) and which pool (`kv_pool`, the
@@ -12,8 +12,7 @@ KV cache dtype::
     layer 0 K | layer 0 V | layer 1 K | layer 1 V | ... | layer L-1 V
 
 i.e. a [L, 2, block_size, num_kv_heads, head_dim] array, 2 * L * block_size *
-num_kv_heads * head_dim * element_size bytes, which is what
-`services.kvstore.settings.derive_block_bytes` sizes. The block's tokens are in position
+num_kv_heads * head_dim * element_size bytes: `shared.kv_layout.KVLayout.slot_bytes`. The block's tokens are in position
 order, as in `services.worker.kv_cache`.
 
 On a CUDA device the pool is registered as pinned host memory (cudaHostRegister through
@@ -28,7 +27,8 @@ import logging
 
 import torch
 
-from services.kvstore.cpu_tier import KVPool
+from shared.kv_layout import KVLayout
+from shared.kv_pool import KVPool
 
 log = logging.getLogger("kestrel.worker")
 
@@ -37,16 +37,21 @@ class KVTransfer:
     """The block copier of one worker.
 
     kv: the worker's `KVCache` (lists k and v of [num_blocks, block_size, heads, head_dim]).
-    Attribute slot_bytes: bytes of one block in a slot (the layout in the module doc).
+    layout: the model's KV layout (one rank of one). Attribute slot_bytes: bytes of one block
+    in a slot (the layout in the module doc). Raises ValueError when the cache's tensors are
+    not laid out as `layout` says.
     """
 
-    def __init__(self, kv):
+    def __init__(self, kv, layout: KVLayout):
         self.kv = kv
         k0 = kv.k[0]
         self.dtype, self.device = k0.dtype, k0.device
         self.block_shape = tuple(k0.shape[1:])
         self.num_layers = len(kv.k)
-        self.slot_bytes = 2 * self.num_layers * k0[0].numel() * k0.element_size()
+        self.slot_bytes = layout.slot_bytes
+        if 2 * self.num_layers * k0[0].numel() * k0.element_size() != self.slot_bytes:
+            raise ValueError(f"a KV cache of {self.num_layers} layers of {tuple(k0.shape)} "
+                             f"{self.dtype} blocks is not laid out as {layout}")
         self.pool: KVPool | None = None
         self.pool_pid = 0
         self._mem: torch.Tensor | None = None   # the whole segment, uint8

@@ -10,15 +10,13 @@ all its positions, to score the prompt tokens (see `_prompt_logprobs`).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 
 import torch
 
 from kernels import attention as attn_kernels
 from kernels.pending_ids import encode_pending
-from services.worker.kv_cache import KVCache, block_bytes, num_blocks_for
+from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs
@@ -27,12 +25,12 @@ from services.worker.loader import load_dummy_weights, load_weights
 from services.worker.models import model_class
 from services.worker.sampler import Sampler, make_token_logprobs
 from shared.config import KestrelConfig
-from shared.model_info import load_model_info
+from shared.kv_layout import KVLayout
+from shared.model_spec import model_spec_for
 from shared.plan_state import PlanState
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MAX_MODEL_LEN_CAP = 8192  # default cap of max_model_len (config.py: "capped at 8192")
 MAX_PROMPT_CARRY = 256  # requests whose last prompt-chunk logits wait for their next chunk
 GPU_WORKER_THREADS = 4  # torch intra-op threads of a GPU worker unless num_threads is set
 
@@ -70,10 +68,9 @@ class ModelRunner:
         self.device = torch.device(dev)
         dt = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[dt]
-        with open(os.path.join(cfg.model, "config.json")) as fh:
-            hf_config = json.load(fh)
-        max_pos = int(hf_config.get("max_position_embeddings", 2048))
-        self.max_model_len = cfg.max_model_len or min(max_pos, MAX_MODEL_LEN_CAP)
+        self.spec = model_spec_for(cfg, dtype=dt)  # the model's facts (shared.model_spec)
+        hf_config = dict(self.spec.hf_config)
+        self.max_model_len = self.spec.max_model_len
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(hf_config)(hf_config, self.max_model_len)
         if cfg.load_format == "dummy":
@@ -84,7 +81,12 @@ class ModelRunner:
         layers = self.model.attention_layers()
         num_layers, kv_heads, head_dim = self.model.kv_shape()
         self.block_size = cfg.block_size
-        per_block = block_bytes(num_layers, self.block_size, kv_heads, head_dim, self.dtype)
+        self.kv_layout = KVLayout.for_model(self.spec, self.block_size)
+        if (num_layers, kv_heads, head_dim) != (self.kv_layout.num_layers, self.kv_layout.kv_heads_per_rank,
+                                                self.kv_layout.head_dim):
+            raise ValueError(f"the model's KV shape {(num_layers, kv_heads, head_dim)} is not its "
+                             f"config's {self.kv_layout}")
+        per_block = self.kv_layout.block_bytes
         self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
         self.activation_peak_bytes = 0
         if self.device.type == "cuda":  # KV sized from gpu_memory_utilization (gpu_memory.py)
@@ -97,7 +99,7 @@ class ModelRunner:
             self.num_blocks = num_blocks_for(cfg.kv_cache_gib, per_block)
         self.kv = KVCache(layers, self.num_blocks, self.block_size, kv_heads, head_dim,
                           self.dtype, self.device)
-        self.kv_transfer = KVTransfer(self.kv)  # kvstore tier copies (kv_transfer.py)
+        self.kv_transfer = KVTransfer(self.kv, self.kv_layout)  # kvstore tier copies (kv_transfer.py)
         self.graphs = None
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
             self.graphs = DecodeGraphs(self.model, cfg.max_num_seqs, self.max_model_len,
@@ -105,7 +107,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.use_ref_attention:
             from kernels.sampling_triton import warm_up_sampler  # compile now, not mid-serving
             warm_up_sampler(self.model.args.vocab_size, cfg.max_num_seqs, self.device)
-        self.sampler = Sampler(cfg.seed, load_model_info(cfg.model).eos_token_ids)
+        self.sampler = Sampler(cfg.seed, self.spec.eos_token_ids)
         self.plan_state = PlanState()  # what the engine sends once per request
         # request id -> logits [vocab] of the last position of its previous prompt chunk,
         # which scores the first token of its next chunk (prompt_logprobs across chunks)

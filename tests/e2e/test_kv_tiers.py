@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from services.kvstore.client import KVStoreClient
+from shared.kvstore_client import KVStoreClient
 from shared.hashing import model_identity_hash
 from tests.e2e.server import KestrelServer
 

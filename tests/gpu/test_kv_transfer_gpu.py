@@ -1,5 +1,5 @@
 """The worker's KV tier copies (services/worker/kv_transfer.py) on CUDA, through a real CPU
-tier pool (services/kvstore/cpu_tier.py, a /dev/shm segment that KVTransfer registers as
+tier pool (shared/kv_pool.py, created as services/kvstore/cpu_tier.py does: a /dev/shm segment that KVTransfer registers as
 pinned host memory): blocks copied GPU cache -> pool slots -> other GPU blocks come back
 bit-identical, slots hold the documented byte layout, and nothing else is touched.
 
@@ -22,8 +22,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from services.kvstore.cpu_tier import KVPool  # noqa: E402
+from services.kvstore.cpu_tier import OwnedPool  # noqa: E402
 from services.worker.kv_transfer import KVTransfer  # noqa: E402
+from shared.kv_layout import KVLayout  # noqa: E402
 
 NUM_BLOCKS, LAYERS, BS, HEADS, HEAD_DIM = 41, 3, 16, 3, 40
 N_SLOTS = 29
@@ -43,6 +44,13 @@ def random_cache(dtype: torch.dtype, gen: torch.Generator) -> SimpleNamespace:
     return SimpleNamespace(k=[one() for _ in range(LAYERS)], v=[one() for _ in range(LAYERS)])
 
 
+def layout_of(dtype: torch.dtype) -> KVLayout:
+    """The KV layout of `random_cache(dtype)` (rank 0 of 1)."""
+    name = str(dtype).removeprefix("torch.")
+    elem = torch.empty((), dtype=dtype).element_size()
+    return KVLayout(BS, LAYERS, HEADS, HEAD_DIM, name, elem, bytes(32))
+
+
 def raw(t: torch.Tensor) -> torch.Tensor:
     """The bytes of t (bitwise comparisons: NaN payloads compare too)."""
     return t.contiguous().view(torch.uint8)
@@ -58,9 +66,9 @@ def layout_bytes(kv, blk: int) -> bytes:
     return raw(parts).cpu().numpy().tobytes()
 
 
-def new_pool(slot_bytes: int) -> KVPool:
+def new_pool(slot_bytes: int) -> OwnedPool:
     """A fresh CPU-tier pool segment (as the kvstore creates it), every slot poisoned."""
-    pool = KVPool.create("kvg" + uuid.uuid4().hex[:10], N_SLOTS, slot_bytes, os.urandom(32))
+    pool = OwnedPool.create("kvg" + uuid.uuid4().hex[:10], N_SLOTS, slot_bytes, os.urandom(32))
     for s in range(N_SLOTS):
         pool.slot(s)[:] = bytes([POISON]) * slot_bytes
     return pool
@@ -72,7 +80,7 @@ def test_blocks_round_trip_through_pinned_pool_slots_bit_identical(dtype, n):
     gen = torch.Generator().manual_seed(n * 100 + LAYERS)
     rng = random.Random(n)
     kv = random_cache(dtype, gen)
-    xfer = KVTransfer(kv)
+    xfer = KVTransfer(kv, layout_of(dtype))
     elem = torch.empty((), dtype=dtype).element_size()
     assert xfer.slot_bytes == 2 * LAYERS * BS * HEADS * HEAD_DIM * elem
     pool = new_pool(xfer.slot_bytes)
@@ -110,7 +118,7 @@ def test_blocks_round_trip_through_pinned_pool_slots_bit_identical(dtype, n):
 def test_a_new_kvstore_pool_is_mapped_again_and_a_missing_one_fails_cleanly():
     gen = torch.Generator().manual_seed(7)
     kv = random_cache(torch.bfloat16, gen)
-    xfer = KVTransfer(kv)
+    xfer = KVTransfer(kv, layout_of(torch.bfloat16))
     first, second = new_pool(xfer.slot_bytes), new_pool(xfer.slot_bytes)
     try:
         xfer.store(first.name, 1001, [(3, 0), (5, 1), (8, 2)])

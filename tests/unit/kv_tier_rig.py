@@ -26,8 +26,8 @@ import zmq
 from services.engine.block_manager import BlockManager
 from services.engine.kv_tiers import KVTiers
 from services.engine.scheduler import Scheduler
-from services.kvstore.client import KVStoreClient
-from services.kvstore.cpu_tier import KVPool
+from shared.kvstore_client import KVStoreClient
+from shared.kv_pool import KVPool
 from services.kvstore.server import serve_in_thread
 from services.kvstore.settings import StoreSetup
 from shared.hashing import model_identity_hash

@@ -11,7 +11,7 @@ import tempfile
 import psutil
 import pytest
 
-from services.kvstore.client import KVStoreRefused
+from shared.kvstore_client import KVStoreRefused
 from services.kvstore.disk_tier import HEADER, MAGIC
 from tests.kvstore_helpers import (BLOCK, FILE, REPO, Store, chain, identity, load_blocks,
                                    payload, store_args, store_blocks, wait_for)

@@ -28,7 +28,7 @@ from services.engine.scheduler import Scheduler  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared import protocol as P  # noqa: E402
 from shared.config import build_config  # noqa: E402
-from shared.model_info import load_model_info  # noqa: E402
+from shared.model_spec import load_model_spec  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -52,7 +52,7 @@ class InProcessEngine:
                                 "max_num_seqs": 32, "max_num_batched_tokens": 1024}, env={})
         self.runner = ModelRunner(cfg)
         core = EngineCore.__new__(EngineCore)  # no sockets, no ring
-        core.cfg, core.info = cfg, load_model_info(model_dir)
+        core.cfg, core.info = cfg, load_model_spec(model_dir)
         core.max_model_len = 2048
         core.rng = random.Random(0)
         core._structured = None
@@ -121,7 +121,7 @@ def test_twenty_sampled_json_completions_all_validate_and_bad_schema_fails_alone
     for rid in ("bad", "badjson"):
         out = engine.final(rid)
         assert out.finish_reason == "error" and out.error_kind == "invalid" and out.error
-    eos = set(load_model_info(engine.core.info.path).eos_token_ids)
+    eos = set(load_model_spec(engine.core.info.path).eos_token_ids)
     for i in range(20):
         final = engine.final(f"js{i}")
         assert final.finish_reason == "stop", (final, tokenizer.decode(engine.tokens(f"js{i}")))

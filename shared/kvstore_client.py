@@ -1,4 +1,8 @@
-"""A small client of the kvstore for the engine (and tests).
+"""The client of the kvstore service, for the engine (and tests, benchmarks).
+
+It lives in shared/ because it is the kvstore's API as other processes see it: the
+messages (`shared.protocol`, "engine <-> kvstore") and the pool mapping (`shared.kv_pool`);
+the engine never imports the kvstore's package (docs/ARCHITECTURE.md §2, §4).
 
 Two ways to use it:
 - synchronous calls (`lookup`, `reserve_load`, `complete_load`, `prepare_store`,
@@ -22,7 +26,7 @@ import uuid
 
 import zmq
 
-from services.kvstore.cpu_tier import KVPool
+from shared.kv_pool import KVPool
 from shared.protocol import (KVAck, KVBye, KVCompleteLoad, KVCompleteStore, KVError, KVHello,
                              KVInfo, KVLoadReady, KVLoadReserved, KVLookup, KVLookupResult,
                              KVPrepareStore,
@@ -124,7 +128,10 @@ class KVStoreClient:
         return msg
 
     def attach_pool(self) -> KVPool:
-        """Map the store's pool (after connect). Raises FileNotFoundError / ValueError."""
+        """Map the store's pool (after connect). Raises RuntimeError before connect,
+        FileNotFoundError / ValueError from `KVPool.attach`."""
+        if self.info is None:
+            raise RuntimeError("attach_pool() before connect()")
         if self.pool is None:
             self.pool = KVPool.attach(self.info.pool_name)
         return self.pool
