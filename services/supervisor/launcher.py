@@ -264,7 +264,7 @@ def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
     """Print the engine's startup report (`<runtime_dir>/startup_report.json`, written by
     EngineCore.start) with the supervisor's own phase `ready` (seconds from the start of
     the children to the first healthy /health) added."""
-    from shared.profile import format_startup_report
+    from shared.startup_report import format_startup_report
 
     try:
         with open(os.path.join(cfg.runtime_dir, "startup_report.json")) as fh:
