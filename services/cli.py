@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_worker(cfg, args.rank)
     from services.frontend.server import run_frontend
 
-    return run_frontend(cfg, args.frontend_index) or 0
+    run_frontend(cfg, args.frontend_index)
+    return 0
 
 
 if __name__ == "__main__":

@@ -198,8 +198,9 @@ class KestrelConfig:
         data = json.loads(text)
         if not isinstance(data, dict) or set(data) != set(FIELD_BY_NAME):
             got = set(data) if isinstance(data, dict) else set()
+            known = set(FIELD_BY_NAME)
             raise ValueError(f"resolved config: settings differ from this version's (missing "
-                             f"{sorted(set(FIELD_BY_NAME) - got)}, unknown {sorted(got - set(FIELD_BY_NAME))})")
+                             f"{sorted(known - got)}, unknown {sorted(got - known)})")
         return cls(**{k: v for k, (v, _) in data.items()}, sources={k: s for k, (_, s) in data.items()})
 
     def table(self) -> str:

@@ -1,5 +1,5 @@
 """The kvstore service: a ZMQ ROUTER at `kvstore_address` over the index, the pool and the
-disk tier (`kestrel kvstore`; DESIGN §2, §4).
+disk tier (`kestrel kvstore`; docs/ARCHITECTURE.md §2, §4).
 
 One main thread owns the index (`store.BlockStore`) and the socket; disk reads and writes
 run on a small thread pool and report back through a queue plus a wake-up pipe that the
@@ -60,7 +60,6 @@ class KVStoreServer:
         self.pool = KVPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
                                   setup.model_identity)
         self.ctx = zmq.Context()
-        self.router = None
         # promotions never queue behind demotion writes: a hit being served waits on reads
         self._reads = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-read")
         self._writes = ThreadPoolExecutor(max(1, DISK_THREADS // 4), thread_name_prefix="kvstore-write")
@@ -68,7 +67,7 @@ class KVStoreServer:
             # demotions queued at once: copies of their slots wait in RAM for the disk
             self.store = BlockStore(setup.n_slots, setup.disk_capacity,
                                     max(64, PENDING_WRITE_BYTES // max(setup.block_bytes, 1)))
-            self.disk = None
+            self.disk: DiskTier | None = None
             if setup.disk_dir:
                 self.disk = DiskTier(setup.disk_dir, setup.model_identity, setup.block_bytes)
                 found = self.disk.scan()
@@ -205,7 +204,8 @@ class KVStoreServer:
         before the reply lets a client write into them."""
         reading = {slot for _, slot in acts.read}
         copy_first = {slot: h for h, slot in acts.demote if slot in reading}
-        demoted = [(h, self._copy_out(slot)) for h, slot in acts.demote if slot not in reading]
+        demoted = [(h, self._copy_out(slot, self._free_staging())) for h, slot in acts.demote
+                   if slot not in reading]
         self._unlink(acts)
         for h, data in demoted:
             self._writes.submit(self._write_job, h, data)
@@ -213,6 +213,9 @@ class KVStoreServer:
             self._reads.submit(self._read_job, h, slot, copy_first.get(slot))
 
     def _unlink(self, acts: Actions) -> None:
+        if not acts.unlink:
+            return
+        assert self.disk is not None, "only the disk tier has files to unlink"
         for h in acts.unlink:
             self.disk.remove(h)
 
@@ -223,20 +226,25 @@ class KVStoreServer:
         except (BlockingIOError, OSError):
             pass
 
-    def _copy_out(self, slot: int, may_skip: bool = False) -> bytearray | None:
-        """A copy of a slot's bytes for its demotion write, in a reused staging buffer (see
-        STAGING_KEEP). When none is free: None if may_skip, else a new buffer."""
+    def _free_staging(self) -> bytearray | None:
+        """A reused staging buffer of block_bytes (see STAGING_KEEP), or None when none is free."""
         try:
-            buf = self._staging.get_nowait()
+            buf: bytearray = self._staging.get_nowait()
+            return buf
         except queue.Empty:
-            if may_skip:
-                return None
+            return None
+
+    def _copy_out(self, slot: int, buf: bytearray | None) -> bytearray:
+        """A copy of a slot's bytes for its demotion write, in `buf` (from `_free_staging`),
+        or in a new buffer when that is None."""
+        if buf is None:
             buf = bytearray(len(self.pool.slot(slot)))
         buf[:] = self.pool.slot(slot)
         return buf
 
     def _write_job(self, h: bytes, data: bytearray) -> None:
         try:
+            assert self.disk is not None, "demotions are written only with a disk tier"
             self.disk.write(h, data)
             ok = True
         except Exception as e:
@@ -252,12 +260,13 @@ class KVStoreServer:
         ok, t0 = False, time.perf_counter()
         try:
             if demote is not None:  # the block the slot held: written out, or dropped
-                buf = self._copy_out(slot, may_skip=True)
+                buf = self._free_staging()
                 if buf is None:
                     self._post(("s", demote, False, 0.0))
                 else:
-                    self._writes.submit(self._write_job, demote, buf)
+                    self._writes.submit(self._write_job, demote, self._copy_out(slot, buf))
             t0 = time.perf_counter()
+            assert self.disk is not None, "promotions read only from a disk tier"
             self.disk.read_into(h, self.pool.slot(slot))
             ok = True
         except CorruptBlock as e:
@@ -300,8 +309,9 @@ class KVStoreServer:
             self._writes.shutdown(wait=True)
         finally:
             self.pool.close()
-            if self.router is not None:
-                self.router.close(linger=0)
+            router = getattr(self, "router", None)   # absent when __init__ failed before it
+            if router is not None:
+                router.close(linger=0)
             self.ctx.destroy(linger=0)
 
 

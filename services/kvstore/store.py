@@ -97,7 +97,7 @@ class BlockStore:
         self.pending_writes = 0
         self.load_pins: dict[str, Counter] = {}     # session -> slot -> pins
         self.reservations: dict[bytes, list[Reservation]] = {}   # hash being promoted -> waiters
-        self.counters = Counter()
+        self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------ queries
     @property
@@ -194,7 +194,8 @@ class BlockStore:
         (see `read_done`). Blocks past a miss, or past a disk block with no slot to promote
         into, are not reserved (len(slots) < len(hashes)).
         """
-        acts, slots, waiting, evicted = Actions(), [], set(), []
+        acts, slots, waiting = Actions(), [], set()
+        evicted: list[bytes] = []
         pins = self.load_pins.setdefault(session, Counter())
         run = []
         for h in hashes:
@@ -300,7 +301,9 @@ class BlockStore:
         """Slots to write for the blocks not already stored (-1: present, being written by
         someone, or no slot free). Returns (slots, evicted, actions); evicted lists blocks
         that left the store entirely to make room (demoted blocks are not listed)."""
-        acts, slots, evicted = Actions(), [], []
+        acts: Actions = Actions()
+        slots: list[int] = []
+        evicted: list[bytes] = []
         for h in hashes:
             if h in self.cpu or self.tier(h) is not None or h in self.disk:
                 slots.append(-1)
