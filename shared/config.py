@@ -19,7 +19,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -122,8 +122,8 @@ SECRET_SETTINGS = frozenset({"api_key"})
 @dataclass(frozen=True, kw_only=True)
 class KestrelConfig:
     """The effective settings: one typed field per `FIELDS` entry, in the same order (a test
-    checks both ways), and `sources` (setting name -> its source). Built by `build_config`
-    or `from_json`; never mutated. Units are in the names (`_s` seconds, `_gib` GiB,
+    checks both ways; building one from other names fails), and `sources` (setting name ->
+    its source). Built by `build_config` or `from_json`; never mutated. Units are in the names (`_s` seconds, `_gib` GiB,
     `_bytes` bytes). Settings whose `FIELDS` default is None but whose type here has no None
     are derived by `build_config` (source `derived`)."""
 
@@ -208,12 +208,6 @@ class KestrelConfig:
         width = max(len(f.name) for f in FIELDS)
         return "\n".join(f"  {k:<{width}}  {_shown(k, getattr(self, k)):<40} [{self.sources[k]}]"
                          for k in sorted(FIELD_BY_NAME))
-
-
-def setting_names() -> list[str]:
-    """The names of `KestrelConfig`'s setting fields, in order (its provenance fields left
-    out). Equal to `[f.name for f in FIELDS]`: a test keeps the two from drifting."""
-    return [f.name for f in fields(KestrelConfig) if f.name not in ("sources", "profile_detail")]
 
 
 def _shown(name: str, value: Any) -> str:

@@ -28,6 +28,7 @@ from services.kvstore.disk_tier import CorruptBlock, DiskTier
 from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
 from services.kvstore.store import Actions, BlockStore
 from shared.config import KestrelConfig
+from shared.hashing import HASH_BYTES
 from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
                              KVCompleteStore, KVError, KVHello, KVInfo, KVLoadReady,
@@ -317,8 +318,8 @@ class KVStoreServer:
 
 def _hashes(hashes: list[bytes]) -> list[bytes]:
     for h in hashes:
-        if len(h) != 32:
-            raise ValueError(f"a block hash has {len(h)} bytes, expected 32")
+        if len(h) != HASH_BYTES:
+            raise ValueError(f"a block hash has {len(h)} bytes, expected {HASH_BYTES}")
     return hashes
 
 
