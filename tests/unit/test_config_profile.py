@@ -14,7 +14,8 @@ import typing
 
 import pytest
 
-from shared.config import FIELDS, KestrelConfig, add_cli_arguments, build_config, parse_bool
+from shared.config import KestrelConfig, add_cli_arguments, build_config
+from shared.config_fields import FIELDS, parse_bool
 from shared.device import GIB, DeviceInfo
 from shared.model_size import estimate_model_size
 from shared.profiles import choose_profile
