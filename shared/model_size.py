@@ -33,6 +33,7 @@ class ModelSize:
         return "medium" if self.params < LARGE_PARAMS else "large"
 
     def describe(self) -> str:
+        """One line for the startup log, e.g. "~0.1B parameters (small)"."""
         if self.params is None:
             return "model size unknown"
         p = self.params

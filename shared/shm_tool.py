@@ -39,6 +39,7 @@ class SegmentInfo:
 
     @property
     def stale(self) -> bool:
+        """Its owner is known to be dead (an unknown owner is not stale)."""
         return self.owner_alive is False
 
 

@@ -75,13 +75,16 @@ class Child:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        """Start (or start again) the process; the previous handle is dropped."""
         self.proc = subprocess.Popen(self.argv, env=self.env)
         log.info("started %s (pid %d)", self.role, self.proc.pid)
 
     def alive(self) -> bool:
+        """Started and not exited yet."""
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
+        """Send `sig` if the process runs; a process that just exited is no error."""
         proc = self.proc
         if proc is not None and proc.poll() is None:
             try:
@@ -94,6 +97,7 @@ class Child:
         return (0, None) if self.proc is None else (self.proc.pid, self.proc.returncode)
 
     def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the exit; True once exited (or never started)."""
         if self.proc is None:
             return True
         try:
@@ -164,6 +168,7 @@ class Supervisor:
         self.gave_up = False
 
     def start_all(self) -> None:
+        """Start every child (kvstore, engine group, frontends) and write the restart counts."""
         for c in self.children:
             c.start()
         self._write_counts()
