@@ -9,7 +9,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test clean
+.PHONY: setup model serve test lint clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,13 @@ serve: model
 
 test: model
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# ruff and mypy over services/, shared/ and kernels/ (their config is in pyproject.toml), and the
+# import layering check when scripts/check_imports.py is there. Not yet a prerequisite of `test`.
+lint: setup
+	$(VENV)/bin/ruff check services shared kernels
+	$(VENV)/bin/mypy
+	if [ -f scripts/check_imports.py ]; then $(PY) scripts/check_imports.py; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -65,6 +65,8 @@ def _tool(cmd: str, rest: list[str]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`kestrel <command> [options]`: argv without the program name (default sys.argv[1:]).
+    Returns the exit code (2 for a usage or configuration error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print(USAGE)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_worker(cfg, args.rank)
     from services.frontend.server import run_frontend
 
-    return run_frontend(cfg, args.frontend_index) or 0
+    run_frontend(cfg, args.frontend_index)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """The one config object, built in one place, with the source of every value.
 
-Sources, lowest to highest precedence: `default`, `profile:<name>`, `config file`, `env`
-(variables `KESTREL_<NAME>`), `cli`. The supervisor hands its resolved config to the child
-processes as a JSON file (`--resolved-config`), which keeps each value's original source.
+`FIELDS` (shared/config_fields.py) is the one list of settings (name, parser, default, help,
+choices); `KestrelConfig` is the typed, frozen object built from it, one field per setting,
+plus each value's source. Sources, lowest to highest precedence: `default`,
+`profile:<name>`, `config file`, `env` (variables `KESTREL_<NAME>`), `cli`; `derived` marks
+a value computed from others (the addresses from the runtime folder, the device, the
+timeouts by device). The supervisor hands its resolved config to the child processes as a
+JSON file (`--resolved-config`), which keeps each value's original source.
 
-Code reads settings from a `KestrelConfig`; only this module reads `os.environ`.
+Code reads settings from a `KestrelConfig` (`cfg.max_num_seqs`, an `int`); only this module
+reads `os.environ`. A changed copy is `dataclasses.replace(cfg, name=value)` (tests).
 """
 
 from __future__ import annotations
@@ -13,147 +18,103 @@ import argparse
 import json
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
 
+from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, parse_bool
 from shared.model_spec import kv_dtype_in_use
 
 
-@dataclass(frozen=True)
-class Field:
-    """One setting: its name (snake_case), type, default and help text."""
-
-    name: str
-    type: Callable[[str], Any]
-    default: Any
-    help: str
-    choices: tuple | None = None
-
-
-def _bool(s: str | bool) -> bool:
-    if isinstance(s, bool):
-        return s
-    v = str(s).strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {s!r}")
-
-
-FIELDS: list[Field] = [
-    Field("model", str, "models/SmolLM2-135M-Instruct", "Hugging Face model folder"),
-    Field("served_model_name", str, None, "model name shown by the API (default: folder name)"),
-    Field("host", str, "127.0.0.1", "HTTP bind address"),
-    Field("port", int, 8000, "HTTP port"),
-    Field("device", str, "auto", "cpu, cuda or auto", ("auto", "cpu", "cuda")),
-    Field("dtype", str, "auto", "weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)",
-          ("auto", "float32", "bfloat16", "float16")),
-    Field("max_model_len", int, None, "max prompt + output tokens (default: model's, capped at 8192)"),
-    Field("block_size", int, 16, "tokens per KV block"),
-    Field("max_num_seqs", int, 64, "max requests running at once"),
-    Field("max_num_batched_tokens", int, 2048, "token budget of one step (prefill chunks + decodes)"),
-    Field("kv_cache_gib", float, 1.0, "KV cache memory of each worker on the CPU path, GiB"),
-    Field("enable_prefix_caching", _bool, True,
-          "keep freed full KV blocks and reuse them for requests sharing a prefix"),
-    Field("num_threads", int, 0, "torch intra-op threads of the worker (0: all cores on the CPU, 4 with a GPU)"),
-    Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
-    Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
-    Field("runtime_dir", str, None, "folder for ipc sockets (default: /tmp/kestrel-<instance>)"),
-    Field("engine_address", str, None, "ZMQ address the engine binds for frontends"),
-    Field("worker_address", str, None, "ZMQ address the engine binds for worker results"),
-    Field("ring_chunks", int, 8, "chunks in the engine->worker plan ring"),
-    Field("ring_chunk_bytes", int, 1 << 20, "bytes per ring chunk; larger plans go over ZMQ"),
-    Field("keepalive_s", float, 10.0, "seconds between SSE keep-alive comments"),
-    Field("log_level", str, "INFO", "logging level"),
-    Field("startup_timeout_s", float, 300.0, "seconds the supervisor waits for readiness"),
-    # --- API limits and behaviour (OpenAI / Anthropic issues)
-    Field("max_num_waiting", int, 256, "waiting-queue bound; beyond it requests get 503 + Retry-After"),
-    Field("max_request_body_bytes", int, 8 << 20, "HTTP request body limit in bytes (413 beyond)"),
-    Field("chat_template", str, None, "chat template: a file path or a name under services/frontend/templates"),
-    Field("tool_call_parser", str, None, "tool call parser", ("hermes", "qwen3_coder")),
-    Field("reasoning_parser", str, None, "reasoning parser", ("qwen3",)),
-    Field("api_key", str, None, "require this key on API routes (Bearer or x-api-key)"),
-    # --- operations (supervision, watchdog, shutdown, profile)
-    Field("frontends", int, 1, "frontend processes sharing the port (SO_REUSEPORT)"),
-    Field("shutdown_timeout", float, 30.0, "seconds to drain in-flight requests on SIGTERM"),
-    Field("restart_max", int, 5, "restarts of one process within restart_window_s before giving up"),
-    Field("restart_window_s", float, 60.0, "window for restart_max, seconds"),
-    Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
-    Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
-    Field("watchdog_dump_dir", str, None, "folder for stack dumps (default: /tmp/kestrel-<instance>-dumps)"),
-    Field("worker_timeout_s", float, None,
-          "engine: a step with no word from the workers this long has failed; the engine "
-          "fails its requests and exits for a restart (default: 10 on cpu, 30 on cuda)"),
-    Field("step_timeout_s", float, None,
-          "engine: a step still running this long (workers beating, no result) is stuck; "
-          "(default: 600 on cpu, where a long-context prefill chunk can take minutes, 180 on cuda)"),
-    Field("profile", str, "auto", "settings profile: auto (by device and model size), cpu, sm90, "
-          "gpu or none (shared/profile.py)", ("auto", "cpu", "sm90", "gpu", "none")),
-    Field("debug_utilities", _bool, False, "enable debug-only utility calls (e.g. sleep in a step)"),
-    # --- GPU path
-    Field("load_format", str, "auto", "auto (safetensors) or dummy (seeded random weights)", ("auto", "dummy")),
-    Field("enforce_eager", _bool, False, "disable CUDA graphs"),
-    Field("async_scheduling", _bool, True,
-          "plan step N+1 while step N runs (decodes feed the workers' own pending token)"),
-    Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
-    Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3 and int8 "
-          "are refused until quantized KV is implemented)", ("auto", "fp8_e4m3", "int8")),
-    # --- KV tier store (services/kvstore; DESIGN §4 "Tiers")
-    Field("kv_offload_cpu_gib", float, 0.0, "CPU tier of the kvstore: shm pool size, GiB (0: no offload)"),
-    Field("kv_offload_disk_dir", str, None, "disk tier folder of the kvstore (needs --kv-offload-disk-gib)"),
-    Field("kv_offload_disk_gib", float, None, "size limit of the disk tier, GiB (block files included)"),
-    Field("kvstore_address", str, None, "ZMQ address the kvstore binds (default: ipc://<runtime_dir>/kvstore.sock)"),
-    Field("kv_offload_block_bytes", int, None,
-          "bytes of one KV block across all layers and ranks (default: from the model's config.json)"),
-]
-
-FIELD_BY_NAME = {f.name: f for f in FIELDS}
-
-
-@dataclass
-class Setting:
-    value: Any
-    source: str
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class KestrelConfig:
-    """Effective settings with their sources. Attribute access gives the value."""
+    """The effective settings: one typed field per `FIELDS` entry, in the same order (a test
+    checks both ways; building one from other names fails), and `sources` (setting name ->
+    its source). Built by `build_config` or `from_json`; never mutated. Units are in the names (`_s` seconds, `_gib` GiB,
+    `_bytes` bytes). Settings whose `FIELDS` default is None but whose type here has no None
+    are derived by `build_config` (source `derived`)."""
 
-    settings: dict[str, Setting] = field(default_factory=dict)
-    # Why the profile was chosen (device, model size); set by build_config, not serialized.
-    profile_detail: str = ""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["settings"][name].value
-        except KeyError:
-            raise AttributeError(name) from None
+    model: str
+    served_model_name: str          # derived: the model folder's name
+    host: str
+    port: int
+    device: str                     # derived from auto: "cpu" or "cuda"
+    dtype: str                      # derived from auto: "float32" on cpu, "bfloat16" on cuda
+    max_model_len: int | None       # None: the model's (the engine decides)
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_gib: float
+    enable_prefix_caching: bool
+    num_threads: int
+    seed: int
+    instance_id: str                # derived: 8 random hex digits
+    runtime_dir: str                # derived: /tmp/kestrel-<instance_id>
+    engine_address: str             # derived: ipc://<runtime_dir>/engine.sock
+    worker_address: str             # derived: ipc://<runtime_dir>/worker.sock
+    ring_chunks: int
+    ring_chunk_bytes: int
+    keepalive_s: float
+    log_level: str
+    startup_timeout_s: float
+    max_num_waiting: int
+    max_request_body_bytes: int
+    chat_template: str | None
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    api_key: str | None
+    frontends: int
+    shutdown_timeout: float
+    restart_max: int
+    restart_window_s: float
+    watchdog_config: str | None
+    watchdog_timeout_s: float
+    watchdog_dump_dir: str | None
+    worker_timeout_s: float         # derived by device
+    step_timeout_s: float           # derived by device
+    profile: str                    # derived from auto: the profile chosen
+    debug_utilities: bool
+    load_format: str
+    enforce_eager: bool
+    async_scheduling: bool
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    kv_offload_cpu_gib: float
+    kv_offload_disk_dir: str | None
+    kv_offload_disk_gib: float | None
+    kvstore_address: str            # derived: ipc://<runtime_dir>/kvstore.sock
+    kv_offload_block_bytes: int | None
+    # --- not settings: provenance
+    sources: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
+    # why the profile was chosen (device, model size); not serialized (the supervisor logs it)
+    profile_detail: str = field(default="", compare=False)
 
     def source(self, name: str) -> str:
-        return self.settings[name].source
-
-    def set(self, name: str, value: Any, source: str) -> None:
-        self.settings[name] = Setting(value, source)
+        """The source of setting `name`. Raises KeyError for an unknown name."""
+        return self.sources[name]
 
     def to_json(self) -> str:
-        return json.dumps({k: [s.value, s.source] for k, s in self.settings.items()})
+        """The settings as JSON, {name: [value, source]} in `FIELDS` order (the
+        `--resolved-config` file of the child processes)."""
+        return json.dumps({f.name: [getattr(self, f.name), self.sources[f.name]] for f in FIELDS})
 
     @classmethod
-    def from_json(cls, text: str) -> "KestrelConfig":
+    def from_json(cls, text: str) -> KestrelConfig:
+        """The config of a `to_json` text. Raises ValueError when its settings are not
+        exactly the `FIELDS` of this version."""
         data = json.loads(text)
-        return cls({k: Setting(v, s) for k, (v, s) in data.items()})
+        if not isinstance(data, dict) or set(data) != set(FIELD_BY_NAME):
+            got = set(data) if isinstance(data, dict) else set()
+            known = set(FIELD_BY_NAME)
+            raise ValueError(f"resolved config: settings differ from this version's (missing "
+                             f"{sorted(known - got)}, unknown {sorted(got - known)})")
+        return cls(**{k: v for k, (v, _) in data.items()}, sources={k: s for k, (_, s) in data.items()})
 
     def table(self) -> str:
-        """The effective settings, one per line: name, value, source."""
-        width = max(len(k) for k in self.settings)
-        return "\n".join(f"  {k:<{width}}  {_shown(k, s.value):<40} [{s.source}]"
-                         for k, s in sorted(self.settings.items()))
-
-
-SECRET_SETTINGS = frozenset({"api_key"})
+        """The effective settings, one per line: name, value, source (secrets masked)."""
+        width = max(len(f.name) for f in FIELDS)
+        return "\n".join(f"  {k:<{width}}  {_shown(k, getattr(self, k)):<40} [{self.sources[k]}]"
+                         for k in sorted(FIELD_BY_NAME))
 
 
 def _shown(name: str, value: Any) -> str:
@@ -172,14 +133,14 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     for f in FIELDS:
         flag = "--" + f.name.replace("_", "-")
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{f.help} (default: {f.default})"}
-        if f.type is _bool:
-            kw.update(type=_bool, nargs="?", const=True, metavar="{true,false}")
+        if f.type is parse_bool:
+            kw.update(type=parse_bool, nargs="?", const=True, metavar="{true,false}")
         else:
             kw["type"] = f.type
         if f.choices:
             kw["choices"] = f.choices
         parser.add_argument(flag, **kw)
-        if f.type is _bool:
+        if f.type is parse_bool:
             parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
                                 default=None, help=f"set {flag} false")
     parser.add_argument("--config-file", default=None, help="JSON file of settings")
@@ -191,24 +152,24 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
     """Merge defaults, profile, config file, environment and CLI into one `KestrelConfig`.
 
     Precedence, lowest first: `default`, `profile:<name>`, `config file`, `env`, `cli`.
-    The profile (shared/profile.py) is chosen from the merged `profile`, `device`, `model`,
+    The profile (shared/profiles.py) is chosen from the merged `profile`, `device`, `model`,
     `dtype` and `max_model_len` of the explicit sources, and only fills settings that no
     explicit source set. With `profile` auto, the chosen name is stored with source
     `derived`. cli: parsed arguments (None for a flag not given). env: the environment
-    (default os.environ). probe: a `shared.profile.DeviceInfo` to use instead of probing this
+    (default os.environ). probe: a `shared.device.DeviceInfo` to use instead of probing this
     host (tests). A `--resolved-config` file (from the supervisor) is returned as it is.
-    Raises ValueError naming the setting for a value of the wrong type or an unknown key.
+    Raises ValueError naming the setting for a value of the wrong type, out of range, null
+    for a setting that cannot be unset, or an unknown key.
     """
-    from shared.profile import choose_profile
+    from shared.profiles import choose_profile
 
     env = dict(os.environ) if env is None else env
     cli = cli or {}
     if cli.get("resolved_config"):
         with open(cli["resolved_config"]) as fh:
             return KestrelConfig.from_json(fh.read())
-    cfg = KestrelConfig()
-    for f in FIELDS:
-        cfg.set(f.name, f.default, "default")
+    values: dict[str, Any] = {f.name: f.default for f in FIELDS}
+    sources = dict.fromkeys(values, "default")
     explicit: list[tuple[str, Any, str]] = []  # (name, value, source), in precedence order
     path = config_file or cli.get("config_file")
     if path:
@@ -227,21 +188,22 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
     for f in FIELDS:
         if cli.get(f.name) is not None:
             explicit.append((f.name, _convert(f, cli[f.name]), "cli"))
-    merged = {f.name: f.default for f in FIELDS}
+    merged = dict(values)
     merged.update({k: v for k, v, _ in explicit})
     profile = choose_profile(merged["profile"], merged["device"], merged["model"],
                              dtype=merged["dtype"], max_model_len=merged["max_model_len"],
                              probe=probe)
     if profile is not None:
         for k, v in profile.values.items():
-            cfg.set(k, _convert(FIELD_BY_NAME[k], v), f"profile:{profile.name}")
-        cfg.profile_detail = profile.reason
+            values[k], sources[k] = _convert(FIELD_BY_NAME[k], v), f"profile:{profile.name}"
     for k, v, source in explicit:
-        cfg.set(k, v, source)
-    if profile is not None and cfg.profile == "auto":
-        cfg.set("profile", profile.name, "derived")
+        values[k], sources[k] = v, source
+    if profile is not None and values["profile"] == "auto":
+        values["profile"], sources["profile"] = profile.name, "derived"
+    _derive(values, sources)
+    cfg = KestrelConfig(**values, sources=sources,
+                        profile_detail=profile.reason if profile is not None else "")
     _validate(cfg)
-    _derive(cfg)
     return cfg
 
 
@@ -249,14 +211,12 @@ def _validate(cfg: KestrelConfig) -> None:
     """Range checks of numeric settings, and no quantized KV cache (not implemented yet).
     Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
-                "ring_chunk_bytes", "frontends", "max_request_body_bytes")
+                "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib")
     for name in positive:
-        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+        if getattr(cfg, name) <= 0:
             raise ValueError(f"setting {name}: must be positive, got {getattr(cfg, name)!r}")
     if not 0 < cfg.port < 65536:
         raise ValueError(f"setting port: {cfg.port} is not a TCP port")
-    if cfg.kv_cache_gib is not None and cfg.kv_cache_gib <= 0:
-        raise ValueError(f"setting kv_cache_gib: must be positive, got {cfg.kv_cache_gib!r}")
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise ValueError("setting gpu_memory_utilization: must be in (0, 1], got "
                          f"{cfg.gpu_memory_utilization!r}")
@@ -266,10 +226,14 @@ def _validate(cfg: KestrelConfig) -> None:
 
 
 def _convert(f: Field, v: Any) -> Any:
+    """Setting `f`'s value from a string (env, cli) or a JSON value (config file, profile).
+    None (JSON null) unsets an optional or derived setting. Raises ValueError naming it."""
     if v is None:
+        if f.default is not None:
+            raise ValueError(f"setting {f.name}: null is not allowed (default {f.default!r})")
         return None
     try:
-        out = f.type(v) if not isinstance(v, bool) or f.type is _bool else v
+        out = f.type(v) if not isinstance(v, bool) or f.type is parse_bool else v
     except (TypeError, ValueError) as e:
         raise ValueError(f"setting {f.name}: {e}") from None
     if f.choices and out not in f.choices:
@@ -277,33 +241,35 @@ def _convert(f: Field, v: Any) -> Any:
     return out
 
 
-def _derive(cfg: KestrelConfig) -> None:
-    """Fill settings whose default depends on others (source `derived`)."""
-    if cfg.instance_id is None:
-        cfg.set("instance_id", uuid.uuid4().hex[:8], "derived")
-    if cfg.runtime_dir is None:
-        cfg.set("runtime_dir", f"/tmp/kestrel-{cfg.instance_id}", "derived")
-    if cfg.engine_address is None:
-        cfg.set("engine_address", f"ipc://{cfg.runtime_dir}/engine.sock", "derived")
-    if cfg.worker_address is None:
-        cfg.set("worker_address", f"ipc://{cfg.runtime_dir}/worker.sock", "derived")
-    if cfg.kvstore_address is None:
-        cfg.set("kvstore_address", f"ipc://{cfg.runtime_dir}/kvstore.sock", "derived")
-    if cfg.served_model_name is None:
-        cfg.set("served_model_name", os.path.basename(os.path.normpath(cfg.model)), "derived")
-    if cfg.device == "auto":
+def _derive(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """Fill settings whose default depends on others (source `derived`), in place."""
+    def put(name: str, value: Any) -> None:
+        values[name], sources[name] = value, "derived"
+
+    if values["instance_id"] is None:
+        put("instance_id", uuid.uuid4().hex[:8])
+    if values["runtime_dir"] is None:
+        put("runtime_dir", f"/tmp/kestrel-{values['instance_id']}")
+    run = values["runtime_dir"]
+    for name, sock in (("engine_address", "engine"), ("worker_address", "worker"),
+                       ("kvstore_address", "kvstore")):
+        if values[name] is None:
+            put(name, f"ipc://{run}/{sock}.sock")
+    if values["served_model_name"] is None:
+        put("served_model_name", os.path.basename(os.path.normpath(values["model"])))
+    if values["device"] == "auto":
         # No torch import here (the frontend and engine never need it): an NVIDIA device
         # node means a GPU host; the worker checks torch.cuda itself.
-        dev = "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
-        cfg.set("device", dev, "derived")
-    if cfg.dtype == "auto":
-        cfg.set("dtype", "bfloat16" if cfg.device == "cuda" else "float32", "derived")
-    if cfg.worker_timeout_s is None:
-        cfg.set("worker_timeout_s", 30.0 if cfg.device == "cuda" else 10.0, "derived")
-    if cfg.step_timeout_s is None:
-        cfg.set("step_timeout_s", 180.0 if cfg.device == "cuda" else 600.0, "derived")
+        put("device", "cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
+    cuda = values["device"] == "cuda"
+    if values["dtype"] == "auto":
+        put("dtype", "bfloat16" if cuda else "float32")
+    if values["worker_timeout_s"] is None:
+        put("worker_timeout_s", 30.0 if cuda else 10.0)
+    if values["step_timeout_s"] is None:
+        put("step_timeout_s", 180.0 if cuda else 600.0)
 
 
 def ring_name(instance_id: str, ring: str) -> str:
-    """The /dev/shm name of one ring of an instance (DESIGN §3)."""
+    """The /dev/shm name of one ring of an instance (docs/ARCHITECTURE.md §3)."""
     return f"kestrel-{instance_id}-{ring}"

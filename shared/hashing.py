@@ -1,4 +1,4 @@
-"""Stable names for KV blocks: chained block hashes (DESIGN §4 "Block identity").
+"""Stable names for KV blocks: chained block hashes (docs/ARCHITECTURE.md §4 "Block identity").
 
 A full block is named by sha256 over (its parent's name, its token ids, its extra keys). The
 first block's parent is the model identity hash, which covers everything that changes the

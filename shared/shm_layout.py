@@ -30,10 +30,6 @@ STATE_OPEN, STATE_CLOSED = 1, 2
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 
-class RingClosed(EOFError):
-    """The writer closed the ring or died, and no message is left for this reader."""
-
-
 def shm_path(path_or_name: str) -> str:
     """``/dev/shm/<name>`` for a bare segment name; a path containing '/' is returned as is."""
     return path_or_name if "/" in path_or_name else os.path.join(SHM_DIR, path_or_name)

@@ -1,4 +1,4 @@
-"""Shared-memory ring: one writer broadcasts messages to N readers (DESIGN §3).
+"""Shared-memory ring: one writer broadcasts messages to N readers (docs/ARCHITECTURE.md §3).
 
 The engine writes each step plan once; every worker reads every message, in order, once.
 One segment, ``/dev/shm/kestrel-<instance>-<ring>``, created by the writer with mode 0600.
@@ -73,17 +73,17 @@ import zmq
 from shared.shm_layout import (CHUNK, CHUNK_HDR, HEADER_SIZE, MAGIC, MAX_READERS, OFF_LAST_TYPE,
                                OFF_READ_FLAGS, OFF_STATE, OFF_WRITE_SEQ, OVERFLOW, PREAMBLE, RING,
                                SLOT, SLOTS_OFF, STATE_CLOSED, STATE_OPEN, VERSION, WRITTEN, _U32,
-                               _U64, RingClosed, RingHeader, _pack_text, _pidns, owner_alive,
-                               read_header, shm_path)
+                               _U64, _pack_text, _pidns, owner_alive, read_header, shm_path)
 from shared.zmq_utils import restrict_ipc_file
-
-__all__ = ["ShmRingWriter", "ShmRingReader", "RingClosed", "RingHeader", "read_header",
-           "close_all_writers", "owner_alive", "shm_path"]
 
 _IDLE_SLICE_S = 0.1     # a blocked reader re-checks the chunk and the writer this often
 _WARMUP_S, _WARMUP_SLICE_S = 0.5, 0.01  # shorter slices while the SUB connection forms (a
                                         # wake-up sent before it is up is lost)
 _SPIN_CHECKS = 200      # chunk checks before a reader blocks (tens of microseconds)
+
+
+class RingClosed(EOFError):
+    """The writer closed the ring or died, and no message is left for this reader."""
 
 
 def _ipc(runtime_dir: str, name: str, what: str) -> str:
@@ -178,24 +178,24 @@ class ShmRingWriter:
         self._overflow: dict[int, tuple[int, bytes]] = {}   # chunk index -> (seq, payload)
         self._all_read = b"\x01" * n_readers
         self._fd = _create_segment(self.path, HEADER_SIZE + n_chunks * self.stride)
-        self._ctx = None
+        self._ctx: zmq.Context | None = None
         try:
             self._mm = mmap.mmap(self._fd, HEADER_SIZE + n_chunks * self.stride)
             PREAMBLE.pack_into(self._mm, 0, MAGIC, VERSION, HEADER_SIZE, self._pid, _pidns(),
                                time.time(), b"ring", inst)
             RING.pack_into(self._mm, 72, n_chunks, chunk_size, self.stride, n_readers, 0, b"", STATE_OPEN)
-            self._ctx = zmq.Context()
-            self._pub = self._ctx.socket(zmq.PUB)
+            self._ctx = ctx = zmq.Context()
+            self._pub = ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind("ipc://" + self._ipc[0])
             restrict_ipc_file("ipc://" + self._ipc[0])  # mode 0600 (the folder is 0700)
-            side = self._ctx.socket(zmq.ROUTER)
+            side = ctx.socket(zmq.ROUTER)
             side.setsockopt(zmq.LINGER, 0)
             side.bind("ipc://" + self._ipc[1])
             restrict_ipc_file("ipc://" + self._ipc[1])
-            self._stop = self._ctx.socket(zmq.PAIR)
+            self._stop = ctx.socket(zmq.PAIR)
             self._stop.bind(f"inproc://stop-{id(self)}")
-            self._thread = threading.Thread(target=self._serve_side, args=(side,),
+            self._thread = threading.Thread(target=self._serve_side, args=(ctx, side),
                                             name=f"ring-side-{name}", daemon=True)
             self._thread.start()
         except BaseException:
@@ -262,8 +262,8 @@ class ShmRingWriter:
         except zmq.Again:   # a full pipe means that reader has wake-ups queued already
             pass
 
-    def _serve_side(self, side: zmq.Socket) -> None:
-        stop = self._ctx.socket(zmq.PAIR)
+    def _serve_side(self, ctx: zmq.Context, side: zmq.Socket) -> None:
+        stop = ctx.socket(zmq.PAIR)
         stop.connect(f"inproc://stop-{id(self)}")
         poller = zmq.Poller()
         poller.register(side, zmq.POLLIN)
@@ -316,9 +316,9 @@ class ShmRingWriter:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
-        if getattr(self, "_mm", None) is not None:
-            self._mm.close()
-            self._mm = None
+        mm = getattr(self, "_mm", None)   # absent when __init__ failed before mapping
+        if mm is not None and not mm.closed:
+            mm.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -337,7 +337,8 @@ class ShmRingReader:
     def __init__(self, name: str, reader_index: int, runtime_dir: str):
         self.name, self.index = name, reader_index
         self._fd = os.open(shm_path(name), os.O_RDWR)
-        self._ctx = self._side = None
+        self._ctx: zmq.Context | None = None
+        self._side: zmq.Socket | None = None
         try:
             h = read_header(f"/proc/self/fd/{self._fd}")   # the very file we opened
             if not 0 <= reader_index < h.n_readers:
@@ -397,7 +398,7 @@ class ShmRingReader:
                 if wait <= 0:
                     self._touch()
                     return None
-            if self._sub.poll(wait * 1000):
+            if self._sub.poll(int(wait * 1000)):   # what pyzmq does with a float
                 self._drain()
             else:
                 self._touch()
@@ -405,7 +406,7 @@ class ShmRingReader:
                     raise RingClosed(f"ring {self.name}: writer pid {self._h.writer_pid} is gone")
 
     def _drain(self) -> None:
-        while self._sub.get(zmq.EVENTS) & zmq.POLLIN:
+        while int(self._sub.get(zmq.EVENTS)) & zmq.POLLIN:   # an int for EVENTS
             self._sub.recv(zmq.NOBLOCK)
 
     def _touch(self) -> None:
@@ -434,12 +435,14 @@ class ShmRingReader:
 
     def _fetch(self, seq: int, length: int, deadline: float | None) -> bytes | None:
         """Ask the writer's side channel for overflow message `seq`; None on timeout."""
-        if self._side is None:
-            self._side = self._ctx.socket(zmq.DEALER)
-            self._side.setsockopt(zmq.LINGER, 0)
-            self._side.connect(self._side_addr)
+        side = self._side
+        if side is None:
+            assert self._ctx is not None, "an open reader has its context"
+            side = self._side = self._ctx.socket(zmq.DEALER)
+            side.setsockopt(zmq.LINGER, 0)
+            side.connect(self._side_addr)
         if self._pending != seq:
-            self._side.send(_U64.pack(seq))
+            side.send(_U64.pack(seq))
             self._pending = seq
         while True:
             wait = _IDLE_SLICE_S
@@ -447,11 +450,11 @@ class ShmRingReader:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     return None
-            if not self._side.poll(wait * 1000):
+            if not side.poll(int(wait * 1000)):
                 if self._writer_gone(check_pid=True):
                     raise RingClosed(f"ring {self.name}: writer gone before message {seq} was fetched")
                 continue
-            frames = self._side.recv_multipart()
+            frames = side.recv_multipart()
             if len(frames) != 3 or frames[0] != _U64.pack(seq):
                 continue   # a late reply to an earlier request
             self._pending = 0
@@ -465,9 +468,9 @@ class ShmRingReader:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
-        if getattr(self, "_mm", None) is not None:
-            self._mm.close()
-            self._mm = None
+        mm = getattr(self, "_mm", None)   # absent when __init__ failed before mapping
+        if mm is not None and not mm.closed:
+            mm.close()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -1,4 +1,4 @@
-"""`kestrel shm`: list, inspect, watch and clean Kestrel's /dev/shm segments (DESIGN §3).
+"""`kestrel shm`: list, inspect, watch and clean Kestrel's /dev/shm segments (docs/ARCHITECTURE.md §3).
 
 Every function here only reads segments with plain file reads (never maps or attaches as a
 reader, never writes a live ring); `clean` / `sweep_stale` unlink segments whose creator is
@@ -39,6 +39,7 @@ class SegmentInfo:
 
     @property
     def stale(self) -> bool:
+        """Its owner is known to be dead (an unknown owner is not stale)."""
         return self.owner_alive is False
 
 

@@ -209,7 +209,7 @@ class EngineCore(FrontendLink, StepPipeline):
         """Log the startup report (DESIGN §8) and write it to
         `<runtime_dir>/startup_report.json` (mode 0600) for the supervisor to print.
         phases: seconds since this engine started, per phase. Never raises."""
-        from shared.profile import detect_device
+        from shared.device import detect_device
 
         try:
             report = {

@@ -93,6 +93,7 @@ class DiskTier:
         self.file_bytes = file_bytes(block_bytes)
 
     def path(self, block_hash: bytes) -> str:
+        """The file of a block (it may not exist)."""
         return os.path.join(self.folder, block_hash.hex() + SUFFIX)
 
     def scan(self) -> list[tuple[bytes, float]]:

@@ -29,6 +29,7 @@ from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
 from services.kvstore.store import Actions, BlockStore
 from shared.config import KestrelConfig
 from shared.kv_pool import HEADER_SIZE
+from shared.hashing import HASH_BYTES
 from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
                              KVCompleteStore, KVError, KVHello, KVInfo, KVLoadReady,
@@ -61,7 +62,6 @@ class KVStoreServer:
         self.pool = OwnedPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
                                      setup.model_identity)
         self.ctx = zmq.Context()
-        self.router = None
         # promotions never queue behind demotion writes: a hit being served waits on reads
         self._reads = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-read")
         self._writes = ThreadPoolExecutor(max(1, DISK_THREADS // 4), thread_name_prefix="kvstore-write")
@@ -69,7 +69,7 @@ class KVStoreServer:
             # demotions queued at once: copies of their slots wait in RAM for the disk
             self.store = BlockStore(setup.n_slots, setup.disk_capacity,
                                     max(64, PENDING_WRITE_BYTES // max(setup.block_bytes, 1)))
-            self.disk = None
+            self.disk: DiskTier | None = None
             if setup.disk_dir:
                 self.disk = DiskTier(setup.disk_dir, setup.model_identity, setup.block_bytes)
                 found = self.disk.scan()
@@ -99,18 +99,16 @@ class KVStoreServer:
     # ------------------------------------------------------------ main loop
     def serve_forever(self) -> None:
         """Serve until `stopping` is set (signal handler or another thread)."""
-        router = self.router
-        assert router is not None, "bound in __init__"
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
+        poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         used = -1
         while not self.stopping:
             events = dict(poller.poll(200))
-            if router in events:
+            if self.router in events:
                 for _ in range(256):
                     try:
-                        frames = router.recv_multipart(zmq.NOBLOCK)
+                        frames = self.router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._on_frames(frames)
@@ -135,7 +133,6 @@ class KVStoreServer:
             self._send(rid, KVError(getattr(msg, "req_id", 0), str(e)))
 
     def _send(self, rid: bytes, msg) -> None:
-        assert self.router is not None, "bound in __init__"
         try:
             self.router.send_multipart([rid, self.enc.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:   # peer gone or its queue full: it will ask again
@@ -209,7 +206,8 @@ class KVStoreServer:
         before the reply lets a client write into them."""
         reading = {slot for _, slot in acts.read}
         copy_first = {slot: h for h, slot in acts.demote if slot in reading}
-        demoted = [(h, self._copy_out(slot)) for h, slot in acts.demote if slot not in reading]
+        demoted = [(h, self._copy_out(slot, self._free_staging())) for h, slot in acts.demote
+                   if slot not in reading]
         self._unlink(acts)
         for h, data in demoted:
             self._writes.submit(self._write_job, h, data)
@@ -217,8 +215,10 @@ class KVStoreServer:
             self._reads.submit(self._read_job, h, slot, copy_first.get(slot))
 
     def _unlink(self, acts: Actions) -> None:
-        for h in acts.unlink:  # only a store with a disk tier evicts files
-            assert self.disk is not None
+        if not acts.unlink:
+            return
+        assert self.disk is not None, "only the disk tier has files to unlink"
+        for h in acts.unlink:
             self.disk.remove(h)
 
     def _post(self, item) -> None:
@@ -228,25 +228,25 @@ class KVStoreServer:
         except (BlockingIOError, OSError):
             pass
 
-    def _copy_out(self, slot: int) -> bytearray:
-        """A copy of a slot's bytes for its demotion write, in a reused staging buffer (see
-        STAGING_KEEP), or a new one when none is free."""
-        buf = self._staging_buffer()
-        if buf is None:
-            buf = bytearray(self.pool.slot_bytes)
-        buf[:] = self.pool.slot(slot)
-        return buf
-
-    def _staging_buffer(self) -> bytearray | None:
-        """A free reused staging buffer of slot_bytes, or None."""
+    def _free_staging(self) -> bytearray | None:
+        """A reused staging buffer of block_bytes (see STAGING_KEEP), or None when none is free."""
         try:
-            return self._staging.get_nowait()
+            buf: bytearray = self._staging.get_nowait()
+            return buf
         except queue.Empty:
             return None
 
+    def _copy_out(self, slot: int, buf: bytearray | None) -> bytearray:
+        """A copy of a slot's bytes for its demotion write, in `buf` (from `_free_staging`),
+        or in a new buffer when that is None."""
+        if buf is None:
+            buf = bytearray(len(self.pool.slot(slot)))
+        buf[:] = self.pool.slot(slot)
+        return buf
+
     def _write_job(self, h: bytes, data: bytearray) -> None:
         try:
-            assert self.disk is not None, "demotions need a disk tier"
+            assert self.disk is not None, "demotions are written only with a disk tier"
             self.disk.write(h, data)
             ok = True
         except Exception as e:
@@ -262,14 +262,13 @@ class KVStoreServer:
         ok, t0 = False, time.perf_counter()
         try:
             if demote is not None:  # the block the slot held: written out, or dropped
-                buf = self._staging_buffer()
+                buf = self._free_staging()
                 if buf is None:
                     self._post(("s", demote, False, 0.0))
                 else:
-                    buf[:] = self.pool.slot(slot)
-                    self._writes.submit(self._write_job, demote, buf)
+                    self._writes.submit(self._write_job, demote, self._copy_out(slot, buf))
             t0 = time.perf_counter()
-            assert self.disk is not None, "promotions need a disk tier"
+            assert self.disk is not None, "promotions read only from a disk tier"
             self.disk.read_into(h, self.pool.slot(slot))
             ok = True
         except CorruptBlock as e:
@@ -312,15 +311,16 @@ class KVStoreServer:
             self._writes.shutdown(wait=True)
         finally:
             self.pool.close()
-            if self.router is not None:
-                self.router.close(linger=0)
+            router = getattr(self, "router", None)   # absent when __init__ failed before it
+            if router is not None:
+                router.close(linger=0)
             self.ctx.destroy(linger=0)
 
 
 def _hashes(hashes: list[bytes]) -> list[bytes]:
     for h in hashes:
-        if len(h) != 32:
-            raise ValueError(f"a block hash has {len(h)} bytes, expected 32")
+        if len(h) != HASH_BYTES:
+            raise ValueError(f"a block hash has {len(h)} bytes, expected {HASH_BYTES}")
     return hashes
 
 

@@ -39,6 +39,8 @@ EVICTION_SCAN = 64  # LRU entries an allocation looks at for one it may evict no
 
 @dataclass
 class CpuEntry:
+    """A block in a CPU slot: its state (WRITING, LOADING, VALID) and the pins on it."""
+
     block_hash: bytes
     slot: int
     state: str
@@ -48,6 +50,8 @@ class CpuEntry:
 
 @dataclass
 class DiskEntry:
+    """A block file of the disk tier: its state and the promotions reading it."""
+
     state: str
     readers: int = 0
 
@@ -65,6 +69,7 @@ class Reservation:
 
     @property
     def num_ok(self) -> int:
+        """Blocks of the reservation that are loaded (all of them unless one failed)."""
         return len(self.hashes) if self.failed_at is None else self.failed_at
 
 
@@ -102,6 +107,7 @@ class BlockStore:
     # ------------------------------------------------------------ queries
     @property
     def slots_used(self) -> int:
+        """CPU slots holding or receiving a block."""
         return self.n_slots - len(self.free_slots)
 
     def tier(self, h: bytes) -> str | None:
@@ -127,6 +133,7 @@ class BlockStore:
         return out
 
     def stats(self) -> dict:
+        """Occupancy (slots, blocks per tier, pins, pending writes) and the counters."""
         return {"slots": self.n_slots, "slots_used": self.slots_used,
                 "cpu_blocks": sum(1 for e in self.cpu.values() if e.state == VALID),
                 "disk_blocks": sum(1 for d in self.disk.values() if d.state == VALID),
@@ -301,7 +308,8 @@ class BlockStore:
         """Slots to write for the blocks not already stored (-1: present, being written by
         someone, or no slot free). Returns (slots, evicted, actions); evicted lists blocks
         that left the store entirely to make room (demoted blocks are not listed)."""
-        acts, slots = Actions(), []
+        acts: Actions = Actions()
+        slots: list[int] = []
         evicted: list[bytes] = []
         for h in hashes:
             if h in self.cpu or self.tier(h) is not None or h in self.disk:

@@ -5,7 +5,7 @@ children, start engine + worker + frontend, wait until the frontend's /health sa
 print the URL. Every child asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG), so a kill -9 of the supervisor leaves no orphan.
 
-Policies (DESIGN §8):
+Policies (docs/ARCHITECTURE.md §8):
 - A frontend dies: only that frontend is restarted, under the same name (`frontend-<i>`),
   so the engine aborts the dead one's requests at its hello. `--frontends N` runs N of them
   on one port (SO_REUSEPORT); the others keep serving.
@@ -78,20 +78,29 @@ class Child:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        """Start (or start again) the process; the previous handle is dropped."""
         self.proc = subprocess.Popen(self.argv, env=self.env)
         log.info("started %s (pid %d)", self.role, self.proc.pid)
 
     def alive(self) -> bool:
+        """Started and not exited yet."""
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        """Send `sig` if the process runs; a process that just exited is no error."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
             try:
-                self.proc.send_signal(sig)
+                proc.send_signal(sig)
             except ProcessLookupError:
                 pass
 
+    def exit_info(self) -> tuple[int, int | None]:
+        """(pid, exit code or None while it runs) of the last start; (0, None) before one."""
+        return (0, None) if self.proc is None else (self.proc.pid, self.proc.returncode)
+
     def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the exit; True once exited (or never started)."""
         if self.proc is None:
             return True
         try:
@@ -162,6 +171,7 @@ class Supervisor:
         self.gave_up = False
 
     def start_all(self) -> None:
+        """Start every child (kvstore, engine group, frontends) and write the restart counts."""
         for c in self.children:
             c.start()
         self._write_counts()
@@ -188,19 +198,18 @@ class Supervisor:
         for f in self.frontends:
             if f.role not in self.pending and not f.alive():
                 log.error("%s (pid %d) exited with code %s; the engine keeps running",
-                          f.role, f.proc.pid, f.proc.returncode)
+                          f.role, *f.exit_info())
                 self._schedule(f.role)
         for k in self.kvstore:
             if k.role not in self.pending and not k.alive():
                 log.error("kvstore (pid %d) exited with code %s; the engine carries on without "
-                          "KV tiers until it is back", k.proc.pid, k.proc.returncode)
+                          "KV tiers until it is back", *k.exit_info())
                 self._schedule(k.role)
         if "engine" not in self.pending:
             dead = [c for c in self.engine_group if not c.alive()]
             if dead:
                 for c in dead:
-                    log.error("%s (pid %d) exited with code %s", c.role, c.proc.pid,
-                              c.proc.returncode)
+                    log.error("%s (pid %d) exited with code %s", c.role, *c.exit_info())
                 self._stop_engine_group()  # the engine's own exit code is known after this
                 engine = self.engine_group[0].proc
                 if (engine is not None and engine.returncode == EXIT_CONFIG) or \
@@ -267,7 +276,7 @@ def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
     """Print the engine's startup report (`<runtime_dir>/startup_report.json`, written by
     EngineCore.start) with the supervisor's own phase `ready` (seconds from the start of
     the children to the first healthy /health) added."""
-    from shared.profile import format_startup_report
+    from shared.startup_report import format_startup_report
 
     try:
         with open(os.path.join(cfg.runtime_dir, "startup_report.json")) as fh:
@@ -362,8 +371,3 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
         _sweep(cfg.instance_id)
     log.info("stopped (exit code %d)", code)
     return code
-
-
-def dump_config(cfg: KestrelConfig) -> str:
-    """The resolved config as JSON (values with sources), for tools and tests."""
-    return json.dumps(json.loads(cfg.to_json()), indent=2)

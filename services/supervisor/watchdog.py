@@ -46,6 +46,7 @@ class WatchdogConfig:
     processes: list[str] = field(default_factory=list)
 
     def watches(self, role: str) -> bool:
+        """Whether the process `role` (e.g. "worker-0") is watched."""
         return not self.processes or any(role.startswith(p) for p in self.processes)
 
 
@@ -96,11 +97,13 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
     def start(self) -> None:
+        """Start the watchdog thread (once)."""
         log.info("watchdog on: timeout %.1f s, dumps to %s, processes %s", self.wc.timeout_s,
                  self.wc.dump_dir, self.wc.processes or "all")
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread; waits up to 2 s for it."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(2.0)

@@ -6,14 +6,20 @@ Device facts are injected (`probe=`), so these tests do not depend on the host.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import types
+import typing
 
 import pytest
 
-from shared.config import FIELDS, add_cli_arguments, build_config
-from shared.profile import (GIB, DeviceInfo, choose_profile, estimate_model_size,
-                            format_startup_report)
+from shared.config import KestrelConfig, add_cli_arguments, build_config
+from shared.config_fields import FIELDS, parse_bool
+from shared.device import GIB, DeviceInfo
+from shared.model_size import estimate_model_size
+from shared.profiles import choose_profile
+from shared.startup_report import format_startup_report
 
 CPU = DeviceInfo("cpu", host_memory_bytes=32 * GIB, host_available_bytes=20 * GIB, cpu_count=8)
 H200 = DeviceInfo("cuda", "NVIDIA H200", "9.0", 141 * GIB, 1, 512 * GIB, 400 * GIB, 64)
@@ -58,9 +64,9 @@ def _cli(argv):
 
 def test_every_setting_has_a_value_and_a_known_source(small_model):
     cfg = build_config(_cli(["--model", small_model]), env={}, probe=CPU)
-    assert {f.name for f in FIELDS} <= set(cfg.settings)
-    for name, s in cfg.settings.items():
-        assert s.source in SOURCES or s.source.startswith("profile:"), (name, s.source)
+    assert {f.name for f in FIELDS} == set(cfg.sources)
+    for name, source in cfg.sources.items():
+        assert source in SOURCES or source.startswith("profile:"), (name, source)
     table = cfg.table()
     for f in FIELDS:
         assert f.name in table
@@ -189,10 +195,75 @@ def test_device_detection_without_a_gpu_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from shared.profile import detect_device; d = detect_device(); "
+    code = ("import sys; from shared.device import detect_device; d = detect_device(); "
             "print(d.kind, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     kind, imported = out.stdout.split()
     assert imported == "False"
     assert kind == ("cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
+
+
+# ---------------------------------------------------------------- the typed config object
+
+_PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool}
+_PROVENANCE = ("sources", "profile_detail")  # KestrelConfig's fields that are not settings
+
+
+def test_fields_table_and_typed_config_name_the_same_settings_in_the_same_order():
+    typed = [f.name for f in dataclasses.fields(KestrelConfig)]
+    assert typed[-len(_PROVENANCE):] == list(_PROVENANCE)
+    assert typed[:-len(_PROVENANCE)] == [f.name for f in FIELDS]
+
+
+def test_each_typed_field_is_its_parsers_type_and_optional_only_when_it_may_stay_unset(small_model):
+    hints = typing.get_type_hints(KestrelConfig)
+    cfg = build_config(_cli(["--model", small_model]), env={}, probe=CPU)
+    for f in FIELDS:
+        hint = hints[f.name]
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        assert [a for a in args if a is not type(None)] == [_PARSED_TYPE[f.type]], f.name
+        optional = type(None) in args
+        if f.default is not None:
+            assert not optional and isinstance(f.default, hint), f.name
+        elif not optional:  # unset by default, never None in the object: build_config derives it
+            assert cfg.source(f.name) == "derived" and getattr(cfg, f.name) is not None, f.name
+        assert isinstance(getattr(cfg, f.name), hint), (f.name, getattr(cfg, f.name))
+        if f.choices:
+            assert f.default is None or f.default in f.choices, f.name
+
+
+def test_the_config_is_frozen_and_a_changed_copy_keeps_the_other_values(small_model):
+    cfg = build_config(_cli(["--model", small_model]), env={}, probe=CPU)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_num_seqs = 3  # type: ignore[misc]
+    other = dataclasses.replace(cfg, max_num_waiting=2)
+    assert (other.max_num_waiting, cfg.max_num_waiting) == (2, 256)
+    assert other.runtime_dir == cfg.runtime_dir and other.sources == cfg.sources
+
+
+def test_resolved_config_file_round_trips_every_value_and_source(small_model, tmp_path):
+    cfg = build_config(_cli(["--model", small_model, "--max-num-seqs", "5"]),
+                       env={"KESTREL_KEEPALIVE_S": "3"}, probe=CPU)
+    path = tmp_path / "resolved.json"
+    path.write_text(cfg.to_json())
+    data = json.loads(path.read_text())
+    assert list(data) == [f.name for f in FIELDS]
+    assert data["max_num_seqs"] == [5, "cli"] and data["keepalive_s"] == [3.0, "env"]
+    assert data["engine_address"] == [f"ipc://{cfg.runtime_dir}/engine.sock", "derived"]
+    again = build_config({"resolved_config": str(path)}, env={"KESTREL_MAX_NUM_SEQS": "9"})
+    assert again == cfg
+    assert dict(again.sources) == dict(cfg.sources)
+    del data["seed"]
+    with pytest.raises(ValueError, match="seed"):
+        KestrelConfig.from_json(json.dumps(data))
+
+
+def test_null_in_the_config_file_unsets_only_settings_that_may_be_unset(small_model, tmp_path):
+    f = tmp_path / "kestrel.json"
+    f.write_text(json.dumps({"max_model_len": None, "runtime_dir": None}))
+    cfg = build_config(_cli(["--model", small_model, "--config-file", str(f)]), env={}, probe=CPU)
+    assert cfg.max_model_len is None and cfg.source("runtime_dir") == "derived"
+    f.write_text(json.dumps({"block_size": None}))
+    with pytest.raises(ValueError, match="block_size"):
+        build_config(_cli(["--model", small_model, "--config-file", str(f)]), env={}, probe=CPU)

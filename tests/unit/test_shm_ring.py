@@ -22,7 +22,8 @@ import pytest
 
 from shared import shm_tool
 from shared.config import ring_name
-from shared.shm_ring import RingClosed, ShmRingReader, ShmRingWriter, read_header
+from shared.shm_layout import read_header
+from shared.shm_ring import RingClosed, ShmRingReader, ShmRingWriter
 
 pytestmark = pytest.mark.timeout(60)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,7 +169,7 @@ def test_overflow_messages_go_over_side_channel_and_wait_for_late_reader(env):
 
 HEADER_PROC = """
 import json, sys
-from shared.shm_ring import read_header
+from shared.shm_layout import read_header
 h = read_header(sys.argv[1])
 print(json.dumps(dict(pid=h.writer_pid, inst=h.instance_id, kind=h.kind, n_chunks=h.n_chunks,
     chunk_size=h.chunk_size, n_readers=h.n_readers, write_seq=h.write_seq, last=h.last_msg_type,

@@ -11,6 +11,7 @@ scores the prompt and finishes with "length" without sampling.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -159,8 +160,8 @@ def test_score_only_request_returns_prompt_logprobs_and_no_tokens(engine, tokeni
 
 def test_waiting_queue_bound_answers_overloaded(smollm2_dir, engine):
     core = engine.core
-    old = core.cfg.max_num_waiting
-    core.cfg.set("max_num_waiting", 2, "test")
+    old = core.cfg
+    core.cfg = dataclasses.replace(old, max_num_waiting=2)
     try:
         for i in range(3):
             engine.add(f"q{i}", [1, 2, 3], P.SamplingParams(max_tokens=1))
@@ -169,7 +170,7 @@ def test_waiting_queue_bound_answers_overloaded(smollm2_dir, engine):
         engine.add("oob", [1, 10**9], P.SamplingParams())
         assert engine.final("oob").error_kind == "invalid"
     finally:
-        core.cfg.set("max_num_waiting", old, "test")
+        core.cfg = old
     engine.run()
     assert engine.final("q0").finish_reason == "length"
 
