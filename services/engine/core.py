@@ -108,7 +108,7 @@ class EngineCore:
         waiting = len(self.scheduler.waiting) + len(self.grammars.compiling)
         if error is None and waiting >= self.cfg.max_num_waiting:
             kind, error = "overloaded", f"waiting queue full ({self.cfg.max_num_waiting} requests)"
-        grammar = None
+        grammar: RequestGrammar | None = None
         if error is None and sp.structured is not None:
             try:
                 grammar = self.grammars.cached(sp.structured)
