@@ -179,15 +179,14 @@ class EngineProcess:
         while not self.stop.requested:
             self.beacon.beat()
             if link.debug_sleep_s:
-                self._debug_sleep()
+                self._debug_sleep_in_step()
             self._service_tiers()
             if self._tier_sock is not polled_tier_sock:  # reconnected here or during a step
                 poller, polled_tier_sock = self._poller(), self._tier_sock
             busy = pipeline.busy()
-            compiling = bool(core.grammars.compiling)
-            if compiling:  # grammars compiling in threads: admit the ready ones
+            if core.grammars.compiling:  # grammars compiling in threads: admit the ready ones
                 link.admit_compiled()
-            timeout = 0 if busy else (COMPILE_POLL_MS if compiling else IDLE_POLL_MS)
+            timeout = 0 if busy else (COMPILE_POLL_MS if core.grammars.compiling else IDLE_POLL_MS)
             events = dict(poller.poll(timeout))
             if self.router in events:
                 self._drain_frontends(in_step=False)
@@ -202,7 +201,7 @@ class EngineProcess:
                 link.deliver(pipeline.advance())
                 link.apply_aborts()
 
-    def _debug_sleep(self) -> None:
+    def _debug_sleep_in_step(self) -> None:
         """The debug_sleep hang: block the engine's loop (no beats, no answers)."""
         secs, self.link.debug_sleep_s = self.link.debug_sleep_s, 0.0
         time.sleep(secs)
