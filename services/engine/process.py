@@ -21,7 +21,6 @@ configuration.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -38,6 +37,7 @@ from services.engine.kv_tiers import KVTiers
 from services.engine.pipeline import StepPipeline
 from services.engine.ring_executor import RingExecutor
 from services.engine.scheduler import Scheduler
+from services.engine.startup_report import write_startup_report
 from services.kvstore.settings import ConfigError, derive_block_bytes, store_identity
 from shared import protocol as P
 from shared.config import KestrelConfig
@@ -110,9 +110,9 @@ class EngineProcess:
         kv_tokens = num_blocks * cfg.block_size
         log.info("engine ready: %d KV blocks (%d tokens), max_model_len %d, listening at %s",
                  num_blocks, kv_tokens, core.max_model_len, cfg.engine_address)
-        _startup_report(cfg, workers, num_blocks, kv_tokens, core.max_model_len,
-                        {"engine wait for workers": t_workers,
-                         "engine ready": time.monotonic() - t0})
+        write_startup_report(cfg, workers, num_blocks, kv_tokens, core.max_model_len,
+                             {"engine wait for workers": t_workers,
+                              "engine ready": time.monotonic() - t0})
         return cls(cfg, ctx, core, executor, router, beacon, stop)
 
     # ------------------------------------------------------------------ sockets
@@ -233,33 +233,6 @@ def _tiers_maker(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.WorkerRea
         return tiers
 
     return make
-
-
-def _startup_report(cfg: KestrelConfig, workers: list[P.WorkerReady], num_blocks: int,
-                    kv_tokens: int, max_model_len: int, phases: dict[str, float]) -> None:
-    """Log the startup report (docs/ARCHITECTURE.md §8) and write it to
-    `<runtime_dir>/startup_report.json` (mode 0600) for the supervisor to print.
-    phases: seconds since this engine started, per phase. Never raises."""
-    from shared.profile import detect_device
-
-    try:
-        report = {
-            "device": detect_device().describe(),
-            "workers": [dict(w.report, rank=w.rank, pid=w.pid)
-                        for w in sorted(workers, key=lambda w: w.rank)],
-            "num_blocks": num_blocks, "block_size": cfg.block_size,
-            "kv_tokens": kv_tokens, "max_model_len": max_model_len,
-            "phases": {k: round(v, 3) for k, v in phases.items()}}
-        # One line here; the supervisor prints it formatted once the server is ready.
-        log.info("startup report: %s", json.dumps(report, default=str))
-        path = os.path.join(cfg.runtime_dir, "startup_report.json")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(report, fh, default=str)
-        os.replace(tmp, path)
-    except Exception as e:  # the report must never stop the engine
-        log.warning("startup report failed: %s", e)
 
 
 def _record_refusal(cfg: KestrelConfig, why: object) -> None:
