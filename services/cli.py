@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(cfg, check_kvstore)
     if cmd == "engine":
-        from services.engine.core import run_engine
+        from services.engine.process import run_engine
 
         return run_engine(cfg)
     if cmd == "kvstore":

@@ -1,325 +1,270 @@
-"""The engine core: the loop that takes requests in, plans steps, and sends tokens out.
+"""The engine core: requests in, step plans out, step results in, request outputs out.
 
-Sockets (DESIGN §2):
-- ROUTER bound at cfg.engine_address: frontends (DEALER) send `FrontendToEngine` messages
-  and receive `EngineToFrontend` messages routed by their ZMQ identity.
-- PULL bound at cfg.worker_address: workers send `WorkerToEngine` messages.
-- shm ring `kestrel-<instance>-plan`: the engine writes each `StepPlan`; every worker reads it.
+`EngineCore` holds no socket and no thread of its own (docs/ARCHITECTURE.md §2, §5): the
+scheduler and its block manager, structured output (`GrammarJobs`: the grammar compiler and
+the compiles off the loop), the validation and admission of new requests, the aborts queued
+for after a step, and the KV tier client (`KVTiers`, or None when the tiers are off). Its
+verbs each return the outputs to send (`Emitted`, services/engine/outputs.py):
 
-A step is synchronous: write the plan, wait for worker rank 0's `StepResult`, apply it.
-While waiting, frontend messages are still read: new requests join the waiting queue at
-once; aborts are applied after the step (their blocks are in use by it).
+- `add(frontend, msg)`: validate and admit an `AddRequest` (or park it while its grammar
+  compiles); a refusal is an output ("invalid": 400, "overloaded": 503, "internal": 500).
+- `abort(request_ids)` / `drop_frontend(frontend, why)` queue aborts; `apply_aborts()` applies
+  them (never while a step runs: the step's blocks are in use).
+- `admit_compiled(attached)`: admit the requests whose grammar compiled.
+- `plan_step()` -> the next `SchedulerOutput` (with its tier copies), `finish_step(out,
+  result)` applies the workers' `StepResult`; a failed step fails its requests only.
+  `plan_transfer()` / `finish_transfer()`: a plan with only tier stores.
+- `fail_all(reason)`: fail everything (shutdown).
 
-An AddRequest is refused with an error output when the waiting queue holds
-cfg.max_num_waiting requests (error_kind "overloaded": the frontend answers 503), when it
-is invalid (empty, too long, token ids out of range, bad logprobs counts, a grammar that
-fails to compile: "invalid", 400). A worker fault fails the step's requests ("internal").
-Structured-output grammars are compiled at add time (`services.engine.structured`); a new
-one in a thread, its request admitted by the loop when it is ready (`_finish_compiles`).
-
-KV tiers (kv_offload_cpu_gib > 0 with the prefix cache on): `services.engine.kv_tiers`
-talks to the kvstore on this loop (its socket is polled next to the others, also while a
-step runs). Plans carry the tier copies (`StepPlan.kv_loads` / `kv_stores`); stores that
-are ready while nothing else runs go out in a transfer-only plan.
-
-This module holds construction, startup, the main loop (`run`), shutdown and `run_engine`;
-the frontend side is in `services.engine.frontends`, the step pipeline in
-`services.engine.steps`.
+The process around it (`services.engine.process`) owns the sockets, the loop and the
+frontends' liveness; the executor (`services.engine.executor`) runs the plans; the step
+pipeline (`services.engine.pipeline`) sequences them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import threading
-import time
+from collections.abc import Callable, Container
+from typing import NamedTuple
 
-import zmq
-
+from services.engine.admission import invalid_reason
 from services.engine.block_manager import BlockManager
-from services.engine.frontends import (DEBUG_SLEEP_MAX_S, FRONTEND_TIMEOUT_S, FrontendLink,
-                                       FrontendState)
+from services.engine.grammar_jobs import GrammarJobs
 from services.engine.kv_tiers import KVTiers
+from services.engine.outputs import Emitted, emitted_for, refusal, request_output
+from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.steps import STEP_LIMIT_FACTOR, EngineStopping, StepPipeline
-from services.engine.structured import StructuredOutputManager
+from services.engine.structured import GrammarError, RequestGrammar
 from shared import protocol as P
-from shared.config import KestrelConfig, ring_name
-from shared.kv_layout import KVLayout
-from shared.model_spec import model_spec_for
-from shared.liveness import Beacon
-from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
-from shared.shm_ring import ShmRingWriter
-from shared.zmq_utils import make_socket, safe_decode
+from shared.config import KestrelConfig
+from shared.model_spec import ModelSpec
 
 log = logging.getLogger("kestrel.engine")
-COMPILE_POLL_MS = 5  # the loop's poll timeout while grammars compile and nothing else runs
-
-# Names that moved to frontends.py / steps.py, still importable from here. The constants are
-# read where they are defined now: a test that patches one patches it in that module.
-__all__ = ["EngineCore", "EngineStopping", "FrontendState", "run_engine", "FRONTEND_TIMEOUT_S",
-           "STEP_LIMIT_FACTOR", "DEBUG_SLEEP_MAX_S"]
 
 
-class EngineCore(FrontendLink, StepPipeline):
-    """One engine process: scheduler + block manager + sockets + plan ring.
 
-    Construction, startup, the main loop and shutdown live here; the frontend side
-    (messages, liveness, aborts, outputs) in `FrontendLink` (services.engine.frontends), the
-    step pipeline (plans out, results in) in `StepPipeline` (services.engine.steps).
+class PendingAbort(NamedTuple):
+    """An abort queued for after the step. error: None for a client's abort; a message when
+    the engine aborts on its own (frontend dropped): the output goes to the frontend anyway."""
+
+    request_id: str
+    reason: str
+    error: str | None
+
+
+class EngineConfigError(ValueError):
+    """A configuration the engine refuses (e.g. max_model_len over the KV cache)."""
+
+
+class EngineCore:
+    """The socket-free engine: scheduler, structured output, admission, KV tiers (module doc).
+
+    cfg: the settings (max_num_seqs, max_num_batched_tokens, block_size, max_num_waiting,
+        enable_prefix_caching, max_model_len, seed). info: the model's facts.
+    num_blocks: KV blocks of cfg.block_size tokens each (the smallest of the workers').
+    root_hash: the prefix cache's root block name (the model identity; a default when None).
+    grammars: the grammar compiler and compile jobs (built, not prepared, when None).
+    make_tiers: builds the KV tier client over this core's scheduler; None: tiers off.
+    seed: seeds the per-request seeds drawn for requests without one (cfg.seed when None).
+    Raises EngineConfigError when max_model_len exceeds the KV cache.
     """
 
-    tiers: KVTiers | None = None  # class default: tests build engines without __init__
-    inflight: SchedulerOutput | None = None  # the plan sent and not yet finished (async)
-    early_results: dict | None = None  # step id -> StepResult that came before awaited
-    _structured_thread: threading.Thread | None = None  # the startup build of the compiler
-
-    def __init__(self, cfg: KestrelConfig, num_workers: int = 1):
+    def __init__(self, cfg: KestrelConfig, info: ModelSpec, num_blocks: int, *,
+                 root_hash: bytes | None = None, grammars: GrammarJobs | None = None,
+                 make_tiers: Callable[[Scheduler], KVTiers] | None = None,
+                 seed: int | None = None):
         self.cfg = cfg
-        self.info = model_spec_for(cfg)  # the model's facts (shared.model_spec.ModelSpec)
-        self.max_model_len = self.info.max_model_len
-        self.kv_layout = KVLayout.for_model(self.info, cfg.block_size)
-        self.num_workers = num_workers
-        self.ctx = zmq.Context()
-        self.enc = P.encoder()
-        self.dec_frontend = P.decoder(P.FrontendToEngine)
-        self.dec_worker = P.decoder(P.WorkerToEngine)
-        self.worker_sock = make_socket(self.ctx, zmq.PULL, cfg.worker_address, bind=True)
-        self.ring = ShmRingWriter(ring_name(cfg.instance_id, "plan"), n_readers=num_workers,
-                                  n_chunks=cfg.ring_chunks, chunk_size=cfg.ring_chunk_bytes,
-                                  runtime_dir=cfg.runtime_dir, instance_id=cfg.instance_id)
-        self.router: zmq.Socket | None = None
-        self.scheduler: Scheduler | None = None
-        self.frontends: dict[bytes, FrontendState] = {}
-        # (request id, finish reason, error message or None). An error message means the
-        # engine aborts on its own (frontend dropped): the output goes to the frontend anyway.
-        self.pending_aborts: list[tuple[str, str, str | None]] = []
-        self.stopping = False
-        self.last_worker_msg = time.monotonic()
-        self.engine_id = f"{cfg.instance_id}-{os.getpid()}"
-        self.rng = random.Random(cfg.seed ^ os.getpid())
-        self.num_steps = 0
-        self.worker_timeout_s = float(cfg.worker_timeout_s or 10.0)
-        self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
-        self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps
-        self._structured: StructuredOutputManager | None = None  # built at start (thread)
-        self.tiers: KVTiers | None = None  # the kvstore client, when offload is on
-
-    def structured(self) -> StructuredOutputManager:
-        """The grammar compiler. `start` builds it in a background thread (0.2 s+: reads the
-        tokenizer's vocabulary) so that the first structured request does not stall the
-        loop (and the frontends' heartbeat answers); this waits for that build, and builds
-        it here if the build failed or never ran. Raises FileNotFoundError without
-        tokenizer.json."""
-        thread = self._structured_thread
-        if thread is not None:
-            thread.join()
-            self._structured_thread = None
-        if self._structured is None:
-            self._structured = StructuredOutputManager(self.info.path, self.info.vocab_size,
-                                                       list(self.info.eos_token_ids))
-        return self._structured
-
-    def _prepare_structured(self) -> None:
-        """Start building the grammar compiler in a daemon thread (see `structured`). A
-        failure is logged; the first structured request then retries and reports it."""
-
-        def build() -> None:
-            try:
-                self._structured = StructuredOutputManager(
-                    self.info.path, self.info.vocab_size, list(self.info.eos_token_ids))
-            except Exception as e:
-                log.warning("structured output not prepared at start: %s", e)
-
-        self._structured_thread = threading.Thread(target=build, name="xgrammar-prepare",
-                                                   daemon=True)
-        self._structured_thread.start()
-
-    # ------------------------------------------------------------------ startup
-
-    def wait_for_workers(self, timeout: float) -> list[P.WorkerReady]:
-        """Block until every worker sent `WorkerReady`. Raises TimeoutError."""
-        ready: dict[int, P.WorkerReady] = {}
-        deadline = time.monotonic() + timeout
-        while len(ready) < self.num_workers:
-            left = deadline - time.monotonic()
-            self.beacon.beat()
-            if left <= 0 or self.stopping:
-                raise TimeoutError(f"{len(ready)}/{self.num_workers} workers ready after {timeout:.0f} s")
-            if self.worker_sock.poll(min(left, 0.5) * 1000):
-                msg = safe_decode(self.dec_worker, self.worker_sock.recv(), "worker")
-                if isinstance(msg, P.WorkerReady):
-                    ready[msg.rank] = msg
-                    log.info("worker %d ready: pid %d, %d KV blocks of %d tokens, %s", msg.rank,
-                             msg.pid, msg.num_blocks, msg.block_size, msg.report)
-        return list(ready.values())
-
-    def start(self) -> None:
-        t0 = time.monotonic()
-        self._prepare_structured()  # overlaps the workers' startup
-        workers = self.wait_for_workers(self.cfg.startup_timeout_s)
-        t_workers = time.monotonic() - t0
-        num_blocks = min(w.num_blocks for w in workers)
-        # The same root as the kvstore's (shared.kv_layout: the model identity hash).
-        root = self.kv_layout.model_identity
-        bm = BlockManager(num_blocks, self.cfg.block_size,
-                          enable_prefix_caching=self.cfg.enable_prefix_caching, root_hash=root)
-        kv_tokens = num_blocks * self.cfg.block_size
+        self.info = info
+        self.max_model_len: int = info.max_model_len  # the setting or the model's default (ModelSpec)
+        kv_tokens = num_blocks * cfg.block_size
         if self.max_model_len > kv_tokens:
-            raise SystemExit(f"max_model_len {self.max_model_len} exceeds the KV cache "
-                             f"({kv_tokens} tokens); raise --kv-cache-gib or lower --max-model-len")
-        self.scheduler = Scheduler(bm, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens,
-                                   self.max_model_len, list(self.info.eos_token_ids))
-        self.router = make_socket(self.ctx, zmq.ROUTER, self.cfg.engine_address, bind=True)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if (self.cfg.kv_offload_cpu_gib or 0) > 0 and self.cfg.enable_prefix_caching:
-            self._start_tiers(workers)
-        log.info("engine ready: %d KV blocks (%d tokens), max_model_len %d, listening at %s",
-                 num_blocks, kv_tokens, self.max_model_len, self.cfg.engine_address)
-        self._startup_report(workers, num_blocks, kv_tokens,
-                             {"engine wait for workers": t_workers,
-                              "engine ready": time.monotonic() - t0})
+            raise EngineConfigError(
+                f"max_model_len {self.max_model_len} exceeds the KV cache ({kv_tokens} tokens); "
+                "raise --kv-cache-gib or lower --max-model-len")
+        bm = BlockManager(num_blocks, cfg.block_size,
+                          enable_prefix_caching=cfg.enable_prefix_caching, root_hash=root_hash)
+        self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self.max_model_len, list(info.eos_token_ids))
+        self.grammars = grammars if grammars is not None else GrammarJobs(info)
+        self.tiers: KVTiers | None = make_tiers(self.scheduler) if make_tiers is not None else None
+        self.rng = random.Random(cfg.seed if seed is None else seed)
+        self.pending_aborts: list[PendingAbort] = []
+        self.num_steps = 0  # steps whose result was applied (transfer-only plans excluded)
 
-    def _start_tiers(self, workers: list[P.WorkerReady]) -> None:
-        """Start the kvstore client; block bytes as the workers lay them out in a slot
-        (`KVLayout.slot_bytes`, which the workers report too: tiers stay off if they differ)."""
-        block_bytes = self.kv_layout.slot_bytes
-        reported = workers[0].report.get("kv_block_bytes")
-        if reported is not None and int(reported) != block_bytes:
-            log.error("KV tiers off: the workers lay out %s bytes per block, the KV layout "
-                      "says %d", reported, block_bytes)
-            return
-        self.tiers = KVTiers(self.cfg.kvstore_address, self.scheduler.bm.root_hash, block_bytes,
-                             self.scheduler, self.ctx)
-        log.info("KV tiers: kvstore at %s, %d bytes per block", self.cfg.kvstore_address,
-                 block_bytes)
+    # ------------------------------------------------------------------ requests in
 
-    def _poller(self, *socks) -> zmq.Poller:
-        poller = zmq.Poller()
-        for sock in socks:
-            poller.register(sock, zmq.POLLIN)
-        if self.tiers is not None and self.tiers.socket is not None:
-            poller.register(self.tiers.socket, zmq.POLLIN)
-        return poller
+    def add(self, frontend: bytes, msg: P.AddRequest) -> Emitted | None:
+        """Validate and admit a request from `frontend`. One whose grammar is not compiled
+        yet is parked while a thread compiles it (`admit_compiled` admits it). Returns the
+        refusal, or None."""
+        sp = msg.sampling
+        kind, error = "invalid", invalid_reason(msg, self.max_model_len, self.info.vocab_size)
+        if error is None and (msg.request_id in self.scheduler.requests
+                              or msg.request_id in self.grammars.compiling):
+            error = "duplicate request id"
+        waiting = len(self.scheduler.waiting) + len(self.grammars.compiling)
+        if error is None and waiting >= self.cfg.max_num_waiting:
+            kind, error = "overloaded", f"waiting queue full ({self.cfg.max_num_waiting} requests)"
+        grammar: RequestGrammar | None = None
+        if error is None and sp.structured is not None:
+            try:
+                grammar = self.grammars.cached(sp.structured)
+                if grammar is None:  # compiled off the loop: a big schema takes seconds
+                    self.grammars.start(frontend, msg)
+                    return None
+            except Exception as e:  # no tokenizer.json, xgrammar fault: not the client's fault
+                log.exception("request %s: structured output unavailable", msg.request_id)
+                kind, error = "internal", f"structured output unavailable: {e}"
+        if error:
+            return Emitted(anyway=[(frontend, refusal(msg, kind, error))])
+        self._admit(frontend, msg, grammar)
+        return None
 
-    def _startup_report(self, workers: list[P.WorkerReady], num_blocks: int, kv_tokens: int,
-                        phases: dict[str, float]) -> None:
-        """Log the startup report (DESIGN §8) and write it to
-        `<runtime_dir>/startup_report.json` (mode 0600) for the supervisor to print.
-        phases: seconds since this engine started, per phase. Never raises."""
-        from shared.device import detect_device
+    def _admit(self, frontend: bytes, msg: P.AddRequest, grammar: RequestGrammar | None) -> None:
+        sp = msg.sampling
+        if sp.seed is None:
+            sp.seed = self.rng.getrandbits(63)
+        req = Request(msg.request_id, frontend, msg.prompt_token_ids, sp, msg.arrival_time)
+        req.grammar = grammar
+        self.scheduler.add(req)
 
-        try:
-            report = {
-                "device": detect_device().describe(),
-                "workers": [dict(w.report, rank=w.rank, pid=w.pid)
-                            for w in sorted(workers, key=lambda w: w.rank)],
-                "num_blocks": num_blocks, "block_size": self.cfg.block_size,
-                "kv_tokens": kv_tokens, "max_model_len": self.max_model_len,
-                "phases": {k: round(v, 3) for k, v in phases.items()}}
-            # One line here; the supervisor prints it formatted once the server is ready.
-            log.info("startup report: %s", json.dumps(report, default=str))
-            path = os.path.join(self.cfg.runtime_dir, "startup_report.json")
-            tmp = f"{path}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(report, fh, default=str)
-            os.replace(tmp, path)
-        except Exception as e:  # the report must never stop the engine
-            log.warning("startup report failed: %s", e)
+    def admit_compiled(self, attached: Container[bytes]) -> Emitted | None:
+        """Admit the parked requests whose grammar compiled, refuse those whose grammar
+        failed (GrammarError: "invalid"; anything else: "internal"). A request whose
+        frontend is not in `attached` any more is forgotten (its abort went out with the
+        others). Returns the refusals, or None."""
+        em = None
+        for c in self.grammars.take_done():
+            if c.frontend not in attached:
+                continue
+            rid = c.msg.request_id
+            try:
+                grammar = RequestGrammar(c.future.result(), self.info.vocab_size)
+            except GrammarError as e:
+                kind, error = "invalid", str(e)
+            except Exception as e:
+                log.error("request %s: grammar compile failed: %r", rid, e)
+                kind, error = "internal", f"structured output unavailable: {e}"
+            else:
+                self._admit(c.frontend, c.msg, grammar)
+                continue
+            em = em or Emitted()
+            em.anyway.append((c.frontend, refusal(c.msg, kind, error)))
+        return em
 
-    # ------------------------------------------------------------------ main loop
+    # ------------------------------------------------------------------ aborts
 
-    def run(self) -> None:
-        poller = self._poller(self.router, self.worker_sock)
-        tier_sock = self.tiers.socket if self.tiers is not None else None
-        last_check = time.monotonic()
-        while not self.stopping:
-            self.beacon.beat()
-            if self.debug_sleep_s:
-                self._debug_sleep_in_step()
-            if self.tiers is not None:
-                self.tiers.service()
-                if self.tiers.socket is not tier_sock:
-                    poller, tier_sock = self._poller(self.router, self.worker_sock), self.tiers.socket
-            busy = (self.scheduler.has_work() or self.inflight is not None
-                    or (self.tiers is not None and self.tiers.has_stores()))
-            if self._compiling:  # grammars compiling in threads: admit the ready ones
-                self._finish_compiles()
-            events = dict(poller.poll(0 if busy else (COMPILE_POLL_MS if self._compiling else 100)))
-            if self.router in events:
-                self._drain_frontends(in_step=False)
-            if self.worker_sock in events:
-                self._drain_workers()
-            now = time.monotonic()
-            if now - last_check > 1.0:
-                self._check_frontends()
-                self._apply_aborts()
-                last_check = now
-            if busy:
-                self._advance()
-                self._apply_aborts()
+    def abort(self, request_ids: list[str], reason: str = "abort", error: str | None = None) -> None:
+        """Queue aborts of `request_ids` for `apply_aborts` (unknown ids are ignored then)."""
+        self.pending_aborts.extend(PendingAbort(rid, reason, error) for rid in request_ids)
 
-    def shutdown(self, reason: str = "the engine stopped before the request finished") -> None:
-        """Fail what is in flight with `reason`, stop the workers, unlink the ring, close
-        sockets (the frontends get up to 1 s to receive the failed outputs)."""
-        if self.scheduler is not None and self.router is not None:
-            reqs = list(self.scheduler.requests.values())
-            for req in reqs:
-                self.scheduler.finish(req, "error")
-            self._emit(reqs, error=reason)
-            for _, ident, msg in (self._compiling or {}).values():
-                self._refuse(ident, msg, "internal", reason)
-        if self._compile_pool is not None:
-            self._compile_pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.ring.write(self.enc.encode(P.WorkerShutdown(reason)), msg_type="shutdown", timeout=1.0)
-        except Exception as e:  # a dead worker cannot drain the ring
-            log.debug("could not send shutdown to workers: %s", e)
-        self.ring.close()
+    def drop_frontend(self, frontend: bytes, why: str) -> None:
+        """Queue the abort of every request of `frontend` (running, waiting or compiling),
+        each with error `why`: their last output still goes to that identity."""
+        rids = [r.request_id for r in self.scheduler.requests.values() if r.frontend == frontend]
+        rids += [rid for rid, c in self.grammars.compiling.items() if c.frontend == frontend]
+        self.abort(rids, "abort", why)
+
+    def apply_aborts(self) -> Emitted | None:
+        """End the requests of the queued aborts. A client's abort answers only an attached
+        frontend; an abort with an error (error_kind "internal") answers the identity
+        anyway. Returns the outputs, or None when nothing was queued."""
+        if not self.pending_aborts:
+            return None
+        aborts, self.pending_aborts = self.pending_aborts, []
+        em = Emitted()
+        for rid, reason, error in aborts:
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                compiling = self.grammars.compiling.pop(rid, None)
+                if compiling is not None:  # its grammar is still compiling: it never ran
+                    kind = "internal" if error is not None else None
+                    em.anyway.append((compiling.frontend,
+                                      refusal(compiling.msg, kind, error, finish_reason=reason)))
+                continue
+            self.scheduler.finish(req, reason)
+            out = request_output(req)
+            if error is not None:
+                out.error, out.error_kind = error, "internal"
+                em.anyway.append((req.frontend, out))
+            else:
+                em.add(req.frontend, out)
+        return em
+
+    # ------------------------------------------------------------------ steps
+
+    def has_work(self) -> bool:
+        """Whether a step could run now: requests to schedule, or KV tier stores ready."""
+        return self.scheduler.has_work() or (self.tiers is not None and self.tiers.has_stores())
+
+    def can_plan_ahead(self) -> bool:
+        """Whether the next step may be planned before the last one's result is applied
+        (async scheduling; `Scheduler.can_schedule_ahead`)."""
+        return self.scheduler.can_schedule_ahead()
+
+    def plan_step(self) -> SchedulerOutput | None:
+        """The next step's plan, with the KV tier copies attached, or None (nothing to run)."""
+        out = self.scheduler.schedule()
+        if out is not None and self.tiers is not None:
+            self.tiers.attach_to_plan(out.plan)
+        return out
+
+    def finish_step(self, out: SchedulerOutput, result: P.StepResult) -> Emitted:
+        """Apply a step's result. A failed step (result.error) fails its requests, with an
+        "internal" error naming the worker's fault; the other requests are untouched."""
+        self.num_steps += 1
         if self.tiers is not None:
-            self.tiers.close()
-        if self.router is not None:
-            self.router.close(linger=1000)
-        self.ctx.destroy(linger=0)
+            if result.kv_store_error:
+                log.warning("step %d: KV stores dropped: %s", out.plan.step_id,
+                            result.kv_store_error)
+            self.tiers.after_step(out.plan, not result.error and not result.kv_store_error)
+        if result.error:
+            log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
+            for req in out.requests:
+                self.scheduler.finish(req, "error")
+            return emitted_for(out.requests, error=f"internal error in the model worker: {result.error}")
+        changed = self.scheduler.update(out, result.sampled_token_ids, result.logprobs,
+                                        result.prompt_logprobs)
+        return emitted_for(changed)
 
+    def plan_transfer(self) -> P.StepPlan | None:
+        """A plan with only KV tier stores when stores are ready (run it when nothing else
+        runs), or None."""
+        if self.tiers is None or not self.tiers.has_stores():
+            return None
+        self.scheduler.step_id += 1
+        plan = P.StepPlan(step_id=self.scheduler.step_id, seqs=[])
+        self.tiers.attach_to_plan(plan)
+        return plan
 
-def run_engine(cfg: KestrelConfig) -> int:
-    """Entry point of `kestrel engine`. Returns the process exit code."""
-    set_title("kestrel:engine")
-    die_with_parent()
-    setup_logging("engine", cfg.log_level)
-    engine = EngineCore(cfg)
+    def finish_transfer(self, plan: P.StepPlan, result: P.StepResult) -> None:
+        """Complete a transfer-only plan's stores (dropped if the worker could not copy)."""
+        assert self.tiers is not None, "transfer plans exist only with tiers"
+        if result.kv_store_error or result.error:
+            log.warning("transfer step %d: KV stores dropped: %s", plan.step_id,
+                        result.kv_store_error or result.error)
+        self.tiers.after_step(plan, not result.error and not result.kv_store_error)
 
-    def on_term(signum, frame):
-        engine.stopping = True
+    # ------------------------------------------------------------------ state
 
-    on_stop_signals(on_term)  # SIGTERM; SIGINT too unless supervised
-    code = 0
-    reason = "the engine stopped (server shutdown or restart) before the request finished"
-    try:
-        engine.start()
-        engine.run()
-    except EngineStopping as e:
-        log.info("%s", e)
-    except TimeoutError as e:
-        log.error("%s: failing the requests in flight and exiting for a restart", e)
-        reason = f"the model worker stopped answering ({e}); the engine is restarting"
-        code = 1
-    except SystemExit as e:  # a configuration the engine refuses (start): no restart
-        log.error("%s", e.code)
-        code = EXIT_CONFIG
-        try:
-            with open(os.path.join(cfg.runtime_dir, CONFIG_REFUSED), "w") as fh:
-                fh.write(f"{e.code}\n")
-        except OSError as err:
-            log.warning("could not record the refused configuration: %s", err)
-    except Exception:
-        log.exception("engine failed")
-        code = 1
-    finally:
-        engine.shutdown(reason)
-    log.info("engine stopped (exit code %d)", code)
-    return code
+    def stats(self) -> dict:
+        """Counters of the scheduler, the block manager and the tiers (the stats utility)."""
+        s = self.scheduler
+        return {"num_blocks": s.bm.num_blocks, "num_free_blocks": s.bm.num_free_blocks,
+                "kv_usage": s.bm.usage(), "num_running": len(s.running),
+                "num_waiting": len(s.waiting), "num_steps": self.num_steps,
+                "num_preemptions": s.num_preemptions, **s.bm.stats(),
+                **(self.tiers.stats() if self.tiers is not None else {})}
+
+    def fail_all(self, reason: str) -> Emitted:
+        """Fail every request (running, waiting, compiling) with error `reason` and stop the
+        compile threads: the engine is going away."""
+        reqs = list(self.scheduler.requests.values())
+        for req in reqs:
+            self.scheduler.finish(req, "error")
+        em = emitted_for(reqs, error=reason)
+        for c in self.grammars.compiling.values():
+            em.anyway.append((c.frontend, refusal(c.msg, "internal", reason)))
+        self.grammars.shutdown()
+        return em

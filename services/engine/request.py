@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from shared.protocol import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # xgrammar is imported only where grammars are compiled
+    from services.engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -80,7 +84,7 @@ class Request:
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs_sent = False
-        self.grammar = None
+        self.grammar: RequestGrammar | None = None
         self.kv_checked = False
         self.kv_load: tuple[int, list[int], list[str]] | None = None
         self.worker_blocks = 0  # leading block_ids the workers hold (0: send all, with sampling)

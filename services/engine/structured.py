@@ -1,6 +1,6 @@
 """Structured output in the engine: grammars compiled by xgrammar, one matcher per request.
 
-Flow (DESIGN §7 "Structured output"):
+Flow (docs/ARCHITECTURE.md §7 "Structured output"):
 1. At startup, `StructuredOutputManager(model_path, vocab_size, eos_token_ids)` builds
    `xgrammar.TokenizerInfo` from the model's `tokenizer.json` (no transformers needed): the
    vocabulary in id order and its encoding (GPT-2 byte-level, SentencePiece byte fallback,
@@ -9,7 +9,7 @@ Flow (DESIGN §7 "Structured output"):
    schema, any JSON object, regex or EBNF grammar) and returns a `RequestGrammar`, a fresh
    `GrammarMatcher` over it. Compiled grammars are cached by (kind, spec), so a repeated
    schema costs nothing (`cached_grammar_for`). A new grammar is compiled in a thread off
-   the engine loop (`services.engine.frontends`), and its request joins the scheduler when
+   the engine loop (`services.engine.grammar_jobs`), and its request joins the scheduler when
    it is ready: a new JSON schema over a 49k vocabulary takes tens of ms, but a deeply
    nested one takes seconds (SmolLM2, an array nested 520 deep: 8.4 s), and xgrammar
    releases the GIL meanwhile (the loop kept its pace: the longest gap between its 1 ms

@@ -274,7 +274,7 @@ def _stop_group(group: list[Child], grace: float, own_exit_s: float = 0.0) -> No
 
 def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
     """Print the engine's startup report (`<runtime_dir>/startup_report.json`, written by
-    EngineCore.start) with the supervisor's own phase `ready` (seconds from the start of
+    EngineProcess.start) with the supervisor's own phase `ready` (seconds from the start of
     the children to the first healthy /health) added."""
     from shared.startup_report import format_startup_report
 

@@ -1,7 +1,7 @@
 """An engine with KV tiers inside one test process, for the tier unit tests.
 
 Engine side: the real Scheduler, BlockManager and KVTiers (services/engine/kv_tiers.py),
-driven in the order of `EngineCore.run` / `EngineCore.step`. Store side: a real kvstore
+driven in the order of `EngineProcess.run` / `StepPipeline.advance`. Store side: a real kvstore
 (`services.kvstore.server.serve_in_thread`: its index, its shm pool, its ZMQ socket) on a
 thread. Worker side: `ToyWorker`, whose paged "KV cache" is the prefix-cache tests'
 `BlockKVModel` ((block, offset) -> (position, token, digest of the context)), and whose

@@ -1,87 +1,146 @@
-"""The engine core's async scheduling loop against a toy worker that answers each plan at
-once, so that every result is already waiting when the engine turns to it (on a GPU the
-step is often shorter than the engine's own work). The truth is the scheduler run
-synchronously with the same toy model: outputs must match token for token, and no result
-may be lost (a lost one hangs the engine until its step timeout)."""
+"""The engine's async step pipeline (plan step N+1 while step N runs) over both executors.
+
+In process: the toy model runs each plan when it is submitted, so every result is already
+waiting when the pipeline turns to it (on a GPU the step is often shorter than the engine's
+own work). Over the shm ring: the real `RingExecutor`, with a worker thread that reads the
+ring and pushes each result (and a heartbeat) back at once, so results arrive before they
+are awaited and must be kept. The truth is the scheduler run synchronously with the same toy
+model (tests/unit/test_scheduler.py): outputs must match token for token, and no result may
+be lost (a lost one hangs the engine until its step timeout)."""
 
 from __future__ import annotations
 
 import random
+import threading
 import time
+import uuid
 
 import pytest
 import zmq
 
-from services.engine.block_manager import BlockManager
-from services.engine.core import EngineCore, FrontendState
+from services.engine.core import EngineCore
+from services.engine.executor import InProcessExecutor
 from services.engine.request import Request
-from services.engine.scheduler import Scheduler
+from services.engine.ring_executor import RingExecutor
 from shared import protocol as P
-from shared.config import build_config
+from shared.config import ring_name
+from shared.shm_ring import ShmRingReader
+from tests.unit.engine_rig import Outbox, core_config, drive, toy_info
 from tests.unit.test_scheduler import EOS, VOCAB, ToyModel, run
 
 
-class InstantWorker:
-    """Stands in for the plan ring: each written plan runs on the toy model at once and its
-    StepResult is pushed to the engine's worker socket, plus a heartbeat after it."""
+class ToyRunner:
+    """The scheduler tests' ToyModel behind the runner's `execute(plan) -> StepResult`."""
 
-    def __init__(self, ctx: zmq.Context, address: str, block_size: int):
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(address)
+    def __init__(self, block_size: int):
         self.model = ToyModel(block_size)
-        self.enc, self.dec = P.encoder(), P.decoder(P.EngineToWorker)
-        self.plans = 0
 
-    def write(self, data: bytes, msg_type: str = "step") -> None:
-        plan = self.dec.decode(data)
-        self.plans += 1
-        self.push.send(self.enc.encode(P.StepResult(plan.step_id, self.model.execute(plan))))
-        self.push.send(self.enc.encode(P.WorkerHeartbeat(0, time.time())))
+    def execute(self, plan: P.StepPlan) -> P.StepResult:
+        return P.StepResult(plan.step_id, self.model.execute(plan))
 
 
-def _requests(seed: int) -> list[Request]:
+def _prompts(seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [Request(f"r{i}", b"fe", [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 40))],
-                    P.SamplingParams(temperature=0, max_tokens=rng.randrange(1, 30)), arrival_time=float(i))
-            for i in range(8)]
+    return [([rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 30))
+            for _ in range(8)]
+
+
+def _truth(seed: int) -> dict[str, tuple[list[int], str]]:
+    reqs = [Request(f"r{i}", b"fe", p, P.SamplingParams(temperature=0, max_tokens=n), float(i))
+            for i, (p, n) in enumerate(_prompts(seed))]
+    return run(reqs, num_blocks=1000, budget=16)
+
+
+def _core(async_scheduling: bool, **settings) -> EngineCore:
+    cfg = core_config(async_scheduling=async_scheduling, block_size=4, max_num_seqs=8,
+                      max_num_batched_tokens=16, max_model_len=200, **settings)
+    core = EngineCore(cfg, toy_info(VOCAB, EOS, cfg.max_model_len), num_blocks=1000)
+    for i, (p, n) in enumerate(_prompts(3)):
+        assert core.add(b"fe", P.AddRequest(f"r{i}", p, P.SamplingParams(temperature=0, max_tokens=n),
+                                            float(i))) is None
+    return core
+
+
+def _check(outbox: Outbox) -> None:
+    truth = _truth(3)
+    assert {rid: (outbox.tokens(rid), outbox.final(rid).finish_reason) for rid in truth} == truth
+    assert all(o.finish_reason is None for outs in outbox.outputs.values() for o in outs[:-1])
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_engine_loop_outputs_equal_the_synchronous_scheduler(async_scheduling, tmp_path):
-    cfg = build_config(cli={"model": "models/SmolLM2-135M-Instruct", "device": "cpu",
-                            "async_scheduling": async_scheduling}, env={})
+def test_in_process_pipeline_outputs_equal_the_synchronous_scheduler(async_scheduling):
+    core = _core(async_scheduling)
+    runner = ToyRunner(block_size=4)
+    outbox = Outbox()
+    drive(core, InProcessExecutor(runner), async_scheduling, outbox)
+    _check(outbox)
+    assert runner.model.pending_fed > 0 if async_scheduling else runner.model.pending_fed == 0
+    assert core.num_steps > 0 and not core.scheduler.requests
+
+
+class RingWorker:
+    """A worker thread on the plan ring: runs each plan on the toy model and pushes its
+    StepResult to the engine's worker socket at once, plus a heartbeat after it."""
+
+    def __init__(self, ctx: zmq.Context, cfg, block_size: int):
+        self.reader = ShmRingReader(ring_name(cfg.instance_id, "plan"), 0, cfg.runtime_dir)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(cfg.worker_address)
+        self.model = ToyModel(block_size)
+        self.enc, self.dec = P.encoder(), P.decoder(P.EngineToWorker)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.error: BaseException | None = None
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                data = self.reader.read(timeout=0.1)
+                if data is None:
+                    continue
+                msg = self.dec.decode(data)
+                if isinstance(msg, P.WorkerShutdown):
+                    return
+                self.push.send(self.enc.encode(P.StepResult(msg.step_id, self.model.execute(msg))))
+                self.push.send(self.enc.encode(P.WorkerHeartbeat(0, time.time())))
+        except BaseException as e:  # reported by the test
+            self.error = e
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_ring_executor_keeps_results_that_arrive_before_they_are_awaited(async_scheduling, tmp_path):
+    cfg = core_config(runtime_dir=str(tmp_path), instance_id="t" + uuid.uuid4().hex[:8],
+                      worker_timeout_s=5.0)
+    core = _core(async_scheduling)
     ctx = zmq.Context()
-    core = EngineCore.__new__(EngineCore)
+    executor = RingExecutor(cfg, ctx)
+    worker = None
     try:
-        core.cfg = cfg
-        core.enc, core.dec_worker = P.encoder(), P.decoder(P.WorkerToEngine)
-        addr = f"ipc://{tmp_path}/w.sock"
-        core.worker_sock = ctx.socket(zmq.PULL)
-        core.worker_sock.bind(addr)
-        core.router = ctx.socket(zmq.ROUTER)
-        core.router.bind(f"ipc://{tmp_path}/r.sock")
-        core.ring = InstantWorker(ctx, addr, block_size=4)
-        core.scheduler = Scheduler(BlockManager(1000, 4), 8, 16, 200, [EOS])
-        core.frontends = {b"fe": FrontendState("frontend-0", time.monotonic())}
-        core.pending_aborts, core.stopping, core.num_steps = [], False, 0
-        core.worker_timeout_s = 5.0
-        core.beacon = type("B", (), {"beat": lambda self: None})()
-        got: dict[str, list[int]] = {}
-        core._send = lambda ident, msg: [got.setdefault(o.request_id, []).extend(o.new_token_ids)
-                                         for o in msg.outputs]
-        reqs = _requests(3)
-        for r in reqs:
-            core.scheduler.add(r)
-        deadline = time.monotonic() + 20
-        while core.scheduler.has_work() or core.inflight is not None:
-            assert time.monotonic() < deadline, "engine loop stalled"
-            core._advance()
-            time.sleep(0.001)  # the worker's next result lands before the next turn
-            if core.worker_sock.poll(0):
-                core._drain_workers()  # as run() does between turns
-        truth = run(_requests(3), num_blocks=1000, budget=16)
-        assert {r.request_id: (r.output_token_ids, r.finish_reason) for r in reqs} == truth
-        assert got == {k: v[0] for k, v in truth.items()}
-        assert core.ring.model.pending_fed > 0 if async_scheduling else core.ring.model.pending_fed == 0
+        worker = RingWorker(ctx, cfg, block_size=4)
+        outbox = Outbox()
+
+        def drain_late() -> None:  # the results land before the pipeline's next turn
+            time.sleep(0.001)
+            RingExecutor.drain(executor)
+
+        kept: list[int] = []
+
+        def keep(msg: P.StepResult) -> None:
+            kept.append(msg.step_id)
+            RingExecutor._keep(executor, msg)
+
+        executor.drain = drain_late  # type: ignore[method-assign]
+        executor._keep = keep  # type: ignore[method-assign]
+        drive(core, executor, async_scheduling, outbox)
+        _check(outbox)
+        assert worker.error is None
+        fed = worker.model.pending_fed
+        assert fed > 0 if async_scheduling else fed == 0
+        assert len(kept) > 0 if async_scheduling else kept == []  # early results were used
+        assert not executor._early and not executor._submitted  # nothing kept or lost
     finally:
+        executor.shutdown("test over")
+        if worker is not None:
+            worker.thread.join(5)
+            worker.reader.close()
         ctx.destroy(linger=0)

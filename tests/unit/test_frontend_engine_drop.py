@@ -1,7 +1,7 @@
 """Requests the engine ends on its own, and a frontend the engine no longer knows: every
 request in flight ends with an error (never a stream of keep-alives), and the frontend
 attaches again. Against the fake engine (tests/unit/test_frontend_support.py) and the
-engine core's frontend handling without sockets."""
+engine's frontend link (`FrontendLink`) over a real engine core, without sockets."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ import time
 import httpx
 import pytest
 
-from services.engine.block_manager import BlockManager
-from services.engine.core import EngineCore, FrontendState
-from services.engine.request import Request
-from services.engine.scheduler import Scheduler
+from services.engine.core import EngineCore
+from services.engine.frontend_link import FrontendLink, FrontendState
 from services.frontend.engine_client import EngineClient
 from shared import protocol as p
 from shared.grammar_errors import grammar_error_text
+from tests.unit.engine_rig import core_config, toy_info
 from tests.unit.test_frontend_support import MODEL, FakeEngine, build_model_dir, stack  # noqa: F401
 
 
@@ -96,24 +95,24 @@ def test_not_attached_fails_requests_in_flight_and_the_client_says_hello_again(w
 # ---------------------------------------------------------------- the engine core's side
 
 
-def _core() -> tuple[EngineCore, list[tuple[bytes, object]]]:
-    """An EngineCore without sockets or workers; returns it and the list its sends go to."""
-    core = EngineCore.__new__(EngineCore)
-    core.frontends = {}
-    core.pending_aborts = []
-    core.scheduler = Scheduler(BlockManager(16, 16), 4, 64, 128, [0])
+def _link() -> tuple[FrontendLink, list[tuple[bytes, object]]]:
+    """A FrontendLink over an EngineCore (16 blocks of 16 tokens, EOS 0), no sockets;
+    returns it and the list its sends go to."""
+    cfg = core_config(block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    core = EngineCore(cfg, toy_info(vocab_size=100, eos=0, max_model_len=cfg.max_model_len), num_blocks=16)
     sent: list[tuple[bytes, object]] = []
-    core._send = lambda ident, msg: sent.append((ident, msg))
-    return core, sent
+    return FrontendLink(core, lambda ident, msg: sent.append((ident, msg)), cfg, "engine-0"), sent
 
 
 def test_engine_sends_the_final_abort_to_a_frontend_it_drops_for_silence():
-    core, sent = _core()
-    core.frontends[b"fe-a"] = FrontendState("frontend-0", time.monotonic() - 7)
-    core.scheduler.add(Request("r1", b"fe-a", [1, 2, 3], p.SamplingParams(max_tokens=4), 0.0))
-    core._check_frontends()
-    core._apply_aborts()
-    assert b"fe-a" not in core.frontends and "r1" not in core.scheduler.requests
+    link, sent = _link()
+    link.frontends[b"fe-a"] = FrontendState("frontend-0", time.monotonic() - 7)
+    # admitted 7 s ago (a message now would count as a sign of life)
+    assert link.core.add(b"fe-a", p.AddRequest("r1", [1, 2, 3], p.SamplingParams(max_tokens=4), 0.0)) is None
+    assert "r1" in link.core.scheduler.requests
+    link.check_frontends()
+    link.apply_aborts()
+    assert b"fe-a" not in link.frontends and "r1" not in link.core.scheduler.requests
     [(ident, msg)] = sent
     out = msg.outputs[0]
     assert ident == b"fe-a" and out.request_id == "r1" and out.finish_reason == "abort"
@@ -121,16 +120,17 @@ def test_engine_sends_the_final_abort_to_a_frontend_it_drops_for_silence():
 
 
 def test_engine_answers_an_unknown_identity_with_not_attached():
-    core, sent = _core()
-    core._on_unknown(b"ghost", p.Heartbeat(time.time()))
-    core._on_unknown(b"ghost", p.AddRequest("r9", [1, 2], p.SamplingParams(), 0.0))
-    core._on_unknown(b"ghost", p.UtilityCall(3, "stats"))
+    link, sent = _link()
+    link.on_message(b"ghost", p.Heartbeat(time.time()))
+    link.on_message(b"ghost", p.AddRequest("r9", [1, 2], p.SamplingParams(), 0.0))
+    link.on_message(b"ghost", p.UtilityCall(3, "stats"))
     kinds = [type(m).__name__ for _, m in sent]
     assert kinds == ["NotAttached", "Outputs", "NotAttached", "UtilityResult", "NotAttached"]
     refused = sent[1][1].outputs[0]
     assert (refused.request_id, refused.finish_reason, refused.error_kind) == (
         "r9", "error", "overloaded")
     assert sent[3][1].error and all(ident == b"ghost" for ident, _ in sent)
+    assert not link.core.scheduler.requests and not link.frontends  # nothing was admitted
     # The frontend decodes the new message with its one typed decoder.
     dec = p.decoder(p.EngineToFrontend)
     assert isinstance(dec.decode(p.encoder().encode(sent[0][1])), p.NotAttached)

@@ -371,18 +371,30 @@ def test_block_names_depend_on_parent_tokens_extras_and_model_identity():
 
 def test_engine_utilities_report_and_reset_the_prefix_cache():
     from services.engine.core import EngineCore
+    from services.engine.executor import InProcessExecutor
+    from services.engine.frontend_link import FrontendLink
+    from tests.unit.engine_rig import Outbox, core_config, drive, toy_info
 
-    h = Harness()
-    a, b = req("a", list(range(1, 20)), 3), req("b", list(range(1, 20)), 3)
-    h.run([a, b], stagger=10)
-    core = EngineCore.__new__(EngineCore)  # no sockets: only the utility handler is used
-    core.scheduler, core.num_steps, core.frontends = h.sched, h.steps, {}
-    stats = core._on_utility(P.UtilityCall(1, "stats")).result
+    cfg = core_config(block_size=4, max_num_seqs=8, max_num_batched_tokens=16, max_model_len=200)
+    core = EngineCore(cfg, toy_info(VOCAB, EOS, cfg.max_model_len), num_blocks=1000)
+    model = BlockKVModel(core.scheduler.bm)
+
+    class Runner:  # the toy model behind the runner's execute(plan) -> StepResult
+        def execute(self, plan):
+            return P.StepResult(plan.step_id, model.execute(plan))
+
+    outbox, executor = Outbox(), InProcessExecutor(Runner())
+    for rid in ("a", "b"):  # one after the other: b finds a's blocks cached
+        sp = P.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        assert core.add(b"fe", P.AddRequest(rid, list(range(1, 20)), sp, 0.0)) is None
+        drive(core, executor, False, outbox)
+    link = FrontendLink(core, lambda ident, msg: None, cfg, "engine-0")
+    stats = link.utility(P.UtilityCall(1, "stats")).result
     assert stats["enable_prefix_caching"] is True
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (38, 16)
-    assert core._on_utility(P.UtilityCall(2, "reset_prefix_cache")).result == {"ok": True}
-    assert core._on_utility(P.UtilityCall(3, "stats")).result["num_cached_blocks"] == 0
-    assert [core._output(r).num_cached_tokens for r in (a, b)] == [0, 16]
+    assert link.utility(P.UtilityCall(2, "reset_prefix_cache")).result == {"ok": True}
+    assert link.utility(P.UtilityCall(3, "stats")).result["num_cached_blocks"] == 0
+    assert [outbox.outputs[r][0].num_cached_tokens for r in ("a", "b")] == [0, 16]
 
 
 @pytest.mark.parametrize("argv,want", [([], True), (["--enable-prefix-caching", "false"], False),

@@ -1,5 +1,5 @@
-"""Structured output end to end inside one process: the engine's add path (`EngineCore._on_add`
-with its sockets stubbed), the real scheduler and block manager, xgrammar over the real
+"""Structured output end to end inside one process: the engine core (`EngineCore.add`, its
+grammar compiles off the loop, the real scheduler and block manager) on an in-process executor, xgrammar over the real
 SmolLM2 tokenizer, and a ModelRunner on the real SmolLM2 weights (CPU, fp32).
 
 Checks against independent parsers: `json.loads` + `jsonschema.validate` for 20 completions
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 import threading
 import time
@@ -23,13 +22,13 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from services.engine.block_manager import BlockManager  # noqa: E402
 from services.engine.core import EngineCore  # noqa: E402
-from services.engine.scheduler import Scheduler  # noqa: E402
+from services.engine.executor import InProcessExecutor  # noqa: E402
+from services.engine.pipeline import StepPipeline  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared import protocol as P  # noqa: E402
 from shared.config import build_config  # noqa: E402
-from shared.model_spec import load_model_spec  # noqa: E402
+from shared.model_spec import load_model_spec, model_spec_for  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -43,47 +42,55 @@ SCHEMA = {
 }
 
 
+class RunStep:
+    """A ModelRunner behind the one entry point the in-process executor calls."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def execute(self, plan: P.StepPlan) -> P.StepResult:
+        return self.runner.run_step(plan)
+
+
 class InProcessEngine:
-    """EngineCore's add/step/output logic without sockets: `add` calls `_on_add`, `run`
-    steps the scheduler against a ModelRunner until idle, outputs are collected per id."""
+    """An EngineCore on a ModelRunner in this process: `add` calls `EngineCore.add`, `run`
+    advances the (synchronous) step pipeline until idle; outputs are collected per id."""
 
     def __init__(self, model_dir: str, max_num_waiting: int = 256):
         cfg = build_config(cli={"model": model_dir, "device": "cpu", "dtype": "float32",
                                 "kv_cache_gib": 0.25, "max_num_waiting": max_num_waiting,
-                                "max_num_seqs": 32, "max_num_batched_tokens": 1024}, env={})
+                                "max_num_seqs": 32, "max_num_batched_tokens": 1024,
+                                "max_model_len": 2048, "enable_prefix_caching": True}, env={})
         self.runner = ModelRunner(cfg)
-        core = EngineCore.__new__(EngineCore)  # no sockets, no ring
-        core.cfg, core.info = cfg, load_model_spec(model_dir)
-        core.max_model_len = 2048
-        core.rng = random.Random(0)
-        core._structured = None
-        core.frontends = {b"fe": None}
-        core.pending_aborts = []
-        bm = BlockManager(self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=True)
-        core.scheduler = Scheduler(bm, 32, 1024, core.max_model_len, list(core.info.eos_token_ids))
+        assert self.runner.block_size == cfg.block_size
+        self.core = EngineCore(cfg, model_spec_for(cfg), self.runner.num_blocks, seed=0)
+        self.pipeline = StepPipeline(self.core, InProcessExecutor(RunStep(self.runner)),
+                                     async_scheduling=False)
         self.outputs: dict[str, list[P.RequestOutput]] = {}
-        core._send = lambda ident, msg: [self.outputs.setdefault(o.request_id, []).append(o)
-                                         for o in msg.outputs]
-        self.core = core
+
+    def take(self, em) -> None:
+        for _, o in em.outputs() if em is not None else ():
+            self.outputs.setdefault(o.request_id, []).append(o)
 
     def add(self, rid: str, prompt: list[int], sp: P.SamplingParams) -> None:
-        self.core._on_add(b"fe", P.AddRequest(rid, prompt, sp, 0.0))
+        self.take(self.core.add(b"fe", P.AddRequest(rid, prompt, sp, 0.0)))
+
+    def abort(self, rid: str) -> None:
+        self.core.abort([rid])
+        self.take(self.core.apply_aborts())
 
     def run(self, max_steps: int = 2000, wait_compiles: bool = True) -> None:
         """Step until idle; while grammars compile (threads) and nothing runs, wait for them
         (as the engine loop polls), unless wait_compiles is False."""
-        s = self.core.scheduler
+        core = self.core
         for _ in range(max_steps):
-            self.core._finish_compiles()
-            if not s.has_work():
-                if not self.core._compiling or not wait_compiles:
+            self.take(core.admit_compiled({b"fe"}))
+            if not self.pipeline.busy():
+                if not core.grammars.compiling or not wait_compiles:
                     return
                 time.sleep(0.005)
                 continue
-            out = s.schedule()
-            res = self.runner.run_step(out.plan)
-            changed = s.update(out, res.sampled_token_ids, res.logprobs, res.prompt_logprobs)
-            self.core._emit(changed)
+            self.take(self.pipeline.advance())
         raise AssertionError("engine did not finish")
 
     def tokens(self, rid: str) -> list[int]:
@@ -198,17 +205,16 @@ def test_a_grammar_that_compiles_for_seconds_does_not_stall_the_engine_loop(engi
     engine.add("slow1", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
     engine.add("gone", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
     assert time.monotonic() - t0 < 5
-    assert {"slow0", "slow1", "gone"} <= set(engine.core._compiling)
-    assert len(engine.core._compile_jobs) == 1  # one compile for the three
+    assert {"slow0", "slow1", "gone"} <= set(engine.core.grammars.compiling)
+    assert len(engine.core.grammars.jobs) == 1  # one compile for the three
     engine.add("slow0", prompt, P.SamplingParams(temperature=0.0, max_tokens=4))  # its id is taken
     assert engine.final("slow0").error == "duplicate request id"
     engine.add("plain", prompt, P.SamplingParams(temperature=0.0, max_tokens=8))
-    engine.core.pending_aborts.append(("gone", "abort", None))
-    engine.core._apply_aborts()
-    assert engine.final("gone").finish_reason == "abort" and "gone" not in engine.core._compiling
+    engine.abort("gone")
+    assert engine.final("gone").finish_reason == "abort" and "gone" not in engine.core.grammars.compiling
     engine.run(wait_compiles=False)  # only "plain" can run: the compile waits on the gate
     assert engine.final("plain").finish_reason == "length" and len(engine.tokens("plain")) == 8
-    assert "slow0" in engine.core._compiling and "slow0" not in engine.core.scheduler.requests
+    assert "slow0" in engine.core.grammars.compiling and "slow0" not in engine.core.scheduler.requests
     gate.set()
     engine.run()
     eos = set(engine.core.info.eos_token_ids)
@@ -217,7 +223,7 @@ def test_a_grammar_that_compiles_for_seconds_does_not_stall_the_engine_loop(engi
         jsonschema.validate(json.loads(tokenizer.decode([t for t in engine.tokens(rid) if t not in eos])), SCHEMA)
     assert engine.tokens("slow0") == engine.tokens("slow1")  # greedy: one grammar, two matchers
     assert [o.finish_reason for o in engine.outputs["gone"]] == ["abort"]
-    assert not engine.core._compiling and not engine.core._compile_jobs
+    assert not engine.core.grammars.compiling and not engine.core.grammars.jobs
 
 
 def test_sampling_values_the_worker_cannot_hold_fail_only_their_request(engine, tokenizer):
