@@ -20,12 +20,12 @@ Policies (docs/ARCHITECTURE.md §8):
   its exit code is lost when the supervisor's SIGTERM finds it exiting) would refuse it
   again: `serve` stops at once and exits 1, and a server that never became ready has no
   requests to drain (frontends get GRACE_S, not --shutdown-timeout).
-- The kvstore (when kv_offload_cpu_gib > 0; its settings are checked with the kvstore's
-  check, which `kestrel serve` hands to `serve` (services.kvstore.settings.check), before
-  anything starts, exit 2 with the message when they cannot work) is its own restart unit: it starts first, is not touched when the
-  engine group restarts (a restarted engine finds its prefixes warm), and is restarted
-  alone when it dies (the engine carries on without tiers meanwhile and reconnects). It
-  stops last.
+- The kvstore (when kv_offload_cpu_gib > 0; its settings are checked before anything
+  starts by the kvstore's own check, which `kestrel serve` hands to `serve`
+  (services.kvstore.settings.check): exit 2 with the message when they cannot work) is its
+  own restart unit: it starts first, is not touched when the engine group restarts (a
+  restarted engine finds its prefixes warm), and is restarted alone when it dies (the
+  engine carries on without tiers meanwhile and reconnects). It stops last.
 - A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress.
 
 Stop (SIGTERM or Ctrl-C): the frontends drain (they keep listening and answer new requests

@@ -26,7 +26,7 @@ from services.worker.models import model_class
 from services.worker.sampler import Sampler, make_token_logprobs
 from shared.config import KestrelConfig
 from shared.kv_layout import KVLayout
-from shared.model_spec import model_spec_for
+from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
 
@@ -66,7 +66,7 @@ class ModelRunner:
             # cores, serve_bench at 256 streams: 8,305 -> 9,445 output tok/s with 2 threads)
             torch.set_num_threads(min(GPU_WORKER_THREADS, torch.get_num_threads()))
         self.device = torch.device(dev)
-        dt = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        dt = resolved_dtype(cfg.dtype, self.device.type)
         self.dtype = _DTYPES[dt]
         self.spec = model_spec_for(cfg, dtype=dt)  # the model's facts (shared.model_spec)
         hf_config = dict(self.spec.hf_config)
