@@ -80,7 +80,7 @@ class InProcessEngine:
                 time.sleep(0.005)
                 continue
             out = s.schedule()
-            res = self.runner.run_step(out.plan)
+            res = self.runner.execute(out.plan)
             changed = s.update(out, res.sampled_token_ids, res.logprobs, res.prompt_logprobs)
             self.core._emit(changed)
         raise AssertionError("engine did not finish")
