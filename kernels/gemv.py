@@ -76,6 +76,8 @@ def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     return bn, split, TUNING["num_warps"]
 
 
+gemv_triton = None  # set below when Triton imports: the CUDA kernel (below)
+
 if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
 
@@ -189,5 +191,3 @@ if triton is not None:
                                     BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
                                     num_warps=num_warps or warps, **launch_args(pdl))
         return y
-else:
-    gemv_triton = None

@@ -1,4 +1,4 @@
-"""Copies of KV blocks between the worker's cache and the kvstore's shm pool (DESIGN §4).
+"""Copies of KV blocks between the worker's cache and the kvstore's shm pool (docs/ARCHITECTURE.md §4).
 
 The engine's plan says what to copy (`StepPlan.kv_loads`: slot -> block before the step's
 forward; `StepPlan.kv_stores`: block -> slot after it) and which pool (`kv_pool`, the
@@ -74,13 +74,15 @@ class KVTransfer:
     def _register(self) -> None:
         try:
             cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self._mem.data_ptr(), self._mem.numel(), 0)
+            mem = self._mem
+            assert mem is not None  # called by _attach, after the map
+            err = cudart.cudaHostRegister(mem.data_ptr(), mem.numel(), 0)
             self._registered = int(getattr(err, "value", err)) == 0
         except Exception as e:  # no cudart binding: pageable copies still work
             log.info("cudaHostRegister unavailable (%s): pool copies are pageable", e)
 
     def _detach(self) -> None:
-        if self._registered:
+        if self._registered and self._mem is not None:
             try:
                 torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
             except Exception:
@@ -93,8 +95,10 @@ class KVTransfer:
 
     def _slot(self, slot: int) -> torch.Tensor:
         """Slot `slot` as a [L, 2, block_size, heads, head_dim] tensor of the KV dtype."""
-        off = self.pool.offset(slot)
-        return self._mem[off:off + self.slot_bytes].view(self.dtype).view(
+        pool, mem = self.pool, self._mem
+        assert pool is not None and mem is not None  # copies attach first
+        off = pool.offset(slot)
+        return mem[off:off + self.slot_bytes].view(self.dtype).view(
             self.num_layers, 2, *self.block_shape)
 
     # ------------------------------------------------------------ copies

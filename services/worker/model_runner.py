@@ -185,6 +185,7 @@ class ModelRunner:
             out = self.sampler.sample(logits, [seqs[i] for i in rows], keep=kept.keep if kept else None)
             result.sampled_token_ids = out.token_ids
             result.logprobs = out.logprobs
+            assert out.token_tensor is not None  # Sampler.sample always returns the device ids
             self._last_sampled = (out.token_tensor, {seqs[i].request_id: j for j, i in enumerate(rows)})
             self._last_kept = kept
         for i, chunk_logits in fwd.prompt_logits.items():
@@ -201,6 +202,7 @@ class ModelRunner:
         with the previous chunk's last row, kept in `_prompt_carry`. Token 0 has no logprob.
         Returns them in position order (k = sampling.prompt_logprobs alternatives each).
         """
+        assert s.sampling is not None  # resolved (plan_state.py)
         n, p, start = len(s.token_ids), s.num_prompt_tokens, s.start_pos
         rows = [logits[j] for j in range(max(0, min(n, p - start) - 1))]
         targets = list(s.token_ids[1:1 + len(rows)])

@@ -11,7 +11,7 @@ runner builds one backend per step from the step's `AttentionMetadata` (`select_
   inside a CUDA graph this path is fixed at capture.
 - `PagedAttention` (CUDA, prefill chunks and decodes mixed): `rotary_and_store_kv`, then
   `paged_attention` (varlen, over the paged cache).
-- `ReferenceAttention` (the CPU, or no Triton): the torch references of the same two steps,
+- `ReferenceAttention` (the CPU, or no Triton): the same two steps on the torch references,
   with the step's gather plan (`kernels.attention.RefAttentionPlan`).
 
 The per-layer part (`AttentionLayer`: the tensors a layer's call needs) is bound once at
@@ -27,7 +27,7 @@ import torch
 
 from kernels.attention import RefAttentionPlan, paged_attention, paged_attention_ref
 from kernels.rope_decode import rope_paged_decode
-from kernels.rotary import rotary_and_store_kv, rotary_and_store_kv_ref
+from kernels.rotary import rotary_and_store_kv
 from services.worker.kv_cache import KVHandle, PagedKVSpec
 
 
@@ -155,16 +155,16 @@ class PagedAttention(AttentionBackend):
 
 
 class ReferenceAttention(AttentionBackend):
-    """Every step on the CPU (or without Triton): the torch references, meta.ref_plan's
-    gathers (built here per layer when it is None)."""
+    """Every step on the CPU (or without Triton): the rotary dispatcher (its torch reference
+    there) and the torch reference of paged attention with meta.ref_plan's gathers (built
+    per layer when it is None)."""
 
     __slots__ = ()
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         a, m = self.layers[layer], self.meta
-        rotary_and_store_kv_ref(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm,
-                                a.eps)
+        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps)
         return paged_attention_ref(q, a.k, a.v, m.cu_seqlens_q, m.seq_lens, m.block_tables, a.scale,
                                    m.ref_plan).reshape(q.shape[0], -1)
 

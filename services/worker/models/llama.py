@@ -166,17 +166,19 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
         self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, max_positions, a.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, i) for i in range(a.num_hidden_layers))
+        # a plain list to iterate (typed, and cheaper per step than the ModuleList's iterator)
+        self.decoder_layers = [LlamaDecoderLayer(a, i) for i in range(a.num_hidden_layers)]
+        self.layers = nn.ModuleList(self.decoder_layers)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 fused: bool = False) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         if fused:
-            for layer in self.layers:
+            for layer in self.decoder_layers:
                 x = layer.forward_fused(positions, x, attn)
             return self.norm(x)
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             x, residual = layer(positions, x, residual, attn)
         x, _ = self.norm(x, residual)
         return x
@@ -194,12 +196,12 @@ class LlamaForCausalLM(nn.Module):
     """
 
     # checkpoint module name -> (our stacked module name, shard index)
-    packed_modules = {
+    packed_modules: dict[str, tuple[str, int]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     # checkpoint tensors that are not parameters and are skipped on purpose
-    ignored_tensors = ("rotary_emb.inv_freq",)
+    ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)
     qk_norm = False  # the architecture's per-head q/k RMSNorm (Qwen3ForCausalLM sets it)
 
     def __init__(self, hf_config: dict, max_positions: int | None = None):
@@ -216,15 +218,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def _layers(self) -> list[LlamaDecoderLayer]:
-        return [layer for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
-
     def attention_specs(self) -> list[AttentionSpec]:
         """Each layer's attention, in layer order (read after loading: the specs hold the
         q/k norm weights)."""
         table = self.model.rotary.cos_sin
-        assert isinstance(table, torch.Tensor)
-        return [layer.self_attn.spec(table) for layer in self._layers()]
+        return [layer.self_attn.spec(table) for layer in self.model.decoder_layers]
 
     def kv_specs(self) -> list[PagedKVSpec]:
         """What each layer caches: paged K/V of (num_kv_heads, head_dim)."""
@@ -233,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
     def fusable_projections(self) -> list[torch.Tensor]:
         """The projection weights of one decoder layer (all have the same shapes), for the
         runner's `FusionPlan`: the fused path needs the kernels to take each of them."""
-        layers = self._layers()
+        layers = self.model.decoder_layers
         if not layers:
             return []
         a, m = layers[0].self_attn, layers[0].mlp
