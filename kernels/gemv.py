@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from kernels.device_info import num_sms, tile_counters
+from kernels.linear_ref import linear_ref
 from kernels.pdl import launch_args, use_pdl
 
 ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inputs
@@ -168,7 +169,7 @@ if triton is not None:
                              f"{'2K' if silu_mul else 'K'} columns and unit stride along K")
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
-            from kernels.linear import linear_ref  # degenerate shapes: no kernel
+            # degenerate shapes: no kernel
             return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                                       residual=residual))
         bn, sp, warps = gemv_plan(n, k, x.device)
