@@ -24,7 +24,7 @@ the residual is added to the rounded y in fp32 and rounded again (as `fused_add_
 With the norm, every program loads the whole row of x (a few KB, from L2) for its rstd,
 then normalises its own K range as `rms_norm_ref` does; the sum of squares is one tree
 reduction here, so a normalised value may round to its neighbour against kernels/norm.py.
-The fused decoder layer at batch 1 (`LlamaModel.fused_layers`) is then 4 of these launches
+The fused decoder layer at batch 1 (`services.worker.fusion`) is then 4 of these launches
 and the attention, where the unfused layer adds two norm kernels.
 
 `gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)

@@ -36,7 +36,7 @@ kernels did on each x tile it loads (prologue) or on the output tile (epilogue):
 Measured on the H200 (benchmarks/kernel_sweep.py --only fused, Qwen3-0.6B's 28-layer
 linear stack at M=1 in one CUDA graph): unfused 851 us, unfused with the in-kernel split sum
 813 us, fused 1,302 us. The fused prologues cost more than the launches they save, so the
-model keeps the unfused path (`LlamaModel.fuse_small_batches`); the in-kernel sum waits
+runner keeps the unfused path (`services.worker.fusion.FUSE_SMALL_BATCHES`); the in-kernel sum waits
 for a run of the whole step before it becomes the default.
 Rounding follows the references op by op (fp32 math, rounded to the dtype where torch
 rounds), so the fused output equals the unfused kernel sequence up to summation order:

@@ -8,8 +8,8 @@ attention metadata once and from it the step's attention backend
 positions and samples one token per sequence with `sample=True` (`Sampler.sample`:
 processors, draw and raw logprobs). A prefill chunk of a request with `prompt_logprobs`
 also gets the lm_head over all its positions, to score the prompt tokens (see
-`_prompt_logprobs`). Drivers for tests and benchmarks (hand-made plans, no engine) are in
-`tests/runner_driver.py`.
+`prompt_logprobs.PromptScorer`). Drivers for tests and benchmarks (hand-made plans, no
+engine) are in `tests/runner_driver.py`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import contextlib
 import json
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
-
-from dataclasses import dataclass, field
 
 from kernels import attention as attn_kernels
 from kernels.pending_ids import encode_pending
@@ -34,16 +33,16 @@ from services.worker.layers.attention import AttentionLayer, AttentionMetadata, 
 from services.worker.loader import load_dummy_weights, load_weights
 from services.worker.models import model_class
 from services.worker.models.base import CausalLM
-from services.worker.sampler import Sampler, make_token_logprobs
+from services.worker.prompt_logprobs import PromptScorer
+from services.worker.sampler import Sampler
 from services.worker.step_inputs import prepare_step
 from shared.config import KestrelConfig
 from shared.model_info import load_model_info
 from shared.plan_state import PlanState
-from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult, TokenLogprob
+from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_MODEL_LEN_CAP = 8192  # default cap of max_model_len (config.py: "capped at 8192")
-MAX_PROMPT_CARRY = 256  # requests whose last prompt-chunk logits wait for their next chunk
 GPU_WORKER_THREADS = 4  # torch intra-op threads of a GPU worker unless num_threads is set
 
 
@@ -137,9 +136,7 @@ class ModelRunner:
             warm_up_sampler(int(hf_config["vocab_size"]), cfg.max_num_seqs, self.device)
         self.sampler = Sampler(cfg.seed, load_model_info(cfg.model).eos_token_ids)
         self.plan_state = PlanState()  # what the engine sends once per request
-        # request id -> logits [vocab] of the last position of its previous prompt chunk,
-        # which scores the first token of its next chunk (prompt_logprobs across chunks)
-        self._prompt_carry: dict[str, torch.Tensor] = {}
+        self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
         # the last step that sampled: (its token ids on the device [rows] int64, request id ->
         # row); a PENDING_TOKEN of the next plan is read from it (async scheduling)
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -189,36 +186,9 @@ class ModelRunner:
             self._last_sampled = (out.token_tensor, {seqs[i].request_id: j for j, i in enumerate(rows)})
             self._last_kept = kept
         for i, chunk_logits in fwd.prompt_logits.items():
-            result.prompt_logprobs[seqs[i].request_id] = self._prompt_logprobs(seqs[i], chunk_logits)
+            result.prompt_logprobs[seqs[i].request_id] = self.prompt_scorer.score(seqs[i], chunk_logits)
         result.kv_store_error = self.kv_transfer.after_step(plan)
         return result
-
-    def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list[TokenLogprob]:
-        """Logprobs of the prompt tokens of one chunk (token i given tokens < i).
-
-        logits: [len(s.token_ids), vocab] fp32, one row per chunk position. Row j predicts the
-        token at position start_pos + j + 1, so the chunk scores positions start_pos + 1 ..
-        min(start_pos + len, num_prompt_tokens) - 1 itself; the token at start_pos is scored
-        with the previous chunk's last row, kept in `_prompt_carry`. Token 0 has no logprob.
-        Returns them in position order (k = sampling.prompt_logprobs alternatives each).
-        """
-        assert s.sampling is not None  # resolved (plan_state.py)
-        n, p, start = len(s.token_ids), s.num_prompt_tokens, s.start_pos
-        rows = [logits[j] for j in range(max(0, min(n, p - start) - 1))]
-        targets = list(s.token_ids[1:1 + len(rows)])
-        carry = self._prompt_carry.pop(s.request_id, None)
-        if start > 0 and carry is not None:
-            rows.insert(0, carry)
-            targets.insert(0, s.token_ids[0])
-        if start + n < p:  # the next chunk's first token is scored by this chunk's last row
-            while len(self._prompt_carry) >= MAX_PROMPT_CARRY:
-                self._prompt_carry.pop(next(iter(self._prompt_carry)))
-            self._prompt_carry[s.request_id] = logits[n - 1].clone()
-        if not rows:
-            return []
-        lp = torch.log_softmax(torch.stack(rows).float(), dim=-1)
-        ids = torch.tensor(targets, dtype=torch.long, device=lp.device)
-        return make_token_logprobs(lp, ids, [s.sampling.prompt_logprobs or 0] * len(rows))
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         """Forward a resolved plan (the KV cache written, nothing sampled); see `StepLogits`.
