@@ -29,6 +29,8 @@ import logging
 import torch
 
 from services.kvstore.cpu_tier import KVPool
+from services.worker.kv_cache import KVCache
+from shared.protocol import StepPlan
 
 log = logging.getLogger("kestrel.worker")
 
@@ -40,7 +42,7 @@ class KVTransfer:
     Attribute slot_bytes: bytes of one block in a slot (the layout in the module doc).
     """
 
-    def __init__(self, kv):
+    def __init__(self, kv: KVCache):
         self.kv = kv
         k0 = kv.k[0]
         self.dtype, self.device = k0.dtype, k0.device
@@ -142,12 +144,12 @@ class KVTransfer:
             self._slot(slot).copy_(data[i])
 
     # ------------------------------------------------------------ step hooks
-    def before_step(self, plan) -> None:
+    def before_step(self, plan: StepPlan) -> None:
         """Loads of `plan` (before its forward). A failure raises: the step fails."""
         if plan.kv_loads:
             self.load(plan.kv_pool, plan.kv_pool_pid, plan.kv_loads)
 
-    def after_step(self, plan) -> str:
+    def after_step(self, plan: StepPlan) -> str:
         """Stores of `plan` (after its forward). Returns "" or why they failed (the engine
         drops them; the step's tokens stand)."""
         if not plan.kv_stores:
