@@ -91,9 +91,9 @@ def new_scheduler(runner, max_num_seqs: int, max_num_batched_tokens: int):
 def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
     """Add requests, step until done. Returns (seconds, steps, timings): the host seconds
     spent scheduling and applying results (`schedule_seconds`, `update_seconds`), the wall
-    seconds inside `run_step` (`run_step_seconds`: host prepare + launch + the wait for the
+    seconds inside `execute` (`run_step_seconds`: host prepare + launch + the wait for the
     sampled ids) and, on CUDA, the GPU seconds of the steps (`gpu_event_seconds`: CUDA events
-    around each run_step, read at the end so that timing adds no sync; None on CPU)."""
+    around each execute, read at the end so that timing adds no sync; None on CPU)."""
     import torch
 
     cuda = runner.device.type == "cuda"
@@ -112,7 +112,7 @@ def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-        result = runner.run_step(out.plan)
+        result = runner.execute(out.plan)
         if cuda:
             b.record()
             seqs = out.plan.seqs

@@ -36,9 +36,10 @@ from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import gemv, pdl, rope_decode  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
-from services.worker.models.llama import LlamaModel  # noqa: E402
+from services.worker import fusion  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from tests.runner_driver import step_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -70,11 +71,11 @@ def decode_steps(runner, prompt, table, steps) -> tuple[list[float], list[float]
         plan = StepPlan(i + 1, [ScheduledSeq("r", [tok], pos, table, True, GREEDY, i + 1)])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        tok = runner.execute(plan)[0]
+        tok = runner.execute(plan).sampled_token_ids[0]
         walls.append(time.perf_counter() - t0)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        runner.logits(plan)  # same position again: rewrites the same KV slot
+        step_logits(runner, plan)  # same position again: rewrites the same KV slot
         b.record()
         b.synchronize()
         gpus.append(a.elapsed_time(b) / 1e3)
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--gemv-plans", default=None,
                     help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
     ap.add_argument("--fused-layers", choices=["on", "off"], default="on",
-                    help="the fused decoder layer at one row (LlamaModel.fuse_one_row: norms and residual "
+                    help="the fused decoder layer at one row (services.worker.fusion.FUSE_ONE_ROW: norms and residual "
                          "adds inside the gemv projections)")
     ap.add_argument("--rope-decode", choices=["on", "off"], default="on",
                     help="decode attention with the rotary fused in (kernels.rope_decode)")
@@ -104,7 +105,7 @@ def main() -> None:
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
     a = ap.parse_args()
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
-    LlamaModel.fuse_one_row = a.fused_layers == "on"
+    fusion.FUSE_ONE_ROW = a.fused_layers == "on"  # read when the runner chooses its FusionPlan
     if a.attn:
         (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
     if a.gemv_plans:

@@ -1,6 +1,6 @@
 """Paged attention over the paged KV cache, for prefill chunks and decodes in one batch.
 
-KV cache layout (DESIGN §4), per layer: k_cache, v_cache [num_blocks, block_size,
+KV cache layout (docs/ARCHITECTURE.md §4), per layer: k_cache, v_cache [num_blocks, block_size,
 num_kv_heads, head_dim]. Token position p of a sequence lives in slot
 block_table[p // block_size] * block_size + p % block_size.
 
@@ -19,13 +19,18 @@ index work that does not depend on the layer is done once per step in `RefAttent
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-store_kv_triton = None  # set at the bottom when Triton imports: same signature as store_kv_ref
-paged_attention_triton = None  # paged_attention_ref's, `plan` replaced by max_q_len, max_seq_len
+store_kv_triton: Callable[..., None] | None  # store_kv_ref's signature
+paged_attention_triton: Callable[..., torch.Tensor] | None  # paged_attention_ref's, `plan` -> max_q_len, max_seq_len
+try:  # the Triton kernels (CUDA); CPU-only installs keep the references
+    from kernels.attention_triton import paged_attention_triton, store_kv_triton
+except ImportError:
+    store_kv_triton = paged_attention_triton = None
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,6 +166,7 @@ def _decode(q, k_cache, v_cache, plan: RefAttentionPlan, g: int, scale: float) -
     """One query per sequence; query heads grouped by KV head: [b, kvh, g, d] x [b, kvh, S, d]."""
     b, h, d = q.shape
     kvh = h // g
+    assert plan.dec_blocks is not None  # the plan has decodes
     blocks = plan.dec_blocks.reshape(-1)
     k = k_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
     v = v_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
@@ -179,9 +185,3 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
                                       block_tables, scale, max_q_len, max_seq_len)
     return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                scale, plan)
-
-
-try:  # the Triton kernels (CUDA); CPU-only installs keep the references
-    from kernels.attention_triton import paged_attention_triton, store_kv_triton  # noqa: E402,F811
-except ImportError:
-    pass

@@ -24,7 +24,7 @@ the residual is added to the rounded y in fp32 and rounded again (as `fused_add_
 With the norm, every program loads the whole row of x (a few KB, from L2) for its rstd,
 then normalises its own K range as `rms_norm_ref` does; the sum of squares is one tree
 reduction here, so a normalised value may round to its neighbour against kernels/norm.py.
-The fused decoder layer at batch 1 (`LlamaModel.fused_layers`) is then 4 of these launches
+The fused decoder layer at batch 1 (`services.worker.fusion`) is then 4 of these launches
 and the attention, where the unfused layer adds two norm kernels.
 
 `gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)
@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from kernels.device_info import num_sms, tile_counters
+from kernels.linear_ref import linear_ref
 from kernels.pdl import launch_args, use_pdl
 
 ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inputs
@@ -75,6 +76,8 @@ def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
         bn //= 2
     return bn, split, TUNING["num_warps"]
 
+
+gemv_triton = None  # set below when Triton imports: the CUDA kernel (below)
 
 if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
@@ -166,7 +169,7 @@ if triton is not None:
                              f"{'2K' if silu_mul else 'K'} columns and unit stride along K")
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
-            from kernels.linear import linear_ref  # degenerate shapes: no kernel
+            # degenerate shapes: no kernel
             return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                                       residual=residual))
         bn, sp, warps = gemv_plan(n, k, x.device)
@@ -189,5 +192,3 @@ if triton is not None:
                                     BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
                                     num_warps=num_warps or warps, **launch_args(pdl))
         return y
-else:
-    gemv_triton = None

@@ -5,7 +5,7 @@ also fuse the RMSNorm before it, the SiLU-and-mul before it, or the residual add
 (`skinny_applies`; a single row goes to `kernels.gemv` instead) and otherwise torch
 (`F.linear`: cuBLAS on the GPU, MKL on the CPU), with the fused steps run as their own ops
 (`kernels.norm`, `kernels.activation`, an add).
-`linear_ref` is the pure-torch truth for tests.
+`linear_ref` (`kernels.linear_ref`, imported here) is the pure-torch truth for tests.
 
 Why a kernel of our own: at decode batch 1..16 a linear layer is a matrix-vector product
 bound by reading W once. cuBLAS picks tiles meant for larger M there and reaches about a
@@ -36,7 +36,7 @@ kernels did on each x tile it loads (prologue) or on the output tile (epilogue):
 Measured on the H200 (benchmarks/kernel_sweep.py --only fused, Qwen3-0.6B's 28-layer
 linear stack at M=1 in one CUDA graph): unfused 851 us, unfused with the in-kernel split sum
 813 us, fused 1,302 us. The fused prologues cost more than the launches they save, so the
-model keeps the unfused path (`LlamaModel.fuse_small_batches`); the in-kernel sum waits
+runner keeps the unfused path (`services.worker.fusion.FUSE_SMALL_BATCHES`); the in-kernel sum waits
 for a run of the whole step before it becomes the default.
 Rounding follows the references op by op (fp32 math, rounded to the dtype where torch
 rounds), so the fused output equals the unfused kernel sequence up to summation order:
@@ -55,11 +55,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import gemv
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import silu_and_mul
 from kernels.device_info import TILE_COUNTERS as _COUNTERS  # noqa: F401 (tests read it)
 from kernels.device_info import num_sms
 from kernels.device_info import tile_counters as _tile_counters
-from kernels.norm import rms_norm, rms_norm_ref
+from kernels.linear_ref import linear_ref  # noqa: F401 (the truth of both kernels; callers read it here)
+from kernels.norm import rms_norm
 
 skinny_linear_triton = None  # set below when Triton imports: linear_ref's signature plus tiles
 SKINNY_MAX_ROWS = 16  # rows of x up to which CUDA inputs take the skinny kernel
@@ -67,27 +68,6 @@ SKINNY_MAX_ROWS = 16  # rows of x up to which CUDA inputs take the skinny kernel
 # 3.7 TB/s through cuBLAS already, against 3.5 here (benchmarks/kernel_sweep.py, H200)
 SKINNY_MAX_WEIGHT = 16 << 20
 _HALF = (torch.bfloat16, torch.float16)
-
-
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y = prologue(x) @ weight.T + bias (+ residual), in torch.
-
-    weight: [N, K]; bias: [N] or None; one dtype for all tensors (fp32/bf16/fp16/fp64).
-    x: [M, K], or [M, 2K] = cat(gate, up) with silu_mul.
-    prologue: rms_norm_ref(x, norm_weight [K], eps) with norm_weight; silu_and_mul_ref(x)
-    with silu_mul; x itself otherwise (not both: see `linear`).
-    residual: [M, N] or None, added to the matmul output after that is rounded to the dtype
-    (the add in fp32 for half dtypes, rounded: torch's half add).
-    Returns [M, N] in x's dtype.
-    """
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
-    if silu_mul:
-        x = silu_and_mul_ref(x)
-    y = F.linear(x, weight, bias)
-    return y if residual is None else y + residual
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

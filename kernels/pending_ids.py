@@ -43,6 +43,8 @@ def resolve_pending_ids(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return resolve_pending_ids_ref(ids, last)
 
 
+resolve_pending_ids_triton = None  # set below when Triton imports: resolve_pending_ids_ref's signature
+
 if triton is not None:
     @triton.jit
     def _resolve_kernel(ids_ptr, last_ptr, n, BLOCK: tl.constexpr):
@@ -60,5 +62,3 @@ if triton is not None:
             block = min(1024, triton.next_power_of_2(n))
             _resolve_kernel[(triton.cdiv(n, block),)](ids, last, n, BLOCK=block, num_warps=1 if block <= 256 else 4)
         return ids
-else:
-    resolve_pending_ids_triton = None

@@ -76,6 +76,8 @@ def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
                            max_seq_len)
 
 
+rope_decode_triton = None  # set below when Triton imports: the CUDA path (below)
+
 if triton is not None:
     from kernels.attention_triton import _LOG2E, _attend_range, _attend_tile, _kv_offsets, _prefetch
     from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
@@ -215,5 +217,3 @@ if triton is not None:
             num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out
-else:
-    rope_decode_triton = None

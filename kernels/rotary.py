@@ -33,14 +33,15 @@ def rope_inv_freq(rot_dim: int, theta: float, scaling: dict | None = None) -> to
     """
     # fp32, as Hugging Face computes it, so that angles match its reference bit for bit
     inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    cfg = scaling or {}
+    kind = cfg.get("rope_type", cfg.get("type", "default"))
     if kind == "default":
         return inv
     if kind != "llama3":
         raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
+    factor = float(cfg["factor"])
+    low, high = float(cfg["low_freq_factor"]), float(cfg["high_freq_factor"])
+    old_len = float(cfg["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
     low_wavelen, high_wavelen = old_len / low, old_len / high
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -103,9 +104,11 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     of the fused qkv output are fine: the last dim must have unit stride).
     positions: [num_tokens] int64. cos_sin: the whole `rope_cos_sin` table, fp32
     [max_positions, rot_dim]. k_cache, v_cache, slot_mapping: see `store_kv_ref`.
-    Math as `apply_rotary_ref`.
+    Math as `apply_rotary_ref`. Raises ValueError when only one of q_norm, k_norm is given.
     """
-    if q_norm is not None:
+    if q_norm is not None or k_norm is not None:
+        if q_norm is None or k_norm is None:
+            raise ValueError("rotary: q_norm and k_norm are both given or neither")
         q.copy_(rms_norm_ref(q, q_norm, eps))
         k.copy_(rms_norm_ref(k, k_norm, eps))
     cs = cos_sin.index_select(0, positions)

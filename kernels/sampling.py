@@ -21,49 +21,19 @@ reference otherwise. No sort happens unless a row uses top-p.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-sample_triton = None  # set below when triton imports: same signature as sample_ref
+# the seeded noise lives in kernels.sampling_noise (the Triton sampler reads it too, so this
+# module imports the sampler without a circle); its names are re-exported for the callers
+from kernels.sampling_noise import HASH_C1, HASH_C2, mix_seed, noise_keys, race_noise  # noqa: F401
 
-_MASK64 = (1 << 64) - 1
-_MASK32 = 0xFFFFFFFF
-HASH_C1 = 0x21F0AAAD  # multipliers of Wellons' 32-bit "lowbias" style mixer (both < 2**31)
-HASH_C2 = 0x735A2D97
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """A stable 63-bit seed for draw `index` of a request seeded `seed` (splitmix64 finalizer
-    of seed * golden-ratio + index). Pure integer math: same value in every process."""
-    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
-
-def noise_keys(seeds: list[int]) -> torch.Tensor:
-    """[n, 2] int64 (low 32 bits, high 31 bits) of each row's 63-bit key."""
-    return torch.tensor([[s & _MASK32, (s >> 32) & 0x7FFFFFFF] for s in seeds], dtype=torch.long)
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """32-bit mixer on int64 tensors holding values in [0, 2**32). Products stay < 2**63."""
-    x = x ^ (x >> 16)
-    x = (x * HASH_C1) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * HASH_C2) & _MASK32
-    return x ^ (x >> 15)
-
-
-def race_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise G [n, vocab] fp32 of rows with keys [n, 2] int64 (see `noise_keys`).
-
-    U = (top 23 bits of mix32(mix32(id ^ k0) ^ k1) + 0.5) / 2**23, in (0, 1) exactly in fp32
-    (24 bits would round the largest U to 1.0 and make G infinite);
-    G = -log(-log(U)). Pure function of (key, token id)."""
-    ids = torch.arange(vocab, dtype=torch.long, device=keys.device)[None, :]
-    h = _mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:])
-    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
-    return -torch.log(-torch.log(u))
+sample_triton: Callable[..., torch.Tensor] | None  # sample_triton(logits, temperature, seeds)
+try:  # the Triton sampler; absent without triton (CPU-only installs)
+    from kernels.sampling_triton import sample_triton
+except ImportError:  # pragma: no cover
+    sample_triton = None
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -235,9 +205,3 @@ def token_logprobs_ref(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
         return chosen, rank, top.values, top.indices
     empty = logprobs.new_zeros(logprobs.shape[0], 0)
     return chosen, rank, empty, empty.long()
-
-
-try:  # the Triton sampler; absent without triton (CPU-only installs)
-    from kernels.sampling_triton import sample_triton  # noqa: E402,F811
-except ImportError:  # pragma: no cover
-    pass

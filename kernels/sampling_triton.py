@@ -1,7 +1,7 @@
 """Triton sampler of `kernels.sampling` for batches without top-k/top-p/min-p.
 
 One program per row (or per chunk of a row, for small batches) walks the vocabulary in tiles: score = logits / T + G (G the Gumbel
-noise of `kernels.sampling.race_noise`, the same integer hash of (row key, token id)) or
+noise of `kernels.sampling_noise.race_noise`, the same integer hash of (row key, token id)) or
 the raw logit for greedy rows (T == 0), and keeps the best score per lane; the row's token
 is the lowest id among the lanes holding the maximum (ties to the lowest id, like
 `torch.argmax`). One read of the logits, no softmax, no sort, no per-row generator.
@@ -14,14 +14,14 @@ import triton
 import triton.language as tl
 
 from kernels.device_info import num_sms
-from kernels.sampling import HASH_C1, HASH_C2, noise_keys
+from kernels.sampling_noise import HASH_C1, HASH_C2, noise_keys
 
 assert (HASH_C1, HASH_C2) == (0x21F0AAAD, 0x735A2D97), "keep _mix32's literals in step"
 
 
 @triton.jit
 def _mix32(x):
-    # x: int64 in [0, 2**32); the same operations as kernels.sampling._mix32
+    # x: int64 in [0, 2**32); the same operations as kernels.sampling_noise._mix32
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & 0xFFFFFFFF
     x = x ^ (x >> 15)

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (DESIGN §6): one graph per captured batch size.
+"""CUDA graphs for decode steps (docs/ARCHITECTURE.md §6): one graph per captured batch size.
 
 A decode step (one new token per sequence) launches a few hundred small kernels; replaying
 a captured graph launches them all at once and leaves the host free. Every graph reads
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,18 +40,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards of `model` with persistent inputs.
+    """Captured decode forwards with persistent inputs.
 
-    model: forward(input_ids [b] int64, positions [b] int64, meta) -> hidden [b, hidden],
-        its attention layers already bound to the KV cache (capture reads their tensors).
+    forward(input_ids [b] int64, positions [b] int64, meta) -> hidden [b, hidden]: the
+        runner's model over its KV cache with the step's attention backend and fusion
+        choice (capture fixes both, and reads the cache tensors).
     max_num_seqs: largest batch. max_model_len: tokens per sequence. block_size: tokens
     per KV block. Capture runs in __init__ (it takes `capture_seconds`).
     `last` [max_num_seqs] int64 (device): the token ids of the last draw, which pending
     inputs refer to (`keep` fills it).
     """
 
-    def __init__(self, model, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device):
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = mb = self.sizes[-1]
         self.max_blocks = nb = -(-max_model_len // block_size)
@@ -80,23 +82,24 @@ class DecodeGraphs:
             for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
                 meta = AttentionMetadata(self.cu[:bs + 1], self.seq_lens[:bs], self.tables[:bs],
                                          self.slots[:bs], None, max_q_len=1, max_seq_len=max_model_len)
-                self._forward(bs, model, meta)  # warm-up: compiles, allocates
+                self._forward(bs, forward, meta)  # warm-up: compiles, allocates
                 torch.cuda.synchronize(device)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self.outputs[bs] = self._forward(bs, model, meta)
+                    self.outputs[bs] = self._forward(bs, forward, meta)
                 pool = g.pool()
                 self.graphs[bs] = g
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - t0
 
-    def _forward(self, bs: int, model, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, bs: int, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 meta: AttentionMetadata) -> torch.Tensor:
         """What a graph of size bs runs: the input copy, pending ids, the model."""
         n = 4 * self.max_bs + bs * self.max_blocks
         self.flat[:n].copy_(self.host[:n], non_blocking=True)
         self._copied.record()
         resolve_pending_ids(self.ids[:bs], self.last)
-        return model(self.ids[:bs], self.pos[:bs], meta)
+        return forward(self.ids[:bs], self.pos[:bs], meta)
 
     def padded_size(self, b: int) -> int | None:
         """The captured size that runs a batch of b, or None when b is too large."""
@@ -122,6 +125,8 @@ class DecodeGraphs:
         """
         b = len(ids)
         bs = self.padded_size(b)
+        if bs is None:
+            raise ValueError(f"decode graphs: batch {b} over the largest captured size {self.max_bs}")
         self._copied.synchronize()  # never overwrite host data an earlier copy still reads
         hdr = self._host_header
         hdr[0, :b], hdr[1, :b], hdr[2, :b], hdr[3, :b] = ids, positions, slots, seq_lens

@@ -247,7 +247,7 @@ def _write_tokenizer(reader, meta: dict, out_dir: str) -> None:
         raise FetchModelError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
                               "supported (only gpt2 byte-level BPE)")
     tokens = _string_array(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ")) for m in _string_array(reader, "tokenizer.ggml.merges")]
+    merges = [(a, b) for a, _, b in (m.partition(" ") for m in _string_array(reader, "tokenizer.ggml.merges"))]
     types_field = reader.fields["tokenizer.ggml.token_type"]
     types = [int(types_field.parts[i][0]) for i in types_field.data]
     # Byte-level BPE covers all 256 bytes, so no unknown token is ever produced.

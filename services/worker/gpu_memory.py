@@ -1,4 +1,4 @@
-"""KV cache sizing on a GPU from `--gpu-memory-utilization` (DESIGN §4, §6).
+"""KV cache sizing on a GPU from `--gpu-memory-utilization` (docs/ARCHITECTURE.md §4, §6).
 
 The KV cache gets what is left of `utilization * total GPU memory` after the memory already
 in use (CUDA context, weights, other processes) and the activation peak of the largest
@@ -14,7 +14,8 @@ import logging
 
 import torch
 
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVCache, PagedKVSpec
+from services.worker.layers.attention import bind_layers
 from shared.protocol import SamplingParams, ScheduledSeq
 
 log = logging.getLogger("kestrel.worker")
@@ -22,10 +23,11 @@ MARGIN_BYTES = 256 << 20
 
 
 @torch.inference_mode()
-def profile_kv_budget(runner, cfg, layers, kv_heads: int, head_dim: int) -> tuple[int, int]:
+def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, int]:
     """(activation peak bytes, KV cache budget bytes) for `runner` on its CUDA device.
 
-    runner: a ModelRunner with model, device, dtype, block_size, max_model_len set.
+    runner: a ModelRunner with model, device, dtype, block_size, max_model_len,
+    use_ref_attention and fusion set. kv_specs: what each layer caches.
     cfg: gpu_memory_utilization, max_num_batched_tokens, max_num_seqs.
     The budget may be <= 0 when the weights leave no room (the caller raises).
     """
@@ -39,7 +41,8 @@ def profile_kv_budget(runner, cfg, layers, kv_heads: int, head_dim: int) -> tupl
         lens.append(min(left, runner.max_model_len))
         left -= lens[-1]
     blocks = [-(-n // bs) for n in lens]
-    tmp = KVCache(layers, sum(blocks), bs, kv_heads, head_dim, runner.dtype, dev)
+    tmp = KVCache(kv_specs, sum(blocks), bs, runner.dtype, dev)
+    layers = bind_layers(runner.model.attention_specs(), tmp.layers)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     seqs, nxt = [], 0
@@ -48,15 +51,13 @@ def profile_kv_budget(runner, cfg, layers, kv_heads: int, head_dim: int) -> tupl
         seqs.append(ScheduledSeq(f"profile{i}", [1] * n, 0, list(range(nxt, nxt + nb)), True, greedy))
         nxt += nb
     ids, pos, meta = runner._prepare(seqs)
-    hidden = runner.model(ids, pos, meta)
+    hidden = runner.run_model(ids, pos, meta, layers)
     rows = hidden[:1].expand(cfg.max_num_seqs, -1).contiguous()
     logits = runner.model.compute_logits(rows)
     torch.softmax(logits, dim=-1).argmax(-1)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
-    del tmp, hidden, rows, logits
-    for layer in layers:
-        layer.k_cache = layer.v_cache = torch.empty(0)
+    del tmp, layers, hidden, rows, logits
     torch.cuda.empty_cache()
     budget = int(total * cfg.gpu_memory_utilization) - used_before - peak - MARGIN_BYTES
     log.info("gpu memory: total %.2f GiB, in use before KV %.2f GiB, activation peak %.2f GiB, "

@@ -1,12 +1,19 @@
-"""The worker's paged KV cache tensors (DESIGN §4); the block manager lives in the engine.
+"""The worker's paged KV cache tensors (docs/ARCHITECTURE.md §4); the block manager lives in
+the engine.
 
-Per layer: k_cache and v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim] in
-the model dtype. Slot s of a layer's cache is block s // block_size, offset
-s % block_size. The cache is zero-filled: attention reads padded slots under a mask, and
-0 * NaN from uninitialised memory would poison the output.
+What a layer caches is its `PagedKVSpec` (the model says it, `CausalLM.kv_specs`); the cache
+allocates one `KVHandle` per layer from it. A handle holds k and v of shape [num_blocks,
+block_size, num_kv_heads, head_dim] in the KV dtype (today the model dtype), and the
+per-layer scales a quantized KV dtype will need (None today). Slot s of a layer's cache is
+block s // block_size, offset s % block_size. The cache is zero-filled: attention reads
+padded slots under a mask, and 0 * NaN from uninitialised memory would poison the output.
+Only the attention backends (`services.worker.layers.attention`) and the tier copier
+(`services.worker.kv_transfer`) touch the tensors; models never do.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,21 +26,52 @@ def num_blocks_for(kv_cache_gib: float, bytes_per_block: int) -> int:
     return n
 
 
-class KVCache:
-    """Allocates the cache and binds each layer's pair to its attention module.
+@dataclass(frozen=True)
+class PagedKVSpec:
+    """What one attention layer caches per token: keys and values of num_kv_heads heads of
+    head_dim each, in paged blocks. (Recurrent-state layers of hybrid models will add a spec
+    of their own.)"""
 
-    layers: the model's attention modules (each gets `.k_cache` / `.v_cache`).
-    num_kv_heads, head_dim: per layer. dtype, device: of the tensors.
-    Attributes: num_blocks, block_size, bytes (all layers, K and V; the per-block bytes are
-    `shared.kv_layout.KVLayout.block_bytes`).
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """One layer's paged KV cache.
+
+    k, v: [num_blocks, block_size, num_kv_heads, head_dim] of `dtype`.
+    k_scale, v_scale: per-layer dequantisation scales of a quantized KV dtype (fp8 later),
+    None while the cache is in the model dtype.
     """
 
-    def __init__(self, layers: list, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: torch.dtype
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+class KVCache:
+    """Allocates one `KVHandle` per layer.
+
+    specs: one `PagedKVSpec` per layer, in layer order (all layers of one shape today).
+    num_blocks, block_size: of every layer. dtype, device: of the tensors.
+    Attributes: layers (the handles), k and v (the layers' tensors, in order), num_blocks,
+    block_size, bytes (all layers, K and V, as allocated; the per-block bytes are
+    `shared.kv_layout.KVLayout.block_bytes`).
+    Raises ValueError when specs is empty or the layers' shapes differ.
+    """
+
+    def __init__(self, specs: list[PagedKVSpec], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if not specs or any(s != specs[0] for s in specs):
+            raise ValueError(f"KV cache: one shape for every layer expected, got {sorted(set(specs), key=str)}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
-        for layer, k, v in zip(layers, self.k, self.v):
-            layer.k_cache, layer.v_cache = k, v
+        s = specs[0]
+        shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        self.layers = [KVHandle(torch.zeros(shape, dtype=dtype, device=device),
+                                torch.zeros(shape, dtype=dtype, device=device), dtype) for _ in specs]
+        self.k = [h.k for h in self.layers]
+        self.v = [h.v for h in self.layers]
         self.bytes = sum(t.numel() * t.element_size() for t in self.k + self.v)  # as allocated

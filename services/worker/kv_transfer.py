@@ -27,8 +27,10 @@ import logging
 
 import torch
 
+from services.worker.kv_cache import KVCache
 from shared.kv_layout import KVLayout
 from shared.kv_pool import KVPool
+from shared.protocol import StepPlan
 
 log = logging.getLogger("kestrel.worker")
 
@@ -42,7 +44,7 @@ class KVTransfer:
     not laid out as `layout` says.
     """
 
-    def __init__(self, kv, layout: KVLayout):
+    def __init__(self, kv: KVCache, layout: KVLayout):
         self.kv = kv
         k0 = kv.k[0]
         self.dtype, self.device = k0.dtype, k0.device
@@ -79,13 +81,15 @@ class KVTransfer:
     def _register(self) -> None:
         try:
             cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self._mem.data_ptr(), self._mem.numel(), 0)
+            mem = self._mem
+            assert mem is not None  # called by _attach, after the map
+            err = cudart.cudaHostRegister(mem.data_ptr(), mem.numel(), 0)
             self._registered = int(getattr(err, "value", err)) == 0
         except Exception as e:  # no cudart binding: pageable copies still work
             log.info("cudaHostRegister unavailable (%s): pool copies are pageable", e)
 
     def _detach(self) -> None:
-        if self._registered:
+        if self._registered and self._mem is not None:
             try:
                 torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
             except Exception:
@@ -98,8 +102,10 @@ class KVTransfer:
 
     def _slot(self, slot: int) -> torch.Tensor:
         """Slot `slot` as a [L, 2, block_size, heads, head_dim] tensor of the KV dtype."""
-        off = self.pool.offset(slot)
-        return self._mem[off:off + self.slot_bytes].view(self.dtype).view(
+        pool, mem = self.pool, self._mem
+        assert pool is not None and mem is not None  # copies attach first
+        off = pool.offset(slot)
+        return mem[off:off + self.slot_bytes].view(self.dtype).view(
             self.num_layers, 2, *self.block_shape)
 
     # ------------------------------------------------------------ copies
@@ -143,12 +149,12 @@ class KVTransfer:
             self._slot(slot).copy_(data[i])
 
     # ------------------------------------------------------------ step hooks
-    def before_step(self, plan) -> None:
+    def before_step(self, plan: StepPlan) -> None:
         """Loads of `plan` (before its forward). A failure raises: the step fails."""
         if plan.kv_loads:
             self.load(plan.kv_pool, plan.kv_pool_pid, plan.kv_loads)
 
-    def after_step(self, plan) -> str:
+    def after_step(self, plan: StepPlan) -> str:
         """Stores of `plan` (after its forward). Returns "" or why they failed (the engine
         drops them; the step's tokens stand)."""
         if not plan.kv_stores:

@@ -1,4 +1,4 @@
-"""Weight loading from a Hugging Face folder of safetensors files (DESIGN §6).
+"""Weight loading from a Hugging Face folder of safetensors files (docs/ARCHITECTURE.md §6).
 
 Files: every shard listed in `model.safetensors.index.json` (paths relative to the folder,
 subfolders included), else `model.safetensors`. Each checkpoint tensor goes to one

@@ -19,6 +19,7 @@ the model's own distribution, comparable across requests and with transformers'.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -94,7 +95,7 @@ class Sampler:
         (so that its device work is queued before the host waits). Returns SamplerOutput.
         Raises ValueError when a row's bitmask is not whole int32 words.
         """
-        params = [s.sampling for s in seqs]
+        params = _params(seqs)
         want_lp = [p.logprobs is not None for p in params]
         raw_lp = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         processed = self.process(logits, seqs)
@@ -105,7 +106,7 @@ class Sampler:
         if raw_lp is not None:
             rows = [i for i, w in enumerate(want_lp) if w]
             idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            made = make_token_logprobs(raw_lp[idx], toks[idx], [params[i].logprobs for i in rows])
+            made = make_token_logprobs(raw_lp[idx], toks[idx], [params[i].logprobs or 0 for i in rows])
             lps = [None] * len(seqs)
             for i, tl in zip(rows, made):
                 lps[i] = tl
@@ -118,24 +119,30 @@ class Sampler:
         n, vocab = logits.shape
         out = logits
         # logit_bias: one sparse index_put over every (row, token) pair
-        rows, cols, vals = [], [], []
-        for i, s in enumerate(seqs):
-            for tok, v in s.sampling.logit_bias.items():
+        params = _params(seqs)
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(params):
+            for tok, v in p.logit_bias.items():
                 if 0 <= tok < vocab:
-                    rows.append(i), cols.append(tok), vals.append(v)
+                    rows.append(i)
+                    cols.append(tok)
+                    vals.append(v)
         # min_tokens: stop ids get -inf until enough tokens are out
-        for i, s in enumerate(seqs):
-            p = s.sampling
+        for i, (s, p) in enumerate(zip(seqs, params)):
             if s.output_index < p.min_tokens:
                 stop = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 for tok in stop:
                     if 0 <= tok < vocab:
-                        rows.append(i), cols.append(tok), vals.append(float("-inf"))
+                        rows.append(i)
+                        cols.append(tok)
+                        vals.append(float("-inf"))
         if rows:
             out = out.clone()
             apply_logit_bias_ref(out, torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
                                  torch.tensor(vals, dtype=torch.float32, device=dev))
-        pen = [i for i, s in enumerate(seqs) if _has_penalty(s.sampling)]
+        pen = [i for i, p in enumerate(params) if _has_penalty(p)]
         if pen:
             width = max(1, max(len(seqs[i].penalty_token_ids) for i in pen))
             ids = np.full((len(pen), width), vocab, dtype=np.int64)
@@ -145,7 +152,7 @@ class Sampler:
                 if len(t):
                     ids[j, :len(t)] = np.clip(np.asarray(t, dtype=np.int64), 0, vocab)
                 is_out[j, seqs[i].num_prompt_tokens:len(t)] = True
-            ps = [seqs[i].sampling for i in pen]
+            ps = [params[i] for i in pen]
             idx = torch.tensor(pen, device=dev)
             if out is logits:
                 out = out.clone()
@@ -154,11 +161,11 @@ class Sampler:
                 torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev),
                 torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev),
                 torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev))
-        masked = [i for i, s in enumerate(seqs) if s.allowed_token_bitmask is not None]
-        if masked:
+        masks = [(i, b) for i, s in enumerate(seqs) if (b := s.allowed_token_bitmask) is not None]
+        if masks:
+            masked = [i for i, _ in masks]
             words = []
-            for i in masked:
-                b = seqs[i].allowed_token_bitmask
+            for i, b in masks:
                 if len(b) % 4:
                     raise ValueError(f"request {seqs[i].request_id}: bitmask of {len(b)} bytes is not int32 words")
                 words.append(np.frombuffer(b, dtype="<i4"))
@@ -172,3 +179,9 @@ class Sampler:
                 out = out.clone()
             apply_allowed_mask_ref(out, allowed)
         return out
+
+
+def _params(seqs: list[ScheduledSeq]) -> list[SamplingParams]:
+    """The seqs' sampling parameters: every plan is resolved before the runner samples
+    (`shared.plan_state.PlanState` fills the None of later seqs), so none is None here."""
+    return cast("list[SamplingParams]", [s.sampling for s in seqs])

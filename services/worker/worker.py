@@ -1,7 +1,7 @@
 """The worker process: reads step plans from the shm ring, runs the model, returns tokens.
 
 Loop: attach to the engine's plan ring, load the model (`ModelRunner`), send `WorkerReady`,
-then for each `StepPlan` run `ModelRunner.run_step` and (rank 0) push a `StepResult` to the
+then for each `StepPlan` run `ModelRunner.execute` and (rank 0) push a `StepResult` to the
 engine. A background thread sends `WorkerHeartbeat` every second on its own socket, so the
 engine can tell a slow step from a dead worker. An exception inside a step is reported in
 the result (the engine fails that step's requests) and the worker carries on.
@@ -110,7 +110,7 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
             c0 = time.process_time()
             lost = False
             try:
-                result = runner.run_step(msg)  # tokens, logprobs, prompt logprobs
+                result = runner.execute(msg)  # tokens, logprobs, prompt logprobs
             except Exception as e:
                 log.error("step %d failed: %s\n%s", msg.step_id, e, traceback.format_exc())
                 result = P.StepResult(msg.step_id, [], error=f"{type(e).__name__}: {e}")

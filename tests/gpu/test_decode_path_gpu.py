@@ -222,7 +222,7 @@ def _layer_inputs(dtype=torch.bfloat16, hid=1024, hq=16, hk=8, d=128, inter=3072
 def _layer(p, ref=False, fused=False):
     """One Qwen3-style decoder layer at batch 1 (the kernels' dispatchers, or the torch
     references in fp32 with ref=True) -> (mlp output, residual). fused: as the model's fused
-    one-row path (LlamaModel.fuse_one_row): the residual stream s = h + res, the norms inside
+    one-row path (services.worker.fusion.FUSE_ONE_ROW): the residual stream s = h + res, the norms inside
     the qkv / gate_up gemv and the residual adds inside the o_proj / down gemv -> (the next
     stream, the stream after attention), i.e. (mlp output + residual, residual)."""
     hq, hk, d = p["dims"]

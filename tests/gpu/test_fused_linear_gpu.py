@@ -190,43 +190,43 @@ def one_layer_runner(tmp_path_factory):
 
 
 def test_fused_path_is_chosen_for_1_to_16_rows_of_half_dtypes_on_cuda(one_layer_runner):
-    from services.worker.models.llama import LlamaModel
+    from services.worker.fusion import FusionPlan
 
-    model = one_layer_runner.model.model
-    one = torch.zeros(1, 1024, device="cuda", dtype=torch.bfloat16)
-    assert model.fused_layers(one) and not model.fused_layers(torch.zeros(2, 1024, device="cuda", dtype=torch.bfloat16))
-    default, LlamaModel.fuse_small_batches = LlamaModel.fuse_small_batches, True
-    try:
-        for rows, dtype, want in ((1, torch.bfloat16, True), (16, torch.bfloat16, True), (17, torch.bfloat16, False),
-                                  (4, torch.float16, False), (4, torch.float32, False)):
-            assert model.fused_layers(torch.zeros(rows, 1024, device="cuda", dtype=dtype)) == want, (rows, dtype)
-        assert not model.fused_layers(torch.zeros(1, 1024))
-        LlamaModel.fuse_small_batches = False
-        LlamaModel.fuse_one_row = False
-        assert not model.fused_layers(one)
-    finally:
-        LlamaModel.fuse_small_batches, LlamaModel.fuse_one_row = default, True
+    r = one_layer_runner
+    cuda = torch.device("cuda")
+    proj = r.model.fusable_projections()
+    assert r.fusion.fused(1) and not r.fusion.fused(2)  # the runner's default plan
+    assert len(proj) == 4 and all(p.dtype == torch.bfloat16 for p in proj)
+    for rows, dtype, want in ((1, torch.bfloat16, True), (16, torch.bfloat16, True), (17, torch.bfloat16, False),
+                              (4, torch.float16, False), (4, torch.float32, False)):
+        assert FusionPlan.choose(proj, cuda, dtype, small_batches=True).fused(rows) == want, (rows, dtype)
+    assert not FusionPlan.choose(proj, torch.device("cpu"), torch.bfloat16, small_batches=True).fused(1)
+    assert not FusionPlan.choose(proj, cuda, torch.bfloat16, one_row=False, small_batches=False).fused(1)
 
 
 @pytest.mark.parametrize("batch", [1, 7, 16])
 def test_one_decoder_layer_fused_matches_unfused_at_decode(one_layer_runner, batch):
-    from services.worker.models.llama import LlamaModel
+    from services.worker.fusion import FusionPlan
     from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
+    from tests.runner_driver import step_logits
 
     r, greedy = one_layer_runner, SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(5, 60, (batch,), generator=g)]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(batch)]
-    r.logits(StepPlan(0, [ScheduledSeq(f"s{i}", p, 0, tables[i], True, greedy) for i, p in enumerate(prompts)]))
+    step_logits(r, StepPlan(0, [ScheduledSeq(f"s{i}", p, 0, tables[i], True, greedy) for i, p in enumerate(prompts)]))
     decode = StepPlan(0, [ScheduledSeq(f"s{i}", [7 + i], len(p), tables[i], True, greedy, 1)
                           for i, p in enumerate(prompts)])
-    default = LlamaModel.fuse_small_batches, LlamaModel.fuse_one_row
+    default, cuda = r.fusion, torch.device("cuda")
+    proj = r.model.fusable_projections()
     try:
-        LlamaModel.fuse_small_batches = LlamaModel.fuse_one_row = True
-        fused = r.logits(decode)
-        LlamaModel.fuse_small_batches = LlamaModel.fuse_one_row = False
-        unfused = r.logits(decode)  # the same step again: rewrites the same KV slots
+        r.fusion = FusionPlan.choose(proj, cuda, torch.bfloat16, one_row=True, small_batches=True)
+        assert r.fusion.fused(batch)
+        fused = step_logits(r, decode)
+        r.fusion = FusionPlan.choose(proj, cuda, torch.bfloat16, one_row=False, small_batches=False)
+        assert not r.fusion.fused(batch)
+        unfused = step_logits(r, decode)  # the same step again: rewrites the same KV slots
     finally:
-        LlamaModel.fuse_small_batches, LlamaModel.fuse_one_row = default
+        r.fusion = default
     assert rel(fused, unfused) < TOL[torch.bfloat16]
     assert _counters_zero()

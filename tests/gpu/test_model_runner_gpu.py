@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from kernels import attention  # noqa: E402
-from services.worker.model_runner import ModelRunner, generate  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from tests.runner_driver import generate, step_logits  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
@@ -57,7 +58,7 @@ def test_graph_decode_equals_eager_and_logits_are_finite(model_dir):
     few = generate(r, prompts[:3], 6, pending=True)
     assert few == generate(r, prompts[:3], 6)
     plan = StepPlan(0, [ScheduledSeq("x", prompts[1], 0, list(range(10)), True, SamplingParams(temperature=0.0))])
-    assert torch.isfinite(r.logits(plan)).all()
+    assert torch.isfinite(step_logits(r, plan)).all()
 
 
 def _reordered_run(r, prompts, steps, sp, pending):
@@ -70,7 +71,7 @@ def _reordered_run(r, prompts, steps, sp, pending):
     tables = {rid: list(range(i * 40, i * 40 + 40)) for i, rid in enumerate(rids)}
     held = {rid: -(-len(p) // bs) for rid, p in zip(rids, prompts)}
     plan = StepPlan(0, [ScheduledSeq(rid, p, 0, tables[rid][:held[rid]], True, sp, 0) for rid, p in zip(rids, prompts)])
-    out = {rid: [t] for rid, t in zip(rids, r.execute(plan))}
+    out = {rid: [t] for rid, t in zip(rids, r.execute(plan).sampled_token_ids)}
     for k in range(1, steps + 1):
         order = rids[k % len(rids):] + rids[:k % len(rids)]
         seqs = []
@@ -83,7 +84,7 @@ def _reordered_run(r, prompts, steps, sp, pending):
                                          table_start=have))
             else:
                 seqs.append(ScheduledSeq(rid, [out[rid][-1]], pos, tables[rid][:held[rid]], True, sp, k))
-        for rid, t in zip(order, r.execute(StepPlan(k, seqs))):
+        for rid, t in zip(order, r.execute(StepPlan(k, seqs)).sampled_token_ids):
             out[rid].append(t)
     return [out[rid] for rid in rids]
 
@@ -106,11 +107,11 @@ def test_triton_attention_close_to_reference_attention_end_to_end(model_dir):
     r = _runner(model_dir, enforce_eager=True)
     prompt = torch.randint(0, 10000, (77,), generator=torch.Generator().manual_seed(1)).tolist()
     plan = StepPlan(0, [ScheduledSeq("x", prompt, 0, list(range(6)), True, SamplingParams(temperature=0.0))])
-    got = r.logits(plan)
+    got = step_logits(r, plan)
     r.use_ref_attention = True
     saved = attention.paged_attention_triton
     try:
-        ref = r.logits(plan)
+        ref = step_logits(r, plan)
     finally:
         r.use_ref_attention = False
         attention.paged_attention_triton = saved

@@ -54,7 +54,7 @@ def test_converted_folder_gives_the_gguf_models_logits_and_greedy_answer(smollm2
         torch.testing.assert_close(model(ids).logits, hf_gguf_model(ids).logits,
                                    rtol=1e-5, atol=1e-5)
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    # The answer DESIGN.md records for transformers on the GGUF itself.
+    # The answer transformers itself gives on the GGUF (recorded when this test was written).
     assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == "The capital of France is Paris."
 
 

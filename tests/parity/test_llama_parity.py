@@ -16,7 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from services.worker.model_runner import ModelRunner, generate, greedy_generate  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from tests.runner_driver import generate, greedy_generate, step_logits  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
@@ -38,13 +39,13 @@ def _chunked_logits(runner, prompt, cuts, n_decode, block_base=0):
     out, toks, start = {}, [], 0
     for end in cuts:
         plan = StepPlan(0, [ScheduledSeq("r", prompt[start:end], start, table, True, GREEDY)])
-        out[end - 1] = runner.logits(plan)[0]
+        out[end - 1] = step_logits(runner, plan)[0]
         start = end
     for i in range(n_decode):
         toks.append(int(out[max(out)].argmax()))
         pos = len(prompt) + i
         plan = StepPlan(0, [ScheduledSeq("r", [toks[-1]], pos, table, True, GREEDY, i + 1)])
-        out[pos] = runner.logits(plan)[0]
+        out[pos] = step_logits(runner, plan)[0]
     return out, toks
 
 
@@ -151,7 +152,7 @@ def test_smollm2_last_position_logits_match_transformers_gguf(smol):
     for text in RAW_PROMPTS:
         ids = tok(text)["input_ids"]
         plan = StepPlan(0, [ScheduledSeq("r", ids, 0, list(range(8)), True, GREEDY)])
-        diff = (runner.logits(plan)[0] - _hf_logits(hf, ids)[-1]).abs().max().item()
+        diff = (step_logits(runner, plan)[0] - _hf_logits(hf, ids)[-1]).abs().max().item()
         assert diff < SMOL_ATOL, f"{text!r}: max abs diff {diff}"
 
 
@@ -213,7 +214,7 @@ def test_sharded_checkpoint_in_subfolder_loads_every_shard(tiny_untied, tmp_path
     runner = _runner(tmp_path, block_size=8)
     prompt = [5, 17, 3, 90, 42]
     plan = StepPlan(0, [ScheduledSeq("r", prompt, 0, [0], True, GREEDY)])
-    diff = (runner.logits(plan)[0] - _hf_logits(hf, prompt)[-1]).abs().max().item()
+    diff = (step_logits(runner, plan)[0] - _hf_logits(hf, prompt)[-1]).abs().max().item()
     assert diff < TINY_ATOL
 
 

@@ -1,7 +1,7 @@
 """Kestrel's logprobs against transformers' log_softmax of its own logits.
 
 A tiny random Llama (written with save_pretrained, as in test_llama_parity) runs through
-`ModelRunner.run_step` with hand-made plans: the prompt in chunks with `prompt_logprobs`
+`ModelRunner.execute` with hand-made plans: the prompt in chunks with `prompt_logprobs`
 (scored across chunk boundaries), then greedy decode steps with `logprobs`. For every
 prompt token and every generated token, the chosen logprob and the top-k (ids and values)
 equal transformers' `log_softmax(logits)` at the position before it.
@@ -64,7 +64,7 @@ def test_prompt_and_greedy_logprobs_equal_transformers(tiny, cuts):
     for end in cuts:
         seq = ScheduledSeq("lp", prompt[start:end], start, table, end == len(prompt), sp, 0,
                            num_prompt_tokens=len(prompt))
-        res = runner.run_step(StepPlan(0, [seq]))
+        res = runner.execute(StepPlan(0, [seq]))
         prompt_lps += res.prompt_logprobs.get("lp", [])
         if seq.sample:
             toks += res.sampled_token_ids
@@ -72,7 +72,7 @@ def test_prompt_and_greedy_logprobs_equal_transformers(tiny, cuts):
         start = end
     for i in range(n_out - 1):
         seq = ScheduledSeq("lp", [toks[-1]], len(prompt) + i, table, True, sp, i + 1)
-        res = runner.run_step(StepPlan(0, [seq]))
+        res = runner.execute(StepPlan(0, [seq]))
         toks += res.sampled_token_ids
         out_lps += res.logprobs
     with torch.no_grad():
@@ -93,7 +93,7 @@ def test_logprobs_zero_gives_chosen_token_only(tiny):
     prompt = [3, 14, 15, 92, 65]
     sp = SamplingParams(temperature=1.0, seed=3, logprobs=0, prompt_logprobs=0)
     seq = ScheduledSeq("z", prompt, 0, [0], True, sp, 0, num_prompt_tokens=len(prompt))
-    res = runner.run_step(StepPlan(0, [seq]))
+    res = runner.execute(StepPlan(0, [seq]))
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     (lp,) = res.logprobs

@@ -16,7 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from services.worker.model_runner import ModelRunner, generate  # noqa: E402
+from services.worker.model_runner import ModelRunner  # noqa: E402
+from tests.runner_driver import generate, step_logits  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
@@ -60,12 +61,12 @@ def test_tiny_qwen3_logits_match_transformers_whole_and_chunked_prefill_and_deco
         ours, start, toks = {}, 0, []
         for end in cuts:
             plan = StepPlan(0, [ScheduledSeq("r", prompt[start:end], start, table, True, GREEDY)])
-            ours[end - 1] = runner.logits(plan)[0]
+            ours[end - 1] = step_logits(runner, plan)[0]
             start = end
         for i in range(5):
             toks.append(int(ours[max(ours)].argmax()))
             pos = len(prompt) + i
-            ours[pos] = runner.logits(StepPlan(0, [ScheduledSeq("r", [toks[-1]], pos, table, True, GREEDY, i + 1)]))[0]
+            ours[pos] = step_logits(runner, StepPlan(0, [ScheduledSeq("r", [toks[-1]], pos, table, True, GREEDY, i + 1)]))[0]
         with torch.no_grad():
             ref = hf(torch.tensor([prompt + toks])).logits[0].float()
         for pos, logits in ours.items():
@@ -96,6 +97,6 @@ def test_dummy_weights_of_a_qwen3_shape_give_finite_logits_and_are_seeded(tmp_pa
     for _ in range(2):
         runner = _runner(tmp_path, load_format="dummy", seed=7, kv_cache_gib=0.01)
         plan = StepPlan(0, [ScheduledSeq("r", list(range(1, 40)), 0, list(range(3)), True, GREEDY)])
-        outs.append(runner.logits(plan)[0])
+        outs.append(step_logits(runner, plan)[0])
     assert torch.isfinite(outs[0]).all() and outs[0].std() > 0
     assert torch.equal(outs[0], outs[1])

@@ -75,14 +75,15 @@ def tiny_runner(folder: pathlib.Path, arch: str, dtype: str):
 def run_steps(runner) -> list[torch.Tensor]:
     """Logits of a 9-token prefill and 3 greedy decode steps of one sequence (fresh KV writes)."""
     from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
+    from tests.runner_driver import step_logits
 
     greedy = SamplingParams(temperature=0.0)
     prompt = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     table = list(range(8))
-    out = [runner.logits(StepPlan(0, [ScheduledSeq("r", prompt, 0, table, True, greedy)]))[0]]
+    out = [step_logits(runner, StepPlan(0, [ScheduledSeq("r", prompt, 0, table, True, greedy)]))[0]]
     for i in range(3):
         tok = int(out[-1].argmax())
-        out.append(runner.logits(StepPlan(0, [ScheduledSeq("r", [tok], 9 + i, table, True, greedy, i + 1)]))[0])
+        out.append(step_logits(runner, StepPlan(0, [ScheduledSeq("r", [tok], 9 + i, table, True, greedy, i + 1)]))[0])
     return out
 
 
@@ -175,12 +176,12 @@ def test_linear_cpu_path_with_fused_steps_equals_the_formula(dtype):
 
 @pytest.mark.parametrize("arch", ["llama_bias", "qwen3"])
 def test_fused_layer_path_forced_on_cpu_equals_unfused_path_bit_for_bit(arch, tmp_path, monkeypatch):
-    from services.worker.models.llama import LlamaModel
+    from services.worker.fusion import FusionPlan
 
     runner = tiny_runner(tmp_path / arch, arch, "float32")
-    assert not runner.model.model.fused_layers(torch.zeros(1, 64))  # the CPU keeps the unfused path
+    assert runner.fusion.rows == frozenset() and not runner.fusion.fused(1)  # the CPU keeps the unfused path
     unfused = run_steps(runner)
-    monkeypatch.setattr(LlamaModel, "fused_layers", lambda self, h: True)
+    monkeypatch.setattr(runner, "fusion", FusionPlan(None))  # every step on the fused path
     fused = run_steps(runner)
     for a, b in zip(fused, unfused):
         assert torch.equal(a, b)
@@ -240,8 +241,8 @@ def _kernel_checks(out: dict) -> None:
 
 def _model_checks(out: dict, tmp: pathlib.Path) -> None:
     from kernels import linear as L
+    from services.worker.fusion import FusionPlan
     from services.worker.layers.linear import Linear
-    from services.worker.models.llama import LlamaModel
 
     from kernels import gemv
 
@@ -268,16 +269,16 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
             if isinstance(mod, Linear):
                 mod.weight.data = mod.weight.data.contiguous()
         unfused = run_steps(runner)
-        saved = (L.skinny_applies, L.skinny_linear_triton, LlamaModel.fused_layers, gemv.gemv_triton, gemv.ENABLED)
+        saved = (L.skinny_applies, L.skinny_linear_triton, runner.fusion, gemv.gemv_triton, gemv.ENABLED)
         L.skinny_applies = lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= L.SKINNY_MAX_ROWS
         L.skinny_linear_triton, gemv.gemv_triton = counting, counting_gemv
         gemv.ENABLED = one_row == "gemv"  # one row: the gemv kernel, or the skinny one
-        LlamaModel.fused_layers = lambda self, h: h.shape[0] <= L.SKINNY_MAX_ROWS
+        runner.fusion = FusionPlan(frozenset(range(1, L.SKINNY_MAX_ROWS + 1)))
         calls.update(kernel=0, split=0, gemv=0, gemv_split=0)
         try:
             fused = run_steps(runner)
         finally:
-            L.skinny_applies, L.skinny_linear_triton, LlamaModel.fused_layers, gemv.gemv_triton, gemv.ENABLED = saved
+            L.skinny_applies, L.skinny_linear_triton, runner.fusion, gemv.gemv_triton, gemv.ENABLED = saved
         name = f"model_{arch}_{dname}" if one_row == "skinny" else f"model_gemv_{arch}_{dname}"
         out[name] = {"err": max(_rel(a, b) for a, b in zip(fused, unfused)), "kernel_calls": calls["kernel"],
                      "split_calls": calls["split"], "gemv_calls": calls["gemv"], "gemv_split_calls": calls["gemv_split"]}

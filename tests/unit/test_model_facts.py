@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVCache, PagedKVSpec
 from services.worker.kv_transfer import KVTransfer
 from shared.config import build_config
 from shared.hashing import model_identity_hash
@@ -127,8 +127,8 @@ def test_layout_block_bytes_are_what_the_worker_allocates_and_copies(tmp_path, d
     name = str(dtype).removeprefix("torch.")
     spec = load_model_spec(_folder(tmp_path, LLAMA), dtype=name)
     layout = KVLayout.for_model(spec, block_size=16)
-    layers = [type("Attn", (), {})() for _ in range(spec.num_layers)]
-    kv = KVCache(layers, 5, 16, spec.num_kv_heads, spec.head_dim, dtype, "cpu")
+    specs = [PagedKVSpec(spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+    kv = KVCache(specs, 5, 16, dtype, "cpu")
     assert layout.block_bytes * 5 == sum(t.numel() * t.element_size() for t in kv.k + kv.v)
     assert layout.layer_block_bytes * 5 == kv.k[0].nbytes + kv.v[0].nbytes
     assert layout.slot_bytes == layout.block_bytes == KVTransfer(kv, layout).slot_bytes
@@ -136,8 +136,8 @@ def test_layout_block_bytes_are_what_the_worker_allocates_and_copies(tmp_path, d
 
 def test_a_cache_not_laid_out_as_the_layout_says_is_refused(tmp_path):
     spec = load_model_spec(_folder(tmp_path, LLAMA), dtype="bfloat16")
-    layers = [type("Attn", (), {})() for _ in range(spec.num_layers)]
-    kv = KVCache(layers, 2, 16, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    specs = [PagedKVSpec(spec.num_kv_heads, spec.head_dim)] * spec.num_layers
+    kv = KVCache(specs, 2, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="not laid out"):
         KVTransfer(kv, KVLayout.for_model(spec, 16))
 

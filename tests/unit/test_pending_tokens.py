@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from benchmarks.common import model_dir
-from services.worker.model_runner import ModelRunner, generate
+from services.worker.model_runner import ModelRunner
+from tests.runner_driver import generate
 from shared.config import build_config
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan
 

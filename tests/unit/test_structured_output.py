@@ -42,16 +42,6 @@ SCHEMA = {
 }
 
 
-class RunStep:
-    """A ModelRunner behind the one entry point the in-process executor calls."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-
-    def execute(self, plan: P.StepPlan) -> P.StepResult:
-        return self.runner.run_step(plan)
-
-
 class InProcessEngine:
     """An EngineCore on a ModelRunner in this process: `add` calls `EngineCore.add`, `run`
     advances the (synchronous) step pipeline until idle; outputs are collected per id."""
@@ -64,7 +54,7 @@ class InProcessEngine:
         self.runner = ModelRunner(cfg)
         assert self.runner.block_size == cfg.block_size
         self.core = EngineCore(cfg, model_spec_for(cfg), self.runner.num_blocks, seed=0)
-        self.pipeline = StepPipeline(self.core, InProcessExecutor(RunStep(self.runner)),
+        self.pipeline = StepPipeline(self.core, InProcessExecutor(self.runner),
                                      async_scheduling=False)
         self.outputs: dict[str, list[P.RequestOutput]] = {}
 

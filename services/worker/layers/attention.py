@@ -1,18 +1,34 @@
-"""The attention layer over the paged KV cache, and the step's attention metadata.
+"""Attention over the paged KV cache: the step's metadata, each layer's description, and the
+backends that run it (docs/ARCHITECTURE.md §6).
 
-The layer writes the step's keys and values into its cache blocks through the slot mapping,
-then runs paged attention (`kernels.attention`) for prefill chunks and decodes together.
-Its k_cache / v_cache are bound by the KV cache allocator (`services.worker.kv_cache`).
+A model calls `attn.forward(layer, q, k, v, positions)` and gets the attention output; the
+backend owns everything between: the per-head q/k RMSNorm (Qwen3), the rotary embedding,
+the write of the step's keys and values into the layer's `KVHandle`, and the kernel. The
+runner builds one backend per step from the step's `AttentionMetadata` (`select_backend`):
+
+- `DecodeAttention` (CUDA, every sequence has one new token): one kernel does the norm,
+  the rotation, the KV write and the attention (`kernels.rope_decode.rope_paged_decode`);
+  inside a CUDA graph this path is fixed at capture.
+- `PagedAttention` (CUDA, prefill chunks and decodes mixed): `rotary_and_store_kv`, then
+  `paged_attention` (varlen, over the paged cache).
+- `ReferenceAttention` (the CPU, or no Triton): the same two steps on the torch references,
+  with the step's gather plan (`kernels.attention.RefAttentionPlan`).
+
+The per-layer part (`AttentionLayer`: the tensors a layer's call needs) is bound once at
+load, so a layer's call is one list index and one kernel dispatcher call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from kernels.attention import RefAttentionPlan, paged_attention, store_kv
+from kernels.attention import RefAttentionPlan, paged_attention, paged_attention_ref
+from kernels.rope_decode import rope_paged_decode
+from kernels.rotary import rotary_and_store_kv
+from services.worker.kv_cache import KVHandle, PagedKVSpec
 
 
 @dataclass
@@ -22,8 +38,10 @@ class AttentionMetadata:
     cu_seqlens_q: [num_seqs + 1] int32, query token offsets in the flattened batch.
     seq_lens: [num_seqs] int32, cached tokens per sequence including this step's.
     block_tables: [num_seqs, max_blocks] int32, -1 padded.
-    slot_mapping: [num_tokens] int64, cache slot of each new token.
+    slot_mapping: [num_tokens] int64, cache slot of each new token (< 0: not written).
     ref_plan: gather indices of the torch reference (None on a device that uses kernels).
+    max_q_len, max_seq_len: host-side bounds for the GPU kernels (no device sync); None on
+    the reference path.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -31,35 +49,132 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     ref_plan: RefAttentionPlan | None = None
-    max_q_len: int | None = None  # host-side bounds for the GPU kernels (no device sync)
+    max_q_len: int | None = None
     max_seq_len: int | None = None
 
 
-class Attention(nn.Module):
-    """Paged causal attention with GQA.
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer as the model describes it (`CausalLM.attention_specs`).
 
-    forward(q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim], meta)
-    -> [T, num_heads * head_dim].
-    Raises ValueError if num_heads is not a multiple of num_kv_heads.
+    num_heads, num_kv_heads, head_dim: GQA shape. scale: softmax scale (head_dim ** -0.5).
+    cos_sin: the model's rotary table, fp32 [max_positions, rot_dim] (`kernels.rotary.
+    rope_cos_sin`), shared by the layers. q_norm, k_norm: [head_dim] weights of a per-head
+    RMSNorm applied to q and k before the rotation (Qwen3), or both None; eps: its epsilon.
+    Raises ValueError if num_heads is not a multiple of num_kv_heads, or only one norm is given.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
-        self.v_cache = torch.empty(0)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    cos_sin: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 1e-6
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.attend(q, meta)
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("attention: q_norm and k_norm are both given or neither")
 
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q over the cache, this step's K/V already stored: -> [T, heads * head_dim]."""
-        o = paged_attention(q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens,
-                            meta.block_tables, self.scale, meta.ref_plan, meta.max_q_len,
-                            meta.max_seq_len)
-        return o.reshape(q.shape[0], -1)
+    @property
+    def kv(self) -> PagedKVSpec:
+        """What the layer caches per token."""
+        return PagedKVSpec(self.num_kv_heads, self.head_dim)
+
+
+class AttentionLayer:
+    """One layer's attention bound to its KV cache: what a backend's call reads, flat.
+
+    spec: the layer's `AttentionSpec`; kv: its `KVHandle` (shape spec.kv).
+    """
+
+    __slots__ = ("cos_sin", "eps", "k", "k_norm", "kv", "q_norm", "scale", "v")
+
+    def __init__(self, spec: AttentionSpec, kv: KVHandle):
+        self.kv = kv
+        self.k, self.v = kv.k, kv.v
+        self.cos_sin, self.scale = spec.cos_sin, spec.scale
+        self.q_norm, self.k_norm, self.eps = spec.q_norm, spec.k_norm, spec.eps
+
+
+def bind_layers(specs: Sequence[AttentionSpec], handles: Sequence[KVHandle]) -> list[AttentionLayer]:
+    """One `AttentionLayer` per (spec, handle), layer order. Raises ValueError on a count
+    mismatch."""
+    if len(specs) != len(handles):
+        raise ValueError(f"{len(specs)} attention layers, {len(handles)} KV handles")
+    return [AttentionLayer(s, h) for s, h in zip(specs, handles)]
+
+
+class AttentionBackend:
+    """Runs the attention of one step's layers (the module doc).
+
+    layers: the model's `AttentionLayer`s; meta: the step's metadata.
+    forward(layer, q [T, heads, head_dim], k, v [T, kv_heads, head_dim], positions [T] int64)
+    -> [T, heads * head_dim] in q's dtype. q, k and v may be views of the fused qkv
+    output (unit stride in the last dim); q and k may be left rotated or not. The step's k
+    and v are in the layer's cache afterwards.
+    """
+
+    __slots__ = ("layers", "meta")
+
+    def __init__(self, layers: Sequence[AttentionLayer], meta: AttentionMetadata):
+        self.layers, self.meta = layers, meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DecodeAttention(AttentionBackend):
+    """Decode-only steps on CUDA: `rope_paged_decode` (norm, rotary, KV write, attention)."""
+
+    __slots__ = ()
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        a, m = self.layers[layer], self.meta
+        return rope_paged_decode(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, m.cu_seqlens_q,
+                                 m.seq_lens, m.block_tables, a.scale, a.q_norm, a.k_norm, a.eps, m.ref_plan,
+                                 m.max_seq_len).reshape(q.shape[0], -1)
+
+
+class PagedAttention(AttentionBackend):
+    """Prefill chunks and decodes together on CUDA: `rotary_and_store_kv`, `paged_attention`."""
+
+    __slots__ = ()
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        a, m = self.layers[layer], self.meta
+        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps)
+        return paged_attention(q, a.k, a.v, m.cu_seqlens_q, m.seq_lens, m.block_tables, a.scale, m.ref_plan,
+                               m.max_q_len, m.max_seq_len).reshape(q.shape[0], -1)
+
+
+class ReferenceAttention(AttentionBackend):
+    """Every step on the CPU (or without Triton): the rotary dispatcher (its torch reference
+    there) and the torch reference of paged attention with meta.ref_plan's gathers (built
+    per layer when it is None)."""
+
+    __slots__ = ()
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        a, m = self.layers[layer], self.meta
+        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps)
+        return paged_attention_ref(q, a.k, a.v, m.cu_seqlens_q, m.seq_lens, m.block_tables, a.scale,
+                                   m.ref_plan).reshape(q.shape[0], -1)
+
+
+def select_backend(layers: Sequence[AttentionLayer], meta: AttentionMetadata, reference: bool) -> AttentionBackend:
+    """The backend of one step: `ReferenceAttention` when `reference` (the runner's device
+    runs the references), else `DecodeAttention` when every sequence has one new token
+    (meta.max_q_len == 1), else `PagedAttention`."""
+    if reference:
+        return ReferenceAttention(layers, meta)
+    if meta.max_q_len == 1:
+        return DecodeAttention(layers, meta)
+    return PagedAttention(layers, meta)

@@ -29,13 +29,13 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False):
         super().__init__()
         stacked = isinstance(out_features, (list, tuple))
-        sizes = list(out_features) if stacked else [out_features]
+        sizes: list[int] = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
         if stacked:
             for p in (self.weight, self.bias):
                 if p is not None:
-                    p.shard_sizes = sizes
+                    setattr(p, "shard_sizes", sizes)  # noqa: B010 (an attribute torch's stubs do not know)
 
     def forward(self, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                 silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:

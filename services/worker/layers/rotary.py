@@ -18,6 +18,8 @@ class RotaryEmbedding(nn.Module):
     (pass q and k heads together, see `apply_rotary_ref`).
     """
 
+    cos_sin: torch.Tensor  # the buffer: fp32 [max_positions, rot_dim]
+
     def __init__(self, rot_dim: int, theta: float, max_positions: int, scaling: dict | None = None):
         super().__init__()
         inv_freq = rope_inv_freq(rot_dim, theta, scaling)  # on the default device

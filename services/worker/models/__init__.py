@@ -1,8 +1,7 @@
 """Model registry: Hugging Face architecture name (config.json `architectures[0]`) -> class.
 
-Each architecture lives in its own file. A class exposes `packed_modules`,
-`ignored_tensors`, `tied_lm_head`, `forward`, `compute_logits`, `attention_layers` and
-`kv_shape` (see `llama.LlamaForCausalLM`).
+Each architecture lives in its own file; each class is a `torch.nn.Module` that implements
+`base.CausalLM` (built as cls(hf_config, max_positions)).
 """
 
 from __future__ import annotations

@@ -5,18 +5,19 @@ Source of the architecture: Touvron et al. 2023 and Hugging Face's `modeling_lla
 (parameter names follow its checkpoints; q/k/v and gate/up are stacked here, see
 `packed_modules`).
 
-Inputs are flattened over the step's sequences: input_ids and positions [num_tokens], plus
-the step's `AttentionMetadata`.
+Qwen3 dense is this architecture with `qk_norm` on: an RMSNorm over each head of q and of k
+(weights `q_norm` / `k_norm` [head_dim]) before the rotary embedding (`qwen3.py`).
 
-Two layer paths, chosen once per forward (`LlamaModel.fused_layers`):
-- unfused (CPU, prefill, batches over 16): each layer takes (x, residual) and returns
-  (mlp output, residual); the residual adds run inside the RMSNorms (fused_add_rms_norm).
-- fused (CUDA, bf16/fp16, every projection on our kernels: one token on `kernels.gemv`, on by
-  default; 2..16 tokens on the skinny kernel, off by default, it measured slower): the
-  layer carries the residual stream h alone, and the norms, the SiLU-and-mul and the
-  residual adds run inside the projections' kernels (`kernels.linear`): 4 projection
-  launches and the attention a layer. Same rounding op by op, so the outputs equal the
-  unfused path's up to summation order. Inside a CUDA graph the path is fixed at capture.
+Inputs are flattened over the step's sequences: input_ids and positions [num_tokens], plus
+the step's attention backend (`services.worker.layers.attention`), which owns the rotary
+embedding, the q/k norm, the KV cache and the kernel; the model describes each layer's
+attention to it (`attention_specs`).
+
+Two layer paths, chosen by the runner per step (`services.worker.fusion.FusionPlan`):
+- unfused: each layer takes (x, residual) and returns (mlp output, residual); the residual
+  adds run inside the RMSNorms (fused_add_rms_norm).
+- fused: the layer carries the residual stream h alone, and the norms, the SiLU-and-mul and
+  the residual adds run inside the projections (`Linear`'s keyword arguments).
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from services.worker.kv_cache import PagedKVSpec
 from services.worker.layers.activation import SiluAndMul
-from services.worker.layers.attention import Attention, AttentionMetadata
+from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
-from kernels import linear as linear_kernels
-from kernels.rope_decode import rope_paged_decode
-from kernels.rotary import rotary_and_store_kv
 
 
 @dataclass(frozen=True)
@@ -55,11 +54,13 @@ class LlamaArgs:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     @classmethod
-    def from_hf(cls, c: dict) -> "LlamaArgs":
+    def from_hf(cls, c: dict, qk_norm: bool = False) -> LlamaArgs:
         """Read a config.json dict. Rope settings come from `rope_parameters`
         (transformers >= 5) or from `rope_theta` / `rope_scaling` (older files).
+        qk_norm: the architecture's q/k norm flag (not a config.json field).
         Raises ValueError for an activation other than SiLU."""
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (silu only)")
@@ -76,54 +77,44 @@ class LlamaArgs:
             rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=qk_norm,
         )
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
+    """GQA self-attention of layer `layer_idx`: the qkv projection, the step's attention
+    backend, the o projection. With a.qk_norm, the q_norm / k_norm weights the backend
+    applies (parameters `self_attn.q_norm.weight`, `self_attn.k_norm.weight`)."""
+
+    def __init__(self, a: LlamaArgs, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.q_size = a.num_attention_heads * a.head_dim
         self.kv_size = a.num_key_value_heads * a.head_dim
         self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.qkv_proj = Linear(a.hidden_size, [self.q_size, self.kv_size, self.kv_size], a.attention_bias)
         self.o_proj = Linear(self.q_size, a.hidden_size, a.attention_bias)
-        self.rotary = [rotary]  # a list, so that the shared module is not registered per layer
-        self.attn = Attention(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend,
                 norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Fused path: norm, applied to x inside the qkv
         projection; residual [T, hidden], added to the o_proj output inside it."""
         t = x.shape[0]
         qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.weight, eps=norm.eps)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.rope_attend(positions, q.view(t, self.heads, self.head_dim),
-                                k.view(t, self.kv_heads, self.head_dim),
-                                v.view(t, self.kv_heads, self.head_dim), meta, self.qk_norm(), residual)
-
-    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """(q_norm weight, k_norm weight, eps) of a per-head RMSNorm before RoPE (Qwen3), or None."""
-        return None
-
-    def rope_attend(self, positions, q, k, v, meta: AttentionMetadata, qk_norm=None,
-                    residual=None) -> torch.Tensor:
-        """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place, store k and v
-        in the cache (one kernel on the GPU), attend and project: -> [T, hidden]. A decode-only
-        step on the GPU does the rotation and the cache write inside the attention kernel
-        (`kernels.rope_decode`; q and k are then left unrotated).
-        qk_norm: (q_norm weight, k_norm weight, eps) of a per-head RMSNorm applied first
-        (Qwen3), or None. residual: [T, hidden] added to the projection, or None."""
-        a = self.attn
-        qn, kn, eps = qk_norm if qk_norm is not None else (None, None, 1e-6)
-        if meta.max_q_len == 1:  # decode only: one fused kernel where the device has it (kernels.rope_decode)
-            o = rope_paged_decode(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
-                                  meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                  a.scale, qn, kn, eps, meta.ref_plan, meta.max_seq_len).reshape(q.shape[0], -1)
-        else:
-            rotary_and_store_kv(q, k, v, positions, self.rotary[0].cos_sin, a.k_cache, a.v_cache,
-                                meta.slot_mapping, qn, kn, eps)
-            o = a.attend(q, meta)
+        o = attn.forward(self.layer_idx, q.view(t, self.heads, self.head_dim),
+                         k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim),
+                         positions)
         return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
+
+    def spec(self, cos_sin: torch.Tensor) -> AttentionSpec:
+        """This layer's attention for the backend; cos_sin: the model's rotary table."""
+        qn, kn = self.q_norm, self.k_norm
+        return AttentionSpec(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, cos_sin,
+                             None if qn is None else qn.weight, None if kn is None else kn.weight,
+                             1e-6 if qn is None else qn.eps)
 
 
 class LlamaMLP(nn.Module):
@@ -135,7 +126,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if gu.shape[0] == 1:  # batch-1 decode: the SiLU-and-mul inside the down projection (kernels.gemv)
+        if gu.shape[0] == 1:  # one row: the projection takes the SiLU-and-mul (one gemv launch on CUDA)
             return self.down_proj(gu, silu_mul=True)
         return self.down_proj(self.act(gu))
 
@@ -146,112 +137,102 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls = LlamaAttention  # subclasses of other architectures swap it (qwen3.py)
-
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding):
+    def __init__(self, a: LlamaArgs, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = self.attention_cls(a, rotary)
+        self.self_attn = LlamaAttention(a, layer_idx)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = LlamaMLP(a)
 
-    def forward(self, positions, x, residual, meta):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused path (module docstring): (x, residual) [T, hidden] each -> the next pair."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def forward_fused(self, positions, h, meta):
+    def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The fused path (module docstring): residual stream h [T, hidden] -> the next h."""
-        h = self.self_attn(positions, h, meta, norm=self.input_layernorm, residual=h)
+        h = self.self_attn(positions, h, attn, norm=self.input_layernorm, residual=h)
         return self.mlp.forward_fused(h, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
-    layer_cls = LlamaDecoderLayer
-    # The fused layer path on the skinny kernel (2..16 rows) is off: on the H200 it measured
-    # slower than the unfused sequence (Qwen3-0.6B b=1 linear stack in one CUDA graph,
-    # benchmarks/kernel_sweep.py --only fused: 1,302 against 851 us). True turns it on.
-    fuse_small_batches = False
-    # One row on the gemv kernel (kernels.gemv: the norm in its prologue, the residual add in
-    # its epilogue): 4 projection launches and the attention a layer, no norm kernels.
-    # False keeps batch 1 on the unfused path (benchmarks/decode_latency.py --fused-layers off).
-    fuse_one_row = True
-
     def __init__(self, a: LlamaArgs, max_positions: int):
         super().__init__()
         self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
         self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, max_positions, a.rope_scaling)
-        self.layers = nn.ModuleList(self.layer_cls(a, self.rotary) for _ in range(a.num_hidden_layers))
+        # a plain list to iterate (typed, and cheaper per step than the ModuleList's iterator)
+        self.decoder_layers = [LlamaDecoderLayer(a, i) for i in range(a.num_hidden_layers)]
+        self.layers = nn.ModuleList(self.decoder_layers)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def fused_layers(self, h: torch.Tensor) -> bool:
-        """Whether a forward whose embeddings are h [T, hidden] takes the fused layer path:
-        every projection runs on the gemv kernel (one row, `fuse_one_row`, gemv.ENABLED) or
-        the skinny kernel (`fuse_small_batches`), i.e. `kernels.linear.skinny_applies`: CUDA,
-        1..16 rows, bf16/fp16, weights up to SKINNY_MAX_WEIGHT. Depends on T, the device
-        and the dtype only, so it is fixed inside a captured CUDA graph."""
-        if not (h.is_cuda and len(self.layers)):
-            return False
-        one_row = h.shape[0] == 1 and self.fuse_one_row and linear_kernels.gemv.ENABLED
-        if not (one_row or self.fuse_small_batches):
-            return False
-        layer = self.layers[0]  # every layer has the same shapes
-        return all(linear_kernels.skinny_applies(h, p.weight) for p in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
-
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                fused: bool = False) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        if self.fused_layers(x):
-            for layer in self.layers:
-                x = layer.forward_fused(positions, x, meta)
+        if fused:
+            for layer in self.decoder_layers:
+                x = layer.forward_fused(positions, x, attn)
             return self.norm(x)
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+        for layer in self.decoder_layers:
+            x, residual = layer(positions, x, residual, attn)
         x, _ = self.norm(x, residual)
         return x
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. Build it under the target device and default dtype; the loader
-    fills its (uninitialised) parameters.
+    """The whole model (a `services.worker.models.base.CausalLM`). Build it under the target
+    device and default dtype; the loader fills its (uninitialised) parameters.
 
     hf_config: config.json as a dict. max_positions: rows of the rotary table (at least
     max_model_len).
-    forward(input_ids [T] int64, positions [T] int64, meta) -> hidden [T, hidden_size].
+    forward(input_ids [T] int64, positions [T] int64, attn, fused) -> hidden [T, hidden_size].
     compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] fp32.
+    Raises ValueError from `LlamaArgs.from_hf`.
     """
 
     # checkpoint module name -> (our stacked module name, shard index)
-    packed_modules = {
+    packed_modules: dict[str, tuple[str, int]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     # checkpoint tensors that are not parameters and are skipped on purpose
-    ignored_tensors = ("rotary_emb.inv_freq",)
-    model_cls = LlamaModel
-    args_cls = LlamaArgs
+    ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    qk_norm = False  # the architecture's per-head q/k RMSNorm (Qwen3ForCausalLM sets it)
 
     def __init__(self, hf_config: dict, max_positions: int | None = None):
         super().__init__()
-        a = self.args = self.args_cls.from_hf(hf_config)
-        self.model = self.model_cls(a, max(max_positions or 0, a.max_position_embeddings))
+        a = self.args = LlamaArgs.from_hf(hf_config, qk_norm=self.qk_norm)
+        self.model = LlamaModel(a, max(max_positions or 0, a.max_position_embeddings))
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                fused: bool = False) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def attention_layers(self) -> list[Attention]:
-        """The attention layers in order; the KV cache binds one cache pair to each."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def attention_specs(self) -> list[AttentionSpec]:
+        """Each layer's attention, in layer order (read after loading: the specs hold the
+        q/k norm weights)."""
+        table = self.model.rotary.cos_sin
+        return [layer.self_attn.spec(table) for layer in self.model.decoder_layers]
 
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache."""
-        return self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim
+    def kv_specs(self) -> list[PagedKVSpec]:
+        """What each layer caches: paged K/V of (num_kv_heads, head_dim)."""
+        return [PagedKVSpec(self.args.num_key_value_heads, self.args.head_dim)] * self.args.num_hidden_layers
+
+    def fusable_projections(self) -> list[torch.Tensor]:
+        """The projection weights of one decoder layer (all have the same shapes), for the
+        runner's `FusionPlan`: the fused path needs the kernels to take each of them."""
+        layers = self.model.decoder_layers
+        if not layers:
+            return []
+        a, m = layers[0].self_attn, layers[0].mlp
+        return [p.weight for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]

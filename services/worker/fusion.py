@@ -1,0 +1,72 @@
+"""The layer-fusion plan: which steps run the fused decoder-layer path (docs/ARCHITECTURE.md §6).
+
+Two layer paths exist (`services.worker.models.llama`):
+- unfused (CPU, prefill, batches over 16): the norms and residual adds are their own ops
+  (fused_add_rms_norm);
+- fused (CUDA, bf16/fp16, every projection on our kernels): the layer carries the residual
+  stream alone, and the norms, the SiLU-and-mul and the residual adds run inside the
+  projections' kernels (`kernels.linear`, `kernels.gemv`): 4 projection launches and the
+  attention a layer. Same rounding op by op, so the outputs equal the unfused path's up to
+  summation order.
+
+The runner chooses once at load, from the model's projection weights, the device and the
+dtype, which step sizes (tokens per step) take the fused path, and passes the choice to the
+model's forward each step; a CUDA graph keeps the choice made at its capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels import linear as linear_kernels
+
+# One row on the gemv kernel (kernels.gemv: the norm in its prologue, the residual add in its
+# epilogue): 4 projection launches and the attention a layer, no norm kernels. False keeps
+# batch 1 on the unfused path (benchmarks/decode_latency.py --fused-layers off).
+FUSE_ONE_ROW = True
+# The fused path on the skinny kernel (2..16 rows) is off: on the H200 it measured slower
+# than the unfused sequence (Qwen3-0.6B b=1 linear stack in one CUDA graph,
+# benchmarks/kernel_sweep.py --only fused: 1,302 against 851 us).
+FUSE_SMALL_BATCHES = False
+
+
+class FusionPlan:
+    """Which step sizes take the fused layer path.
+
+    rows: the token counts of steps that take it; None = every step (tests force the path
+    with it, e.g. on the CPU, where it equals the unfused one bit for bit).
+    fused(num_tokens) -> bool, one set lookup (called once per step).
+    """
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: frozenset[int] | None):
+        self.rows = rows
+
+    def fused(self, num_tokens: int) -> bool:
+        return self.rows is None or num_tokens in self.rows
+
+    @classmethod
+    def choose(cls, projections: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
+               one_row: bool | None = None, small_batches: bool | None = None) -> FusionPlan:
+        """The plan of a model whose decoder layers' projection weights are `projections`
+        (one layer's: every layer has the same shapes), on `device` in `dtype`: a step of T
+        tokens is fused when T == 1 with one_row (default FUSE_ONE_ROW) and the gemv kernel on
+        (`kernels.gemv.ENABLED`), or 1 <= T <= SKINNY_MAX_ROWS with small_batches (default
+        FUSE_SMALL_BATCHES), and `kernels.linear.skinny_applies` takes every projection at
+        T rows (CUDA, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Never on the CPU.
+        Read the module flags and gemv.ENABLED now: set them before the runner is built."""
+        one_row = FUSE_ONE_ROW if one_row is None else one_row
+        small_batches = FUSE_SMALL_BATCHES if small_batches is None else small_batches
+        if device.type != "cuda" or not projections:
+            return cls(frozenset())
+        rows = set()
+        for t in range(1, linear_kernels.SKINNY_MAX_ROWS + 1):
+            if not ((t == 1 and one_row and linear_kernels.gemv.ENABLED) or small_batches):
+                continue
+            x = torch.empty((t, 1), dtype=dtype, device=device)  # skinny_applies reads rows, device, dtype
+            if all(linear_kernels.skinny_applies(x, w) for w in projections):
+                rows.add(t)
+        return cls(frozenset(rows))

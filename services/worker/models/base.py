@@ -1,0 +1,56 @@
+"""The contract between the model runner and a model (docs/ARCHITECTURE.md §6).
+
+A model is a plain `torch.nn.Module` that describes the network; the runner decides how it
+runs. It holds no kernel choice and no cache tensor: attention goes through the step's
+backend (`services.worker.layers.attention.AttentionBackend`), the layer path through the
+runner's fusion choice (`services.worker.fusion.FusionPlan`), and the KV cache is allocated
+by the runner from what the model says each layer caches.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from services.worker.kv_cache import PagedKVSpec
+from services.worker.layers.attention import AttentionBackend, AttentionSpec
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal language model the runner can serve (`services.worker.models.llama` is one).
+
+    packed_modules: checkpoint module name -> (our stacked module, shard index), for the loader.
+    ignored_tensors: suffixes of checkpoint tensors skipped on purpose (e.g. rotary_emb.inv_freq).
+    tied_lm_head: whether the lm_head shares the embedding's weight (the loader expects no
+    lm_head tensor then).
+    """
+
+    packed_modules: dict[str, tuple[str, int]]
+    ignored_tensors: tuple[str, ...]
+    tied_lm_head: bool
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                 fused: bool = False) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 (flattened over the step's sequences),
+        attn: the step's backend, fused: the fused layer path (the runner's FusionPlan)
+        -> hidden [T, hidden_size] in the model dtype."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] fp32."""
+        ...
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """Each attention layer's description for the backend, layer order (after loading)."""
+        ...
+
+    def kv_specs(self) -> list[PagedKVSpec]:
+        """What each layer caches, layer order (sizes the KV cache)."""
+        ...
+
+    def fusable_projections(self) -> list[torch.Tensor]:
+        """The weights the fused layer path runs on our projection kernels (one layer's);
+        [] when the model has no fused path."""
+        ...
