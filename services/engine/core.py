@@ -17,8 +17,8 @@ fails to compile: "invalid", 400). A worker fault fails the step's requests ("in
 Structured-output grammars are compiled at add time (`services.engine.structured`); a new
 one in a thread, its request admitted by the loop when it is ready (`_finish_compiles`).
 
-KV tiers (kv_offload_cpu_gib > 0 with the prefix cache on): `services.engine.kv_tiers`
-talks to the kvstore on this loop (its socket is polled next to the others, also while a
+KV tiers (kv_offload_cpu_gib > 0 with the prefix cache on): the scheduler's KV connector
+(`services.engine.kv_tiers.KVStoreConnector`) talks to the kvstore on this loop (its socket is polled next to the others, also while a
 step runs). Plans carry the tier copies (`StepPlan.kv_loads` / `kv_stores`); stores that
 are ready while nothing else runs go out in a transfer-only plan.
 
@@ -41,7 +41,8 @@ import zmq
 from services.engine.block_manager import BlockManager
 from services.engine.frontends import (DEBUG_SLEEP_MAX_S, FRONTEND_TIMEOUT_S, FrontendLink,
                                        FrontendState)
-from services.engine.kv_tiers import KVTiers
+from services.engine.kv_connector import KVConnector
+from services.engine.kv_tiers import KVStoreConnector
 from services.kvstore.settings import ConfigError, derive_block_bytes, store_identity
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.steps import STEP_LIMIT_FACTOR, EngineStopping, StepPipeline
@@ -71,7 +72,7 @@ class EngineCore(FrontendLink, StepPipeline):
     step pipeline (plans out, results in) in `StepPipeline` (services.engine.steps).
     """
 
-    tiers: KVTiers | None = None  # class default: tests build engines without __init__
+    tiers: KVConnector | None = None  # class default: tests build engines without __init__
     inflight: SchedulerOutput | None = None  # the plan sent and not yet finished (async)
     early_results: dict | None = None  # step id -> StepResult that came before awaited
     _structured_thread: threading.Thread | None = None  # the startup build of the compiler
@@ -104,7 +105,7 @@ class EngineCore(FrontendLink, StepPipeline):
         self.debug_sleep_s = 0.0  # set by the debug_sleep utility; slept in the next step
         self.beacon = Beacon(cfg.runtime_dir, "engine")  # watchdog progress + stack dumps
         self._structured: StructuredOutputManager | None = None  # built at start (thread)
-        self.tiers: KVTiers | None = None  # the kvstore client, when offload is on
+        self.tiers: KVConnector | None = None  # the scheduler's KV connector, when offload is on
 
     def structured(self) -> StructuredOutputManager:
         """The grammar compiler. `start` builds it in a background thread (0.2 s+: reads the
@@ -189,8 +190,9 @@ class EngineCore(FrontendLink, StepPipeline):
         except ConfigError as e:
             log.error("KV tiers off: %s", e)
             return
-        self.tiers = KVTiers(self.cfg.kvstore_address, self.scheduler.bm.root_hash, block_bytes,
-                             self.scheduler, self.ctx)
+        self.tiers = KVStoreConnector(self.cfg.kvstore_address, self.scheduler.bm.root_hash,
+                                      block_bytes, self.ctx)
+        self.scheduler.attach_connector(self.tiers)
         log.info("KV tiers: kvstore at %s, %d bytes per block", self.cfg.kvstore_address,
                  block_bytes)
 

@@ -111,8 +111,6 @@ class StepPipeline:
         self._finish_step(out)
 
     def _send_plan(self, out: SchedulerOutput) -> None:
-        if self.tiers is not None:
-            self.tiers.attach_to_plan(out.plan)
         self.ring.write(self.enc.encode(out.plan), msg_type="step")
 
     def _finish_step(self, out: SchedulerOutput) -> None:
@@ -123,7 +121,7 @@ class StepPipeline:
             if result.kv_store_error:
                 log.warning("step %d: KV stores dropped: %s", out.plan.step_id,
                             result.kv_store_error)
-            self.tiers.after_step(out.plan, not result.error and not result.kv_store_error)
+            self.scheduler.transfers_done(out.plan, not result.error and not result.kv_store_error)
         if result.error:
             log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
             for req in out.requests:
@@ -157,12 +155,12 @@ class StepPipeline:
 
     def _transfer_step(self) -> None:
         """A plan with only KV tier stores (nothing else runs, stores are ready)."""
-        self.scheduler.step_id += 1
-        plan = P.StepPlan(step_id=self.scheduler.step_id, seqs=[])
-        self.tiers.attach_to_plan(plan)
+        plan = self.scheduler.transfer_plan()
+        if plan is None:
+            return
         self.ring.write(self.enc.encode(plan), msg_type="step")
         result = self._wait_result(plan.step_id)
         if result.kv_store_error or result.error:
             log.warning("transfer step %d: KV stores dropped: %s", plan.step_id,
                         result.kv_store_error or result.error)
-        self.tiers.after_step(plan, not result.error and not result.kv_store_error)
+        self.scheduler.transfers_done(plan, not result.error and not result.kv_store_error)
