@@ -31,8 +31,6 @@ until the store answers.
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,13 +41,11 @@ from services.engine.kv_calls import (AckCall, LookupCall, PingCall, PrepareCall
                                       TierCall)
 from services.engine.kv_connector import KVConnector, KVLoad, KVTransfers, StorePins
 from services.engine.kv_loads import LoadBook
+from services.engine.kv_session import StoreSession
 from services.engine.request import Request
-from services.kvstore.client import KVStoreClient
-from shared.protocol import (KVAck, KVCompleteLoad, KVCompleteStore, KVError, KVHello, KVInfo,
+from shared.protocol import (KVAck, KVCompleteLoad, KVCompleteStore, KVError, KVInfo,
                              KVLoadReady, KVLoadReserved, KVLookup, KVLookupResult,
                              KVPrepareStore, KVReserveLoad, KVStats, KVStorePrepared, StepPlan)
-
-log = logging.getLogger("kestrel.engine")
 
 
 class KVStoreConnector(KVConnector):
@@ -58,23 +54,16 @@ class KVStoreConnector(KVConnector):
     address: the kvstore's ZMQ address. model_identity: 32 bytes (the prefix cache root).
     block_bytes: bytes of one block as the workers lay it out in a slot. ctx: the engine's
     zmq context. Times in seconds. Attach it with `Scheduler.attach_connector`.
-    Attributes read by tests and stats: connected, pending (req_id -> TierCall), book,
-    counters.
+    Attributes read by tests and stats: session (the `StoreSession`), connected, pending
+    (req_id -> TierCall), queued_lookups, queued_stores, ready_stores, book, counters.
     """
 
     def __init__(self, address: str, model_identity: bytes, block_bytes: int, ctx: zmq.Context,
                  reply_timeout_s: float = 3.0, load_timeout_s: float = 15.0,
                  ping_s: float = 1.0, retry_s: float = 2.0):
         super().__init__()
-        self.address, self.identity, self.block_bytes, self.ctx = (address, model_identity,
-                                                                   block_bytes, ctx)
-        self.reply_timeout_s, self.load_timeout_s = reply_timeout_s, load_timeout_s
-        self.ping_s, self.retry_s = ping_s, retry_s
-        self.info: KVInfo | None = None
-        self.connected = False
-        self.closed = False
-        self.hello_sent_at = 0.0
-        self.lost_logged = False
+        self.reply_timeout_s, self.load_timeout_s, self.ping_s = (reply_timeout_s,
+                                                                  load_timeout_s, ping_s)
         self.book = LoadBook(0)  # its block size is set by `bind`
         self.pending: dict[int, TierCall] = {}      # req_id -> the call waiting for a reply
         self.queued_lookups: list[tuple[Request, int]] = []  # (request, first block) to ask
@@ -83,40 +72,26 @@ class KVStoreConnector(KVConnector):
         self.num_pinned = 0  # blocks this connector holds store-pinned
         self.last_ping = 0.0
         self.counters = {"kv_tier_lookups": 0, "kv_tier_loads": 0, "kv_tier_load_blocks": 0,
-                         "kv_tier_store_blocks": 0, "kv_tier_store_failures": 0,
-                         "kv_tier_disconnects": 0, "kv_tier_connects": 0}
-        self.client = self._hello()
+                         "kv_tier_store_blocks": 0, "kv_tier_store_failures": 0}
+        self.session = StoreSession(address, model_identity, block_bytes, ctx, retry_s)
 
     def bind(self, pins: StorePins, on_lookup_done: Callable[[Request], None]) -> None:
         super().bind(pins, on_lookup_done)
         self.book.block_size = pins.block_size
 
-    # ------------------------------------------------------------ connection
+    @property
+    def connected(self) -> bool:
+        """Whether the store took this session's hello (tiers on)."""
+        return self.session.connected
+
     @property
     def socket(self) -> zmq.Socket | None:
         """The socket to poll for replies (changes on reconnect; None once closed)."""
-        return None if self.closed else self.client.socket
-
-    def _hello(self) -> KVStoreClient:
-        """A new client session; its KVHello is sent, the KVInfo comes to `service`."""
-        c = KVStoreClient(self.address, "engine", self.identity, self.block_bytes, ctx=self.ctx)
-        c.socket.send(c.enc.encode(KVHello(c.client_id, c.session, os.getpid(), self.identity,
-                                           self.block_bytes)))
-        self.hello_sent_at = time.monotonic()
-        return c
-
-    def _new_client(self) -> None:
-        self.client.close(bye=False)
-        self.client = self._hello()
+        return self.session.socket
 
     def _lost(self, why: str) -> None:
-        """Carry on without tiers (module doc) and start a new session."""
-        if self.connected or not self.lost_logged:
-            log.warning("kvstore lost (%s): carrying on without KV tiers until it is back", why)
-            self.lost_logged = True
-        if self.connected:
-            self.counters["kv_tier_disconnects"] += 1
-        self.connected = False
+        """Carry on without tiers (module doc); the session starts a new one."""
+        self.session.lost(why)
         asked: list[Request] = []
         for call in self.pending.values():
             if isinstance(call, (LookupCall, ReserveCall)):
@@ -134,20 +109,6 @@ class KVStoreConnector(KVConnector):
         self.book.store_lost()
         for req in asked:
             self._settle(req, None)
-        self.info = None
-        self._new_client()
-
-    def _on_info(self, msg: KVInfo) -> None:
-        if not msg.ok:
-            if not self.lost_logged:
-                log.error("kvstore refused the engine: %s; running without KV tiers", msg.error)
-                self.lost_logged = True
-            return
-        self.info, self.connected, self.lost_logged = msg, True, False
-        self.counters["kv_tier_connects"] += 1
-        self.last_ping = time.monotonic()
-        log.info("kvstore connected (pid %d, pool %s, %d slots, disk tier %s)", msg.store_pid,
-                 msg.pool_name, msg.n_slots, "on" if msg.disk_tier else "off")
 
     # ------------------------------------------------------------ scheduler role
     def lookup(self, request: Request, num_local_blocks: int) -> int | None:
@@ -172,14 +133,15 @@ class KVStoreConnector(KVConnector):
         if not self.book.step_loads and not self.ready_stores:
             return None
         stores, self.ready_stores = self.ready_stores, []
-        info = self.info
+        info = self.session.info
         return KVTransfers(self.book.take_loads(), stores, info.pool_name if info else "",
                            info.store_pid if info else 0)
 
     def step_done(self, plan: StepPlan, store_ok: bool) -> None:
         """The step of `plan` came back: complete its loads and stores, unpin its blocks.
         store_ok: the workers copied the stores (False: they are dropped)."""
-        same = self.connected and self.info is not None and plan.kv_pool_pid == self.info.store_pid
+        info = self.session.info
+        same = self.connected and info is not None and plan.kv_pool_pid == info.store_pid
         if plan.kv_loads and same:
             self._submit(AckCall(time.monotonic()), KVCompleteLoad,
                          slots=[s for s, _ in plan.kv_loads])
@@ -208,7 +170,7 @@ class KVStoreConnector(KVConnector):
         """Read replies, check timeouts, ping, reconnect, and send what the scheduler's
         calls queued (lookups, released reservations, stores). Never blocks."""
         try:
-            replies = self.client.poll_replies()
+            replies = self.session.replies()
         except zmq.ZMQError as e:
             self._lost(f"socket error {e}")
             return
@@ -216,8 +178,7 @@ class KVStoreConnector(KVConnector):
             self._on_reply(msg)
         now = time.monotonic()
         if not self.connected:
-            if now - self.hello_sent_at > self.retry_s:
-                self._new_client()
+            self.session.retry(now)
             self._drain_without_store()
             return
         for call in self.pending.values():
@@ -268,7 +229,7 @@ class KVStoreConnector(KVConnector):
                          hashes=[h for _, h in blocks])
 
     def _submit(self, call: TierCall, cls: type, **fields: Any) -> None:
-        self.pending[self.client.submit(cls, **fields)] = call
+        self.pending[self.session.submit(cls, **fields)] = call
 
     def has_stores(self) -> bool:
         """Whether stores wait for a plan (run a transfer-only step when idle)."""
@@ -278,7 +239,9 @@ class KVStoreConnector(KVConnector):
     def _on_reply(self, msg: Any) -> None:
         if isinstance(msg, KVInfo):
             if not self.connected:
-                self._on_info(msg)
+                self.session.on_info(msg)
+                if self.connected:
+                    self.last_ping = time.monotonic()
             return
         if isinstance(msg, KVError):
             if self.connected:
@@ -333,10 +296,10 @@ class KVStoreConnector(KVConnector):
                 "kv_tier_hits_disk": hits.get("disk", 0),
                 # blocks whose store is prepared, waiting for a plan, or being copied
                 "kv_tier_pending_stores": self.num_pinned,
-                "kv_tier_waiting_requests": asking, **self.counters}
+                "kv_tier_waiting_requests": asking, **self.counters,
+                "kv_tier_disconnects": self.session.disconnects,
+                "kv_tier_connects": self.session.connects}
 
     def close(self) -> None:
         """End the session (KVBye releases the store-side pins), close the socket."""
-        if not self.closed:
-            self.client.close(bye=self.connected)
-            self.closed = True
+        self.session.close()

@@ -142,7 +142,7 @@ def test_kvstore_loss_sends_waiting_requests_back_to_recompute_and_unpins_stores
     assert not rig.tiers.connected
     assert rig.tiers.lookup(req("z", p1, 1), 0) == 0, "tiers off: nothing is asked"
     assert not rig.bm.store_pins and pinned <= set(rig.bm.evictable)
-    assert rig.tiers.counters["kv_tier_disconnects"] == 1
+    assert rig.tiers.stats()["kv_tier_disconnects"] == 1
     assert outputs(b1, b2, c) == reference([b1, b2, c])
 
 
