@@ -7,34 +7,26 @@ Each step (docs/ARCHITECTURE.md §5):
    that inter-token latency stays bounded.
 3. Waiting requests are admitted in arrival order while the budget, `max_num_seqs` and
    free blocks allow. An admitted request first takes its longest cached prefix from the
-   block manager's prefix cache (docs/ARCHITECTURE.md §4): it starts with num_computed_tokens = the hit
-   length and the hit blocks at the head of its table, and its first chunk starts there
-   (ScheduledSeq.start_pos = hit length). Hit tokens cost no budget.
-KV tiers (docs/ARCHITECTURE.md §4): through a `KVConnector` (services/engine/kv_connector.py,
-attached with `attach_connector`; None without tiers). The scheduler asks and applies the
-answers; the connector never edits the queues or the requests.
-- Admission: the connector's `lookup` is given the request's GPU-local hit. None: the
-  request leaves the queue for `waiting_for_kv` (state WAITING_FOR_KV) and the step goes on
-  without it; the connector's answer calls `kv_lookup_done`, which puts it back at the
-  front of the queue. A number: blocks past the local hit that can be loaded now.
-- Two-phase allocation: at admission the local hit blocks are referenced first (they can
-  no longer be evicted), then fresh blocks are allocated for the loaded run and the chunk;
-  `on_allocated` names the fresh blocks of the loaded run. Loaded tokens cost no budget.
-- The plan carries the connector's `take_transfers` (kv_loads copy slot -> block before the
-  step, kv_stores block -> slot after it); `transfers_done` reports the step's result, and
-  `transfer_plan` builds a plan of stores alone when nothing else runs.
-- Stores: `update` hands the blocks newly registered in the prefix cache to `on_cached`; a
-  request recomputing from token 0 after preemption registers (and so stores) its blocks
-  again, and is asked about again.
-- A finished request is `release`d (its reservation goes back to the store).
+   block manager's prefix cache (docs/ARCHITECTURE.md §4): it starts with
+   num_computed_tokens = the hit length and the hit blocks at the head of its table, and
+   its first chunk starts there (ScheduledSeq.start_pos = hit length). Hit tokens cost no
+   budget.
+KV tiers (docs/ARCHITECTURE.md §4): a `KVConnector` (services/engine/kv_connector.py says
+when each of its methods is called; None without tiers). The scheduler asks it and applies
+its answers; the connector never edits the queues or the requests. A request whose lookup
+the connector must ask its store about waits in `waiting_for_kv` (WAITING_FOR_KV), off the
+step, until `kv_lookup_done` puts it back at the front of the queue. At admission the local
+hit blocks are referenced first (no longer evictable), then fresh blocks are allocated for
+the loaded run and the chunk; loaded tokens cost no budget. A request recomputing from
+token 0 after preemption is asked about again, and registers (so stores) its blocks again.
 
 Under memory pressure the newest running request is preempted: its blocks are freed (the
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to
 recompute from token 0, taking whatever of its prefix is still cached when re-admitted.
 
 After the worker returns the sampled tokens, `update` registers the blocks that became
-full in the prefix cache, appends the tokens and applies the stop conditions: EOS (unless
-ignore_eos, and not before min_tokens), stop token ids, max_tokens, and max_model_len.
+full in the prefix cache, appends the tokens and applies the stop conditions
+(services/engine/stop_conditions.py).
 
 Per-request extras in the plan, only where used (plans stay small otherwise):
 - penalties: `penalty_token_ids` (prompt + outputs so far) and `num_prompt_tokens`;
@@ -55,6 +47,7 @@ from dataclasses import dataclass, field
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
+from services.engine.stop_conditions import stop_reason
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, TokenLogprob
 
 
@@ -392,27 +385,7 @@ class Scheduler:
             if req.sampling.logprobs is not None and lp is not None:
                 req.output_logprobs.append(lp)
             changed.append(req)
-            reason = self._stop_reason(req, tok)
+            reason = stop_reason(req, tok, self.eos, self.max_model_len)
             if reason is not None:
                 self.finish(req, reason)
         return changed
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        sp = req.sampling
-        n_out = len(req.output_token_ids)
-        if req.grammar is not None:
-            if not req.grammar.accept(tok):
-                return "error"  # the worker's mask forbids this; a fault, not the client's
-            if req.grammar.is_terminated():  # the grammar accepted its stop token (EOS)
-                req.stop_token_id = tok
-                return "stop"
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and tok in self.eos:
-                req.stop_token_id = tok
-                return "stop"
-            if tok in sp.stop_token_ids:
-                req.stop_token_id = tok
-                return "stop"
-        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
