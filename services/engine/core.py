@@ -18,9 +18,10 @@ Structured-output grammars are compiled at add time (`services.engine.structured
 one in a thread, its request admitted by the loop when it is ready (`_finish_compiles`).
 
 KV tiers (kv_offload_cpu_gib > 0 with the prefix cache on): the scheduler's KV connector
-(`services.engine.kv_tiers.KVStoreConnector`) talks to the kvstore on this loop (its socket is polled next to the others, also while a
-step runs). Plans carry the tier copies (`StepPlan.kv_loads` / `kv_stores`); stores that
-are ready while nothing else runs go out in a transfer-only plan.
+(`services.engine.kv_tiers.KVStoreConnector`) talks to the kvstore on this loop (its
+socket is polled next to the others, also while a step runs). Plans carry the tier copies
+(`StepPlan.kv_loads` / `kv_stores`, put in by the scheduler); stores that are ready while
+nothing else runs go out in a transfer-only plan (`Scheduler.transfer_plan`).
 
 This module holds construction, startup, the main loop (`run`), shutdown and `run_engine`;
 the frontend side is in `services.engine.frontends`, the step pipeline in
