@@ -68,6 +68,7 @@ def test_tier_hit_waits_off_the_step_and_resumes_first_with_its_loaded_prefix(ri
     rig.sched.add(c)
     plans = [rig.step() for _ in range(4)]
     assert b.status is RequestStatus.WAITING_FOR_KV and rig.sched.waiting_for_kv == {"b": b}
+    assert rig.tiers.stats()["kv_tier_waiting_requests"] == 1
     assert [[s.request_id for s in p.seqs] for p in plans] == [["c"]] * 4
     assert c.num_computed_tokens == 3 + 3 and not b.block_ids
     d = req("d", [6, 6], 2)  # arrives while b waits
@@ -182,6 +183,7 @@ def test_block_with_a_store_in_flight_is_not_reused_until_the_store_completes(ri
                   "the stores of a1 and a2 in flight")
     pinned = sorted(rig.bm.store_pins)
     assert rig.bm.num_free_blocks == 8 - 4
+    assert rig.tiers.stats()["kv_tier_pending_stores"] == 4
     x = req("x", tokens(6, 6 * BS + 3), 2)  # needs 7 blocks at once: only 4 are free
     rig.sched.add(x)
     assert rig.step() is None  # x asks the store (a miss), then stays at the queue's head
