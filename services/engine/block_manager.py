@@ -4,7 +4,7 @@ A request's block table covers its computed tokens plus those scheduled this ste
 holds token positions [i*block_size, (i+1)*block_size). Blocks are plain ids into the
 workers' KV cache tensors.
 
-Prefix cache (DESIGN §4; the design of vLLM's automatic prefix caching):
+Prefix cache (docs/ARCHITECTURE.md §4; the design of vLLM's automatic prefix caching):
 - Every block has a reference count: the number of requests whose table holds it.
 - A block whose tokens are all computed gets its chained name (`shared.hashing`) and is
   registered in `cached` (name -> block). A hit on it by a later request shares the block
@@ -19,12 +19,13 @@ Prefix cache (DESIGN §4; the design of vLLM's automatic prefix caching):
 
 `num_free_blocks` counts blocks available for allocation: plain free + evictable.
 
-Store pins (KV tiers, DESIGN §4): while a block's copy into the kvstore is in flight
+Store pins (KV tiers, docs/ARCHITECTURE.md §4): while a block's copy into the kvstore is in flight
 (`pin_for_store` .. `unpin_store`), the block is neither free nor evictable, whatever its
 reference count, so it is never reallocated or evicted under the copy. Requests may still
 share it as a prefix hit (they only read it). `reset_prefix_cache` is not refused by store
 pins: a pinned block loses its name and becomes a plain free block when unpinned.
-`cache_full_blocks` returns the (block, name) pairs it registered, for the engine to store.
+`cache_full_blocks` returns the (block, name) pairs it registered, for the KV connector to
+store (`services.engine.kv_connector.StorePins` is the part of this class it may use).
 """
 
 from __future__ import annotations
@@ -177,6 +178,10 @@ class BlockManager:
         self.store_pins[blk] = self.store_pins.get(blk, 0) + 1
         self.evictable.pop(blk, None)
 
+    def is_named(self, blk: int, name: bytes) -> bool:
+        """Whether `blk` holds the block named `name` in the prefix cache now."""
+        return self.block_hash[blk] == name
+
     def unpin_store(self, blk: int) -> None:
         """End one store pin; a block with no pin and no reference becomes evictable (named)
         or free. Raises RuntimeError if `blk` is not pinned."""
@@ -266,7 +271,9 @@ class BlockManager:
         if self.free_blocks:
             return self.free_blocks.popleft()
         blk, _ = self.evictable.popitem(last=False)
-        del self.cached[self.block_hash[blk]]
+        name = self.block_hash[blk]
+        assert name is not None  # only named blocks are evictable
+        del self.cached[name]
         self.block_hash[blk] = None
         self.num_evictions += 1
         return blk

@@ -3,7 +3,8 @@
 `EngineCore` holds no socket and no thread of its own (docs/ARCHITECTURE.md §2, §5): the
 scheduler and its block manager, structured output (`GrammarJobs`: the grammar compiler and
 the compiles off the loop), the validation and admission of new requests, the aborts queued
-for after a step, and the KV tier client (`KVTiers`, or None when the tiers are off). Its
+for after a step, and the scheduler's KV connector (`KVConnector`, or None when the tiers
+are off). Its
 verbs each return the outputs to send (`Emitted`, services/engine/outputs.py):
 
 - `add(frontend, msg)`: validate and admit an `AddRequest` (or park it while its grammar
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Container
+from collections.abc import Container
 from typing import NamedTuple
 
 from services.engine.admission import invalid_reason
 from services.engine.block_manager import BlockManager
 from services.engine.grammar_jobs import GrammarJobs
-from services.engine.kv_tiers import KVTiers
+from services.engine.kv_connector import KVConnector
 from services.engine.outputs import Emitted, emitted_for, refusal, request_output
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -65,14 +66,15 @@ class EngineCore:
     num_blocks: KV blocks of cfg.block_size tokens each (the smallest of the workers').
     root_hash: the prefix cache's root block name (the model identity; a default when None).
     grammars: the grammar compiler and compile jobs (built, not prepared, when None).
-    make_tiers: builds the KV tier client over this core's scheduler; None: tiers off.
+    connector: the KV connector the scheduler calls (services/engine/kv_connector.py); None:
+        tiers off.
     seed: seeds the per-request seeds drawn for requests without one (cfg.seed when None).
     Raises EngineConfigError when max_model_len exceeds the KV cache.
     """
 
     def __init__(self, cfg: KestrelConfig, info: ModelSpec, num_blocks: int, *,
                  root_hash: bytes | None = None, grammars: GrammarJobs | None = None,
-                 make_tiers: Callable[[Scheduler], KVTiers] | None = None,
+                 connector: KVConnector | None = None,
                  seed: int | None = None):
         self.cfg = cfg
         self.info = info
@@ -86,8 +88,10 @@ class EngineCore:
                           enable_prefix_caching=cfg.enable_prefix_caching, root_hash=root_hash)
         self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len, list(info.eos_token_ids))
+        if connector is not None:
+            self.scheduler.attach_connector(connector)
         self.grammars = grammars if grammars is not None else GrammarJobs(info)
-        self.tiers: KVTiers | None = make_tiers(self.scheduler) if make_tiers is not None else None
+        self.tiers: KVConnector | None = connector  # the loop services its socket
         self.rng = random.Random(cfg.seed if seed is None else seed)
         self.pending_aborts: list[PendingAbort] = []
         self.num_steps = 0  # steps whose result was applied (transfer-only plans excluded)
@@ -204,11 +208,9 @@ class EngineCore:
         return self.scheduler.can_schedule_ahead()
 
     def plan_step(self) -> SchedulerOutput | None:
-        """The next step's plan, with the KV tier copies attached, or None (nothing to run)."""
-        out = self.scheduler.schedule()
-        if out is not None and self.tiers is not None:
-            self.tiers.attach_to_plan(out.plan)
-        return out
+        """The next step's plan (the scheduler puts the KV tier copies in), or None (nothing
+        to run)."""
+        return self.scheduler.schedule()
 
     def finish_step(self, out: SchedulerOutput, result: P.StepResult) -> Emitted:
         """Apply a step's result. A failed step (result.error) fails its requests, with an
@@ -218,7 +220,7 @@ class EngineCore:
             if result.kv_store_error:
                 log.warning("step %d: KV stores dropped: %s", out.plan.step_id,
                             result.kv_store_error)
-            self.tiers.after_step(out.plan, not result.error and not result.kv_store_error)
+            self.scheduler.transfers_done(out.plan, not result.error and not result.kv_store_error)
         if result.error:
             log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
             for req in out.requests:
@@ -231,12 +233,7 @@ class EngineCore:
     def plan_transfer(self) -> P.StepPlan | None:
         """A plan with only KV tier stores when stores are ready (run it when nothing else
         runs), or None."""
-        if self.tiers is None or not self.tiers.has_stores():
-            return None
-        self.scheduler.step_id += 1
-        plan = P.StepPlan(step_id=self.scheduler.step_id, seqs=[])
-        self.tiers.attach_to_plan(plan)
-        return plan
+        return self.scheduler.transfer_plan()
 
     def finish_transfer(self, plan: P.StepPlan, result: P.StepResult) -> None:
         """Complete a transfer-only plan's stores (dropped if the worker could not copy)."""
@@ -244,7 +241,7 @@ class EngineCore:
         if result.kv_store_error or result.error:
             log.warning("transfer step %d: KV stores dropped: %s", plan.step_id,
                         result.kv_store_error or result.error)
-        self.tiers.after_step(plan, not result.error and not result.kv_store_error)
+        self.scheduler.transfers_done(plan, not result.error and not result.kv_store_error)
 
     # ------------------------------------------------------------------ state
 

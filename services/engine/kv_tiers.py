@@ -1,138 +1,176 @@
-"""The engine's client of the kvstore (DESIGN §4 "Tiers"): tier loads and stores.
+"""The kvstore behind the KV connector seam (docs/ARCHITECTURE.md §4 "Tiers"): tier loads
+and stores for the scheduler (`services.engine.kv_connector` says who calls what).
 
 Everything is asynchronous on the engine's loop: `KVStoreClient.submit` sends, the engine
 polls `socket` next to its other sockets and calls `service()`, which reads the replies,
-keeps the connection and feeds the scheduler. Nothing here ever waits for the store.
+keeps the connection and sends what the scheduler's calls queued. Nothing here ever waits
+for the store, and nothing here edits the scheduler's queues or requests: the answers go
+back through `kv_lookup_done` and the return values, the reservations stay in the
+connector's `LoadBook`.
 
-Loads (the scheduler's admission parks a request in WAITING_FOR_KV, see scheduler.py):
-  KVLookup(hashes after the local hit) -> hits? KVReserveLoad(the hit run) -> KVLoadReserved
-  (and KVLoadReady after disk promotions) -> `scheduler.kv_ready(req, (first, slots, tiers))`
-  -> the plan's kv_loads -> after that step's result: KVCompleteLoad(slots).
-Stores: blocks newly registered in the GPU prefix cache (`scheduler.new_cached`) are
-  store-pinned in the block manager (never evicted or reallocated) -> KVPrepareStore ->
-  slots >= 0 go into the next plan's kv_stores (a transfer-only plan when nothing else
-  runs), -1 are unpinned -> after that step's result: KVCompleteStore(slots, ok) and unpin.
-  Order: a block's store is prepared before its pin is released, and completed only after
-  the step that copied it has come back.
+Loads: `lookup` queues KVLookup(hashes after the local hit) -> hits? KVReserveLoad(the hit
+  run) -> KVLoadReserved (and KVLoadReady after disk promotions) -> the reservation is
+  booked and the scheduler told -> at admission it is cut to the local hit
+  (`LoadBook.usable`) -> the plan's kv_loads -> after that step's result:
+  KVCompleteLoad(slots). Slots nobody needs go back in a KVCompleteLoad too.
+Stores: blocks newly registered in the GPU prefix cache (`on_cached`) are store-pinned in
+  the block manager (never evicted or reallocated) -> KVPrepareStore -> slots >= 0 go into
+  the next plan's kv_stores (a transfer-only plan when nothing else runs), -1 are unpinned
+  -> after that step's result: KVCompleteStore(slots, ok) and unpin. Order: a block's store
+  is prepared before its pin is released, and completed only after the step that copied it
+  has come back.
 
 Failures: no reply within `reply_timeout_s` (a ping every `ping_s` keeps this honest while
 idle), a KVError (e.g. a restarted store that never saw our hello), or a refused hello
-makes the store "lost": logged once, tiers off (`scheduler.tiers_enabled`), requests in
-WAITING_FOR_KV go back without a load (they recompute), reservations held by waiting
-requests are dropped (the dead store's pins died with it), pending stores are unpinned.
-A new session (new KVHello) is attempted every `retry_s` until the store answers.
+makes the store "lost": logged once, tiers off (`lookup` answers 0, `on_cached` ignores),
+requests whose lookup is in flight are answered "nothing to load" (they recompute),
+reservations are dropped without handing their slots back (the dead store's pins died with
+it), pending stores are unpinned. A new session (new KVHello) is attempted every `retry_s`
+until the store answers.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
-from shared.kvstore_client import KVStoreClient
-from shared.protocol import (KVAck, KVCompleteLoad, KVCompleteStore, KVError, KVHello, KVInfo,
+from services.engine.kv_calls import (AckCall, LookupCall, PingCall, PrepareCall, ReserveCall,
+                                      TierCall)
+from services.engine.kv_connector import KVConnector, KVLoad, KVTransfers, StorePins
+from services.engine.kv_loads import LoadBook
+from services.engine.kv_session import StoreSession
+from services.engine.request import Request
+from shared.protocol import (KVAck, KVCompleteLoad, KVCompleteStore, KVError, KVInfo,
                              KVLoadReady, KVLoadReserved, KVLookup, KVLookupResult,
                              KVPrepareStore, KVReserveLoad, KVStats, KVStorePrepared, StepPlan)
 
-log = logging.getLogger("kestrel.engine")
 
-
-class KVTiers:
-    """One engine's tier client.
+class KVStoreConnector(KVConnector):
+    """One engine's connector to the kvstore.
 
     address: the kvstore's ZMQ address. model_identity: 32 bytes (the prefix cache root).
-    block_bytes: bytes of one block as the workers lay it out in a slot. scheduler: the
-    engine's Scheduler (its block manager is store-pinned). ctx: the engine's zmq context.
-    Times in seconds.
+    block_bytes: bytes of one block as the workers lay it out in a slot. ctx: the engine's
+    zmq context. Times in seconds. Attach it with `Scheduler.attach_connector`.
+    Attributes read by tests and stats: session (the `StoreSession`), connected, pending
+    (req_id -> TierCall), queued_lookups, queued_stores, ready_stores, book, counters.
     """
 
-    def __init__(self, address: str, model_identity: bytes, block_bytes: int, scheduler,
-                 ctx: zmq.Context, reply_timeout_s: float = 3.0, load_timeout_s: float = 15.0,
+    def __init__(self, address: str, model_identity: bytes, block_bytes: int, ctx: zmq.Context,
+                 reply_timeout_s: float = 3.0, load_timeout_s: float = 15.0,
                  ping_s: float = 1.0, retry_s: float = 2.0):
-        self.address, self.identity, self.block_bytes = address, model_identity, block_bytes
-        self.sched, self.bm, self.ctx = scheduler, scheduler.bm, ctx
-        self.reply_timeout_s, self.load_timeout_s = reply_timeout_s, load_timeout_s
-        self.ping_s, self.retry_s = ping_s, retry_s
-        self.client: KVStoreClient | None = None
-        self.info: KVInfo | None = None
-        self.connected = False
-        self.hello_sent_at = 0.0
-        self.ever_connected = False
-        self.lost_logged = False
-        self.pending: dict[int, tuple] = {}        # req_id -> (kind, sent time, payload...)
-        self.ready_stores: list[tuple[int, int]] = []   # (block, slot) for the next plan
+        super().__init__()
+        self.reply_timeout_s, self.load_timeout_s, self.ping_s = (reply_timeout_s,
+                                                                  load_timeout_s, ping_s)
+        self.book = LoadBook(0)  # its block size is set by `bind`
+        self.pending: dict[int, TierCall] = {}      # req_id -> the call waiting for a reply
+        self.queued_lookups: list[tuple[Request, int]] = []  # (request, first block) to ask
+        self.queued_stores: list[tuple[int, bytes]] = []     # (block, name) to prepare
+        self.ready_stores: list[tuple[int, int]] = []        # (block, slot) for the next plan
+        self.num_pinned = 0  # blocks this connector holds store-pinned
         self.last_ping = 0.0
         self.counters = {"kv_tier_lookups": 0, "kv_tier_loads": 0, "kv_tier_load_blocks": 0,
-                         "kv_tier_store_blocks": 0, "kv_tier_store_failures": 0,
-                         "kv_tier_disconnects": 0, "kv_tier_connects": 0}
-        self._new_client()
+                         "kv_tier_store_blocks": 0, "kv_tier_store_failures": 0}
+        self.session = StoreSession(address, model_identity, block_bytes, ctx, retry_s)
 
-    # ------------------------------------------------------------ connection
+    def bind(self, pins: StorePins, on_lookup_done: Callable[[Request], None]) -> None:
+        super().bind(pins, on_lookup_done)
+        self.book.block_size = pins.block_size
+
+    @property
+    def connected(self) -> bool:
+        """Whether the store took this session's hello (tiers on)."""
+        return self.session.connected
+
     @property
     def socket(self) -> zmq.Socket | None:
-        """The socket to poll for replies (changes on reconnect)."""
-        return self.client.socket if self.client is not None else None
-
-    def _new_client(self) -> None:
-        if self.client is not None:
-            self.client.close(bye=False)
-        self.client = KVStoreClient(self.address, "engine", self.identity, self.block_bytes,
-                                    ctx=self.ctx)
-        c = self.client
-        c.socket.send(c.enc.encode(KVHello(c.client_id, c.session, os.getpid(), self.identity,
-                                           self.block_bytes)))
-        self.hello_sent_at = time.monotonic()
+        """The socket to poll for replies (changes on reconnect; None once closed)."""
+        return self.session.socket
 
     def _lost(self, why: str) -> None:
-        """Carry on without tiers (module doc) and start a new session."""
-        if self.connected or not self.lost_logged:
-            log.warning("kvstore lost (%s): carrying on without KV tiers until it is back", why)
-            self.lost_logged = True
-        if self.connected:
-            self.counters["kv_tier_disconnects"] += 1
-        self.connected = False
-        self.sched.tiers_enabled = False
-        for entry in self.pending.values():
-            if entry[0] in ("lookup", "reserve"):
-                self.sched.kv_ready(entry[2], None)
-            elif entry[0] == "prepare":
-                for blk, _ in entry[2]:
-                    self.bm.unpin_store(blk)
+        """Carry on without tiers (module doc); the session starts a new one."""
+        self.session.lost(why)
+        asked: list[Request] = []
+        for call in self.pending.values():
+            if isinstance(call, (LookupCall, ReserveCall)):
+                asked.append(call.request)
+            elif isinstance(call, PrepareCall):
+                for blk, _ in call.blocks:
+                    self._unpin(blk)
         self.pending.clear()
-        self.sched.kv_waiting_all_back()
+        asked.extend(req for req, _ in self.queued_lookups)
+        self.queued_lookups.clear()
         for blk, _ in self.ready_stores:
-            self.bm.unpin_store(blk)
+            self._unpin(blk)
         self.ready_stores.clear()
-        for req in self.sched.waiting:
-            req.kv_load = None  # its slots were pinned by the lost session
-        self.sched.kv_lookups.clear()
-        self.sched.released_slots.clear()
-        self.sched.new_cached.clear()
-        self.info = None
-        self._new_client()
+        self.queued_stores.clear()
+        self.book.store_lost()
+        for req in asked:
+            self._settle(req, None)
 
-    def _on_info(self, msg: KVInfo) -> None:
-        if not msg.ok:
-            if not self.lost_logged:
-                log.error("kvstore refused the engine: %s; running without KV tiers", msg.error)
-                self.lost_logged = True
-            return
-        self.info, self.connected, self.lost_logged = msg, True, False
-        self.sched.tiers_enabled = True
-        self.counters["kv_tier_connects"] += 1
-        self.last_ping = time.monotonic()
-        log.info("kvstore connected (pid %d, pool %s, %d slots, disk tier %s)", msg.store_pid,
-                 msg.pool_name, msg.n_slots, "on" if msg.disk_tier else "off")
+    # ------------------------------------------------------------ scheduler role
+    def lookup(self, request: Request, num_local_blocks: int) -> int | None:
+        """See `KVConnector.lookup` and `LoadBook.lookup` (asks only while connected)."""
+        n = self.book.lookup(request, num_local_blocks, self.connected)
+        if n is None:  # sent by the next `service`
+            self.queued_lookups.append((request, num_local_blocks))
+        return n
+
+    def on_allocated(self, request: Request, block_ids: Sequence[int]) -> None:
+        self.book.admit(request, block_ids)
+
+    def on_cached(self, blocks: list[tuple[int, bytes]]) -> None:
+        if self.connected:
+            self.queued_stores.extend(blocks)
+
+    def release(self, request: Request) -> None:
+        self.book.release(request)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The loads booked since the last plan and the prepared stores."""
+        if not self.book.step_loads and not self.ready_stores:
+            return None
+        stores, self.ready_stores = self.ready_stores, []
+        info = self.session.info
+        return KVTransfers(self.book.take_loads(), stores, info.pool_name if info else "",
+                           info.store_pid if info else 0)
+
+    def step_done(self, plan: StepPlan, store_ok: bool) -> None:
+        """The step of `plan` came back: complete its loads and stores, unpin its blocks.
+        store_ok: the workers copied the stores (False: they are dropped)."""
+        info = self.session.info
+        same = self.connected and info is not None and plan.kv_pool_pid == info.store_pid
+        if plan.kv_loads and same:
+            self._submit(AckCall(time.monotonic()), KVCompleteLoad,
+                         slots=[s for s, _ in plan.kv_loads])
+        if plan.kv_stores:
+            for blk, _ in plan.kv_stores:
+                self._unpin(blk)
+            if same:
+                self._submit(AckCall(time.monotonic()), KVCompleteStore,
+                             slots=[s for _, s in plan.kv_stores], ok=store_ok)
+            if store_ok:
+                self.counters["kv_tier_store_blocks"] += len(plan.kv_stores)
+            else:
+                self.counters["kv_tier_store_failures"] += len(plan.kv_stores)
+
+    def _settle(self, request: Request, load: KVLoad | None) -> None:
+        """Book a settled lookup and take the request back into the scheduler's queue."""
+        if self.book.answer(request, load):
+            self._on_lookup_done(request)
+
+    def _unpin(self, blk: int) -> None:
+        self._pins.unpin_store(blk)
+        self.num_pinned -= 1
 
     # ------------------------------------------------------------ the loop's entry points
     def service(self) -> None:
-        """Read replies, check timeouts, ping, reconnect, and send what the scheduler asks
-        (lookups, released reservations, stores). Never blocks."""
-        now = time.monotonic()
+        """Read replies, check timeouts, ping, reconnect, and send what the scheduler's
+        calls queued (lookups, released reservations, stores). Never blocks."""
         try:
-            replies = self.client.poll_replies()
+            replies = self.session.replies()
         except zmq.ZMQError as e:
             self._lost(f"socket error {e}")
             return
@@ -140,155 +178,128 @@ class KVTiers:
             self._on_reply(msg)
         now = time.monotonic()
         if not self.connected:
-            if now - self.hello_sent_at > self.retry_s:
-                self._new_client()
+            self.session.retry(now)
             self._drain_without_store()
             return
-        for entry in self.pending.values():
-            limit = self.load_timeout_s if entry[0] == "reserve" else self.reply_timeout_s
-            if now - entry[1] > limit:
-                self._lost(f"no reply to {entry[0]} in {limit:.0f} s")
+        for call in self.pending.values():
+            limit = self.load_timeout_s if isinstance(call, ReserveCall) else self.reply_timeout_s
+            if now - call.sent > limit:
+                self._lost(f"no reply to {call.kind} in {limit:.0f} s")
                 return
         if now - self.last_ping > self.ping_s:
             self.last_ping = now
-            self._submit(("ping",), KVStats)
-        self.pump()
+            self._submit(PingCall(now), KVStats)
+        self._pump()
 
     def _drain_without_store(self) -> None:
-        for req, _ in self.sched.kv_lookups:
-            self.sched.kv_ready(req, None)
-        self.sched.kv_lookups.clear()
-        self.sched.released_slots.clear()
-        self.sched.new_cached.clear()
+        asked = [req for req, _ in self.queued_lookups]
+        self.queued_lookups.clear()
+        self.book.to_release.clear()
+        self.queued_stores.clear()
+        for req in asked:
+            self._settle(req, None)
 
-    def pump(self) -> None:
-        """Send the scheduler's pending lookups, load releases and stores."""
-        if not self.connected:
-            self._drain_without_store()
-            return
-        s = self.sched
-        for req, first in s.kv_lookups:
-            max_blocks = (req.num_tokens - 1) // self.bm.block_size
+    def _pump(self) -> None:
+        """Send the queued lookups, slots to hand back and stores."""
+        for req, first in self.queued_lookups:
+            max_blocks = (req.num_tokens - 1) // self.book.block_size
             hashes = req.block_hashes[first:max_blocks]
             if not hashes or req.is_finished:
-                s.kv_ready(req, None)
+                self._settle(req, None)
                 continue
             self.counters["kv_tier_lookups"] += 1
-            self._submit(("lookup", time.monotonic(), req, first, hashes), KVLookup, hashes=hashes)
-        s.kv_lookups.clear()
-        if s.released_slots:
-            self._submit(("ack",), KVCompleteLoad, slots=s.released_slots)
-            s.released_slots = []
-        if s.new_cached:
+            self._submit(LookupCall(time.monotonic(), req, first, hashes), KVLookup, hashes=hashes)
+        self.queued_lookups.clear()
+        book = self.book
+        if book.to_release:
+            self._submit(AckCall(time.monotonic()), KVCompleteLoad, slots=book.to_release)
+            book.to_release = []
+        if self.queued_stores:
             # a block renamed or freed since the step named it (e.g. reset_prefix_cache in
             # between) holds other bytes now, or none: it is not stored and never pinned
             # (a pin on a free block would let it be handed out twice)
-            blocks = [(blk, h) for blk, h in s.new_cached if self.bm.block_hash[blk] == h]
-            s.new_cached = []
+            blocks = [(blk, h) for blk, h in self.queued_stores if self._pins.is_named(blk, h)]
+            self.queued_stores = []
             if not blocks:
                 return
             for blk, _ in blocks:
-                self.bm.pin_for_store(blk)
-            self._submit(("prepare", time.monotonic(), blocks), KVPrepareStore,
+                self._pins.pin_for_store(blk)
+                self.num_pinned += 1
+            self._submit(PrepareCall(time.monotonic(), blocks), KVPrepareStore,
                          hashes=[h for _, h in blocks])
 
-    def _submit(self, entry: tuple, cls, **fields) -> None:
-        if entry[0] in ("ping", "ack"):
-            entry = (entry[0], time.monotonic())
-        req_id = self.client.submit(cls, **fields)
-        self.pending[req_id] = entry
+    def _submit(self, call: TierCall, cls: type, **fields: Any) -> None:
+        self.pending[self.session.submit(cls, **fields)] = call
 
     def has_stores(self) -> bool:
         """Whether stores wait for a plan (run a transfer-only step when idle)."""
         return bool(self.ready_stores)
 
-    def attach_to_plan(self, plan: StepPlan) -> None:
-        """Add the ready stores to `plan` and name the pool when it carries transfers."""
-        if self.ready_stores:
-            plan.kv_stores, self.ready_stores = self.ready_stores, []
-        if (plan.kv_loads or plan.kv_stores) and self.info is not None:
-            plan.kv_pool, plan.kv_pool_pid = self.info.pool_name, self.info.store_pid
-
-    def after_step(self, plan: StepPlan, store_ok: bool) -> None:
-        """The step of `plan` came back: complete its loads and stores, unpin its blocks.
-        store_ok: the workers copied the stores (False: they are dropped)."""
-        same = self.connected and self.info is not None and plan.kv_pool_pid == self.info.store_pid
-        if plan.kv_loads and same:
-            self._submit(("ack",), KVCompleteLoad, slots=[s for s, _ in plan.kv_loads])
-        if plan.kv_stores:
-            for blk, _ in plan.kv_stores:
-                self.bm.unpin_store(blk)
-            if same:
-                self._submit(("ack",), KVCompleteStore, slots=[s for _, s in plan.kv_stores],
-                             ok=store_ok)
-            if store_ok:
-                self.counters["kv_tier_store_blocks"] += len(plan.kv_stores)
-            else:
-                self.counters["kv_tier_store_failures"] += len(plan.kv_stores)
-
     # ------------------------------------------------------------ replies
-    def _on_reply(self, msg) -> None:
+    def _on_reply(self, msg: Any) -> None:
         if isinstance(msg, KVInfo):
             if not self.connected:
-                self._on_info(msg)
+                self.session.on_info(msg)
+                if self.connected:
+                    self.last_ping = time.monotonic()
             return
         if isinstance(msg, KVError):
             if self.connected:
                 self._lost(f"the store answered {msg.error!r}")
             return
-        entry = self.pending.get(msg.req_id)
-        if entry is None or not self.connected:
+        call = self.pending.get(msg.req_id)
+        if call is None or not self.connected:
             return
-        kind = entry[0]
-        if isinstance(msg, KVLookupResult) and kind == "lookup":
+        if isinstance(msg, KVLookupResult) and isinstance(call, LookupCall):
             del self.pending[msg.req_id]
-            _, _, req, first, hashes = entry
             n = len(msg.tiers)
-            if n == 0 or req.is_finished:
-                self.sched.kv_ready(req, None)
+            if n == 0 or call.request.is_finished:
+                self._settle(call.request, None)
                 return
-            self._submit(("reserve", time.monotonic(), req, first, msg.tiers), KVReserveLoad,
-                         hashes=hashes[:n])
-        elif isinstance(msg, KVLoadReserved) and kind == "reserve":
+            self._submit(ReserveCall(time.monotonic(), call.request, call.first, msg.tiers),
+                         KVReserveLoad, hashes=call.hashes[:n])
+        elif isinstance(msg, KVLoadReserved) and isinstance(call, ReserveCall):
             if msg.ready:
                 del self.pending[msg.req_id]
-                self._load_ready(entry, msg.slots)
+                self._load_ready(call, msg.slots)
             else:
-                self.pending[msg.req_id] = entry + (msg.slots,)
-        elif isinstance(msg, KVLoadReady) and kind == "reserve" and len(entry) == 6:
+                call.slots = msg.slots  # disk promotions run: KVLoadReady follows
+        elif isinstance(msg, KVLoadReady) and isinstance(call, ReserveCall) and call.slots is not None:
             del self.pending[msg.req_id]
-            self._load_ready(entry, entry[5][:msg.num_ok])
-        elif isinstance(msg, KVStorePrepared) and kind == "prepare":
+            self._load_ready(call, call.slots[:msg.num_ok])
+        elif isinstance(msg, KVStorePrepared) and isinstance(call, PrepareCall):
             del self.pending[msg.req_id]
-            for (blk, _), slot in zip(entry[2], msg.slots):
+            for (blk, _), slot in zip(call.blocks, msg.slots):
                 if slot >= 0:
                     self.ready_stores.append((blk, slot))
                 else:
-                    self.bm.unpin_store(blk)
+                    self._unpin(blk)
         elif isinstance(msg, KVAck):
             self.pending.pop(msg.req_id, None)
 
-    def _load_ready(self, entry: tuple, slots: list[int]) -> None:
-        _, _, req, first, tiers = entry[:5]
+    def _load_ready(self, call: ReserveCall, slots: list[int]) -> None:
         if not slots:
-            self.sched.kv_ready(req, None)
+            self._settle(call.request, None)
             return
         self.counters["kv_tier_loads"] += 1
         self.counters["kv_tier_load_blocks"] += len(slots)
-        self.sched.kv_ready(req, (first, list(slots), list(tiers[:len(slots)])))
+        self._settle(call.request, KVLoad(call.first, list(slots), list(call.tiers[:len(slots)])))
 
     # ------------------------------------------------------------ stats, exit
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters for the engine's `stats` (hits in tokens per tier, store progress)."""
-        hits = self.sched.tier_hit_tokens
+        hits = self.book.hit_tokens
+        asking = len(self.queued_lookups) + sum(
+            1 for c in self.pending.values()
+            if isinstance(c, (LookupCall, ReserveCall)) and not c.request.is_finished)
         return {"kv_tier_connected": self.connected, "kv_tier_hits_cpu": hits.get("cpu", 0),
                 "kv_tier_hits_disk": hits.get("disk", 0),
                 # blocks whose store is prepared, waiting for a plan, or being copied
-                "kv_tier_pending_stores": len(self.bm.store_pins),
-                "kv_tier_waiting_requests": len(self.sched.waiting_for_kv), **self.counters}
+                "kv_tier_pending_stores": self.num_pinned,
+                "kv_tier_waiting_requests": asking, **self.counters,
+                "kv_tier_disconnects": self.session.disconnects,
+                "kv_tier_connects": self.session.connects}
 
     def close(self) -> None:
         """End the session (KVBye releases the store-side pins), close the socket."""
-        if self.client is not None:
-            self.client.close(bye=self.connected)
-            self.client = None
+        self.session.close()

@@ -5,7 +5,7 @@ docs/ARCHITECTURE.md §2. Sockets:
   `FrontendToEngine` messages and receive `EngineToFrontend` messages routed by their ZMQ
   identity (`FrontendLink`).
 - The executor's (`RingExecutor`): the plan ring and the workers' PULL socket.
-- The kvstore client's DEALER, when the KV tiers are on (`KVTiers.socket`, polled next to
+- The kvstore client's DEALER, when the KV tiers are on (`KVConnector.socket`, polled next to
   the others, also while a step runs).
 
 One turn of the loop: beat, service the tiers, admit compiled grammars, poll, read the
@@ -33,10 +33,9 @@ from services.engine.core import EngineConfigError, EngineCore
 from services.engine.executor import EngineStopping
 from services.engine.frontend_link import FrontendLink
 from services.engine.grammar_jobs import GrammarJobs
-from services.engine.kv_tiers import KVTiers
+from services.engine.kv_tiers import KVStoreConnector
 from services.engine.pipeline import StepPipeline
 from services.engine.ring_executor import RingExecutor
-from services.engine.scheduler import Scheduler
 from services.engine.startup_report import write_startup_report
 from shared import protocol as P
 from shared.config import KestrelConfig
@@ -99,12 +98,12 @@ class EngineProcess:
         t_workers = time.monotonic() - t0
         num_blocks = min(w.num_blocks for w in workers)
         layout = KVLayout.for_model(info, cfg.block_size)  # one rank for now
-        make_tiers = None
+        connector = None
         if (cfg.kv_offload_cpu_gib or 0) > 0 and cfg.enable_prefix_caching:
-            make_tiers = _tiers_maker(cfg, ctx, workers, layout)
+            connector = _tier_connector(cfg, ctx, workers, layout)
         # The prefix-cache root is the kvstore's too (KVLayout.model_identity).
         core = EngineCore(cfg, info, num_blocks, root_hash=layout.model_identity, grammars=grammars,
-                          make_tiers=make_tiers, seed=cfg.seed ^ os.getpid())
+                          connector=connector, seed=cfg.seed ^ os.getpid())
         router = make_socket(ctx, zmq.ROUTER, cfg.engine_address, bind=True)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         kv_tokens = num_blocks * cfg.block_size
@@ -218,9 +217,9 @@ class EngineProcess:
         self.router.close(linger=1000)
 
 
-def _tiers_maker(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.WorkerReady],
-                 layout: KVLayout):
-    """The KV tier client's builder, or None (tiers off) when the workers lay out a block
+def _tier_connector(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.WorkerReady],
+                    layout: KVLayout) -> KVStoreConnector | None:
+    """The kvstore's KV connector, or None (tiers off) when the workers lay out a block
     otherwise than `layout.slot_bytes` (what the kvstore's slots are sized for)."""
     block_bytes = layout.slot_bytes
     reported = workers[0].report.get("kv_block_bytes")
@@ -228,13 +227,8 @@ def _tiers_maker(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.WorkerRea
         log.error("KV tiers off: the workers lay out %s bytes per block, the KV layout says %d",
                   reported, block_bytes)
         return None
-
-    def make(scheduler: Scheduler) -> KVTiers:
-        tiers = KVTiers(cfg.kvstore_address, scheduler.bm.root_hash, block_bytes, scheduler, ctx)
-        log.info("KV tiers: kvstore at %s, %d bytes per block", cfg.kvstore_address, block_bytes)
-        return tiers
-
-    return make
+    log.info("KV tiers: kvstore at %s, %d bytes per block", cfg.kvstore_address, block_bytes)
+    return KVStoreConnector(cfg.kvstore_address, layout.model_identity, block_bytes, ctx)
 
 
 def _record_refusal(cfg: KestrelConfig, why: object) -> None:

@@ -1,9 +1,10 @@
 """The engine's view of one request: its tokens, progress, blocks and state machine.
 
 States: WAITING (admitted, not scheduled, or preempted) -> RUNNING -> FINISHED, with
-WAITING -> WAITING_FOR_KV -> WAITING while the kvstore is asked for the blocks after the
-request's GPU-local prefix hit (a lookup, then a reservation of pool slots); such a request
-sits in the scheduler's `waiting_for_kv`, out of the step's way.
+WAITING -> WAITING_FOR_KV -> WAITING while the KV connector asks its store for the blocks
+after the request's GPU-local prefix hit (a lookup, then a reservation of pool slots); such
+a request sits in the scheduler's `waiting_for_kv`, out of the step's way. What the
+connector learns (the reservation) stays in the connector (services/engine/kv_loads.py).
 A preempted request goes back to WAITING with num_computed_tokens = 0 and recomputes
 prompt + outputs so far (recompute preemption, as in vLLM); on re-admission it first takes
 whatever of that prefix is still in the prefix cache, like any new request.
@@ -39,9 +40,6 @@ class Request:
     preemption. num_registered_blocks: leading blocks of block_ids already offered to the
     prefix cache (reset when the blocks are freed). num_cached_tokens: prefix cache hit of
     the first admission, in tokens (-1 before it is admitted).
-    kv_checked: the kvstore was asked (or need not be) since the request last entered the
-    waiting queue; reset by preemption. kv_load: a ready tier reservation, (index of its
-    first block in block_hashes, pool slots, tier of each block), or None.
     output_logprobs: one TokenLogprob per output token when sampling.logprobs is set.
     prompt_logprobs: logprobs of prompt tokens 1.. gathered over prefill chunks (when
     sampling.prompt_logprobs is set); sent once, with the first output
@@ -60,7 +58,7 @@ class Request:
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
-                 "kv_checked", "kv_load", "worker_blocks", "inflight", "epoch")
+                 "worker_blocks", "inflight", "epoch")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -85,8 +83,6 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs_sent = False
         self.grammar: RequestGrammar | None = None
-        self.kv_checked = False
-        self.kv_load: tuple[int, list[int], list[str]] | None = None
         self.worker_blocks = 0  # leading block_ids the workers hold (0: send all, with sampling)
         self.inflight = 0  # tokens sampled by plans whose results have not come back (0 or 1)
         self.epoch = 0  # bumped by each preemption: results of older plans only add tokens

@@ -1,40 +1,32 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption.
 
-Each step (DESIGN §5):
+Each step (docs/ARCHITECTURE.md §5):
 1. Running requests in decode go first (one token each, or more later with spec decode).
 2. Running requests still in prefill get chunks of what is left of the budget. While
    decodes are in the batch, prefill tokens are capped at `prefill_cap_with_decodes` so
    that inter-token latency stays bounded.
 3. Waiting requests are admitted in arrival order while the budget, `max_num_seqs` and
    free blocks allow. An admitted request first takes its longest cached prefix from the
-   block manager's prefix cache (DESIGN §4): it starts with num_computed_tokens = the hit
-   length and the hit blocks at the head of its table, and its first chunk starts there
-   (ScheduledSeq.start_pos = hit length). Hit tokens cost no budget.
-KV tiers (DESIGN §4; only while `tiers_enabled`, set by the engine when a kvstore answers):
-- Admission: a request at the head of the queue whose full blocks go past its GPU-local
-  hit leaves the queue for `waiting_for_kv` (state WAITING_FOR_KV) and is listed in
-  `kv_lookups` with the index of its first block to ask for; the step goes on without it.
-  `kv_ready` puts it back at the front of the queue, with a reservation (`kv_load`) or
-  without (a miss, or the store went away).
-- Two-phase allocation: at admission the local hit blocks are referenced first (they can
-  no longer be evicted), then fresh blocks are allocated for the loaded run and the chunk.
-  The loaded run starts where the local hit ends now (slots of blocks the local hit has
-  since covered are released); a local hit shorter than where the run starts drops the
-  load (a gap cannot be loaded). The plan's `kv_loads` copy slot -> block before the step;
-  loaded tokens cost no budget. The engine completes the loads after the step.
-- Stores: `update` collects the blocks newly registered in the prefix cache in
-  `new_cached` for the engine to store; a request recomputing from token 0 after
-  preemption registers (and so stores) its blocks again, and asks the store again.
-- `released_slots`: reservation slots the engine must hand back (CompleteLoad) because
-  their request finished or no longer needs them.
+   block manager's prefix cache (docs/ARCHITECTURE.md §4): it starts with
+   num_computed_tokens = the hit length and the hit blocks at the head of its table, and
+   its first chunk starts there (ScheduledSeq.start_pos = hit length). Hit tokens cost no
+   budget.
+KV tiers (docs/ARCHITECTURE.md §4): a `KVConnector` (services/engine/kv_connector.py says
+when each of its methods is called; None without tiers). The scheduler asks it and applies
+its answers; the connector never edits the queues or the requests. A request whose lookup
+the connector must ask its store about waits in `waiting_for_kv` (WAITING_FOR_KV), off the
+step, until `kv_lookup_done` puts it back at the front of the queue. At admission the local
+hit blocks are referenced first (no longer evictable), then fresh blocks are allocated for
+the loaded run and the chunk; loaded tokens cost no budget. A request recomputing from
+token 0 after preemption is asked about again, and registers (so stores) its blocks again.
 
 Under memory pressure the newest running request is preempted: its blocks are freed (the
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to
 recompute from token 0, taking whatever of its prefix is still cached when re-admitted.
 
 After the worker returns the sampled tokens, `update` registers the blocks that became
-full in the prefix cache, appends the tokens and applies the stop conditions: EOS (unless
-ignore_eos, and not before min_tokens), stop token ids, max_tokens, and max_model_len.
+full in the prefix cache, appends the tokens and applies the stop conditions
+(services/engine/stop_conditions.py).
 
 Per-request extras in the plan, only where used (plans stay small otherwise):
 - penalties: `penalty_token_ids` (prompt + outputs so far) and `num_prompt_tokens`;
@@ -49,11 +41,13 @@ Per-request extras in the plan, only where used (plans stay small otherwise):
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
+from services.engine.stop_conditions import stop_reason
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, TokenLogprob
 
 
@@ -73,11 +67,12 @@ class Scheduler:
 
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per step.
     max_model_len: prompt + output tokens of one request. eos_token_ids: ids that end a
-    request (unless ignore_eos).
+    request (unless ignore_eos). connector: the KV tiers (module doc), or None.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int]):
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
+                 connector: KVConnector | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -90,13 +85,17 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0  # cumulative
         self.worker_forget: list[str] = []  # ended requests the next plan names (plan.forget)
-        # KV tiers (module doc); the engine drains kv_lookups, new_cached, released_slots.
-        self.tiers_enabled = False
+        # KV tiers (module doc): requests parked until the connector answers their lookup.
         self.waiting_for_kv: dict[str, Request] = {}
-        self.kv_lookups: list[tuple[Request, int]] = []
-        self.new_cached: list[tuple[int, bytes]] = []
-        self.released_slots: list[int] = []
-        self.tier_hit_tokens: Counter = Counter()   # tier -> tokens loaded from it
+        self.connector: KVConnector | None = None
+        if connector is not None:
+            self.attach_connector(connector)
+
+    def attach_connector(self, connector: KVConnector) -> None:
+        """Use `connector` for the KV tiers from now on (bound to this block manager and
+        `kv_lookup_done`)."""
+        connector.bind(self.bm, self.kv_lookup_done)
+        self.connector = connector
 
     # ------------------------------------------------------------------ queue management
 
@@ -117,11 +116,12 @@ class Scheduler:
             self.worker_forget.append(request.request_id)
             request.worker_blocks = 0
         self.bm.free(request)
-        self._drop_kv_load(request)
+        if self.connector is not None:
+            self.connector.release(request)
         if request in self.running:
             self.running.remove(request)
         elif self.waiting_for_kv.pop(request.request_id, None) is not None:
-            pass  # the engine completes its reservation, if one comes, on the reply
+            pass  # a reservation that comes later goes back (the connector sees it finished)
         else:
             try:
                 self.waiting.remove(request)
@@ -133,29 +133,16 @@ class Scheduler:
         """Whether a step could run now (requests waiting on the kvstore do not count)."""
         return bool(self.waiting or self.running)
 
-    def kv_ready(self, request: Request, load: tuple[int, list[int], list[str]] | None) -> None:
-        """Back from WAITING_FOR_KV to the front of the waiting queue, with a ready
-        reservation `load` = (first block index, slots, tiers) or None. A request that
-        finished meanwhile only gives its slots back (`released_slots`)."""
+    def kv_lookup_done(self, request: Request) -> None:
+        """The connector settled the lookup of a parked request (a reservation it holds,
+        or nothing to load: a miss, or the store went away): back from WAITING_FOR_KV to
+        the front of the waiting queue. A request no longer parked is released."""
         if self.waiting_for_kv.pop(request.request_id, None) is None or request.is_finished:
-            if load is not None:
-                self.released_slots.extend(load[1])
+            if self.connector is not None:
+                self.connector.release(request)
             return
         request.status = RequestStatus.WAITING
-        request.kv_load = load
         self.waiting.appendleft(request)
-
-    def kv_waiting_all_back(self) -> list[Request]:
-        """Put every WAITING_FOR_KV request back without a load (the store went away)."""
-        reqs = list(self.waiting_for_kv.values())
-        for r in reqs:
-            self.kv_ready(r, None)
-        return reqs
-
-    def _drop_kv_load(self, request: Request) -> None:
-        if request.kv_load is not None:
-            self.released_slots.extend(request.kv_load[1])
-            request.kv_load = None
 
     # ------------------------------------------------------------------ one step
 
@@ -193,32 +180,37 @@ class Scheduler:
             taken.add(req.request_id)
             prefill_budget -= n
 
-        kv_loads: list[tuple[int, int]] = []
+        connector = self.connector if self.bm.enable_prefix_caching else None
         while self.waiting and prefill_budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.inflight:  # preempted with a token still coming back: take it first
                 break
             # A waiting request holds no blocks and has computed nothing (new or preempted).
+            hit_blocks: list[int]
+            num_load = 0  # blocks the connector loads past the local hit
             if req.wants_prompt_logprobs:  # every prompt position must run to be scored
                 hit_blocks, hit_tokens = [], 0
                 req.prompt_logprobs = []  # a preempted request scores its prompt again
-                self._drop_kv_load(req)
+                if self.connector is not None:
+                    self.connector.release(req)
             else:
                 hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
-                if self._park_for_kv(req, len(hit_blocks)):
-                    continue
-            load = self._usable_load(req, len(hit_blocks))
-            computed = hit_tokens + len(load) * self.bm.block_size
+                if connector is not None:
+                    answer = connector.lookup(req, len(hit_blocks))
+                    if answer is None:  # asked: it waits off the step for the answer
+                        self.waiting.popleft()
+                        req.status = RequestStatus.WAITING_FOR_KV
+                        self.waiting_for_kv[req.request_id] = req
+                        continue
+                    num_load = answer
+            computed = hit_tokens + num_load * self.bm.block_size
             n = min(req.num_tokens - computed, prefill_budget)
             # Two phases: the hit blocks are referenced first, then blocks for load + chunk.
             if not self.bm.allocate(req, computed + n, computed_blocks=hit_blocks):
                 break
-            if load:
+            if connector is not None:
                 first = len(hit_blocks)
-                kv_loads.extend(zip(load, req.block_ids[first:first + len(load)]))
-                for tier in req.kv_load[2]:
-                    self.tier_hit_tokens[tier] += self.bm.block_size
-                req.kv_load = None
+                connector.on_allocated(req, req.block_ids[first:first + num_load])
             req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = computed
@@ -264,11 +256,36 @@ class Scheduler:
                 seq.allowed_token_bitmask = req.grammar.bitmask()
             seqs.append(seq)
         forget, self.worker_forget = self.worker_forget, []
-        return SchedulerOutput(plan=StepPlan(step_id=self.step_id, seqs=seqs, kv_loads=kv_loads,
-                                             forget=forget),
-                               requests=[r for r, _ in scheduled],
+        plan = StepPlan(step_id=self.step_id, seqs=seqs, forget=forget)
+        if self.connector is not None:
+            self._add_transfers(plan)
+        return SchedulerOutput(plan=plan, requests=[r for r, _ in scheduled],
                                num_tokens={r.request_id: n for r, n in scheduled},
                                preempted=preempted, epochs=[r.epoch for r, _ in scheduled])
+
+    def _add_transfers(self, plan: StepPlan) -> None:
+        """Put the connector's copies for this step into `plan`."""
+        assert self.connector is not None
+        t = self.connector.take_transfers()
+        if t is not None:
+            plan.kv_loads, plan.kv_stores = t.loads, t.stores
+            plan.kv_pool, plan.kv_pool_pid = t.pool, t.pool_pid
+
+    def transfer_plan(self) -> StepPlan | None:
+        """A plan with the connector's copies alone (no seqs: nothing else runs), or None
+        when it has none waiting. It takes the next step id."""
+        if self.connector is None or not self.connector.has_stores():
+            return None
+        self.step_id += 1
+        plan = StepPlan(step_id=self.step_id, seqs=[])
+        self._add_transfers(plan)
+        return plan
+
+    def transfers_done(self, plan: StepPlan, store_ok: bool) -> None:
+        """The result of `plan` came back (or its step failed): the connector completes
+        its loads and stores. store_ok: the workers copied the stores."""
+        if self.connector is not None and (plan.kv_loads or plan.kv_stores):
+            self.connector.step_done(plan, store_ok)
 
     @staticmethod
     def _must_sync(req: Request) -> bool:
@@ -287,36 +304,6 @@ class Scheduler:
         on this side (penalties, a grammar) still waits for one, so that it is not
         left out of a step."""
         return not any(r.inflight and self._must_sync(r) for r in self.running)
-
-    def _park_for_kv(self, req: Request, num_hit_blocks: int) -> bool:
-        """Move req (head of the queue) to WAITING_FOR_KV when the kvstore may hold blocks
-        past its local hit. Returns True when it was parked."""
-        if req.kv_checked or not self.tiers_enabled or not self.bm.enable_prefix_caching:
-            return False
-        req.kv_checked = True
-        if req.kv_load is not None or num_hit_blocks >= (req.num_tokens - 1) // self.bm.block_size:
-            return False
-        self.waiting.popleft()
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.waiting_for_kv[req.request_id] = req
-        self.kv_lookups.append((req, num_hit_blocks))
-        return True
-
-    def _usable_load(self, req: Request, num_hit_blocks: int) -> list[int]:
-        """Slots of req's reservation that extend its current local hit (see module doc);
-        the slots it does not need go to `released_slots`."""
-        if req.kv_load is None:
-            return []
-        first, slots, _ = req.kv_load
-        max_blocks = (req.num_tokens - 1) // self.bm.block_size
-        skip = num_hit_blocks - first
-        if skip < 0 or skip >= len(slots):
-            self._drop_kv_load(req)
-            return []
-        use = slots[skip:skip + max(0, max_blocks - num_hit_blocks)]
-        self.released_slots.extend(slots[:skip] + slots[skip + len(use):])
-        req.kv_load = (first + skip, use, req.kv_load[2][skip:skip + len(use)]) if use else None
-        return use
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
                              preempted: list[Request]) -> bool:
@@ -338,8 +325,7 @@ class Scheduler:
         self.bm.free(victim)
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
         victim.num_computed_tokens = 0
-        victim.epoch += 1
-        victim.kv_checked = False  # it recomputes from token 0: ask the kvstore again
+        victim.epoch += 1  # (its lookup ended at admission: the connector is asked again)
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -380,8 +366,8 @@ class Scheduler:
             done = seq.start_pos + len(seq.token_ids)  # prompt/context tokens computed by this plan
             if current:
                 new = self.bm.cache_full_blocks(req, upto=done)  # before a finish frees them
-                if self.tiers_enabled:
-                    self.new_cached.extend(new)
+                if new and self.connector is not None:
+                    self.connector.on_cached(new)
             # Prompt logprobs of a plan made before a preemption still count while the
             # request waits (it rescores from scratch only when re-admitted): its kept
             # token may end it, prompt logprobs complete.
@@ -399,27 +385,7 @@ class Scheduler:
             if req.sampling.logprobs is not None and lp is not None:
                 req.output_logprobs.append(lp)
             changed.append(req)
-            reason = self._stop_reason(req, tok)
+            reason = stop_reason(req, tok, self.eos, self.max_model_len)
             if reason is not None:
                 self.finish(req, reason)
         return changed
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        sp = req.sampling
-        n_out = len(req.output_token_ids)
-        if req.grammar is not None:
-            if not req.grammar.accept(tok):
-                return "error"  # the worker's mask forbids this; a fault, not the client's
-            if req.grammar.is_terminated():  # the grammar accepted its stop token (EOS)
-                req.stop_token_id = tok
-                return "stop"
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and tok in self.eos:
-                req.stop_token_id = tok
-                return "stop"
-            if tok in sp.stop_token_ids:
-                req.stop_token_id = tok
-                return "stop"
-        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None

@@ -145,7 +145,7 @@ def test_gpu_cpu_and_disk_tier_hits_equal_the_cold_run(api, cold):
         assert s1["kv_tier_hits_disk"] - s0["kv_tier_hits_disk"] > 0
         api.settle()
     m = httpx.get(api.url + "/metrics", timeout=10).text
-    assert 'kestrel:kv_tier_hits_total{model_name="%s",tier="disk"}' % MODEL in m
+    assert f'kestrel:kv_tier_hits_total{{model_name="{MODEL}",tier="disk"}}' in m
 
 
 def test_engine_restart_keeps_the_tiers_warm(api, cold):

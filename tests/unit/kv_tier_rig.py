@@ -1,14 +1,17 @@
 """An engine with KV tiers inside one test process, for the tier unit tests.
 
-Engine side: the real Scheduler, BlockManager and KVTiers (services/engine/kv_tiers.py),
-driven in the order of `EngineProcess.run` / `StepPipeline.advance`. Store side: a real kvstore
-(`services.kvstore.server.serve_in_thread`: its index, its shm pool, its ZMQ socket) on a
+Engine side: the real Scheduler, BlockManager and KVStoreConnector
+(services/engine/kv_tiers.py), driven in the order of `EngineProcess.run` / `StepPipeline.advance`. Store side: a real
+kvstore (`services.kvstore.server.serve_in_thread`: its index, its shm pool, its ZMQ socket) on a
 thread. Worker side: `ToyWorker`, whose paged "KV cache" is the prefix-cache tests'
 `BlockKVModel` ((block, offset) -> (position, token, digest of the context)), and whose
 tier copies move those entries through the pool slots byte for byte, before the forward
 (loads) and after it (stores), as services/worker/kv_transfer.py does. A block loaded with
 the wrong bytes, into the wrong block or not at all fails the toy model's checks when the
 request samples.
+
+`BookConnector` is a connector without a store, for scheduler tests: the test settles its
+lookups (`settle`); its policy and reservations are the real `LoadBook`'s.
 """
 
 from __future__ import annotations
@@ -20,16 +23,22 @@ import time
 import uuid
 from collections import Counter
 from types import SimpleNamespace
+from typing import cast
 
 import zmq
 
 from services.engine.block_manager import BlockManager
-from services.engine.kv_tiers import KVTiers
+from services.engine.kv_calls import PingCall
+from services.engine.kv_connector import KVConnector, KVLoad, KVTransfers, StorePins
+from services.engine.kv_loads import LoadBook
+from services.engine.kv_tiers import KVStoreConnector
+from services.engine.request import Request
 from services.engine.scheduler import Scheduler
 from shared.kvstore_client import KVStoreClient
 from shared.kv_pool import KVPool
 from services.kvstore.server import serve_in_thread
 from services.kvstore.settings import StoreSetup
+from shared.config import KestrelConfig
 from shared.hashing import model_identity_hash
 from shared.protocol import StepPlan
 from tests.unit.test_prefix_cache import EOS, BlockKVModel
@@ -70,12 +79,12 @@ class ToyWorker:
             return sampled, "OSError: the pool is unavailable (test)"
         pool = KVPool.attach(plan.kv_pool)
         for blk, slot in plan.kv_stores:
-            raw = bytearray(SLOT_BYTES)
+            out = bytearray(SLOT_BYTES)
             for off in range(BS):
                 entry = self.model.kv.get((blk, off))
                 if entry is not None:
-                    ENTRY.pack_into(raw, off * ENTRY.size, 1, *entry)
-            pool.slot(slot)[:] = raw
+                    ENTRY.pack_into(out, off * ENTRY.size, 1, *entry)
+            pool.slot(slot)[:] = out
         pool.close()
         return sampled, ""
 
@@ -112,18 +121,20 @@ class TierRig:
         self.plans: list[StepPlan] = []
         self.held: list = []
         self._hold_kinds: tuple = ()
-        self.server = None
         self.start_store()
         self.ctx = zmq.Context()
-        self.tiers = KVTiers(self.address, self.root, SLOT_BYTES, self.sched, self.ctx,
-                             reply_timeout_s=reply_timeout_s, load_timeout_s=reply_timeout_s,
-                             ping_s=0.05, retry_s=0.2)
+        self.tiers = KVStoreConnector(self.address, self.root, SLOT_BYTES, self.ctx,
+                                      reply_timeout_s=reply_timeout_s,
+                                      load_timeout_s=reply_timeout_s, ping_s=0.05, retry_s=0.2)
+        self.sched.attach_connector(self.tiers)
         self.wait(lambda: self.tiers.connected, "the store's answer to the engine's hello")
 
     # ------------------------------------------------------------ the store
     def start_store(self) -> None:
         """Start a kvstore on a thread at this rig's address (empty pool)."""
-        cfg = SimpleNamespace(instance_id=self.instance, kvstore_address=self.address)
+        # the two settings the server reads
+        cfg = cast(KestrelConfig, SimpleNamespace(instance_id=self.instance,
+                                                  kvstore_address=self.address))
         setup = StoreSetup(self.root, SLOT_BYTES, self.n_slots, None, 0)
         self.server, self.thread = serve_in_thread(cfg, setup)
         real = self.server._handle
@@ -136,7 +147,7 @@ class TierRig:
                 real(*self.held.pop(0))
             real(rid, msg)
 
-        self.server._handle = handle
+        self.server._handle = handle  # type: ignore[method-assign]  # the rig wraps the handler
 
     def stop_store(self) -> None:
         """Stop the kvstore as a dying process would: its socket and pool go away."""
@@ -170,20 +181,15 @@ class TierRig:
         else runs and stores are ready. Returns the plan run, or None."""
         self.tiers.service()
         out = self.sched.schedule()
-        if out is None and not self.tiers.has_stores():
+        plan = out.plan if out is not None else self.sched.transfer_plan()
+        if plan is None:
             return None
-        if out is None:
-            self.sched.step_id += 1
-            plan = StepPlan(step_id=self.sched.step_id, seqs=[])
-        else:
-            plan = out.plan
-        self.tiers.attach_to_plan(plan)
         self.worker.model.state.resolve(plan)  # whole tables (execute resolves again: a no-op)
         written = {s.block_table[i] for s in plan.seqs  # blocks the forward writes into
                    for i in range(s.start_pos // BS, -(-(s.start_pos + len(s.token_ids)) // BS))}
         assert written.isdisjoint(b for b, _ in plan.kv_stores), "a step writes a block it stores"
         sampled, store_error = self.worker.execute(plan)
-        self.tiers.after_step(plan, not store_error)
+        self.sched.transfers_done(plan, not store_error)
         if out is not None:
             self.sched.update(out, sampled)
         check_blocks(self.bm, self.sched)
@@ -216,9 +222,9 @@ class TierRig:
     def quiet(self) -> bool:
         """Nothing left: no request, no store or load in flight."""
         return (not self.sched.requests and not self.sched.waiting_for_kv
-                and not self.sched.new_cached and not self.tiers.has_stores()
+                and not self.tiers.queued_stores and not self.tiers.has_stores()
                 and not self.bm.store_pins
-                and not any(e[0] != "ping" for e in self.tiers.pending.values()))
+                and not any(not isinstance(c, PingCall) for c in self.tiers.pending.values()))
 
     def drain(self, timeout: float = 10.0) -> None:
         """Run until every request finished and every transfer is complete."""
@@ -235,3 +241,64 @@ class TierRig:
             self.stop_store()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.runtime, ignore_errors=True)
+
+
+class BookConnector(KVConnector):
+    """A KV connector whose store is the test (module doc). Attributes: book (the real
+    LoadBook), queued ((request, first block) asked and not yet settled), cached (blocks
+    handed to `on_cached`), done ((plan, store_ok) of `step_done`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = LoadBook(0)
+        self.queued: list[tuple[Request, int]] = []
+        self.cached: list[tuple[int, bytes]] = []
+        self.done: list[tuple[StepPlan, bool]] = []
+
+    def bind(self, pins: StorePins, on_lookup_done) -> None:
+        super().bind(pins, on_lookup_done)
+        self.book.block_size = pins.block_size
+
+    def settle(self, request: Request, load: KVLoad | None) -> None:
+        """The store's answer to the queued lookup of `request`."""
+        self.queued = [(r, f) for r, f in self.queued if r is not request]
+        if self.book.answer(request, load):
+            self._on_lookup_done(request)
+
+    def lookup(self, request: Request, num_local_blocks: int) -> int | None:
+        n = self.book.lookup(request, num_local_blocks, True)
+        if n is None:
+            self.queued.append((request, num_local_blocks))
+        return n
+
+    def on_allocated(self, request: Request, block_ids) -> None:
+        self.book.admit(request, block_ids)
+
+    def on_cached(self, blocks: list[tuple[int, bytes]]) -> None:
+        self.cached.extend(blocks)
+
+    def release(self, request: Request) -> None:
+        self.book.release(request)
+
+    def take_transfers(self) -> KVTransfers | None:
+        loads = self.book.take_loads()
+        return KVTransfers(loads, [], "test-pool", 1) if loads else None
+
+    def step_done(self, plan: StepPlan, store_ok: bool) -> None:
+        self.done.append((plan, store_ok))
+
+    @property
+    def socket(self) -> None:
+        return None
+
+    def service(self) -> None:
+        pass
+
+    def has_stores(self) -> bool:
+        return False
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,5 +1,5 @@
-"""The engine's KV tier integration (DESIGN §4 "Tiers", issue 6): the real Scheduler,
-BlockManager and KVTiers against a real kvstore on a thread and a toy worker that copies
+"""The engine's KV tier integration (docs/ARCHITECTURE.md §4 "Tiers", issue 6): the real
+Scheduler, BlockManager and KVStoreConnector against a real kvstore on a thread and a toy worker that copies
 its paged KV through the store's shm pool (tests/unit/kv_tier_rig.py).
 
 The truth for every output is the same request run alone with no cache anywhere
@@ -15,10 +15,11 @@ import random
 import pytest
 
 from services.engine.block_manager import BlockManager
+from services.engine.kv_connector import KVLoad
 from services.engine.request import RequestStatus
 from services.engine.scheduler import Scheduler
 from shared.protocol import KVLookup, KVPrepareStore
-from tests.unit.kv_tier_rig import BS, TierRig
+from tests.unit.kv_tier_rig import BS, BookConnector, TierRig, check_blocks
 from tests.unit.test_prefix_cache import EOS, VOCAB, reference, req
 
 
@@ -67,6 +68,7 @@ def test_tier_hit_waits_off_the_step_and_resumes_first_with_its_loaded_prefix(ri
     rig.sched.add(c)
     plans = [rig.step() for _ in range(4)]
     assert b.status is RequestStatus.WAITING_FOR_KV and rig.sched.waiting_for_kv == {"b": b}
+    assert rig.tiers.stats()["kv_tier_waiting_requests"] == 1
     assert [[s.request_id for s in p.seqs] for p in plans] == [["c"]] * 4
     assert c.num_computed_tokens == 3 + 3 and not b.block_ids
     d = req("d", [6, 6], 2)  # arrives while b waits
@@ -74,13 +76,15 @@ def test_tier_hit_waits_off_the_step_and_resumes_first_with_its_loaded_prefix(ri
     rig.release()
     rig.wait(lambda: b.status is RequestStatus.WAITING, "b's reservation")
     assert list(rig.sched.waiting) == [b, d], "a request back from the store goes first"
-    first, slots, tiers = b.kv_load
+    load = rig.tiers.book.reservation("b")
+    first, slots, tiers = load.first, load.slots, load.tiers
     assert (first, len(set(slots)), tiers) == (0, 5, ["cpu"] * 5)
     plan = rig.step()
     (seq,) = [s for s in plan.seqs if s.request_id == "b"]
     assert (seq.start_pos, seq.token_ids) == (5 * BS, prompt[5 * BS:])
     assert plan.kv_loads == list(zip(slots, b.block_ids[:5]))
-    assert b.num_cached_tokens == 5 * BS and rig.sched.tier_hit_tokens == {"cpu": 5 * BS}
+    assert b.num_cached_tokens == 5 * BS and rig.tiers.book.hit_tokens == {"cpu": 5 * BS}
+    assert rig.tiers.stats()["kv_tier_hits_cpu"] == 5 * BS
     rig.drain()
     assert outputs(b, c, d) == reference([b, c, d])
     assert rig.probe([])[1]["pinned_slots"] == 0, "the load's slots were never handed back"
@@ -96,9 +100,11 @@ def test_gpu_hit_blocks_are_shared_and_the_tier_run_loads_into_fresh_blocks(rigs
     b = req("b", prompt, 4)
     rig.sched.add(b)
     rig.step()
-    assert b.status is RequestStatus.WAITING_FOR_KV and rig.sched.kv_lookups == [(b, 2)]
-    rig.wait(lambda: b.kv_load is not None, "b's reservation")
-    first, slots, _ = b.kv_load
+    assert b.status is RequestStatus.WAITING_FOR_KV and rig.tiers.queued_lookups == [(b, 2)]
+    rig.wait(lambda: rig.tiers.book.reservation("b") is not None, "b's reservation")
+    assert b.status is RequestStatus.WAITING
+    load = rig.tiers.book.reservation("b")
+    first, slots = load.first, load.slots
     assert (first, len(slots)) == (2, 3)
     others = {x for r in rig.sched.running for x in r.block_ids}
     plan = rig.step()
@@ -123,20 +129,21 @@ def test_kvstore_loss_sends_waiting_requests_back_to_recompute_and_unpins_stores
     rig.sched.add(c)
     rig.run_until(lambda: rig.bm.store_pins, "c's first full block pinned for a store")
     pinned = set(rig.bm.store_pins)
-    assert b1.status is RequestStatus.WAITING_FOR_KV and not rig.sched.kv_lookups  # asked
+    assert b1.status is RequestStatus.WAITING_FOR_KV and not rig.tiers.queued_lookups  # asked
     rig.stop_store()
     b2 = req("b2", p2, 4)
     rig.sched.add(b2)
     rig.step()
-    assert b2.status is RequestStatus.WAITING_FOR_KV and rig.sched.kv_lookups == [(b2, 0)]
+    assert b2.status is RequestStatus.WAITING_FOR_KV and rig.tiers.queued_lookups == [(b2, 0)]
     rig.tiers.reply_timeout_s = 0.0  # the store's silence is past the limit at the next look
     rig.run_until(lambda: c.is_finished and b1.is_finished and b2.is_finished,
                   "every request to finish without the store")
     assert [rig.seqs_of(r)[0].start_pos for r in ("b1", "b2")] == [0, 0], "no recompute"
     assert not any(p.kv_loads for p in rig.plans)
-    assert not rig.tiers.connected and not rig.sched.tiers_enabled
+    assert not rig.tiers.connected
+    assert rig.tiers.lookup(req("z", p1, 1), 0) == 0, "tiers off: nothing is asked"
     assert not rig.bm.store_pins and pinned <= set(rig.bm.evictable)
-    assert rig.tiers.counters["kv_tier_disconnects"] == 1
+    assert rig.tiers.stats()["kv_tier_disconnects"] == 1
     assert outputs(b1, b2, c) == reference([b1, b2, c])
 
 
@@ -147,15 +154,15 @@ def test_kvstore_loss_drops_a_ready_reservation_and_tiers_resume_with_a_new_stor
     b = req("b", prompt, 4)
     rig.sched.add(b)
     assert rig.step() is None and b.status is RequestStatus.WAITING_FOR_KV
-    rig.wait(lambda: b.kv_load is not None, "b's reservation")
+    rig.wait(lambda: rig.tiers.book.reservation("b") is not None, "b's reservation")
     rig.stop_store()
     rig.wait(lambda: not rig.tiers.connected, "the engine to notice the store is gone")
-    assert b.kv_load is None and list(rig.sched.waiting) == [b]
-    assert rig.sched.released_slots == [], "slots of a dead store would be handed back"
+    assert rig.tiers.book.reservation("b") is None and list(rig.sched.waiting) == [b]
+    assert rig.tiers.book.to_release == [], "slots of a dead store would be handed back"
     plan = rig.step()
     assert plan.kv_loads == [] and plan.seqs[0].start_pos == 0
     rig.start_store()
-    rig.wait(lambda: rig.tiers.connected and rig.sched.tiers_enabled, "a new session")
+    rig.wait(lambda: rig.tiers.connected, "a new session")
     rig.drain()
     assert outputs(b) == reference([b])
     e = req("e", tokens(4, 3 * BS + 1), 2)
@@ -176,6 +183,7 @@ def test_block_with_a_store_in_flight_is_not_reused_until_the_store_completes(ri
                   "the stores of a1 and a2 in flight")
     pinned = sorted(rig.bm.store_pins)
     assert rig.bm.num_free_blocks == 8 - 4
+    assert rig.tiers.stats()["kv_tier_pending_stores"] == 4
     x = req("x", tokens(6, 6 * BS + 3), 2)  # needs 7 blocks at once: only 4 are free
     rig.sched.add(x)
     assert rig.step() is None  # x asks the store (a miss), then stays at the queue's head
@@ -214,7 +222,7 @@ def test_request_restarting_from_token_0_after_preemption_stores_its_prefix_agai
     rig.sched._preempt(a)  # as under memory pressure: back to WAITING, from token 0
     assert rig.bm.reset_prefix_cache()  # and its freed blocks were evicted meanwhile
     rig.step()
-    assert a.status is RequestStatus.WAITING_FOR_KV and rig.sched.kv_lookups == [(a, 0)]
+    assert a.status is RequestStatus.WAITING_FOR_KV and rig.tiers.queued_lookups == [(a, 0)]
     rig.drain()
     assert a.num_preemptions == 1 and [s.start_pos for s in rig.seqs_of("a")].count(0) == 2
     assert rig.probe(a.block_hashes[:3])[0] == ["cpu"] * 3
@@ -229,23 +237,26 @@ def test_request_restarting_from_token_0_after_preemption_stores_its_prefix_agai
 ])
 def test_reservation_is_cut_to_extend_the_current_local_hit(gpu_hit, first, slots, want_loaded):
     bm = BlockManager(64, BS)
-    sched = Scheduler(bm, 8, 64, 400, [EOS])
-    sched.tiers_enabled = True
+    conn = BookConnector()
+    sched = Scheduler(bm, 8, 64, 400, [EOS], connector=conn)
     prompt = tokens(8, 5 * BS + 2)
     if gpu_hit:  # another request computes (and caches) the prompt's first blocks
         q = req("q", prompt[:gpu_hit * BS] + [1], 1)
-        q.kv_checked = True  # (it asked the store already)
+        conn.book.answer(q, None)  # (it asked the store already: a miss)
         sched.add(q)
         sched.update(sched.schedule(), [5])
     b = req("b", prompt, 2)
     sched.add(b)
-    assert sched.schedule() is None and sched.kv_lookups == [(b, gpu_hit)]
-    sched.kv_ready(b, (first, slots, ["cpu"] * len(slots)))
+    assert sched.schedule() is None and conn.queued == [(b, gpu_hit)]
+    assert b.status is RequestStatus.WAITING_FOR_KV and not sched.waiting
+    conn.settle(b, KVLoad(first, slots, ["cpu"] * len(slots)))
+    assert list(sched.waiting) == [b] and b.status is RequestStatus.WAITING
     out = sched.schedule()
     (seq,) = out.plan.seqs
     assert out.plan.kv_loads == list(zip(want_loaded, b.block_ids[gpu_hit:]))
-    assert sorted(sched.released_slots) == sorted(set(slots) - set(want_loaded))
-    assert b.kv_load is None and sched.tier_hit_tokens["cpu"] == len(want_loaded) * BS
+    assert (out.plan.kv_pool, out.plan.kv_pool_pid) == (("test-pool", 1) if want_loaded else ("", 0))
+    assert sorted(conn.book.to_release) == sorted(set(slots) - set(want_loaded))
+    assert not conn.book.answered("b") and conn.book.hit_tokens["cpu"] == len(want_loaded) * BS
     assert seq.start_pos == (gpu_hit + len(want_loaded)) * BS
 
 
@@ -254,13 +265,12 @@ def test_blocks_renamed_before_their_store_is_prepared_are_neither_pinned_nor_st
     a = req("a", tokens(21, 3 * BS + 1), 1)  # finishes in the step that names its 3 blocks
     rig.sched.add(a)
     rig.run_until(lambda: a.is_finished, "a to finish")
-    named = list(rig.sched.new_cached)
+    named = list(rig.tiers.queued_stores)
     assert len(named) == 3 and not rig.bm.store_pins
     assert rig.bm.reset_prefix_cache()  # the names go before the engine asks to store them
     rig.tiers.service()  # pump: nothing to store, nothing pinned (a pin would keep a free block)
-    assert not rig.bm.store_pins and not rig.sched.new_cached
+    assert not rig.bm.store_pins and not rig.tiers.queued_stores
     rig.drain()
-    from tests.unit.kv_tier_rig import check_blocks
     check_blocks(rig.bm, rig.sched)
     assert rig.probe([h for _, h in named])[0] == []  # the store never got them
     b = req("b", a.prompt_token_ids, 2)  # the same prompt recomputes, with the right output
