@@ -1,4 +1,4 @@
-"""The frontend's async client of the engine (DESIGN §2), on zmq.asyncio.
+"""The frontend's async client of the engine (docs/ARCHITECTURE.md §2), on zmq.asyncio.
 
 Socket: one DEALER, connected to the engine's ROUTER at `engine_address`, with a fresh ZMQ
 identity per process start. Each message is one frame: a msgspec MessagePack encoding of
