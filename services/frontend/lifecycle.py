@@ -35,7 +35,7 @@ log = logging.getLogger("kestrel.frontend")
 
 BEAT_INTERVAL_S = 0.5
 DRAIN_RETRY_AFTER_S = 5
-FINAL_GRACE_S = 1.0  # after the drain: for responses that are just finishing, then cancel
+FINAL_GRACE_S = 1  # seconds (uvicorn takes an int); after the drain: for responses that are just finishing, then cancel
 
 
 def frontend_name(index: int) -> str:
