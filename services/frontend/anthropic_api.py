@@ -55,7 +55,9 @@ from services.frontend.context import ServingContext
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound,
                                       ServiceUnavailable, engine_error)
+from services.frontend.fanout import until_disconnect
 from services.frontend.generation import TextDelta, generate
+from services.frontend.guard import CLIENT_CLOSED
 from services.frontend.openai_sampling import engine_temperature, engine_top_p
 from services.frontend.parsers.output import Finish, OutEvent, run_parsed
 from services.frontend.parsers.tool_choice import forced_call_constraint
@@ -319,24 +321,12 @@ class AnthropicServing:
             finally:
                 await gen.aclose()
 
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-        if work.cancelled():
+        done, fin = await until_disconnect(request, collect())
+        if not done:
             self.engine.abort(request_id)
             log.info("%s: client disconnected", request_id)
-            return Response(status_code=499)
-        fin = work.result()
+            return Response(status_code=CLIENT_CLOSED)
+        assert fin is not None  # collect() returns a Finish or raises
         if fin.error is not None:
             raise finish_error(fin)
         reason = self._stop_reason(fin, blocks)
