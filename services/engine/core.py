@@ -50,7 +50,7 @@ class PendingAbort(NamedTuple):
     the engine aborts on its own (frontend dropped): the output goes to the frontend anyway."""
 
     request_id: str
-    reason: str
+    reason: P.FinishReason
     error: str | None
 
 
@@ -103,13 +103,13 @@ class EngineCore:
         yet is parked while a thread compiles it (`admit_compiled` admits it). Returns the
         refusal, or None."""
         sp = msg.sampling
-        kind, error = "invalid", invalid_reason(msg, self.max_model_len, self.info.vocab_size)
+        kind, error = P.ErrorKind.INVALID, invalid_reason(msg, self.max_model_len, self.info.vocab_size)
         if error is None and (msg.request_id in self.scheduler.requests
                               or msg.request_id in self.grammars.compiling):
             error = "duplicate request id"
         waiting = len(self.scheduler.waiting) + len(self.grammars.compiling)
         if error is None and waiting >= self.cfg.max_num_waiting:
-            kind, error = "overloaded", f"waiting queue full ({self.cfg.max_num_waiting} requests)"
+            kind, error = P.ErrorKind.OVERLOADED, f"waiting queue full ({self.cfg.max_num_waiting} requests)"
         grammar: RequestGrammar | None = None
         if error is None and sp.structured is not None:
             try:
@@ -119,7 +119,7 @@ class EngineCore:
                     return None
             except Exception as e:  # no tokenizer.json, xgrammar fault: not the client's fault
                 log.exception("request %s: structured output unavailable", msg.request_id)
-                kind, error = "internal", f"structured output unavailable: {e}"
+                kind, error = P.ErrorKind.INTERNAL, f"structured output unavailable: {e}"
         if error:
             return Emitted(anyway=[(frontend, refusal(msg, kind, error))])
         self._admit(frontend, msg, grammar)
@@ -146,10 +146,10 @@ class EngineCore:
             try:
                 grammar = RequestGrammar(c.future.result(), self.info.vocab_size)
             except GrammarError as e:
-                kind, error = "invalid", str(e)
+                kind, error = P.ErrorKind.INVALID, str(e)
             except Exception as e:
                 log.error("request %s: grammar compile failed: %r", rid, e)
-                kind, error = "internal", f"structured output unavailable: {e}"
+                kind, error = P.ErrorKind.INTERNAL, f"structured output unavailable: {e}"
             else:
                 self._admit(c.frontend, c.msg, grammar)
                 continue
@@ -159,7 +159,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ aborts
 
-    def abort(self, request_ids: list[str], reason: str = "abort", error: str | None = None) -> None:
+    def abort(self, request_ids: list[str], reason: P.FinishReason = P.FinishReason.ABORT,
+              error: str | None = None) -> None:
         """Queue aborts of `request_ids` for `apply_aborts` (unknown ids are ignored then)."""
         self.pending_aborts.extend(PendingAbort(rid, reason, error) for rid in request_ids)
 
@@ -168,7 +169,7 @@ class EngineCore:
         each with error `why`: their last output still goes to that identity."""
         rids = [r.request_id for r in self.scheduler.requests.values() if r.frontend == frontend]
         rids += [rid for rid, c in self.grammars.compiling.items() if c.frontend == frontend]
-        self.abort(rids, "abort", why)
+        self.abort(rids, P.FinishReason.ABORT, why)
 
     def apply_aborts(self) -> Emitted | None:
         """End the requests of the queued aborts. A client's abort answers only an attached
@@ -183,14 +184,14 @@ class EngineCore:
             if req is None:
                 compiling = self.grammars.compiling.pop(rid, None)
                 if compiling is not None:  # its grammar is still compiling: it never ran
-                    kind = "internal" if error is not None else None
+                    kind = P.ErrorKind.INTERNAL if error is not None else None
                     em.anyway.append((compiling.frontend,
                                       refusal(compiling.msg, kind, error, finish_reason=reason)))
                 continue
             self.scheduler.finish(req, reason)
             out = request_output(req)
             if error is not None:
-                out.error, out.error_kind = error, "internal"
+                out.error, out.error_kind = error, P.ErrorKind.INTERNAL
                 em.anyway.append((req.frontend, out))
             else:
                 em.add(req.frontend, out)
@@ -224,7 +225,7 @@ class EngineCore:
         if result.error:
             log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
             for req in out.requests:
-                self.scheduler.finish(req, "error")
+                self.scheduler.finish(req, P.FinishReason.ERROR)
             return emitted_for(out.requests, error=f"internal error in the model worker: {result.error}")
         changed = self.scheduler.update(out, result.sampled_token_ids, result.logprobs,
                                         result.prompt_logprobs)
@@ -259,9 +260,9 @@ class EngineCore:
         compile threads: the engine is going away."""
         reqs = list(self.scheduler.requests.values())
         for req in reqs:
-            self.scheduler.finish(req, "error")
+            self.scheduler.finish(req, P.FinishReason.ERROR)
         em = emitted_for(reqs, error=reason)
         for c in self.grammars.compiling.values():
-            em.anyway.append((c.frontend, refusal(c.msg, "internal", reason)))
+            em.anyway.append((c.frontend, refusal(c.msg, P.ErrorKind.INTERNAL, reason)))
         self.grammars.shutdown()
         return em

@@ -84,7 +84,7 @@ class FrontendLink:
         log.warning("%s from unknown frontend %r: asking it to re-attach", type(msg).__name__,
                     ident)
         if isinstance(msg, P.AddRequest):
-            self.send(ident, P.Outputs([refusal(msg, "overloaded", reason)]))
+            self.send(ident, P.Outputs([refusal(msg, P.ErrorKind.OVERLOADED, reason)]))
         elif isinstance(msg, P.UtilityCall):
             self.send(ident, P.UtilityResult(msg.call_id, error=reason))
         self.send(ident, P.NotAttached(reason))

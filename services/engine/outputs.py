@@ -52,8 +52,8 @@ def request_output(req: Request) -> P.RequestOutput:
         o.prompt_logprobs = [None] + req.prompt_logprobs[:req.num_prompt_tokens - 1]
         req.prompt_logprobs_sent = True
         req.prompt_logprobs = []
-    if req.finish_reason == "error":
-        o.error_kind = "internal"
+    if req.finish_reason == P.FinishReason.ERROR:
+        o.error_kind = P.ErrorKind.INTERNAL
         o.error = "internal error"
     return o
 
@@ -66,13 +66,13 @@ def emitted_for(reqs: list[Request], error: str | None = None) -> Emitted:
         o = request_output(req)
         if error:
             o.error = error
-            o.error_kind = "internal"
+            o.error_kind = P.ErrorKind.INTERNAL
         em.add(req.frontend, o)
     return em
 
 
-def refusal(msg: P.AddRequest, kind: str | None, error: str | None,
-            finish_reason: str = "error") -> P.RequestOutput:
+def refusal(msg: P.AddRequest, kind: P.ErrorKind | None, error: str | None,
+            finish_reason: P.FinishReason = P.FinishReason.ERROR) -> P.RequestOutput:
     """The one output of a request that never ran: no tokens, `error` of `kind` (both None
     for a plain abort)."""
     return P.RequestOutput(msg.request_id, [], len(msg.prompt_token_ids), finish_reason,

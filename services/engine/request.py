@@ -16,7 +16,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from shared.protocol import SamplingParams, TokenLogprob
+from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # xgrammar is imported only where grammars are compiled
     from services.engine.structured import RequestGrammar
@@ -71,7 +71,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
         self.first_scheduled: float | None = None

@@ -48,7 +48,7 @@ from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
 from services.engine.stop_conditions import stop_reason
-from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, TokenLogprob
+from shared.protocol import PENDING_TOKEN, FinishReason, ScheduledSeq, StepPlan, TokenLogprob
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (any state): free its blocks and drop it from the queues."""
         if request.is_finished:
             return
@@ -375,7 +375,7 @@ class Scheduler:
             if live and req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
                 req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
             if live and not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
-                self.finish(req, "length")  # scored the prompt (with or without logprobs); nothing to generate
+                self.finish(req, FinishReason.LENGTH)  # scored the prompt (with or without logprobs); nothing to generate
                 changed.append(req)
             if tok is None:
                 continue

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Container
 
 from services.engine.request import Request
+from shared.protocol import FinishReason
 
 
-def stop_reason(req: Request, tok: int, eos: Container[int], max_model_len: int) -> str | None:
+def stop_reason(req: Request, tok: int, eos: Container[int], max_model_len: int) -> FinishReason | None:
     """The finish reason for `req` once `tok` (already appended to its outputs) is taken,
     or None to go on: "stop" (EOS in `eos`, a stop token id, or the grammar accepted its
     end; req.stop_token_id is set), "length" (max_tokens or max_model_len tokens reached),
@@ -20,17 +21,17 @@ def stop_reason(req: Request, tok: int, eos: Container[int], max_model_len: int)
     n_out = len(req.output_token_ids)
     if req.grammar is not None:
         if not req.grammar.accept(tok):
-            return "error"
+            return FinishReason.ERROR
         if req.grammar.is_terminated():  # the grammar accepted its stop token (EOS)
             req.stop_token_id = tok
-            return "stop"
+            return FinishReason.STOP
     if n_out >= sp.min_tokens:
         if not sp.ignore_eos and tok in eos:
             req.stop_token_id = tok
-            return "stop"
+            return FinishReason.STOP
         if tok in sp.stop_token_ids:
             req.stop_token_id = tok
-            return "stop"
+            return FinishReason.STOP
     if n_out >= sp.max_tokens or req.num_tokens >= max_model_len:
-        return "length"
+        return FinishReason.LENGTH
     return None

@@ -37,29 +37,30 @@ top_p below 1e-6 as 1e-6 (openai_sampling's `engine_temperature` / `engine_top_p
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
-from collections.abc import AsyncIterator
 
 import orjson
-import partial_json_parser
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from services.frontend.anthropic_blocks import Blocks, sse_event
 from services.frontend.anthropic_errors import (anthropic_error_body, anthropic_error_response,
                                                 new_request_id)
 from services.frontend.anthropic_protocol import MessagesRequest, parse_messages_request
-from services.frontend.chat_features import ChatFeatures
+from services.frontend.body import read_body
+from services.frontend.context import ServingContext
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound,
                                       ServiceUnavailable, engine_error)
-from services.frontend.generation import generate
+from services.frontend.fanout import until_disconnect
+from services.frontend.generation import TextDelta, generate
+from services.frontend.guard import CLIENT_CLOSED
 from services.frontend.openai_sampling import engine_temperature, engine_top_p
-from services.frontend.parsers.output import Finish, OutEvent, Reasoning, run_parsed
+from services.frontend.parsers.output import Finish, OutEvent, run_parsed
 from services.frontend.parsers.tool_choice import forced_call_constraint
-from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
 from shared.protocol import SamplingParams
 
 log = logging.getLogger("kestrel.frontend.anthropic")
@@ -68,9 +69,10 @@ log = logging.getLogger("kestrel.frontend.anthropic")
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 STOP_REASONS = {"length": "max_tokens", "stop_string": "stop_sequence"}
 
-
-def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+# The request's text deltas (`generate`), and the parser's items made of them
+# (`run_parsed`: event lists, None for keep-alive ticks, the Finish last).
+Deltas = AsyncGenerator[TextDelta | None, None]
+Items = AsyncIterator[list[OutEvent] | None | Finish]
 
 
 def finish_error(fin: Finish) -> APIError:
@@ -86,101 +88,23 @@ def finish_error(fin: Finish) -> APIError:
 def _error_event(err: APIError) -> bytes:
     """The SSE `error` event of `err` (in a stream that already started)."""
     _, body = anthropic_error_body(err.status, err.message)
-    return _sse("error", body)
-
-
-def _tool_input(args: str) -> Any:
-    """A tool_use block's input from its arguments JSON text. Valid JSON objects are kept
-    verbatim (big integers exact); anything else goes through partial-json-parser."""
-    try:
-        if isinstance(json.loads(args), dict):
-            return orjson.Fragment(args)
-    except ValueError:
-        pass
-    try:
-        value = partial_json_parser.loads(args)
-        return value if isinstance(value, dict) else {}
-    except Exception:  # the library raises several types on text it cannot complete
-        return {}
-
-
-class _Blocks:
-    """Content blocks built from parser events, with the stream events that build them."""
-
-    def __init__(self) -> None:
-        self.blocks: list[dict[str, Any]] = []
-        self._open = False
-
-    def _start(self, block: dict[str, Any], out: list[bytes]) -> None:
-        self.close(out)
-        self.blocks.append(block)
-        self._open = True
-        out.append(_sse("content_block_start", {"type": "content_block_start",
-                                                "index": len(self.blocks) - 1,
-                                                "content_block": block}))
-        self.blocks[-1] = dict(block)  # the start event shows the empty block
-
-    def _delta(self, delta: dict[str, Any], out: list[bytes]) -> None:
-        out.append(_sse("content_block_delta", {"type": "content_block_delta",
-                                                "index": len(self.blocks) - 1, "delta": delta}))
-
-    def close(self, out: list[bytes]) -> None:
-        if self._open:
-            out.append(_sse("content_block_stop", {"type": "content_block_stop",
-                                                   "index": len(self.blocks) - 1}))
-            self._open = False
-
-    def _current(self, kind: str) -> dict[str, Any] | None:
-        return self.blocks[-1] if self._open and self.blocks[-1]["type"] == kind else None
-
-    def add(self, events: list[OutEvent]) -> list[bytes]:
-        out: list[bytes] = []
-        for e in events:
-            if isinstance(e, Reasoning):
-                if self._current("thinking") is None:
-                    self._start({"type": "thinking", "thinking": "", "signature": ""}, out)
-                self.blocks[-1]["thinking"] += e.text
-                self._delta({"type": "thinking_delta", "thinking": e.text}, out)
-            elif isinstance(e, Content):
-                if self._current("text") is None:
-                    self._start({"type": "text", "text": ""}, out)
-                self.blocks[-1]["text"] += e.text
-                self._delta({"type": "text_delta", "text": e.text}, out)
-            elif isinstance(e, ToolCallStart):
-                self._start({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
-                             "name": e.name, "input": {}}, out)
-                self.blocks[-1]["_args"] = ""
-            elif isinstance(e, ToolCallArgs):
-                self.blocks[-1]["_args"] += e.text
-                self._delta({"type": "input_json_delta", "partial_json": e.text}, out)
-        return out
-
-    def final(self) -> list[dict[str, Any]]:
-        """The blocks as the non-streaming message shows them."""
-        out = []
-        for b in self.blocks:
-            if b["type"] == "tool_use":
-                b = {k: v for k, v in b.items() if k != "_args"} | {"input": _tool_input(b["_args"])}
-            out.append(b)
-        return out
-
-    def has_tool_use(self) -> bool:
-        return any(b["type"] == "tool_use" for b in self.blocks)
+    return sse_event("error", body)
 
 
 class AnthropicServing:
-    """The Anthropic routes, sharing the engine client, tokenizer, chat template and limits
-    of the OpenAI routes (`openai`, an OpenAIServing). features: tool and reasoning parsers."""
+    """The Anthropic routes, built once at startup from the serving context the OpenAI
+    routes share (engine client, tokenizer, chat template, features: the tool and reasoning
+    parsers, limits)."""
 
-    def __init__(self, openai: Any, features: ChatFeatures):
-        self.engine = openai.engine
-        self.tokenizer = openai.tokenizer
-        self.template = openai.template
-        self.model_name = openai.model_name
-        self.max_model_len = openai.max_model_len
-        self.keepalive_s = openai.keepalive_s
-        self.features = features
-        self._openai = openai
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.tokenizer = ctx.tokenizer
+        self.template = ctx.template
+        self.model_name = ctx.model_name
+        self.max_model_len = ctx.limits.max_model_len
+        self.keepalive_s = ctx.limits.keepalive_s
+        self.features = ctx.features
 
     async def _read(self, request: Request, count_only: bool) -> MessagesRequest:
         if request.method != "POST":
@@ -188,7 +112,7 @@ class AnthropicServing:
             err.status = 405
             raise err
         # 413 past --max-request-body-bytes (the OpenAI routes' reader and limit)
-        body = await self._openai.read_body(request)
+        body = await read_body(request, self.ctx.limits.max_body_bytes)
         # parsing, rendering and tokenizing scale with the body: off the event loop
         return await asyncio.to_thread(parse_messages_request, body, count_only)
 
@@ -256,12 +180,14 @@ class AnthropicServing:
             req = await self._read(request, count_only=False)
             prompt, ids = await asyncio.to_thread(self._render, req)
             n = len(ids)
-            self._check_length(n, req.max_tokens)
+            max_tokens = req.max_tokens
+            assert max_tokens is not None  # parse_messages_request requires it here
+            self._check_length(n, max_tokens)
             forced = req.tool_choice in ("any", "tool")
             sampling = SamplingParams(  # tiny temperature / top_p: as on the OpenAI routes
                 temperature=engine_temperature(req.temperature),
                 top_p=engine_top_p(req.top_p), top_k=req.top_k,
-                max_tokens=req.max_tokens,
+                max_tokens=max_tokens,
                 structured=forced_call_constraint(req.tool_schemas, req.tool_name,
                                                   req.parallel_tool_use) if forced else None)
             parser = self.features.output_parser(
@@ -269,7 +195,7 @@ class AnthropicServing:
                 req.tool_schemas if req.tool_choice != "none" else None, forced)
             stream = self.engine.open_request(request_id, ids, sampling,
                                               merge=not req.stop_sequences)
-            gen = generate(self.engine, self.tokenizer, stream, ids, [],
+            gen = generate(self.engine, self.tokenizer, self.ctx.metrics, stream, ids, [],
                            tick_s=self.keepalive_s if req.stream else None)
             log.info("%s added: %d prompt tokens, max_tokens %d, stream %s", request_id, n,
                      req.max_tokens, req.stream)
@@ -301,12 +227,13 @@ class AnthropicServing:
                 "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
     @staticmethod
-    def _stop_reason(fin: Finish, blocks: _Blocks) -> str:
+    def _stop_reason(fin: Finish, blocks: Blocks) -> str:
         if fin.reason == "stop" and blocks.has_tool_use():
             return "tool_use"
         return STOP_REASONS.get(fin.reason, "end_turn")
 
-    async def _first(self, gen: AsyncIterator, events: AsyncIterator) -> asyncio.Future:
+    async def _first(self, gen: Deltas, events: Items
+                     ) -> asyncio.Future[list[OutEvent] | None | Finish]:
         """Start awaiting the first item of `events` and give it up to keepalive_s (the
         streamed `generate` ticks by then), so that an engine refusal of the request
         (`finish_error`) is raised here, before the stream starts: an HTTP error status.
@@ -327,24 +254,25 @@ class AnthropicServing:
             raise
         return first
 
-    async def _stream(self, request_id: str, n_prompt: int, gen: AsyncIterator,
-                      events: AsyncIterator, first: asyncio.Future) -> AsyncIterator[bytes]:
+    async def _stream(self, request_id: str, n_prompt: int, gen: Deltas, events: Items,
+                      first: asyncio.Future[list[OutEvent] | None | Finish]
+                      ) -> AsyncIterator[bytes]:
         """The SSE events of a streamed answer: `first` (from `_first`) is the first item
         of `events`."""
-        blocks = _Blocks()
+        blocks = Blocks()
 
-        async def items() -> AsyncIterator:
+        async def items() -> Items:
             yield await first
             async for it in events:
                 yield it
 
         try:
-            yield _sse("message_start", {"type": "message_start", "message": self._message(
+            yield sse_event("message_start", {"type": "message_start", "message": self._message(
                 request_id, [], None, None, n_prompt, 0)})
-            yield _sse("ping", {"type": "ping"})
+            yield sse_event("ping", {"type": "ping"})
             async for item in items():
                 if item is None:
-                    yield _sse("ping", {"type": "ping"})
+                    yield sse_event("ping", {"type": "ping"})
                 elif isinstance(item, Finish):
                     if item.error is not None:
                         err = finish_error(item)
@@ -357,12 +285,12 @@ class AnthropicServing:
                     blocks.close(out)
                     for chunk in out:
                         yield chunk
-                    yield _sse("message_delta", {
+                    yield sse_event("message_delta", {
                         "type": "message_delta",
                         "delta": {"stop_reason": self._stop_reason(item, blocks),
                                   "stop_sequence": item.stop_string},
                         "usage": {"output_tokens": item.completion_tokens}})
-                    yield _sse("message_stop", {"type": "message_stop"})
+                    yield sse_event("message_stop", {"type": "message_stop"})
                     return
                 else:
                     for chunk in blocks.add(item):
@@ -378,9 +306,9 @@ class AnthropicServing:
             self.engine.abort(request_id)  # no-op unless the request is still running
 
     async def _complete(self, request: Request, request_id: str, n_prompt: int,
-                        gen: AsyncIterator, events: AsyncIterator) -> Response:
+                        gen: Deltas, events: Items) -> Response:
         """Collect the whole answer; abort the request if the client disconnects first."""
-        blocks = _Blocks()
+        blocks = Blocks()
 
         async def collect() -> Finish:
             try:
@@ -393,24 +321,12 @@ class AnthropicServing:
             finally:
                 await gen.aclose()
 
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-        if work.cancelled():
+        done, fin = await until_disconnect(request, collect())
+        if not done:
             self.engine.abort(request_id)
             log.info("%s: client disconnected", request_id)
-            return Response(status_code=499)
-        fin = work.result()
+            return Response(status_code=CLIENT_CLOSED)
+        assert fin is not None  # collect() returns a Finish or raises
         if fin.error is not None:
             raise finish_error(fin)
         reason = self._stop_reason(fin, blocks)
@@ -418,13 +334,3 @@ class AnthropicServing:
                              fin.completion_tokens)
         return Response(orjson.dumps(body), media_type="application/json",
                         headers={"request-id": request_id})
-
-
-def anthropic_endpoint(method: str):
-    """A route endpoint calling `method` of the AnthropicServing at app.state.anthropic."""
-
-    async def endpoint(request: Request) -> Response:
-        return await getattr(request.app.state.anthropic, method)(request)
-
-    endpoint.__name__ = f"anthropic_{method}"
-    return endpoint

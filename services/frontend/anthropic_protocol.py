@@ -74,7 +74,8 @@ def _type_name(v: Any) -> str:
             type(None): "null"}.get(type(v), "a number")
 
 
-def _need(cond: bool, param: str, message: str) -> None:
+def _need(cond: object, param: str, message: str) -> None:
+    """Raise InvalidRequest(param) naming `param` in the message unless `cond` is true."""
     if not cond:
         raise InvalidRequest(param, f"{param}: {message}")
 
@@ -97,13 +98,14 @@ def check_image(block: dict[str, Any], param: str) -> None:
     """Decode and verify a base64 image block with Pillow, then reject it (text-only model).
     Raises InvalidRequest: a bad source / media type / image, or "does not support images"."""
     src = block.get("source")
-    _need(isinstance(src, dict), f"{param}.source", "Field required (an object).")
+    if not isinstance(src, dict):
+        raise InvalidRequest(f"{param}.source", f"{param}.source: Field required (an object).")
     _need(src.get("type") == "base64", f"{param}.source.type",
           "Only base64 image sources are supported.")
-    media = src.get("media_type")
+    media: Any = src.get("media_type")  # a JSON value, checked below
     _need(media in IMAGE_MEDIA_TYPES, f"{param}.source.media_type",
           f"Input should be one of {', '.join(IMAGE_MEDIA_TYPES)}.")
-    data = src.get("data")
+    data: Any = src.get("data")  # a JSON value, checked below
     _need(isinstance(data, str) and data, f"{param}.source.data", "Field required (base64 text).")
     try:
         raw = base64.b64decode(data, validate=True)
@@ -293,14 +295,17 @@ def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequ
     if not isinstance(body, dict):
         raise InvalidRequest(None, "The request body must be a JSON object.")
     model = body.get("model")
-    _need(isinstance(model, str) and model, "model", "Field required (a string).")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model", "model: Field required (a string).")
     max_tokens = body.get("max_tokens")
     if not count_only:
         _need(max_tokens is not None, "max_tokens", "Field required.")
         _need(isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1,
               "max_tokens", "Input should be an integer greater than or equal to 1.")
     msgs = body.get("messages")
-    _need(isinstance(msgs, list) and msgs, "messages", "Field required (a non-empty array of messages).")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("messages", "messages: Field required (a non-empty array of "
+                                         "messages).")
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:

@@ -22,10 +22,11 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
+from services.frontend.anthropic_errors import is_anthropic_path
+
 log = logging.getLogger("kestrel.frontend.auth")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-ANTHROPIC_PREFIX = "/v1/messages"
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
                    Awaitable[None]]
@@ -47,7 +48,7 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 def auth_error_body(path: str, message: str) -> dict[str, Any]:
     """The 401 body for `path` in its API's envelope (Anthropic or OpenAI)."""
-    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+    if is_anthropic_path(path):
         return {"type": "error", "error": {"type": "authentication_error", "message": message}}
     return {"error": {"message": message, "type": "authentication_error", "param": None,
                       "code": "invalid_api_key"}}

@@ -38,15 +38,19 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.frontend.errors import InternalError, model_not_found
-from services.frontend.fanout import FanOut
+from services.frontend.body import read_body
+from services.frontend.context import ServingContext
+from services.frontend.errors import InternalError, context_error, model_not_found
+from services.frontend.fanout import (Collected, Deltas, FanOut, check_choices, collect,
+                                      fan_out)
 from services.frontend.generation import TextDelta, end_by_stop_string
-from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, Collected, OpenAIServing,
-                                          context_error, json_response, sse, stream_items)
+from services.frontend.guard import CLIENT_CLOSED, guard, json_response
+from services.frontend.sse import SSE_DONE, sse, start_stream, stream_items
 from services.frontend.openai_protocol import ChatCompletionRequest, parse_chat_request
 from services.frontend.parsers.output import (ChatOutputParser, OutEvent, ParsedMessage,
                                               Reasoning)
 from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
+from shared.protocol import TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.chat")
 
@@ -59,8 +63,7 @@ class ChatDelta(TextDelta):
     events: list[OutEvent] = field(default_factory=list)
 
 
-async def parse_deltas(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
-                       ) -> AsyncIterator[TextDelta | None]:
+async def parse_deltas(gen: Deltas, parser: ChatOutputParser) -> Deltas:
     """Follow `generation.generate` and yield ChatDeltas (errors pass through unchanged).
     When the parser's stop string matched, `gen` is ended with `end_by_stop_string` (the
     request stops in the engine, and finishes as "stop") and the last delta has
@@ -84,7 +87,7 @@ async def parse_deltas(gen: AsyncIterator[TextDelta | None], parser: ChatOutputP
             if reason is not None:
                 return
     finally:
-        await gen.aclose()  # type: ignore[attr-defined]
+        await gen.aclose()
 
 
 def _call_id() -> str:
@@ -139,37 +142,39 @@ def _event_deltas(events: list[OutEvent], args_seen: set[int]) -> list[dict[str,
 
 
 class ChatServing:
-    """The /v1/chat/completions route, on top of an OpenAIServing's machinery (engine,
-    tokenizer, template, limits, and `features`: the tool-call and reasoning parsers)."""
+    """The /v1/chat/completions route, built once at startup from the serving context
+    (engine, tokenizer, template, limits, and `features`: the tool-call and reasoning
+    parsers)."""
 
-    def __init__(self, serving: OpenAIServing):
-        self.s = serving
-        self.features = serving.features
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+        self.features = ctx.features
 
     def _prepare(self, raw: bytes) -> tuple[ChatCompletionRequest, str, list[int], int]:
         """Parse the body and build the prompt: (request, prompt text, its token ids,
         max_tokens to send); raises APIError. CPU work that grows with the body (JSON,
         schema compile, template, tokenizer): run it off the event loop."""
-        req = parse_chat_request(raw, self.s.tokenizer.vocab_size)
+        req = parse_chat_request(raw, self.ctx.tokenizer.vocab_size)
         return (req, *self._prompt(req))
 
     def _prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int], int]:
         """(prompt text, its token ids, max_tokens to send); raises APIError."""
-        s = self.s
-        if req.model != s.model_name:
+        ctx = self.ctx
+        if req.model != ctx.model_name:
             raise model_not_found(req.model)
-        s.check_choices(req.sampling.n, "n")
-        if s.template is None:
+        check_choices(ctx, req.sampling.n, "n")
+        if ctx.template is None:
             raise InternalError("The model has no chat template.")
         kwargs = self.features.template_kwargs() | req.chat_template_kwargs
-        prompt = s.template.render(req.messages, add_generation_prompt=True,
-                                   tools=req.tools.tools if req.tools.active else None,
-                                   **kwargs)
-        prompt_ids = s.tokenizer.encode(prompt)
+        prompt = ctx.template.render(req.messages, add_generation_prompt=True,
+                                     tools=req.tools.tools if req.tools.active else None,
+                                     **kwargs)
+        prompt_ids = ctx.tokenizer.encode(prompt)
         n, max_tokens = len(prompt_ids), req.sampling.max_tokens
-        room = s.max_model_len - n
+        max_model_len = ctx.limits.max_model_len
+        room = max_model_len - n
         if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise context_error("messages", s.max_model_len, n, max_tokens, "messages")
+            raise context_error("messages", max_model_len, n, max_tokens, "messages")
         return prompt, prompt_ids, max_tokens if max_tokens is not None else room
 
     async def chat_completions(self, request: Request) -> Response:
@@ -178,59 +183,60 @@ class ChatServing:
         Errors: 400 invalid JSON / fields (tools, tool_choice naming an unknown tool, ...) /
         too long, 404 unknown model, 413 body too large, 503 engine not answering or
         overloaded (Retry-After), 500 internal faults."""
-        s = self.s
+        ctx = self.ctx
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def handle() -> Response:
             # Off the loop: a big body takes seconds to render and tokenize, and the loop
             # must keep serving other streams and the engine heartbeats meanwhile.
             req, prompt, prompt_ids, max_tokens = await asyncio.to_thread(
-                self._prepare, await s.read_body(request))
+                self._prepare, await read_body(request, ctx.limits.max_body_bytes))
             sr, tools = req.sampling, req.tools
             reasons = self.features.reasons(req.thinking, tools.forced)
             # Stop strings apply to the content: in the parser when there is reasoning,
             # else on the whole text in `generate` (the same, and the engine stops at once).
             parser_stops = sr.stop if reasons else []
 
-            def wrap(index: int, gen: AsyncIterator) -> AsyncIterator:
+            def wrap(index: int, gen: Deltas) -> Deltas:
                 return parse_deltas(gen, self.features.output_parser(
                     prompt, parser_stops, req.thinking,
                     tools.schemas if tools.active else None, tools.forced))
 
-            fan = s.fan_out(request_id, [
+            fan = fan_out(ctx, request_id, [
                 (prompt_ids, sr.to_params(max_tokens, i, logprobs=req.logprobs))
                 for i in range(sr.n)], sr, wrap=wrap, stop=[] if reasons else sr.stop)
             log.info("%s added: %d prompt tokens, n %d, max_tokens %d, stream %s, tools %d "
                      "(%s)", request_id, len(prompt_ids), sr.n, max_tokens, sr.stream,
                      len(tools.tools), tools.choice)
             if sr.stream:
-                return await s.stream(request, request_id, fan, lambda first, f: self._events(
-                    request_id, req, len(prompt_ids), first, f))
-            res = await s.collect(request, request_id, fan, sr.n, ChatCollected)
+                return await start_stream(
+                    request, request_id, fan, ctx.limits.keepalive_s,
+                    lambda first, f: self._events(request_id, req, len(prompt_ids), first, f))
+            res = await collect(request, request_id, fan, sr.n, ChatCollected)
             if res is None:
                 return Response(status_code=CLIENT_CLOSED)
             return json_response(self._body(request_id, req, res, len(prompt_ids)))
 
-        return await s.guard(request_id, handle)
+        return await guard(request_id, handle)
 
-    def _logprobs(self, req: ChatCompletionRequest, lps: list) -> dict | None:
+    def _logprobs(self, req: ChatCompletionRequest, lps: list[TokenLogprob]
+                  ) -> dict[str, Any] | None:
         if req.logprobs is None:
             return None
-        return {"content": self.s.lp.chat_content(lps, req.logprobs)}
+        return {"content": self.ctx.lp.chat_content(lps, req.logprobs)}
 
-    def _body(self, request_id: str, req: ChatCompletionRequest, res: list[Collected],
+    def _body(self, request_id: str, req: ChatCompletionRequest, res: list[ChatCollected],
               n_prompt: int) -> dict[str, Any]:
         completion = sum(c.final.completion_tokens for c in res if c.final)
         choices = []
         for i, c in enumerate(res):
-            assert isinstance(c, ChatCollected)
             choices.append({"index": i, "message": c.as_message(),
                             "logprobs": self._logprobs(req, c.logprobs),
                             "finish_reason": _finish_reason(
                                 c.final.finish_reason if c.final else None,
                                 bool(c.message.calls))})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.s.model_name, "choices": choices,
+                "model": self.ctx.model_name, "choices": choices,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                           "total_tokens": n_prompt + completion}}
 
@@ -243,10 +249,11 @@ class ChatServing:
         total_tokens}; the final usage chunk counts every choice's tokens."""
         created = int(time.time())
         sr = req.sampling
-        model = self.s.model_name
+        model = self.ctx.model_name
         counts = [0] * sr.n  # completion tokens of each choice so far
 
-        def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> bytes:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None,
+                  logprobs: dict[str, Any] | None = None) -> bytes:
             c: dict[str, Any] = {
                 "id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": model, "choices": [{"index": index, "delta": delta,

@@ -32,13 +32,16 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.frontend.errors import model_not_found
-from services.frontend.fanout import FanOut
+from services.frontend.body import read_body
+from services.frontend.context import ServingContext
+from services.frontend.errors import context_error, model_not_found
+from services.frontend.fanout import Collected, FanOut, check_choices, collect, fan_out
 from services.frontend.generation import TextDelta
+from services.frontend.guard import CLIENT_CLOSED, guard, json_response
 from services.frontend.logprobs import merge_completion
-from services.frontend.openai_api import (CLIENT_CLOSED, SSE_DONE, OpenAIServing,
-                                          context_error, json_response, sse, stream_items)
 from services.frontend.openai_protocol import CompletionRequest, parse_completion_request
+from services.frontend.sse import SSE_DONE, sse, start_stream, stream_items
+from shared.protocol import SamplingParams
 
 log = logging.getLogger("kestrel.frontend.completions")
 
@@ -58,10 +61,10 @@ class _Choice:
 
 
 class CompletionsServing:
-    """The /v1/completions route, on top of an OpenAIServing's machinery."""
+    """The /v1/completions route, built once at startup from the serving context."""
 
-    def __init__(self, serving: OpenAIServing):
-        self.s = serving
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
 
     def _prepare(self, req: CompletionRequest) -> list[tuple[list[int], str, int]]:
         """(token ids, text, max_tokens to send) of each prompt; raises APIError. text (what
@@ -69,20 +72,22 @@ class CompletionsServing:
         tokens kept (whatever skip_special_tokens says; that applies to generated text).
         max_tokens 0 (scoring, with echo) may fill the whole context: the engine runs the
         prompt and samples nothing."""
-        s = self.s
-        if req.model != s.model_name:
+        ctx = self.ctx
+        tok, max_model_len = ctx.tokenizer, ctx.limits.max_model_len
+        if req.model != ctx.model_name:
             raise model_not_found(req.model)
-        s.check_choices(len(req.prompts) * req.sampling.n, "prompt" if len(req.prompts) > 1 else "n")
+        check_choices(ctx, len(req.prompts) * req.sampling.n,
+                      "prompt" if len(req.prompts) > 1 else "n")
         out = []
         want = req.sampling.max_tokens
         for p in req.prompts:
-            ids = s.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+            ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p
             # A token-id prompt echoes with its special tokens (as vLLM decodes it): the
             # prompt logprobs list every prompt token, and their text_offsets index this.
-            text = p if isinstance(p, str) else s.tokenizer.decode(p, skip_special_tokens=False)
-            room = s.max_model_len - len(ids)
+            text = p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
+            room = max_model_len - len(ids)
             if room < (0 if want == 0 else 1) or (want is not None and want > room):
-                raise context_error("prompt", s.max_model_len, len(ids), want, "prompt")
+                raise context_error("prompt", max_model_len, len(ids), want, "prompt")
             out.append((ids, text, want if want is not None else min(DEFAULT_MAX_TOKENS, room)))
         return out
 
@@ -90,33 +95,36 @@ class CompletionsServing:
         """POST /v1/completions. Errors as for chat (400 naming the field, 404, 413, 503)."""
         request_id = f"cmpl-{uuid.uuid4().hex}"
 
+        ctx = self.ctx
+
         async def handle() -> Response:
-            s = self.s
-            raw = await s.read_body(request)
+            raw = await read_body(request, ctx.limits.max_body_bytes)
 
             def parse() -> tuple[CompletionRequest, list[tuple[list[int], str, int]]]:
-                req = parse_completion_request(raw, s.tokenizer.vocab_size)
+                req = parse_completion_request(raw, ctx.tokenizer.vocab_size)
                 return req, self._prepare(req)
 
             # Off the loop: tokenizing a big prompt takes seconds (see chat_api).
             req, prepared = await asyncio.to_thread(parse)
             sp = req.sampling
             prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-            choices, states = [], []
+            choices: list[tuple[list[int], SamplingParams]] = []
+            states: list[_Choice] = []
             for pi, (ids, text, max_tokens) in enumerate(prepared):
                 for j in range(sp.n):
                     choices.append((ids, sp.to_params(max_tokens, pi * sp.n + j,
                                                       logprobs=req.logprobs,
                                                       prompt_logprobs=prompt_lp)))
                     states.append(_Choice(ids, text))
-            fan = s.fan_out(request_id, choices, sp)
+            fan = fan_out(ctx, request_id, choices, sp)
             log.info("%s added: %d prompts, n %d, max_tokens %d, stream %s", request_id,
                      len(prepared), sp.n, max_tokens, sp.stream)
             n_prompt = sum(len(p[0]) for p in prepared)
             if sp.stream:
-                return await s.stream(request, request_id, fan, lambda first, f: self._events(
-                    request_id, req, states, n_prompt, first, f))
-            res = await s.collect(request, request_id, fan, len(choices))
+                return await start_stream(
+                    request, request_id, fan, ctx.limits.keepalive_s,
+                    lambda first, f: self._events(request_id, req, states, n_prompt, first, f))
+            res = await collect(request, request_id, fan, len(choices), Collected)
             if res is None:
                 return Response(status_code=CLIENT_CLOSED)
             out = []
@@ -129,11 +137,11 @@ class CompletionsServing:
             completion = self._completion_tokens(req, [c.final for c in res])
             return json_response({
                 "id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": s.model_name, "choices": out,
+                "model": ctx.model_name, "choices": out,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                           "total_tokens": n_prompt + completion}})
 
-        return await self.s.guard(request_id, handle)
+        return await guard(request_id, handle)
 
     @staticmethod
     def _scoring(req: CompletionRequest) -> bool:
@@ -151,7 +159,7 @@ class CompletionsServing:
                first: bool) -> tuple[str, dict | None]:
         """Text and completions-format logprobs of one delta of a choice (with the echoed
         prompt on its first piece)."""
-        lp = self.s.lp
+        lp = self.ctx.lp
         text, lps = "", None
         top = req.logprobs or 0
         if first and req.echo:
@@ -188,7 +196,7 @@ class CompletionsServing:
         def chunk(index: int, text: str, lps, finish: str | None) -> bytes:
             c: dict[str, Any] = {
                 "id": request_id, "object": "text_completion", "created": created,
-                "model": self.s.model_name,
+                "model": self.ctx.model_name,
                 "choices": [{"index": index, "text": text, "logprobs": lps,
                              "finish_reason": finish}]}
             if sp.continuous_usage:
@@ -219,7 +227,7 @@ class CompletionsServing:
         if sp.include_usage:
             completion = self._completion_tokens(req, finals)
             yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": self.s.model_name, "choices": [],
+                       "model": self.ctx.model_name, "choices": [],
                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
                                  "total_tokens": n_prompt + completion}})
         yield SSE_DONE

@@ -1,4 +1,4 @@
-"""The frontend's async client of the engine (DESIGN §2), on zmq.asyncio.
+"""The frontend's async client of the engine (docs/ARCHITECTURE.md §2), on zmq.asyncio.
 
 Socket: one DEALER, connected to the engine's ROUTER at `engine_address`, with a fresh ZMQ
 identity per process start. Each message is one frame: a msgspec MessagePack encoding of
@@ -267,7 +267,8 @@ class EngineClient:
         """Send one message without waiting. False when the engine is not connected or the
         send queue is full (IMMEDIATE is set, so nothing piles up for an absent engine)."""
         fut = self._sock.send(self._encoder.encode(msg), flags=zmq.DONTWAIT)
-        if fut.done() and fut.exception() is not None:
+        # zmq.asyncio returns an asyncio.Future; pyzmq's stubs say only Awaitable
+        if fut.done() and fut.exception() is not None:  # type: ignore[attr-defined]
             return False
         return True
 

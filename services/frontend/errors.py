@@ -109,6 +109,18 @@ def model_not_found(model: str) -> NotFound:
     return NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
+def context_error(param: str, max_model_len: int, n_prompt: int, max_tokens: int | None,
+                  what: str) -> InvalidRequest:
+    """The 400 (code context_length_exceeded, naming `param`) for a prompt of n_prompt
+    tokens (+ max_tokens) that does not fit in max_model_len tokens; `what` names the prompt
+    in the message ("messages", "prompt")."""
+    asked = (f"{n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} in "
+             "the completion)" if max_tokens else f"{n_prompt} tokens in the {what}")
+    return InvalidRequest(param, f"This model's maximum context length is {max_model_len} "
+                          f"tokens. However, you requested {asked}. Please reduce the length "
+                          f"of the {what} or completion.", code="context_length_exceeded")
+
+
 def error_body(err: APIError) -> dict[str, Any]:
     """OpenAI's error envelope for `err` as a dict (also the payload of an SSE error event)."""
     return {"error": {"message": err.message, "type": err.type, "param": err.param,

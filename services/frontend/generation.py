@@ -2,7 +2,7 @@
 
 Shared by every API route (streaming or not): follows a request sent to the engine, turns its
 token ids into text with the incremental detokenizer, applies stop strings (checked on
-text, DESIGN §5: the frontend aborts the request in the engine when one matches), and
+text, docs/ARCHITECTURE.md §5: the frontend aborts the request in the engine when one matches), and
 aborts the request in the engine when the consumer goes away before the end.
 
 A consumer that applies stop strings itself (an output parser: the Anthropic route, chat
@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient, RequestStream
-from services.frontend.metrics import RequestTimer
+from services.frontend.metrics import RequestMetrics, RequestTimer
 from services.frontend.tokenizer import Tokenizer
-from shared.protocol import TokenLogprob
+from shared.protocol import FinishReason, TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.generation")
 
@@ -95,21 +95,23 @@ class StopStringMatched(Exception):
         self.stop = stop
 
 
-async def end_by_stop_string(gen: AsyncIterator[TextDelta | None], stop: str) -> None:
+async def end_by_stop_string(gen: AsyncGenerator[TextDelta | None, None], stop: str) -> None:
     """End a suspended `generate` iterator because the consumer matched stop string `stop`
     in its output: the request stops in the engine and finishes as "stop" (log, metrics).
     Call it between two items (not while `gen` is running); `gen` is exhausted after."""
     try:
-        await gen.athrow(StopStringMatched(stop))  # type: ignore[attr-defined]
+        await gen.athrow(StopStringMatched(stop))
     except StopAsyncIteration:
         pass
 
 
-async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestStream,
-                   prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
-                   tick_s: float | None = None) -> AsyncIterator[TextDelta | None]:
+async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestMetrics,
+                   stream: RequestStream, prompt_ids: list[int], stop: list[str],
+                   skip_special_tokens: bool = True, tick_s: float | None = None
+                   ) -> AsyncGenerator[TextDelta | None, None]:
     """Follow one request opened with `engine.open_request`; yield TextDeltas, the last
-    with a finish_reason.
+    with a finish_reason. tokenizer: the model's (detokenizing). metrics: where the
+    request's latencies and token counts are recorded (the serving context's).
 
     tick_s: if set, yield None whenever no output came for that many seconds (the caller
     sends a keep-alive). If the consumer stops early (client gone, task cancelled), the
@@ -125,7 +127,7 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
     n_prompt, n_out = len(prompt_ids), 0
     # Prometheus TTFT / ITL / TPOT / e2e and token counters (metrics.py), timed from the
     # request's submission to the engine.
-    timer = RequestTimer(getattr(stream, "created", None))
+    timer = RequestTimer(metrics, stream.created)
     reason: str | None = None  # how the request ended; None while running or if abandoned
     how = ""  # for the log line: set when the consumer's parser ended the request
     engine_done = False  # the engine finished the request itself (no Abort to send)
@@ -161,7 +163,7 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, stream: RequestSt
             if matcher is not None:
                 text, matched = matcher.feed(text)
                 if matched:
-                    finish = "stop"
+                    finish = FinishReason.STOP
                 elif finish is not None:
                     text += matcher.flush()
             if finish is not None:

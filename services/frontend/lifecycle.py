@@ -1,5 +1,4 @@
-"""The frontend process's lifecycle: listening socket, draining shutdown, watchdog beats,
-debug routes.
+"""The frontend process's lifecycle: listening socket, draining shutdown, watchdog beats.
 
 - Several frontends share one port (`--frontends N`): each binds its own socket with
   SO_REUSEPORT before uvicorn starts, and the kernel spreads connections over them.
@@ -15,8 +14,6 @@ debug routes.
   Ctrl-C reaches the whole process group, and the supervisor drains everything in order.
 - Watchdog: `beat_forever` beats the process's progress beacon from the event loop, so a
   blocked loop stops the counter and the supervisor's watchdog dumps the stacks.
-- `POST /debug/sleep {"seconds": N}`: only with --debug-utilities, only from loopback: the
-  engine sleeps inside its next step for N seconds (a hang, for watchdog tests).
 """
 
 from __future__ import annotations
@@ -29,11 +26,7 @@ import time
 
 import orjson
 import uvicorn
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
-from services.frontend.engine_client import EngineCallError, EngineUnavailable
 from shared.config import KestrelConfig
 from shared.liveness import Beacon
 from shared.procutil import supervisor_pid
@@ -42,8 +35,7 @@ log = logging.getLogger("kestrel.frontend")
 
 BEAT_INTERVAL_S = 0.5
 DRAIN_RETRY_AFTER_S = 5
-FINAL_GRACE_S = 1.0  # after the drain: for responses that are just finishing, then cancel
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+FINAL_GRACE_S = 1  # seconds (uvicorn takes an int); after the drain: for responses that are just finishing, then cancel
 
 
 def frontend_name(index: int) -> str:
@@ -146,35 +138,6 @@ async def beat_forever(beacon: Beacon) -> None:
     while True:
         beacon.beat()
         await asyncio.sleep(BEAT_INTERVAL_S)
-
-
-async def _debug_sleep(request: Request) -> Response:
-    """POST /debug/sleep {"seconds": N}: the engine's debug_sleep utility. Loopback only
-    (404 otherwise). 200 {"ok": true, "seconds": N}; 400 for a bad body or refused call;
-    503 when the engine does not answer."""
-    if (request.client.host if request.client else "") not in LOOPBACK:
-        return Response(b'{"error": "not found"}', 404, media_type="application/json")
-    try:
-        secs = float(orjson.loads(await request.body())["seconds"])
-    except (ValueError, KeyError, TypeError) as e:
-        return Response(orjson.dumps({"error": f"body must be {{\"seconds\": N}}: {e}"}), 400,
-                        media_type="application/json")
-    engine = request.app.state.serving.engine
-    try:
-        result = await engine.call_utility("debug_sleep", {"seconds": secs}, timeout=5.0)
-    except EngineCallError as e:
-        return Response(orjson.dumps({"error": str(e)}), 400, media_type="application/json")
-    except (EngineUnavailable, TimeoutError) as e:
-        return Response(orjson.dumps({"error": f"engine unavailable: {e}"}), 503,
-                        media_type="application/json")
-    return Response(orjson.dumps(result), media_type="application/json")
-
-
-def debug_routes(cfg: KestrelConfig) -> list[Route]:
-    """The debug-only routes: none unless cfg.debug_utilities."""
-    if not cfg.debug_utilities:
-        return []
-    return [Route("/debug/sleep", _debug_sleep, methods=["POST"])]
 
 
 def serve(app, cfg: KestrelConfig, index: int) -> None:

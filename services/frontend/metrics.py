@@ -1,4 +1,4 @@
-"""Prometheus metrics of one frontend process: `GET /metrics` (DESIGN §8).
+"""Prometheus metrics of one frontend process: `GET /metrics` (docs/ARCHITECTURE.md §8).
 
 Names follow vLLM's (prefix `kestrel:` instead of `vllm:`), so existing dashboards work
 with the prefix changed. Every metric has the label `model_name`.
@@ -62,7 +62,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class RequestMetrics:
-    """The per-request metrics of one frontend process, in their own registry."""
+    """The per-request metrics of one frontend process, in their own registry.
+
+    `set_model(name)` names the served model (the `model_name` label) once at startup;
+    until then the label is "unknown"."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -86,32 +89,34 @@ class RequestMetrics:
         self.success = Counter("kestrel:request_success", "Finished requests.",
                                label + ["finished_reason"], registry=r)
         self.model_name = "unknown"
+        # The ITL child of model_name, looked up once (ITL is observed per output); None
+        # until set_model, so that no "unknown" series shows before it is observed.
+        self.itl_child: Any = None
+
+    def set_model(self, model_name: str) -> None:
+        """Label every series with `model_name` from now on, and create the labelled
+        series so that they show (at 0) before any request."""
+        self.model_name = model_name
+        self.itl_child = self.itl.labels(model_name)
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens,
+                       self.generation_tokens):
+            metric.labels(model_name)
 
 
 disable_created_metrics()  # no `*_created` series (as vLLM): they only add noise
-METRICS = RequestMetrics()  # one per frontend process
-
-
-_ITL_CHILD: dict[str, Any] = {}
-
-
-def _itl_child():
-    """The ITL histogram's child for this process's model name (looked up once)."""
-    name = METRICS.model_name
-    child = _ITL_CHILD.get(name)
-    if child is None:
-        child = _ITL_CHILD[name] = METRICS.itl.labels(name)
-    return child
+METRICS = RequestMetrics()  # one per frontend process (the serving context holds it)
 
 
 class RequestTimer:
-    """Times one request for the histograms above. Create it when the request is sent to the
-    engine; call `tokens(n)` for each output carrying n > 0 tokens and `finish(...)` once."""
+    """Times one request for the histograms of `metrics`. Create it when the request is
+    sent to the engine; call `tokens(n)` for each output carrying n > 0 tokens and
+    `finish(...)` once."""
 
-    __slots__ = ("start", "first", "last", "done")
+    __slots__ = ("m", "start", "first", "last", "done")
 
-    def __init__(self, start: float | None = None) -> None:
+    def __init__(self, metrics: RequestMetrics, start: float | None = None) -> None:
         """start: time.monotonic() of the submission to the engine (default: now)."""
+        self.m = metrics
         self.start = time.monotonic() if start is None else start
         self.first: float | None = None
         self.last: float | None = None
@@ -124,9 +129,12 @@ class RequestTimer:
         now = time.monotonic()
         if self.first is None:
             self.first = now
-            METRICS.ttft.labels(METRICS.model_name).observe(now - self.start)
+            self.m.ttft.labels(self.m.model_name).observe(now - self.start)
         elif self.last is not None:
-            _itl_child().observe(now - self.last)  # per output: the labelled child, cached
+            child = self.m.itl_child
+            if child is None:
+                child = self.m.itl_child = self.m.itl.labels(self.m.model_name)
+            child.observe(now - self.last)
         self.last = now
 
     def finish(self, reason: str | None, prompt_tokens: int, output_tokens: int) -> None:
@@ -134,7 +142,8 @@ class RequestTimer:
         if self.done:
             return
         self.done = True
-        m, name = METRICS, METRICS.model_name
+        m = self.m
+        name = m.model_name
         now = time.monotonic()
         m.prompt_tokens.labels(name).inc(prompt_tokens)
         m.generation_tokens.labels(name).inc(output_tokens)
@@ -201,22 +210,19 @@ def read_restarts(runtime_dir: str | None) -> dict[str, int]:
 class MetricsEndpoint:
     """`GET /metrics` for one app: request metrics + the engine's stats at scrape time.
 
-    engine: an EngineClient (call_utility). model_name: the served model name (label).
-    runtime_dir: where the supervisor's restarts.json lives (cfg.runtime_dir).
+    engine: an EngineClient (call_utility). metrics: the process's RequestMetrics, already
+    named with the served model (`set_model`). runtime_dir: where the supervisor's
+    restarts.json lives (cfg.runtime_dir).
     """
 
-    def __init__(self, engine: Any, model_name: str, runtime_dir: str | None):
+    def __init__(self, engine: Any, metrics: RequestMetrics, runtime_dir: str | None):
         self.engine = engine
-        self.model_name = model_name
+        self.metrics = metrics
         self.runtime_dir = runtime_dir
         self.last_stats: dict[str, Any] | None = None
-        METRICS.model_name = model_name
-        # Pre-create the labelled series so that they show (at 0) before any request.
-        for metric in (METRICS.ttft, METRICS.itl, METRICS.tpot, METRICS.e2e,
-                       METRICS.prompt_tokens, METRICS.generation_tokens):
-            metric.labels(model_name)
 
     async def __call__(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text; open without a key (auth.py)."""
         up = True
         try:
             self.last_stats = await self.engine.call_utility("stats", timeout=STATS_TIMEOUT_S)
@@ -224,7 +230,7 @@ class MetricsEndpoint:
             up = False
             log.debug("stats call failed: %s", e)
         extra = CollectorRegistry(auto_describe=False)
-        extra.register(_EngineCollector(self.model_name, self.last_stats, up,
+        extra.register(_EngineCollector(self.metrics.model_name, self.last_stats, up,
                                         read_restarts(self.runtime_dir)))
-        body = generate_latest(METRICS.registry) + generate_latest(extra)
+        body = generate_latest(self.metrics.registry) + generate_latest(extra)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

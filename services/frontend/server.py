@@ -1,10 +1,14 @@
-"""The frontend process: a starlette app served by uvicorn (DESIGN §2, §7).
+"""The frontend process: a starlette app served by uvicorn (docs/ARCHITECTURE.md §2, §7).
 
 Startup order: connect to the engine and complete the handshake (Hello -> EngineInfo,
 retried with a deadline of cfg.startup_timeout_s), load the tokenizer and chat template
 from the engine's model_path, and only then bind cfg.host:cfg.port (uvicorn runs the ASGI
 lifespan startup before it opens its listening socket). If the engine never answers, the
 process exits non-zero.
+
+The serving context (context.py: engine client, tokenizer, template, features, limits,
+model name, metrics) is built once at startup, and from it each API's serving object
+(`Servings`); the route table (`routes`) binds their methods.
 
 Run alone: `python -m services.frontend.server --engine-address ipc://... --port 8000`
 (the same flags as `kestrel`).
@@ -17,9 +21,9 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
-import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -27,19 +31,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.frontend.auth import APIKeyMiddleware
-from services.frontend.anthropic_api import ANY_METHOD, AnthropicServing, anthropic_endpoint
+from services.frontend.anthropic_api import ANY_METHOD, AnthropicServing
 from services.frontend.anthropic_errors import AnthropicEnvelopeMiddleware
-from services.frontend.chat_features import ChatFeatures, load_chat_template
-from services.frontend.engine_client import EngineCallError, EngineClient, EngineUnavailable
-from services.frontend.lifecycle import (DrainMiddleware, beat_forever, debug_routes,
-                                         frontend_name, serve)
+from services.frontend.auth import APIKeyMiddleware
+from services.frontend.chat_api import ChatServing
+from services.frontend.completions_api import CompletionsServing
+from services.frontend.context import ServingContext, build_context
+from services.frontend.engine_client import EngineClient
 from services.frontend.errors import (APIError, InternalError, MethodNotAllowed, NotFound,
                                       error_response)
-from services.frontend.metrics import MetricsEndpoint
-from services.frontend.openai_api import OpenAIServing
+from services.frontend.info_api import InfoServing
+from services.frontend.lifecycle import DrainMiddleware, beat_forever, frontend_name, serve
 from services.frontend.openai_sampling import warm_xgrammar
-from services.frontend.tokenizer import Tokenizer
+from services.frontend.tokenize_api import TokenizeServing
 from shared.config import KestrelConfig, add_cli_arguments, build_config
 from shared.liveness import Beacon
 from shared.procutil import die_with_parent, set_title, setup_logging
@@ -48,15 +52,73 @@ log = logging.getLogger("kestrel.frontend")
 
 PROCESS_TITLE = "kestrel:frontend"
 
+Handler = Callable[[Request], Awaitable[Response]]
 
-def _endpoint(method: str):
-    """A route endpoint that calls `method` of the OpenAIServing built at startup."""
+
+@dataclass(frozen=True)
+class Servings:
+    """The serving object of each API, built once at startup from one ServingContext."""
+
+    context: ServingContext
+    info: InfoServing
+    chat: ChatServing
+    completions: CompletionsServing
+    tokenize: TokenizeServing
+    anthropic: AnthropicServing
+
+    @classmethod
+    def build(cls, ctx: ServingContext, runtime_dir: str | None) -> Servings:
+        """Every API's serving object on `ctx`. runtime_dir: cfg.runtime_dir (/metrics reads
+        the supervisor's restart counts there)."""
+        return cls(ctx, InfoServing(ctx, runtime_dir), ChatServing(ctx),
+                   CompletionsServing(ctx), TokenizeServing(ctx), AnthropicServing(ctx))
+
+
+def _bind(name: str, method: Callable[[Servings], Handler]) -> Handler:
+    """A route endpoint that calls `method(servings)` of the app's Servings (built at
+    startup, in app.state.servings), e.g. `_bind("chat", lambda s: s.chat.chat_completions)`.
+    The route table is built before the startup (so that it can be read without an
+    engine); the serving objects exist from the startup on."""
 
     async def endpoint(request: Request) -> Response:
-        return await getattr(request.app.state.serving, method)(request)
+        return await method(request.app.state.servings)(request)
 
-    endpoint.__name__ = method
+    endpoint.__name__ = name
     return endpoint
+
+
+def routes(cfg: KestrelConfig) -> list[Route]:
+    """The route table: each path bound to a method of its API's serving object."""
+    table = [
+        Route("/health", _bind("health", lambda s: s.info.health), methods=["GET"]),
+        Route("/metrics", _bind("metrics", lambda s: s.info.metrics), methods=["GET"]),
+        Route("/reset_prefix_cache",
+              _bind("reset_prefix_cache", lambda s: s.info.reset_prefix_cache),
+              methods=["POST"]),
+        Route("/v1/models", _bind("list_models", lambda s: s.info.list_models),
+              methods=["GET"]),
+        Route("/v1/models/{model:path}", _bind("get_model", lambda s: s.info.get_model),
+              methods=["GET"]),
+        Route("/v1/chat/completions",
+              _bind("chat_completions", lambda s: s.chat.chat_completions), methods=["POST"]),
+        Route("/v1/completions",
+              _bind("completions", lambda s: s.completions.completions), methods=["POST"]),
+        Route("/v1/messages", _bind("anthropic_messages", lambda s: s.anthropic.messages),
+              methods=ANY_METHOD),
+        Route("/v1/messages/count_tokens",
+              _bind("anthropic_count_tokens", lambda s: s.anthropic.count_tokens),
+              methods=ANY_METHOD),
+        Route("/tokenize", _bind("tokenize", lambda s: s.tokenize.tokenize), methods=["POST"]),
+        Route("/detokenize", _bind("detokenize", lambda s: s.tokenize.detokenize),
+              methods=["POST"]),
+        Route("/openapi.json", _bind("openapi", lambda s: s.info.openapi), methods=["GET"]),
+        Route("/internal/stats", _bind("internal_stats", lambda s: s.info.internal_stats),
+              methods=["GET"]),
+    ]
+    if cfg.debug_utilities:  # debug-only: the engine sleeps in a step (watchdog tests)
+        table.append(Route("/debug/sleep", _bind("debug_sleep", lambda s: s.info.debug_sleep),
+                           methods=["POST"]))
+    return table
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -78,59 +140,14 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(InternalError("Internal server error."))
 
 
-async def _metrics(request: Request) -> Response:
-    """GET /metrics: Prometheus text (services/frontend/metrics.py). Open without a key."""
-    return await request.app.state.metrics(request)
-
-
-async def _reset_prefix_cache(request: Request) -> Response:
-    """POST /reset_prefix_cache: drop every cached KV block of the engine's prefix cache.
-
-    Calls the engine's `reset_prefix_cache` utility. 200 `{"ok": true}` when done; 409
-    `{"ok": false, "error": {...}}` (type `conflict`) when requests still hold blocks (the
-    engine refuses; retry when idle); 503 when the engine does not answer within 10 s.
-    """
-    engine = request.app.state.serving.engine
-    try:
-        result = await engine.call_utility("reset_prefix_cache", timeout=10.0)
-    except (EngineUnavailable, EngineCallError, TimeoutError) as e:
-        return Response(orjson.dumps({"ok": False, "error": {
-            "message": f"The engine did not reset its prefix cache: {e or 'timeout'}.",
-            "type": "service_unavailable", "param": None, "code": None}}),
-            status_code=503, media_type="application/json")
-    if result.get("ok"):
-        return Response(orjson.dumps({"ok": True}), media_type="application/json")
-    return Response(orjson.dumps({"ok": False, "error": {
-        "message": "Requests are using KV blocks; the prefix cache was not reset. Retry when "
-                   "the server is idle.", "type": "conflict", "param": None, "code": None}}),
-        status_code=409, media_type="application/json")
-
-
-async def _build_serving(cfg: KestrelConfig, engine: EngineClient) -> OpenAIServing:
-    """Handshake with the engine, then load the tokenizer and chat template it names."""
-    info = await engine.connect(cfg.startup_timeout_s)
-    tokenizer = Tokenizer(info.model_path)
-    template = None
-    try:  # --chat-template (a bundled name or a path), else the model's own
-        template = load_chat_template(cfg.chat_template, tokenizer)
-        if template is None:
-            log.warning("model at %s has no chat template; chat completions will fail",
-                        info.model_path)
-    except ValueError as e:
-        log.error("%s; chat completions will fail", e)
-    name = cfg.served_model_name or info.model_name
-    return OpenAIServing(engine, tokenizer, template, name, info.max_model_len, cfg.keepalive_s,
-                         cfg.max_request_body_bytes,
-                         ChatFeatures(cfg.tool_call_parser, cfg.reasoning_parser), info.max_num_waiting)
-
-
 def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
     """The ASGI app of frontend `index` (named `frontend-<index>` to the engine and the
     watchdog). Its lifespan connects to the engine at cfg.engine_address (raising
-    TimeoutError after cfg.startup_timeout_s without an answer), beats the watchdog beacon,
-    warms xgrammar in a background thread (its first import takes seconds and must not
-    block the event loop on the first json_schema request), and closes the client at
-    shutdown (lifecycle.py: draining, debug routes)."""
+    TimeoutError after cfg.startup_timeout_s without an answer), builds the serving context
+    and every API's serving object once (`Servings`), beats the watchdog beacon, warms
+    xgrammar in a background thread (its first import takes seconds and must not block
+    the event loop on the first json_schema request), and closes the client at shutdown
+    (lifecycle.py: draining)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -140,40 +157,20 @@ def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
         beats = asyncio.create_task(beat_forever(Beacon(cfg.runtime_dir, name)))
         threading.Thread(target=warm_xgrammar, name="xgrammar-warmup", daemon=True).start()
         try:
-            app.state.serving = await _build_serving(cfg, engine)
-            app.state.anthropic = AnthropicServing(app.state.serving,
-                                                   app.state.serving.features)
-            app.state.metrics = MetricsEndpoint(engine, app.state.serving.model_name,
-                                                cfg.runtime_dir)
-            log.info("serving %s on http://%s:%d", app.state.serving.model_name, cfg.host,
-                     cfg.port)
+            ctx = await build_context(cfg, engine)
+            app.state.servings = Servings.build(ctx, cfg.runtime_dir)
+            log.info("serving %s on http://%s:%d", ctx.model_name, cfg.host, cfg.port)
             yield
         finally:
             beats.cancel()
             await engine.close()
 
-    routes = [
-        Route("/health", _endpoint("health"), methods=["GET"]),
-        Route("/metrics", _metrics, methods=["GET"]),
-        Route("/reset_prefix_cache", _reset_prefix_cache, methods=["POST"]),
-        Route("/v1/models", _endpoint("list_models"), methods=["GET"]),
-        Route("/v1/models/{model:path}", _endpoint("get_model"), methods=["GET"]),
-        Route("/v1/chat/completions", _endpoint("chat_completions"), methods=["POST"]),
-        Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
-        Route("/v1/messages", anthropic_endpoint("messages"), methods=ANY_METHOD),
-        Route("/v1/messages/count_tokens", anthropic_endpoint("count_tokens"), methods=ANY_METHOD),
-        Route("/tokenize", _endpoint("tokenize"), methods=["POST"]),
-        Route("/detokenize", _endpoint("detokenize"), methods=["POST"]),
-        Route("/openapi.json", _endpoint("openapi"), methods=["GET"]),
-        Route("/internal/stats", _endpoint("internal_stats"), methods=["GET"]),
-        *debug_routes(cfg),
-    ]
     # Every route but /health and /metrics needs the key when one is set (auth.py).
     middleware = [Middleware(APIKeyMiddleware, api_key=cfg.api_key)] if cfg.api_key else []
     middleware.insert(0, Middleware(DrainMiddleware))  # 503 to everything while draining
     # Outermost: every error under /v1/messages in Anthropic's envelope (anthropic_errors.py).
     middleware.insert(0, Middleware(AnthropicEnvelopeMiddleware))
-    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+    return Starlette(routes=routes(cfg), lifespan=lifespan, middleware=middleware,
                      exception_handlers={HTTPException: _http_error, Exception: _internal_error})
 
 

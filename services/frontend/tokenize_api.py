@@ -20,42 +20,40 @@ import asyncio
 import uuid
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from services.frontend.body import json_object, read_body
+from services.frontend.context import ServingContext
 from services.frontend.errors import InternalError, InvalidRequest, model_not_found
-from services.frontend.openai_api import OpenAIServing, json_response
+from services.frontend.guard import guard, json_response
 from services.frontend.openai_protocol import parse_messages
 from services.frontend.openai_sampling import get_bool, is_int
 from services.frontend.openai_tools import parse_tools
 
 
-def _body(raw: bytes, serving: OpenAIServing) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest(None, "The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(None, "The request body must be a JSON object.")
-    model = body.get("model")
-    if model is not None and model != serving.model_name:
-        raise model_not_found(str(model))
-    return body
-
-
 class TokenizeServing:
-    """The /tokenize and /detokenize routes of one frontend."""
+    """The /tokenize and /detokenize routes of one frontend, built once at startup from the
+    serving context."""
 
-    def __init__(self, serving: OpenAIServing):
-        self.s = serving
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+
+    def _body(self, raw: bytes) -> dict[str, Any]:
+        """The body as a JSON object; raises InvalidRequest (400), or NotFound (404) when it
+        names a model other than the served one."""
+        body = json_object(raw)
+        model = body.get("model")
+        if model is not None and model != self.ctx.model_name:
+            raise model_not_found(str(model))
+        return body
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize (see the module docstring). 400 on a bad field."""
-        s = self.s
+        s = self.ctx
 
         def work(raw: bytes) -> Response:
-            body = _body(raw, s)
+            body = self._body(raw)
             if body.get("messages") is not None:
                 messages = parse_messages(body["messages"])
                 if s.template is None:
@@ -79,20 +77,21 @@ class TokenizeServing:
             strs = None
             if get_bool(body, "return_token_strs", False):
                 strs = [s.lp.token(t)[0] for t in ids]
-            return json_response({"count": len(ids), "max_model_len": s.max_model_len,
+            return json_response({"count": len(ids), "max_model_len": s.limits.max_model_len,
                                   "tokens": ids, "token_strs": strs})
 
         async def handle() -> Response:
-            return await asyncio.to_thread(work, await s.read_body(request))
+            return await asyncio.to_thread(work, await read_body(request,
+                                                                 s.limits.max_body_bytes))
 
-        return await self.s.guard(f"tokenize-{uuid.uuid4().hex[:12]}", handle)
+        return await guard(f"tokenize-{uuid.uuid4().hex[:12]}", handle)
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize (see the module docstring). 400 on a bad token id."""
-        s = self.s
+        s = self.ctx
 
         def work(raw: bytes) -> Response:
-            body = _body(raw, s)
+            body = self._body(raw)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
                 raise InvalidRequest("tokens", "'tokens' must be a list of token ids.")
@@ -104,6 +103,7 @@ class TokenizeServing:
                                                                 skip_special_tokens=False)})
 
         async def handle() -> Response:
-            return await asyncio.to_thread(work, await s.read_body(request))
+            return await asyncio.to_thread(work, await read_body(request,
+                                                                 s.limits.max_body_bytes))
 
-        return await self.s.guard(f"detokenize-{uuid.uuid4().hex[:12]}", handle)
+        return await guard(f"detokenize-{uuid.uuid4().hex[:12]}", handle)

@@ -112,7 +112,7 @@ def resolve_setup(cfg: KestrelConfig) -> StoreSetup:
     disk_dir, capacity = None, 0
     if cfg.kv_offload_disk_dir:
         disk_dir = os.path.abspath(cfg.kv_offload_disk_dir)
-        capacity = int(cfg.kv_offload_disk_gib * GIB) // file_bytes(block_bytes)
+        capacity = int((cfg.kv_offload_disk_gib or 0.0) * GIB) // file_bytes(block_bytes)
         if capacity < 1:
             raise ConfigError(f"setting kv_offload_disk_gib: {cfg.kv_offload_disk_gib} GiB holds "
                               f"no block file of {file_bytes(block_bytes)} bytes")

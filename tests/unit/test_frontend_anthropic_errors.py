@@ -41,25 +41,25 @@ def _assert_anthropic_400(r: httpx.Response) -> dict:
 
 # Raw bodies: json.dumps would escape a lone surrogate the same way (ensure_ascii).
 SURROGATE_BODIES = {
-    "message_content": ('{"model": "%s", "max_tokens": 4, "messages": '
-                        '[{"role": "user", "content": "\\ud800"}]}' % MODEL),
-    "system": ('{"model": "%s", "max_tokens": 4, "system": "\\udc00", "messages": '
-               '[{"role": "user", "content": "hi"}]}' % MODEL),
-    "text_block": ('{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", '
-                   '"content": [{"type": "text", "text": "a\\ud800b"}]}]}' % MODEL),
-    "stream": ('{"model": "%s", "max_tokens": 4, "stream": true, "messages": '
-               '[{"role": "user", "content": "\\ud800"}]}' % MODEL),
+    "message_content": (f'{{"model": "{MODEL}", "max_tokens": 4, "messages": '
+                        '[{"role": "user", "content": "\\ud800"}]}'),
+    "system": (f'{{"model": "{MODEL}", "max_tokens": 4, "system": "\\udc00", "messages": '
+               '[{"role": "user", "content": "hi"}]}'),
+    "text_block": (f'{{"model": "{MODEL}", "max_tokens": 4, "messages": [{{"role": "user", '
+                   '"content": [{"type": "text", "text": "a\\ud800b"}]}]}'),
+    "stream": (f'{{"model": "{MODEL}", "max_tokens": 4, "stream": true, "messages": '
+               '[{"role": "user", "content": "\\ud800"}]}'),
     "model": ('{"model": "\\ud800", "max_tokens": 4, "messages": '
               '[{"role": "user", "content": "hi"}]}'),
-    "object_key": ('{"model": "%s", "max_tokens": 4, "metadata": {"\\udfff": 1}, "messages": '
-                   '[{"role": "user", "content": "hi"}]}' % MODEL),
+    "object_key": (f'{{"model": "{MODEL}", "max_tokens": 4, "metadata": {{"\\udfff": 1}}, "messages": '
+                   '[{"role": "user", "content": "hi"}]}'),
     "utf8_encoded_surrogate": None,  # raw bytes ED A0 80, built below
 }
 NON_JSON_BODIES = {
-    "nan": '{"model": "%s", "max_tokens": 4, "temperature": NaN, "messages": []}' % MODEL,
-    "infinity": '{"model": "%s", "max_tokens": Infinity, "messages": []}' % MODEL,
-    "neg_infinity": '{"model": "%s", "max_tokens": 4, "top_p": -Infinity, "messages": []}' % MODEL,
-    "deep_nesting": '{"model": "%s", "metadata": %s}' % (MODEL, "[" * 100000 + "]" * 100000),
+    "nan": f'{{"model": "{MODEL}", "max_tokens": 4, "temperature": NaN, "messages": []}}',
+    "infinity": f'{{"model": "{MODEL}", "max_tokens": Infinity, "messages": []}}',
+    "neg_infinity": f'{{"model": "{MODEL}", "max_tokens": 4, "top_p": -Infinity, "messages": []}}',
+    "deep_nesting": '{{"model": "{}", "metadata": {}}}'.format(MODEL, "[" * 100000 + "]" * 100000),
 }
 
 

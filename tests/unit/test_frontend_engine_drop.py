@@ -20,7 +20,10 @@ from services.frontend.engine_client import EngineClient
 from shared import protocol as p
 from shared.grammar_errors import grammar_error_text
 from tests.unit.engine_rig import core_config, toy_info
-from tests.unit.test_frontend_support import MODEL, FakeEngine, build_model_dir, stack  # noqa: F401
+from tests.unit import test_frontend_support as support
+from tests.unit.test_frontend_support import MODEL, FakeEngine, build_model_dir
+
+stack = support.stack  # the module-scoped fixture
 
 
 def _sse_events(raw: bytes) -> list[bytes]:

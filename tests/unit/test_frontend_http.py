@@ -14,9 +14,11 @@ import httpx
 import pytest
 
 from services.frontend.tokenizer import Tokenizer
-from tests.unit.test_frontend_support import (FAKE_PROMPT_LOGPROB, HI,  # noqa: F401
-                                              MAX_MODEL_LEN, MODEL, REPLY_TEXT, Stack,
-                                              client, health, stack, tok, wait_for)
+from tests.unit import test_frontend_support as support
+from tests.unit.test_frontend_support import (FAKE_PROMPT_LOGPROB, HI, MAX_MODEL_LEN, MODEL,
+                                              REPLY_TEXT, Stack, health, wait_for)
+
+stack, client, tok = support.stack, support.client, support.tok  # module-scoped fixtures
 
 
 def _expected_reply(tok: Tokenizer) -> str:

@@ -7,8 +7,10 @@ import httpx
 import openai
 import pytest
 
-from tests.unit.test_frontend_support import (HI, MAX_MODEL_LEN, MODEL, Stack,  # noqa: F401
-                                              client, stack)
+from tests.unit import test_frontend_support as support
+from tests.unit.test_frontend_support import HI, MAX_MODEL_LEN, MODEL, Stack
+
+stack, client = support.stack, support.client  # module-scoped fixtures
 
 # ---------------------------------------------------------------- errors
 

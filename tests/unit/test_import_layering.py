@@ -17,18 +17,6 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import check_imports  # noqa: E402
 
-# Import cycles that exist on main today and that other parts of issue 13 remove (the
-# frontend routes' circle, the kernels' bottom-of-file imports). EXPECTED FOR NOW ONLY: empty
-# this list once they are gone. A cycle not listed here fails, and so does a listed one that
-# is gone (remove it from the list).
-KNOWN_CYCLES_TO_REMOVE: list[frozenset[str]] = [
-    frozenset({"kernels.gemv", "kernels.linear"}),
-    frozenset({"kernels.sampling", "kernels.sampling_triton"}),
-    frozenset({"services.frontend.chat_api", "services.frontend.completions_api",
-               "services.frontend.openai_api", "services.frontend.tokenize_api"}),
-]
-
-
 def test_no_service_imports_another_service_and_shared_imports_no_service():
     g = check_imports.build_graph(str(REPO))
     assert len(g.modules) > 50, "the checker found too few modules to be looking at the repo"
@@ -37,23 +25,16 @@ def test_no_service_imports_another_service_and_shared_imports_no_service():
     assert offences == []
 
 
-def test_no_import_cycle_but_the_known_ones():
+def test_no_import_cycle():
     g = check_imports.build_graph(str(REPO))
-    found = {frozenset(c) for c in check_imports.find_cycles(g)}
-    new = [sorted(c) for c in found - set(KNOWN_CYCLES_TO_REMOVE)]
-    gone = [sorted(c) for c in set(KNOWN_CYCLES_TO_REMOVE) - found]
-    assert not new, f"new import cycles: {new}"
-    assert not gone, f"these cycles are gone: remove them from KNOWN_CYCLES_TO_REMOVE: {gone}"
+    cycles = [sorted(c) for c in check_imports.find_cycles(g)]
+    assert cycles == [], f"import cycles: {cycles}"
 
 
-def test_the_script_reports_exactly_the_known_cycles_on_the_repo():
+def test_the_script_passes_on_the_repo():
     r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
-    lines = r.stdout.splitlines()
-    assert r.returncode == (1 if KNOWN_CYCLES_TO_REMOVE else 0), r.stdout + r.stderr
-    assert len(lines) == len(KNOWN_CYCLES_TO_REMOVE), r.stdout
-    for line in lines:
-        members = frozenset(line.split(":", 1)[0].removeprefix("cycle among ").split(", "))
-        assert members in KNOWN_CYCLES_TO_REMOVE, line
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout == "" and "no cycle, no cross-service import" in r.stderr, r.stdout + r.stderr
 
 
 def _tree(root: pathlib.Path, files: dict[str, str]) -> str:

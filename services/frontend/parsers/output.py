@@ -12,7 +12,7 @@ are applied here) and yields lists of events, None for keep-alive ticks, then a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from services.frontend.generation import StopStringMatcher, TextDelta, end_by_stop_string
 from services.frontend.parsers.reasoning import Qwen3ReasoningParser
@@ -131,7 +131,7 @@ class Finish:
     error_kind: str | None = None
 
 
-async def run_parsed(gen: AsyncIterator[TextDelta | None], parser: ChatOutputParser
+async def run_parsed(gen: AsyncGenerator[TextDelta | None, None], parser: ChatOutputParser
                      ) -> AsyncIterator[list[OutEvent] | None | Finish]:
     """Yield event lists (never empty), None for keep-alive ticks, and finally a Finish.
     When the parser's stop string matched, `gen` is ended with `end_by_stop_string` (the

@@ -26,10 +26,6 @@ class Qwen3ReasoningParser:
         self._state = ("reasoning" if starts_inside else "start") if enabled else "content"
         self._buf = ""
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self._state in ("start", "reasoning")
-
     def feed(self, text: str) -> tuple[str, str]:
         reasoning, content = "", ""
         self._buf += text

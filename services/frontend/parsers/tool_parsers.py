@@ -180,6 +180,7 @@ class _CallBody:
         return text[used:] if self.done else ""
 
     def _emit_args(self, out: list[Event]) -> None:
+        assert self.args is not None  # called once the arguments began
         upto = self.args.closable
         if upto > self.emitted:
             out.append(ToolCallArgs(self.index, self.text[self.args_at + self.emitted:self.args_at + upto]))
@@ -256,12 +257,13 @@ class HermesToolParser(ToolParser):
                     break
                 self._state, self._body = "body", _CallBody(self)
             elif self._state == "body":
-                rest = self._body.feed(self._buf, out)
-                self._buf = rest
-                if not self._body.done:
+                body = self._body
+                assert body is not None  # set with the "body" state
+                self._buf = body.feed(self._buf, out)
+                if not body.done:
                     break
-                if self._body.body.error:
-                    self._body.close(out)
+                if body.body.error:
+                    body.close(out)
                     self._state = "text"
                 else:
                     self._state = "close"
@@ -276,6 +278,7 @@ class HermesToolParser(ToolParser):
         if self._state == "text":
             self._content(self._buf, out)
         elif self._state == "body":
+            assert self._body is not None  # set with the "body" state
             self._body.cut(out)
         self._buf = ""
         self._finish_content(out)
@@ -304,15 +307,18 @@ class ForcedToolParser(ToolParser):
                 else:
                     self._state = "end"  # "]" or anything else ends the list
             else:
-                self._buf = self._body.feed(self._buf, out)
-                if not self._body.done:
+                body = self._body
+                assert body is not None  # set with the "body" state
+                self._buf = body.feed(self._buf, out)
+                if not body.done:
                     break
-                self._state = "end" if self._body.body.error else "sep"
+                self._state = "end" if body.body.error else "sep"
         return out
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
         if self._state == "body":
+            assert self._body is not None  # set with the "body" state
             self._body.cut(out)
         return out
 
