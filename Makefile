@@ -26,15 +26,15 @@ model: setup
 serve: model
 	$(VENV)/bin/kestrel serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: model
+test: model lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # ruff and mypy over services/, shared/ and kernels/ (their config is in pyproject.toml), and the
-# import layering check when scripts/check_imports.py is there. Not yet a prerequisite of `test`.
+# import layering check (no import cycle, no service importing another). Run by `make test`.
 lint: setup
 	$(VENV)/bin/ruff check services shared kernels
 	$(VENV)/bin/mypy
-	if [ -f scripts/check_imports.py ]; then $(PY) scripts/check_imports.py; fi
+	$(PY) scripts/check_imports.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,7 +24,7 @@ KEY = "kestrel-test-key-7f3a"
 MODEL = "SmolLM2-135M-Instruct"
 SOURCES = r"(default|env|config file|cli|derived|profile:[a-z0-9]+)"
 
-# Routes of DESIGN §7 and issue 6, whether or not they are registered yet: the key check comes
+# Routes of docs/ARCHITECTURE.md §7.2 and issue 6, whether or not they are registered yet: the key check comes
 # before routing, so each must answer 401 without the key.
 API_ROUTES = [
     ("GET", "/v1/models"), ("GET", "/v1/models/" + MODEL), ("POST", "/v1/chat/completions"),
