@@ -56,10 +56,9 @@ import torch.nn.functional as F
 
 from kernels import gemv
 from kernels.activation import silu_and_mul
-from kernels.device_info import TILE_COUNTERS as _COUNTERS  # noqa: F401 (tests read it)
 from kernels.device_info import num_sms
 from kernels.device_info import tile_counters as _tile_counters
-from kernels.linear_ref import linear_ref  # noqa: F401 (the truth of both kernels; callers read it here)
+from kernels.linear_ref import linear_ref  # the truth of both kernels
 from kernels.norm import rms_norm
 
 skinny_linear_triton = None  # set below when Triton imports: linear_ref's signature plus tiles

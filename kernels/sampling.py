@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 
 # the seeded noise lives in kernels.sampling_noise (the Triton sampler reads it too, so this
-# module imports the sampler without a circle); its names are re-exported for the callers
-from kernels.sampling_noise import HASH_C1, HASH_C2, mix_seed, noise_keys, race_noise  # noqa: F401
+# module imports the sampler without a circle)
+from kernels.sampling_noise import noise_keys, race_noise
 
 sample_triton: Callable[..., torch.Tensor] | None  # sample_triton(logits, temperature, seeds)
 try:  # the Triton sampler; absent without triton (CPU-only installs)

@@ -68,11 +68,6 @@ def slot_stride(slot_bytes: int) -> int:
     return (slot_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
-def slots_for(pool_bytes: int, slot_bytes: int) -> int:
-    """How many slots of `slot_bytes` fit in `pool_bytes` bytes of slots (header excluded)."""
-    return pool_bytes // slot_stride(slot_bytes)
-
-
 def read_pool_header(path_or_name: str) -> dict:
     """The pool header as a dict (plain read, never maps). Raises FileNotFoundError if the
     segment is missing, ValueError if it is not a version-1 pool."""

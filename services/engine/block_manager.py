@@ -221,11 +221,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ allocation
 
-    def can_allocate(self, request: Request, num_tokens: int) -> bool:
-        """Whether the request's table can grow to cover `num_tokens` tokens."""
-        need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids)
-        return need <= self.num_free_blocks
-
     def allocate(self, request: Request, num_tokens: int,
                  computed_blocks: Sequence[int] | None = None) -> bool:
         """Grow the request's block table to cover `num_tokens` tokens.

@@ -4,8 +4,7 @@
 scheduler and its block manager, structured output (`GrammarJobs`: the grammar compiler and
 the compiles off the loop), the validation and admission of new requests, the aborts queued
 for after a step, and the scheduler's KV connector (`KVConnector`, or None when the tiers
-are off). Its
-verbs each return the outputs to send (`Emitted`, services/engine/outputs.py):
+are off). Its verbs each return the outputs to send (`Emitted`, services/engine/outputs.py):
 
 - `add(frontend, msg)`: validate and admit an `AddRequest` (or park it while its grammar
   compiles); a refusal is an output ("invalid": 400, "overloaded": 503, "internal": 500).
@@ -42,7 +41,6 @@ from shared.config import KestrelConfig
 from shared.model_spec import ModelSpec
 
 log = logging.getLogger("kestrel.engine")
-
 
 
 class PendingAbort(NamedTuple):

@@ -36,12 +36,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import zmq
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.engine.request import Request
 from shared.protocol import StepPlan
+
+if TYPE_CHECKING:  # the core imports this module and stays free of zmq
+    import zmq
 
 
 @dataclass(slots=True)

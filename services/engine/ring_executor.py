@@ -52,7 +52,6 @@ class RingExecutor:
         self.ring = ShmRingWriter(ring_name(cfg.instance_id, "plan"), n_readers=num_workers,
                                   n_chunks=cfg.ring_chunks, chunk_size=cfg.ring_chunk_bytes,
                                   runtime_dir=cfg.runtime_dir, instance_id=cfg.instance_id)
-        self.last_worker_msg = time.monotonic()
         self._submitted: set[int] = set()          # step ids whose result is not taken yet
         self._early: dict[int, P.StepResult] = {}  # results that came before they were awaited
 
@@ -94,8 +93,6 @@ class RingExecutor:
         async scheduling the result of the plan in flight, kept for `result`."""
         while self.sock.poll(0):
             msg = safe_decode(self.dec, self.sock.recv(), "worker")
-            if msg is not None:
-                self.last_worker_msg = time.monotonic()
             if isinstance(msg, P.StepResult):
                 self._keep(msg)
 

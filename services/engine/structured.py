@@ -5,9 +5,9 @@ Flow (docs/ARCHITECTURE.md §7 "Structured output"):
    `xgrammar.TokenizerInfo` from the model's `tokenizer.json` (no transformers needed): the
    vocabulary in id order and its encoding (GPT-2 byte-level, SentencePiece byte fallback,
    or raw), padded to config.json's `vocab_size` (the lm_head width).
-2. At add time, `manager.grammar_for(spec)` compiles the request's `StructuredSpec` (JSON
-   schema, any JSON object, regex or EBNF grammar) and returns a `RequestGrammar`, a fresh
-   `GrammarMatcher` over it. Compiled grammars are cached by (kind, spec), so a repeated
+2. At add time, `manager.compile(spec)` compiles the request's `StructuredSpec` (JSON
+   schema, any JSON object, regex or EBNF grammar), and a `RequestGrammar`, a fresh
+   `GrammarMatcher`, is made over it. Compiled grammars are cached by (kind, spec), so a repeated
    schema costs nothing (`cached_grammar_for`). A new grammar is compiled in a thread off
    the engine loop (`services.engine.grammar_jobs`), and its request joins the scheduler when
    it is ready: a new JSON schema over a 49k vocabulary takes tens of ms, but a deeply
@@ -136,13 +136,9 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return compiled
 
-    def grammar_for(self, spec: StructuredSpec) -> RequestGrammar:
-        """A fresh matcher for one request. Raises GrammarError."""
-        return RequestGrammar(self.compile(spec), self.vocab_size)
-
     def cached_grammar_for(self, spec: StructuredSpec) -> RequestGrammar | None:
         """A fresh matcher when the spec's grammar is already compiled, else None (the
-        caller compiles it off its loop with `grammar_for`)."""
+        caller compiles it off its loop with `compile`)."""
         with self._lock:
             hit = self._cache.get((spec.kind, spec.spec))
             if hit is not None:

@@ -74,7 +74,7 @@ class ModelRunner:
 
     cfg fields used: model (HF folder), device, dtype, block_size, kv_cache_gib,
     num_threads (0 = all cores on the CPU, GPU_WORKER_THREADS with a GPU), max_model_len
-    (None = model's, capped at 8192), seed (sampling seed of requests without one).
+    (None: the model's default, `shared.model_spec.default_max_model_len`), seed (sampling seed of requests without one).
     Attributes a driver may replace between steps: graphs (None: eager decode) and fusion
     (the `FusionPlan`; captured graphs keep the plan of their capture).
     Raises FileNotFoundError / ValueError from the loader, ValueError for an unknown

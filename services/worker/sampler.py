@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from kernels.sampling import (apply_allowed_mask_ref, apply_logit_bias_ref, apply_penalties,
-                              mix_seed, sample, token_logprobs_ref, unpack_bitmask)
+                              sample, token_logprobs_ref, unpack_bitmask)
+from kernels.sampling_noise import mix_seed
 from shared.protocol import SamplingParams, ScheduledSeq, TokenLogprob
 
 

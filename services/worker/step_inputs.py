@@ -26,7 +26,6 @@ def prepare_step(seqs: list[ScheduledSeq], block_size: int, max_model_len: int, 
     Raises ValueError when a sequence has no tokens, or its tokens do not fit its block
     table or max_model_len.
     """
-    """Flatten the step: input_ids [T], positions [T] int64, and the attention metadata."""
     bs = block_size
     ids: list[int] = []
     q_lens, starts, seq_lens = [], [], []

@@ -202,6 +202,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def _kernel_checks(out: dict) -> None:
     from kernels import linear as L
+    from kernels.device_info import TILE_COUNTERS
 
     real_sum = L._split_sum_kernel
 
@@ -228,7 +229,7 @@ def _kernel_checks(out: dict) -> None:
             got = L.skinny_linear_triton(x, w, bias, split_reduce="atomic", **tiles, **kw)
         finally:
             L._split_sum_kernel = real_sum
-        counters_zero = all(bool((c == 0).all()) for c in L._COUNTERS.values())
+        counters_zero = all(bool((c == 0).all()) for c in TILE_COUNTERS.values())
         two_kernel = L.skinny_linear_triton(x, w, bias, split_reduce="kernel", **tiles, **kw)
         ref = L.linear_ref(x, w, bias, **kw)
         d64 = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kw.items()}

@@ -17,7 +17,8 @@ from kernels.activation import silu_and_mul_ref
 from kernels.attention import paged_attention_ref, store_kv_ref
 from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import apply_rotary_ref, rope_cos_sin, rope_inv_freq
-from kernels.sampling import filtered_probs, mix_seed, sample_ref
+from kernels.sampling import filtered_probs, sample_ref
+from kernels.sampling_noise import mix_seed
 
 # ---------------------------------------------------------------- paged attention
 

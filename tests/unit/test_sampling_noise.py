@@ -3,7 +3,8 @@
 
 import torch
 
-from kernels.sampling import mix_seed, noise_keys, race_noise, sample_ref
+from kernels.sampling import sample_ref
+from kernels.sampling_noise import mix_seed, noise_keys, race_noise
 
 
 def test_race_noise_is_finite_for_every_token_over_many_keys():
