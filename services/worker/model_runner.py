@@ -95,10 +95,9 @@ class ModelRunner:
         dt = resolved_dtype(cfg.dtype, self.device.type)
         self.dtype = _DTYPES[dt]
         self.spec = model_spec_for(cfg, dtype=dt)  # the model's facts (shared.model_spec)
-        hf_config = dict(self.spec.hf_config)
         self.max_model_len = self.spec.max_model_len
         with torch.device(self.device), _default_dtype(self.dtype):
-            module = model_class(hf_config)(hf_config, self.max_model_len)
+            module = model_class(self.spec)(self.spec, self.max_model_len)
         if cfg.load_format == "dummy":
             self.weight_bytes = load_dummy_weights(module, cfg.seed)
         else:

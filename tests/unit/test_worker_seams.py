@@ -6,6 +6,7 @@ describe the network and never pick a kernel or touch a cache tensor."""
 from __future__ import annotations
 
 import ast
+import json
 import math
 import pathlib
 
@@ -180,16 +181,19 @@ def _tiny(arch: str) -> dict:
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_llama_family_models_are_causal_lms_whose_parameters_are_the_checkpoints_tensors(arch):
+def test_llama_family_models_are_causal_lms_whose_parameters_are_the_checkpoints_tensors(arch, tmp_path):
     """Qwen3 is the Llama family with the q/k norm on: its parameters are Hugging Face's
     (the truth: transformers' own model of the same config), stacked q/k/v and gate/up
     mapped back through packed_modules."""
     transformers = pytest.importorskip("transformers")
     from services.worker.models import model_class
     from services.worker.models.base import CausalLM
+    from shared.model_spec import load_model_spec
 
     cfg = _tiny(arch)
-    ours = model_class(cfg)(cfg, 64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_model_spec(str(tmp_path))
+    ours = model_class(spec)(spec, 64)
     assert isinstance(ours, CausalLM)
     specs = ours.attention_specs()
     assert [s.kv for s in specs] == ours.kv_specs() == [PagedKVSpec(2, 8)] * 2

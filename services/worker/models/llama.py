@@ -34,11 +34,13 @@ from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
+from shared.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class LlamaArgs:
-    """The config.json fields a Llama model uses (Hugging Face LlamaConfig names)."""
+    """What a Llama model is built from: the shapes of its `ModelSpec` and the config.json
+    fields only this family reads (rope, eps, biases; Hugging Face LlamaConfig names)."""
 
     vocab_size: int
     hidden_size: int
@@ -57,25 +59,26 @@ class LlamaArgs:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
 
     @classmethod
-    def from_hf(cls, c: dict, qk_norm: bool = False) -> LlamaArgs:
-        """Read a config.json dict. Rope settings come from `rope_parameters`
-        (transformers >= 5) or from `rope_theta` / `rope_scaling` (older files).
-        qk_norm: the architecture's q/k norm flag (not a config.json field).
-        Raises ValueError for an activation other than SiLU."""
+    def from_spec(cls, spec: ModelSpec, qk_norm: bool = False) -> LlamaArgs:
+        """The model's shapes from `spec` (shared.model_spec: layers, heads, head dim, vocab,
+        positions, tied embeddings), the rest from its config.json: rope settings from
+        `rope_parameters` (transformers >= 5) or `rope_theta` / `rope_scaling` (older files),
+        rms_norm_eps, attention_bias, mlp_bias. qk_norm: the architecture's q/k norm flag
+        (not a config.json field). Raises ValueError for an activation other than SiLU."""
+        c = spec.hf_config
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (silu only)")
         rope = dict(c.get("rope_parameters") or {})
         scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        heads = c["num_attention_heads"]
         return cls(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=spec.max_position_embeddings,
+            tie_word_embeddings=spec.tie_word_embeddings,
             attention_bias=bool(c.get("attention_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)),
             qk_norm=qk_norm,
         )
@@ -188,11 +191,11 @@ class LlamaForCausalLM(nn.Module):
     """The whole model (a `services.worker.models.base.CausalLM`). Build it under the target
     device and default dtype; the loader fills its (uninitialised) parameters.
 
-    hf_config: config.json as a dict. max_positions: rows of the rotary table (at least
-    max_model_len).
+    spec: the model's facts (`shared.model_spec.ModelSpec`). max_positions: rows of the
+    rotary table (at least max_model_len).
     forward(input_ids [T] int64, positions [T] int64, attn, fused) -> hidden [T, hidden_size].
     compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] fp32.
-    Raises ValueError from `LlamaArgs.from_hf`.
+    Raises ValueError from `LlamaArgs.from_spec`.
     """
 
     # checkpoint module name -> (our stacked module name, shard index)
@@ -204,9 +207,9 @@ class LlamaForCausalLM(nn.Module):
     ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)
     qk_norm = False  # the architecture's per-head q/k RMSNorm (Qwen3ForCausalLM sets it)
 
-    def __init__(self, hf_config: dict, max_positions: int | None = None):
+    def __init__(self, spec: ModelSpec, max_positions: int | None = None):
         super().__init__()
-        a = self.args = LlamaArgs.from_hf(hf_config, qk_norm=self.qk_norm)
+        a = self.args = LlamaArgs.from_spec(spec, qk_norm=self.qk_norm)
         self.model = LlamaModel(a, max(max_positions or 0, a.max_position_embeddings))
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings

@@ -11,6 +11,7 @@ Source of the architecture: Qwen team, "Qwen3 Technical Report" (2025), and Hugg
 from __future__ import annotations
 
 from services.worker.models.llama import LlamaForCausalLM
+from shared.model_spec import ModelSpec
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -19,7 +20,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     qk_norm = True
 
-    def __init__(self, hf_config: dict, max_positions: int | None = None):
-        if hf_config.get("use_sliding_window"):
+    def __init__(self, spec: ModelSpec, max_positions: int | None = None):
+        if spec.hf_config.get("use_sliding_window"):
             raise ValueError("Qwen3 with use_sliding_window=true is not supported")
-        super().__init__(hf_config, max_positions)
+        super().__init__(spec, max_positions)
