@@ -19,7 +19,7 @@ While a result is awaited the engine keeps serving its frontends: `result` calls
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from shared import protocol as P
@@ -92,6 +92,17 @@ class Executor(Protocol):
 
     def shutdown(self, reason: str) -> None:
         """Tell the workers to exit and release what this executor holds. Never raises."""
+        ...
+
+
+class WorkerExecutor(Executor, Protocol):
+    """An executor over worker processes, which report ready once at startup (the ring
+    executor; a tensor-parallel or multi-host executor takes this shape too)."""
+
+    def wait_ready(self, timeout: float, beat: Callable[[], None],
+                   stopping: Callable[[], bool]) -> list[P.WorkerReady]:
+        """Block until every worker sent `WorkerReady`, calling `beat` meanwhile. Raises
+        TimeoutError after `timeout` seconds, or at once when stopping() turns True."""
         ...
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from services.engine.core import EngineConfigError, EngineCore
-from services.engine.executor import EngineStopping
+from services.engine.executor import EngineStopping, Executor, WorkerExecutor
 from services.engine.frontend_link import FrontendLink
 from services.engine.grammar_jobs import GrammarJobs
 from services.engine.kv_tiers import KVStoreConnector
@@ -60,15 +60,16 @@ class StopFlag:
 
 
 class EngineProcess:
-    """One running engine: the core, its step pipeline on the ring executor, the ROUTER
-    socket and the frontend link (module doc). Built by `start`, once the workers are ready.
+    """One running engine: the core, its step pipeline on an executor (the ring executor in
+    production), the ROUTER socket and the frontend link (module doc). Built by `start`,
+    once the workers are ready.
 
     Raises nothing itself; `run` raises TimeoutError (workers stopped answering) and
     EngineStopping (SIGTERM during a step).
     """
 
     def __init__(self, cfg: KestrelConfig, ctx: zmq.Context, core: EngineCore,
-                 executor: RingExecutor, router: zmq.Socket, beacon: Beacon, stop: StopFlag):
+                 executor: Executor, router: zmq.Socket, beacon: Beacon, stop: StopFlag):
         self.cfg = cfg
         self.ctx = ctx
         self.core = core
@@ -86,7 +87,7 @@ class EngineProcess:
     # ------------------------------------------------------------------ startup
 
     @classmethod
-    def start(cls, cfg: KestrelConfig, ctx: zmq.Context, executor: RingExecutor,
+    def start(cls, cfg: KestrelConfig, ctx: zmq.Context, executor: WorkerExecutor,
               beacon: Beacon, stop: StopFlag, info: ModelSpec) -> EngineProcess:
         """Wait for the workers, build the core (and the tiers client), bind the ROUTER,
         write the startup report. Raises TimeoutError (workers not ready in
@@ -172,7 +173,7 @@ class EngineProcess:
     def run(self) -> None:
         """The main loop, until a stop signal (module doc)."""
         core, link, pipeline, executor = self.core, self.link, self.pipeline, self.executor
-        worker_sock = executor.sock
+        worker_socks = executor.sockets()
         poller, polled_tier_sock = self._poller(), self._tier_sock
         last_check = time.monotonic()
         while not self.stop.requested:
@@ -189,7 +190,7 @@ class EngineProcess:
             events = dict(poller.poll(timeout))
             if self.router in events:
                 self._drain_frontends(in_step=False)
-            if worker_sock in events:
+            if any(s in events for s in worker_socks):
                 executor.drain()
             now = time.monotonic()
             if now - last_check > CHECK_S:
