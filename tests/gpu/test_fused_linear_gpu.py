@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels import activation, gemv, linear as L, norm  # noqa: E402
+from kernels.device_info import TILE_COUNTERS  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -59,7 +60,7 @@ def _ref64(x, w, b, kw):
 
 def _counters_zero() -> bool:
     torch.cuda.synchronize()
-    return all(bool((c == 0).all()) for c in L._COUNTERS.values())
+    return all(bool((c == 0).all()) for c in TILE_COUNTERS.values())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -147,17 +148,17 @@ def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counter
         assert torch.equal(step(), eager)
     finally:
         L.SKINNY_TUNING["split_reduce"] = default
-    saved = dict(L._COUNTERS)
+    saved = dict(TILE_COUNTERS)
     assert saved, "the eager call allocated the counters"
     try:
         for counters in (saved, {}):  # with the buffer; as if the first call were in capture
-            L._COUNTERS.clear()
-            L._COUNTERS.update(counters)
+            TILE_COUNTERS.clear()
+            TILE_COUNTERS.update(counters)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = step()
-            assert list(L._COUNTERS) == list(counters)  # nothing allocated inside capture
+            assert list(TILE_COUNTERS) == list(counters)  # nothing allocated inside capture
             for _ in range(10):
                 g.replay()
                 torch.cuda.synchronize()
@@ -165,8 +166,8 @@ def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counter
             assert _counters_zero()
             del g
     finally:
-        L._COUNTERS.clear()
-        L._COUNTERS.update(saved)
+        TILE_COUNTERS.clear()
+        TILE_COUNTERS.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import activation, attention, attention_triton, norm, rotary  # noqa: E402
+from kernels import activation, attention, attention_triton, norm, rotary, sampling_noise  # noqa: E402
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -135,7 +135,7 @@ def test_gumbel_sampler_matches_reference_draws(dtype, rows, vocab):
     logits = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
     temp = torch.rand(rows, device="cuda") + 0.3
     temp[::5] = 0.0
-    seeds = [sampling.mix_seed(i * 7919, 3) for i in range(rows)]
+    seeds = [sampling_noise.mix_seed(i * 7919, 3) for i in range(rows)]
     z = torch.zeros(rows, dtype=torch.long, device="cuda")
     ref = sampling.sample_ref(logits, temp, z, torch.ones(rows, device="cuda"),
                               torch.zeros(rows, device="cuda"), seeds, False)
@@ -148,13 +148,12 @@ def test_gumbel_sampler_matches_reference_draws(dtype, rows, vocab):
 def test_gumbel_sampler_frequencies_follow_softmax():
     """10k draws of one 8-token row (different output indices): chi-square-style bound on
     the frequencies against softmax(logits / T)."""
-    from kernels import sampling
     from kernels.sampling_triton import sample_triton
 
     n = 10000
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5], device="cuda")
     temp = torch.full((n,), 0.8, device="cuda")
-    got = sample_triton(base.expand(n, 8).contiguous(), temp, [sampling.mix_seed(42, i) for i in range(n)])
+    got = sample_triton(base.expand(n, 8).contiguous(), temp, [sampling_noise.mix_seed(42, i) for i in range(n)])
     freq = torch.bincount(got, minlength=8).double() / n
     p = torch.softmax(base.double() / 0.8, -1)
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-3).all(), (freq, p)
@@ -207,7 +206,7 @@ def test_gumbel_sampler_chunked_rows_equal_reference(n):
     lg = torch.randn(n, vocab, device="cuda") * 4
     temp = torch.rand(n, device="cuda") + 0.2
     temp[0] = 0.0  # one greedy row
-    seeds = [sampling.mix_seed(1000 + i, 7) for i in range(n)]
+    seeds = [sampling_noise.mix_seed(1000 + i, 7) for i in range(n)]
     z = torch.zeros(n, dtype=torch.long, device="cuda")
     ref = sampling.sample_ref(lg, temp, z, torch.ones(n, device="cuda"), torch.zeros(n, device="cuda"), seeds, False)
     got = sampling_triton.sample_triton(lg, temp, seeds)
