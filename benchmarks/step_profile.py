@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
-from kernels import pdl, sampling  # noqa: E402
+from kernels import pdl, sampling, sampling_noise  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> None:
     vocab = logits.shape[1]
     lg = torch.randn(256, vocab, device="cuda") * 3
     temp = torch.full((256,), 0.6, device="cuda")
-    seeds = [sampling.mix_seed(i, 9) for i in range(256)]
+    seeds = [sampling_noise.mix_seed(i, 9) for i in range(256)]
     z, o, zf = torch.zeros(256, dtype=torch.long, device="cuda"), torch.ones(256, device="cuda"), torch.zeros(256, device="cuda")
     res["sampler_256_ms"] = {
         "old_per_row_generator": round(median_ms(lambda: old_generator_sample(lg, temp, seeds), 5), 4),

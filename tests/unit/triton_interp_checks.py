@@ -17,7 +17,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from kernels import activation, attention, device_info, gemv, linear, norm, pending_ids, rope_decode, rotary, sampling  # noqa: E402
-from kernels import sampling_triton  # noqa: E402
+from kernels import sampling_noise, sampling_triton  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import decode_merge as dm  # noqa: E402
 
@@ -200,7 +200,7 @@ def main() -> None:
         # the "error" is the fraction of rows whose token differs (0 expected)
         lg = (torch.randn(7, 3001, generator=gen) * 3).to(dt)
         temp = torch.tensor([0.0, 0.6, 1.0, 1.7, 0.3, 0.0, 1.0])
-        seeds = [sampling.mix_seed(int(s), 5) for s in torch.randint(0, 1 << 30, (7,), generator=gen)]
+        seeds = [sampling_noise.mix_seed(int(s), 5) for s in torch.randint(0, 1 << 30, (7,), generator=gen)]
         n7 = torch.zeros(7, dtype=torch.long)
         ref = sampling.sample_ref(lg, temp, n7, torch.ones(7), torch.zeros(7), seeds, False)
         got = sampling_triton.sample_triton(lg, temp, seeds)
