@@ -17,10 +17,12 @@
 3. Paged decode attention (`kernels.attention_triton`): one layer's cache, block tables
    over shuffled blocks, cases b=256 at 1K context, b=256 at mixed contexts U[100, 2048],
    b=1 at 1K; `triton.testing.do_bench` medians; KV bytes read / time in TB/s.
+4. The MLP's SiLU-and-mul in the down projection's kernel against its own kernel (--only
+   silu), per shape at M = 1..16 rows: which row counts the dispatcher should fuse it at.
 Copy bandwidth (device-to-device, read + write) is measured first, as the ceiling.
 Writes JSON to --out; prints the best variants last.
 
-Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention]
+Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention|silu]
 """
 
 from __future__ import annotations
@@ -175,6 +177,29 @@ def sweep_fused_layer(quick: bool) -> dict:
     return res
 
 
+def sweep_silu_down(quick: bool) -> dict:
+    """The MLP's down projection with its SiLU-and-mul, per model shape and M rows: the
+    prologue in the projection's kernel (`linear(gu, w, silu_mul=True)`: gemv at one row,
+    the skinny kernel at 2..16) against `silu_and_mul` as its own kernel then `linear`,
+    every layer's distinct weight in one CUDA graph. `speedup` = separate_us / fused_us."""
+    res: dict = {}
+    for name, (layers, mats, _) in SHAPES.items():
+        n, k = mats[3]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(layers)]
+        for m in ((1, 4) if quick else (1, 2, 4, 8, 16)):
+            gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+            sep = lambda: [linear.linear(activation.silu_and_mul(gu), w) for w in ws]
+            fus = lambda: [linear.linear(gu, w, silu_mul=True) for w in ws]
+            row = {"separate_us": graph_time(sep) * 1e6, "fused_us": graph_time(fus) * 1e6,
+                   "skinny": linear.skinny_applies(gu[:, :k], ws[0])}
+            row["speedup"] = row["separate_us"] / row["fused_us"]
+            res[f"{name}_m{m}"] = {kk: (round(v, 3) if isinstance(v, float) else v) for kk, v in row.items()}
+            print("silu+down", name, m, res[f"{name}_m{m}"], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return res
+
+
 def attention_case(b: int, lens: list[int], kvh=8, h=16, d=128, bs=16):
     total = sum(-(-n // bs) for n in lens) + 8
     kc = torch.randn(total, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
@@ -234,7 +259,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few variants only (a smoke run)")
-    ap.add_argument("--only", choices=["linear", "fused", "attention"], default=None)
+    ap.add_argument("--only", choices=["linear", "fused", "attention", "silu"], default=None)
     a = ap.parse_args()
     res = {"benchmark": "kernel_sweep", "device": device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "copy_bandwidth_TBps": round(copy_bandwidth() / 1e12, 3)}
@@ -244,6 +269,8 @@ def main() -> None:
         res["linear"] = sweep_linear(a.quick)
     if a.only in (None, "fused"):
         res["fused_layer"] = sweep_fused_layer(a.quick)
+    if a.only in (None, "silu"):
+        res["silu_down"] = sweep_silu_down(a.quick)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -67,6 +67,12 @@ SKINNY_MAX_ROWS = 16  # rows of x up to which CUDA inputs take the skinny kernel
 # 3.7 TB/s through cuBLAS already, against 3.5 here (benchmarks/kernel_sweep.py, H200)
 SKINNY_MAX_WEIGHT = 16 << 20
 _HALF = (torch.bfloat16, torch.float16)
+# The SiLU-and-mul prologue runs inside the projection's kernel at one row only (the gemv
+# kernel); at 2..16 rows `linear` runs `silu_and_mul` first, then the skinny kernel. H200,
+# benchmarks/kernel_sweep.py --only silu, Qwen3-0.6B's 28 down projections in one graph:
+# 1 row 101 us in-kernel vs 120 us apart; 2..16 rows 576-595 us in-kernel vs 245-251 us apart
+# (benchmarks/results/2026-12-01_h200_silu_down.json).
+SILU_IN_KERNEL_ROWS = 1
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -110,9 +116,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `linear_ref` (see there for shapes and rounding): one launch of
     `kernels.gemv` for a single row (`gemv.ENABLED`), or of the skinny kernel, when
-    `skinny_applies(x, weight)`, otherwise F.linear with the prologue and the residual add as
+    `skinny_applies(x, weight)` (a SiLU-and-mul prologue then runs as its own kernel first:
+    SILU_IN_KERNEL_ROWS), otherwise F.linear with the prologue and the residual add as
     separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place add), which is
-    the reference on the CPU.
+    the reference on the CPU. Callers state the math (e.g. `silu_mul=True` for an MLP's
+    down projection at any batch); which kernels run is decided here.
     Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
     norm_weight or residual (shape or dtype) do not fit weight.
     """
@@ -126,6 +134,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = _one_row(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
         if y is not None:
             return y
+        if silu_mul:  # SILU_IN_KERNEL_ROWS: at 2..16 rows the SiLU runs as its own kernel
+            x, silu_mul = silu_and_mul(x), False
         return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                     silu_mul=silu_mul, residual=residual)
     if norm_weight is not None:

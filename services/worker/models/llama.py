@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from services.worker.kv_cache import PagedKVSpec
-from services.worker.layers.activation import SiluAndMul
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.linear import Linear
@@ -125,13 +124,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias)
         self.down_proj = Linear(a.intermediate_size, a.hidden_size, a.mlp_bias)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        if gu.shape[0] == 1:  # one row: the projection takes the SiLU-and-mul (one gemv launch on CUDA)
-            return self.down_proj(gu, silu_mul=True)
-        return self.down_proj(self.act(gu))
+        """mlp(x) for x [T, hidden] -> [T, hidden]: down(silu(gate) * up). Where the SiLU runs
+        (inside the down projection's kernel or apart) is `kernels.linear.linear`'s choice."""
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
     def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """h + mlp(norm(h)) for the residual stream h [T, hidden], in two projections."""
