@@ -70,6 +70,7 @@ class KestrelConfig:
     watchdog_config: str | None
     watchdog_timeout_s: float
     watchdog_dump_dir: str | None
+    watchdog_py_spy: str
     worker_timeout_s: float         # derived by device
     step_timeout_s: float           # derived by device
     profile: str                    # derived from auto: the profile chosen

@@ -80,6 +80,8 @@ FIELDS: list[Field] = [
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
     Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
     Field("watchdog_dump_dir", str, None, "folder for stack dumps (default: /tmp/kestrel-<instance>-dumps)"),
+    Field("watchdog_py_spy", str, "auto", "py-spy binary for stack dumps: auto (beside the "
+          "interpreter, else on PATH), off (faulthandler only) or a path"),
     Field("worker_timeout_s", float, None,
           "engine: a step with no word from the workers this long has failed; the engine "
           "fails its requests and exits for a restart (default: 10 on cpu, 30 on cuda)"),

@@ -13,6 +13,11 @@ It makes two files in `<runtime_dir>/watchdog/`:
 
 `role` uses only [a-z0-9-] (e.g. `engine`, `worker-0`, `frontend-1`), so the file names
 parse back as `<role>-<pid>`.
+
+Dumps on request (the engine, before it gives up on a stuck worker: dump, then kill):
+- `<role>-<pid>.dump-request`: one line, the reason; written by `request_dump`.
+- `<role>-<pid>.dump-done`: the path of the dump file; written (atomically) by the watchdog
+  when the dump is on disk, read and removed by `take_dump_answer`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 
 BEAT = struct.Struct("<Qd")
 DUMP_SIGNAL = signal.SIGUSR1
+DUMP_REQUEST = ".dump-request"
+DUMP_DONE = ".dump-done"
 
 
 def watchdog_dir(runtime_dir: str) -> str:
@@ -41,6 +48,29 @@ def read_beat(path: str) -> tuple[int, float] | None:
     except OSError:
         return None
     return BEAT.unpack(raw) if len(raw) == BEAT.size else None
+
+
+def request_dump(runtime_dir: str, role: str, pid: int, reason: str) -> None:
+    """Ask the watchdog for the stacks of process `pid` (named `role`, e.g. "worker-0") now,
+    whatever its progress counter says. `reason` (one line) heads the dump. The answer comes
+    by `take_dump_answer`. Raises OSError if the request cannot be written."""
+    path = os.path.join(watchdog_dir(runtime_dir), f"{role}-{pid}{DUMP_REQUEST}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(reason.replace("\n", " ") + "\n")
+
+
+def take_dump_answer(runtime_dir: str, role: str, pid: int) -> str | None:
+    """The dump file's path once the watchdog answered a `request_dump` of (`role`, `pid`)
+    (the answer is removed), or None while it has not."""
+    path = os.path.join(watchdog_dir(runtime_dir), f"{role}-{pid}{DUMP_DONE}")
+    try:
+        with open(path) as fh:
+            out = fh.read().strip()
+        os.unlink(path)
+    except OSError:
+        return None
+    return out
 
 
 class Beacon:

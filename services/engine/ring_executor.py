@@ -8,7 +8,10 @@ docs/ARCHITECTURE.md §2, §3. The engine writes each `StepPlan` into the ring
 Timeouts while a result is awaited: no message from any worker for cfg.worker_timeout_s
 (default 10 s), or a step running longer than cfg.step_timeout_s (default
 STEP_LIMIT_FACTOR worker timeouts: a step can be stuck while the workers' heartbeat threads
-still beat, e.g. a collective that never returns): TimeoutError.
+still beat, e.g. a collective that never returns): TimeoutError. Before it raises, the
+executor asks the supervisor's watchdog for the stacks of every live worker and waits for
+them (DUMP_WAIT_S at most; shared.liveness.request_dump): dump, then kill, as the supervisor
+kills the workers once the engine has exited.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import zmq
 from services.engine.executor import EngineStopping, WaitHook
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
+from shared.liveness import request_dump, take_dump_answer
+from shared.procutil import pid_alive, supervisor_pid
 from shared.shm_ring import ShmRingWriter
 from shared.zmq_utils import make_socket, safe_decode
 
@@ -30,6 +35,7 @@ log = logging.getLogger("kestrel.engine")
 
 STEP_LIMIT_FACTOR = 6  # a step longer than this many worker timeouts is stuck
 WAIT_POLL_MS = 100     # poll timeout while a result is awaited
+DUMP_WAIT_S = 15.0     # the longest wait for the watchdog's dumps of stuck workers
 
 
 class RingExecutor:
@@ -44,6 +50,8 @@ class RingExecutor:
 
     def __init__(self, cfg: KestrelConfig, ctx: zmq.Context, num_workers: int = 1):
         self.num_workers = num_workers
+        self.runtime_dir = cfg.runtime_dir
+        self.worker_pids: dict[int, int] = {}      # rank -> pid, from WorkerReady
         self.worker_timeout_s = float(cfg.worker_timeout_s or 10.0)
         self.step_limit_s = float(cfg.step_timeout_s or self.worker_timeout_s * STEP_LIMIT_FACTOR)
         self.enc = P.encoder()
@@ -70,6 +78,7 @@ class RingExecutor:
                 msg = safe_decode(self.dec, self.sock.recv(), "worker")
                 if isinstance(msg, P.WorkerReady):
                     ready[msg.rank] = msg
+                    self.worker_pids[msg.rank] = msg.pid
                     log.info("worker %d ready: pid %d, %d KV blocks of %d tokens, %s", msg.rank,
                              msg.pid, msg.num_blocks, msg.block_size, msg.report)
         return list(ready.values())
@@ -123,10 +132,47 @@ class RingExecutor:
                         self._keep(msg)
             now = time.monotonic()
             if now - last > self.worker_timeout_s:
-                raise TimeoutError(f"no word from the workers for {self.worker_timeout_s:.0f} s "
-                                   f"in step {step_id}")
-            if now - started > self.step_limit_s:
-                raise TimeoutError(f"step {step_id} still running after {self.step_limit_s:.0f} s")
+                why = f"no word from the workers for {self.worker_timeout_s:.0f} s in step {step_id}"
+            elif now - started > self.step_limit_s:
+                why = f"step {step_id} still running after {self.step_limit_s:.0f} s"
+            else:
+                continue
+            self._dump_workers(why, hook)
+            raise TimeoutError(why)
+
+    def _dump_workers(self, why: str, hook: WaitHook) -> None:
+        """Ask the supervisor's watchdog for the stacks of every live worker and wait for
+        its answers (DUMP_WAIT_S at most), serving `hook` meanwhile; each dump's path is
+        logged. Without a supervisor (no watchdog) nothing is asked. Never raises."""
+        if supervisor_pid() is None:
+            return
+        asked: dict[str, int] = {}
+        for rank, pid in self.worker_pids.items():
+            role = f"worker-{rank}"  # the worker's Beacon role
+            if pid_alive(pid):
+                try:
+                    request_dump(self.runtime_dir, role, pid, f"engine: {why}")
+                    asked[role] = pid
+                except OSError as e:
+                    log.warning("could not ask for a stack dump of %s: %s", role, e)
+        deadline = time.monotonic() + DUMP_WAIT_S
+        poller = self._poller(hook)
+        while asked and time.monotonic() < deadline and not hook.stopping():
+            hook.tick()
+            events = dict(poller.poll(WAIT_POLL_MS))
+            if hook.serve(events):
+                poller = self._poller(hook)
+            if self.sock in events:
+                self.drain()
+            for role, pid in list(asked.items()):
+                path = take_dump_answer(self.runtime_dir, role, pid)
+                if path is not None:
+                    log.error("%s: stacks of %s (pid %d) in %s", why, role, pid, path)
+                    del asked[role]
+                elif not pid_alive(pid):
+                    del asked[role]
+        for role, pid in asked.items():
+            log.warning("no stack dump of %s (pid %d) within %.0f s", role, pid, DUMP_WAIT_S)
 
     def _poller(self, hook: WaitHook) -> zmq.Poller:
         poller = zmq.Poller()

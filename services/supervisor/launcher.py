@@ -26,7 +26,8 @@ Policies (docs/ARCHITECTURE.md §8):
   own restart unit: it starts first, is not touched when the engine group restarts (a
   restarted engine finds its prefixes warm), and is restarted alone when it dies (the
   engine carries on without tiers meanwhile and reconnects). It stops last.
-- A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress.
+- A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress,
+  and of the workers the engine gives up on, before they are killed (dump, then kill).
 
 Stop (SIGTERM or Ctrl-C): the frontends drain (they keep listening and answer new requests
 with 503 + Retry-After; requests in flight get up to --shutdown-timeout seconds), then the

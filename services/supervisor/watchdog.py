@@ -2,17 +2,25 @@
 
 Each child beats a progress counter (`shared.liveness.Beacon`). A thread of the supervisor
 reads every `<runtime_dir>/watchdog/<role>-<pid>.beat` twice a second. When a counter has
-not moved for `timeout_s`, it sends SIGUSR1 to that pid (faulthandler writes the Python
-stacks of all threads to the process's pre-opened `.stacks` file) and copies the new bytes
-into `<dump_dir>/<role>-<pid>-<UTC time>.txt` (e.g. `engine-4242-20250101T120000Z.txt`).
-If `py-spy` is on PATH, its `dump` output is appended too. One dump per stall: a new one
-only after the counter moves again.
+not moved for `timeout_s`, it writes the Python stacks of all threads of that pid
+(stack_dump.py: `py-spy dump`, which works on a stopped process too, else faulthandler
+through SIGUSR1 and the process's `.stacks` file) into
+`<dump_dir>/<role>-<pid>-<UTC time>.txt` (e.g. `engine-4242-20250101T120000Z.txt`). One dump
+per stall: a new one only after the counter moves again.
+
+Dumps on request: a `<role>-<pid>.dump-request` file (shared.liveness.request_dump; the
+engine writes one for each live worker when a step times out, before it exits and the
+supervisor kills the workers) gets a dump at the next scan, whatever the counter and
+`processes` say; the dump's path is then written to `<role>-<pid>.dump-done`.
 
 Config (`--watchdog-config FILE`, JSON, every key optional):
-  {"timeout_s": 30, "dump_dir": "/var/tmp/kestrel-dumps", "processes": ["engine", "worker"]}
-`processes` are role prefixes (`worker` matches `worker-0`); default: every process. Missing
-keys come from the settings watchdog_timeout_s and watchdog_dump_dir (default dump folder:
-`/tmp/kestrel-<instance>-dumps`, outside the runtime folder, which is removed at exit).
+  {"timeout_s": 30, "dump_dir": "/var/tmp/kestrel-dumps", "processes": ["engine", "worker"],
+   "py_spy": "auto"}
+`processes` are role prefixes (`worker` matches `worker-0`); default: every process.
+`py_spy`: auto (beside the interpreter, else on PATH), off (faulthandler only) or a path.
+Missing keys come from the settings watchdog_timeout_s, watchdog_dump_dir and
+watchdog_py_spy (default dump folder: `/tmp/kestrel-<instance>-dumps`, outside the runtime
+folder, which is removed at exit).
 """
 
 from __future__ import annotations
@@ -20,30 +28,31 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 
+from services.supervisor.stack_dump import collect_stacks, find_py_spy
 from shared.config import KestrelConfig
-from shared.liveness import DUMP_SIGNAL, read_beat, watchdog_dir
+from shared.liveness import DUMP_DONE, DUMP_REQUEST, read_beat, watchdog_dir
 from shared.procutil import pid_alive
 
 log = logging.getLogger("kestrel.supervisor.watchdog")
 
 POLL_S = 0.5
-DUMP_WAIT_S = 1.0  # how long to wait for faulthandler's output after the signal
+CONFIG_KEYS = {"timeout_s", "dump_dir", "processes", "py_spy"}
 
 
 @dataclass
 class WatchdogConfig:
     """timeout_s: seconds without progress before a dump. dump_dir: output folder.
-    processes: role prefixes to watch (empty: all)."""
+    processes: role prefixes to watch (empty: all). py_spy: the py-spy binary, None for
+    faulthandler only."""
 
     timeout_s: float
     dump_dir: str
     processes: list[str] = field(default_factory=list)
+    py_spy: str | None = None
 
     def watches(self, role: str) -> bool:
         """Whether the process `role` (e.g. "worker-0") is watched."""
@@ -53,26 +62,32 @@ class WatchdogConfig:
 def load_watchdog_config(cfg: KestrelConfig) -> WatchdogConfig:
     """The watchdog settings: cfg.watchdog_config's JSON file over the plain settings.
 
-    Raises ValueError for an unreadable file, unknown keys or wrong types."""
+    Raises ValueError for an unreadable file, unknown keys, wrong types or a py_spy path
+    that is not an executable."""
     wc = WatchdogConfig(cfg.watchdog_timeout_s,
                         cfg.watchdog_dump_dir or f"/tmp/kestrel-{cfg.instance_id}-dumps")
+    py_spy = cfg.watchdog_py_spy
     if cfg.watchdog_config:
         try:
             with open(cfg.watchdog_config) as fh:
                 data = json.load(fh)
         except (OSError, ValueError) as e:
             raise ValueError(f"watchdog config {cfg.watchdog_config}: {e}") from None
-        unknown = set(data) - {"timeout_s", "dump_dir", "processes"}
+        if not isinstance(data, dict):
+            raise ValueError(f"watchdog config {cfg.watchdog_config}: expected a JSON object")
+        unknown = set(data) - CONFIG_KEYS
         if unknown:
             raise ValueError(f"watchdog config {cfg.watchdog_config}: unknown keys {sorted(unknown)}")
         try:
             wc.timeout_s = float(data.get("timeout_s", wc.timeout_s))
             wc.dump_dir = str(data.get("dump_dir", wc.dump_dir))
             wc.processes = [str(p) for p in data.get("processes", [])]
+            py_spy = str(data.get("py_spy", py_spy))
         except (TypeError, ValueError) as e:
             raise ValueError(f"watchdog config {cfg.watchdog_config}: {e}") from None
     if wc.timeout_s <= 0:
         raise ValueError("watchdog timeout_s must be > 0")
+    wc.py_spy = find_py_spy(py_spy)
     return wc
 
 
@@ -82,7 +97,6 @@ class _Watched:
         self.count = count
         self.changed = time.monotonic()
         self.dumped = False
-        self.stacks_offset = 0
 
 
 class Watchdog:
@@ -98,8 +112,9 @@ class Watchdog:
 
     def start(self) -> None:
         """Start the watchdog thread (once)."""
-        log.info("watchdog on: timeout %.1f s, dumps to %s, processes %s", self.wc.timeout_s,
-                 self.wc.dump_dir, self.wc.processes or "all")
+        log.info("watchdog on: timeout %.1f s, dumps to %s, processes %s, stacks by %s",
+                 self.wc.timeout_s, self.wc.dump_dir, self.wc.processes or "all",
+                 self.wc.py_spy or "faulthandler (no py-spy)")
         self._thread.start()
 
     def stop(self) -> None:
@@ -116,14 +131,20 @@ class Watchdog:
                 log.exception("watchdog check failed")
 
     def check(self, now: float | None = None) -> None:
-        """One scan of the beacons: track counters, dump the stalled, forget the dead."""
+        """One scan of the beacons: answer dump requests, track counters, dump the
+        stalled, forget the dead."""
         now = time.monotonic() if now is None else now
         try:
-            names = [n for n in os.listdir(self.folder) if n.endswith(".beat")]
+            listing = os.listdir(self.folder)
         except FileNotFoundError:
             return
+        for name in listing:
+            if name.endswith(DUMP_REQUEST):
+                self._answer(name[:-len(DUMP_REQUEST)])
         present = set()
-        for name in names:
+        for name in listing:
+            if not name.endswith(".beat"):
+                continue
             stem = name[:-len(".beat")]
             role, _, pid_s = stem.rpartition("-")
             if not pid_s.isdigit() or not self.wc.watches(role):
@@ -132,7 +153,7 @@ class Watchdog:
             base = os.path.join(self.folder, stem)
             if not pid_alive(pid):
                 self._seen.pop(stem, None)
-                for ext in (".beat", ".stacks"):
+                for ext in (".beat", ".stacks", DUMP_REQUEST, DUMP_DONE):
                     try:
                         os.unlink(base + ext)
                     except FileNotFoundError:
@@ -150,51 +171,54 @@ class Watchdog:
                 w.count, w.changed, w.dumped = beat[0], now, False
             elif not w.dumped and now - w.changed >= self.wc.timeout_s:
                 w.dumped = True
-                self._dump(w, base + ".stacks", now - w.changed)
+                self._dump(role, pid, base + ".stacks",
+                           f"made no progress for {now - w.changed:.1f} s")
         for stem in set(self._seen) - present:
             del self._seen[stem]
 
-    def _dump(self, w: _Watched, stacks_path: str, stalled_s: float) -> None:
+    def _answer(self, stem: str) -> None:
+        """Dump the process of the request `<stem>.dump-request` and write the dump's path
+        to `<stem>.dump-done` (atomically). A request for a dead process is dropped."""
+        base = os.path.join(self.folder, stem)
+        role, _, pid_s = stem.rpartition("-")
+        try:
+            with open(base + DUMP_REQUEST) as fh:
+                reason = fh.readline().strip() or "dump requested"
+            os.unlink(base + DUMP_REQUEST)
+        except OSError:
+            return
+        if not pid_s.isdigit() or not pid_alive(int(pid_s)):
+            return
+        out = self._dump(role, int(pid_s), base + ".stacks", reason)
+        w = self._seen.get(stem)
+        if w is not None:
+            w.dumped = True  # this stall has its dump
+        if out is None:
+            return
+        tmp = base + DUMP_DONE + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(out + "\n")
+        os.replace(tmp, base + DUMP_DONE)
+
+    def _dump(self, role: str, pid: int, stacks_path: str, why: str) -> str | None:
+        """Write the stacks of `pid` (stack_dump.collect_stacks) to a new dump file; returns
+        its path, or None when the process is gone. `why` heads the file."""
         os.makedirs(self.wc.dump_dir, mode=0o700, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        out = os.path.join(self.wc.dump_dir, f"{w.role}-{w.pid}-{stamp}.txt")
-        try:
-            os.kill(w.pid, DUMP_SIGNAL)
-        except ProcessLookupError:
-            return
-        # faulthandler writes from the signal handler; done when the size stops growing.
-        last, stable = -1, 0
-        deadline = time.monotonic() + DUMP_WAIT_S
-        while time.monotonic() < deadline and stable < 3:
-            time.sleep(0.03)
-            try:
-                size = os.path.getsize(stacks_path)
-            except OSError:
-                break
-            stable = stable + 1 if size == last and size > w.stacks_offset else 0
-            last = size
-        try:
-            with open(stacks_path, "rb") as fh:
-                fh.seek(w.stacks_offset)
-                raw = fh.read()
-            w.stacks_offset += len(raw)
-            text = raw.decode("utf-8", "replace")
-        except OSError as e:
-            text = f"(no stacks: {e})\n"
-        header = (f"# kestrel watchdog: {w.role} (pid {w.pid}) made no progress for "
-                  f"{stalled_s:.1f} s; Python stacks of all threads (faulthandler)\n")
-        pyspy = shutil.which("py-spy")
-        extra = ""
-        if pyspy:
-            try:
-                extra = subprocess.run([pyspy, "dump", "--pid", str(w.pid)], capture_output=True,
-                                       text=True, timeout=10).stdout
-            except (OSError, subprocess.SubprocessError) as e:
-                extra = f"py-spy dump failed: {e}\n"
-            extra = "\n# py-spy dump\n" + extra
+        out = os.path.join(self.wc.dump_dir, f"{role}-{pid}-{stamp}.txt")
+        n = 1
+        while os.path.lexists(out):  # a second dump of this pid within the same second
+            n += 1
+            out = os.path.join(self.wc.dump_dir, f"{role}-{pid}-{stamp}-{n}.txt")
+        if not pid_alive(pid):
+            return None
+        stacks = collect_stacks(pid, stacks_path, self.wc.py_spy)
+        header = (f"# kestrel watchdog: {role} (pid {pid}) {why}; Python stacks of all threads "
+                  f"({stacks.method})\n" + "".join(f"# {n}\n" for n in stacks.notes))
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(header + text + extra)
+            fh.write(header + stacks.text)
         self.dumps.append(out)
-        log.warning("%s (pid %d) made no progress for %.1f s: stacks written to %s", w.role,
-                    w.pid, stalled_s, out)
+        log.warning("%s (pid %d) %s: stacks (%s) written to %s", role, pid, why, stacks.method, out)
+        return out

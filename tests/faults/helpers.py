@@ -3,6 +3,7 @@ threads and record how each ended, poll with deadlines."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -164,3 +165,25 @@ def join_all(streams: list[Stream], timeout: float) -> list[Stream]:
     for s in streams:
         s.join(max(deadline - time.monotonic(), 0))
     return [s for s in streams if s.is_alive()]
+
+
+@functools.cache
+def py_spy_skip_reason() -> str | None:
+    """Why the watchdog's py-spy cannot dump a process here (None when it can): not
+    installed, or no ptrace permission over a sibling process (the supervisor's py-spy and
+    a worker are siblings; root, CAP_SYS_PTRACE or kernel.yama.ptrace_scope 0 allow it)."""
+    import subprocess
+    import sys
+
+    from services.supervisor.stack_dump import find_py_spy, py_spy_stacks
+
+    binary = find_py_spy("auto")
+    if binary is None:
+        return "py-spy is not installed (pip install py-spy)"
+    target = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+    try:
+        text, _, err = py_spy_stacks(binary, target.pid, stopped=False)
+    finally:
+        target.kill()
+        target.wait(30)
+    return None if text is not None else f"py-spy cannot trace a sibling process here: {err}"
