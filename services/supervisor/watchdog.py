@@ -12,7 +12,9 @@ Config (`--watchdog-config FILE`, JSON, every key optional):
   {"timeout_s": 30, "dump_dir": "/var/tmp/kestrel-dumps", "processes": ["engine", "worker"]}
 `processes` are role prefixes (`worker` matches `worker-0`); default: every process. Missing
 keys come from the settings watchdog_timeout_s and watchdog_dump_dir (default dump folder:
-`/tmp/kestrel-<instance>-dumps`, outside the runtime folder, which is removed at exit).
+`kestrel-<instance>-dumps` beside the runtime folder, which is removed at exit). The dump
+folder is private (`shared.runtime_dir.private_dir`: `kestrel serve` makes or checks it at
+startup, and again before each dump); dump files are written with `write_private_file`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from shared.config import KestrelConfig
 from shared.liveness import DUMP_SIGNAL, read_beat, watchdog_dir
 from shared.procutil import pid_alive
+from shared.runtime_dir import private_dir, write_private_file
 
 log = logging.getLogger("kestrel.supervisor.watchdog")
 
@@ -54,8 +57,7 @@ def load_watchdog_config(cfg: KestrelConfig) -> WatchdogConfig:
     """The watchdog settings: cfg.watchdog_config's JSON file over the plain settings.
 
     Raises ValueError for an unreadable file, unknown keys or wrong types."""
-    wc = WatchdogConfig(cfg.watchdog_timeout_s,
-                        cfg.watchdog_dump_dir or f"/tmp/kestrel-{cfg.instance_id}-dumps")
+    wc = WatchdogConfig(cfg.watchdog_timeout_s, cfg.watchdog_dump_dir)
     if cfg.watchdog_config:
         try:
             with open(cfg.watchdog_config) as fh:
@@ -155,7 +157,7 @@ class Watchdog:
             del self._seen[stem]
 
     def _dump(self, w: _Watched, stacks_path: str, stalled_s: float) -> None:
-        os.makedirs(self.wc.dump_dir, mode=0o700, exist_ok=True)
+        private_dir(self.wc.dump_dir)  # made at startup; refused if swapped since
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         out = os.path.join(self.wc.dump_dir, f"{w.role}-{w.pid}-{stamp}.txt")
         try:
@@ -192,9 +194,7 @@ class Watchdog:
             except (OSError, subprocess.SubprocessError) as e:
                 extra = f"py-spy dump failed: {e}\n"
             extra = "\n# py-spy dump\n" + extra
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(header + text + extra)
+        write_private_file(self.wc.dump_dir, os.path.basename(out), header + text + extra)
         self.dumps.append(out)
         log.warning("%s (pid %d) made no progress for %.1f s: stacks written to %s", w.role,
                     w.pid, stalled_s, out)
