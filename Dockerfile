@@ -25,5 +25,9 @@ COPY kernels kernels
 RUN python3 -m pip install --no-cache-dir ${PIP_ARGS} . \
  && rm -rf /tmp/wheels build *.egg-info \
  && kestrel --help >/dev/null
+# The runtime folder (KESTREL_RUNTIME_DIR in compose.yaml, the named volume kestrel-run):
+# private, or every service refuses it (shared/runtime_dir.py). A new named volume takes the
+# mode of this folder.
+RUN mkdir -m 0700 -p /run/kestrel
 ENTRYPOINT []
 CMD ["kestrel", "--help"]

@@ -4,8 +4,9 @@
 choices); `KestrelConfig` is the typed, frozen object built from it, one field per setting,
 plus each value's source. Sources, lowest to highest precedence: `default`,
 `profile:<name>`, `config file`, `env` (variables `KESTREL_<NAME>`), `cli`; `derived` marks
-a value computed from others (the addresses from the runtime folder, the device, the
-timeouts by device). The supervisor hands its resolved config to the child processes as a
+a value computed from others (the runtime folder under `$XDG_RUNTIME_DIR` or /tmp, the
+addresses from it, the device, the timeouts by device, the worker's threads from the CPUs
+available). The supervisor hands its resolved config to the child processes as a
 JSON file (`--resolved-config`), which keeps each value's original source.
 
 Code reads settings from a `KestrelConfig` (`cfg.max_num_seqs`, an `int`); only this module
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, parse_bool
+from shared.cpu_budget import resolve_num_threads
 from shared.model_spec import kv_dtype_in_use
+from shared.runtime_dir import runtime_base as runtime_dir_base
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +49,10 @@ class KestrelConfig:
     max_num_batched_tokens: int
     kv_cache_gib: float
     enable_prefix_caching: bool
-    num_threads: int
+    num_threads: int                # derived from 0/unset: shared.cpu_budget
     seed: int
     instance_id: str                # derived: 8 random hex digits
-    runtime_dir: str                # derived: /tmp/kestrel-<instance_id>
+    runtime_dir: str                # derived: <$XDG_RUNTIME_DIR or /tmp>/kestrel-<instance_id>
     engine_address: str             # derived: ipc://<runtime_dir>/engine.sock
     worker_address: str             # derived: ipc://<runtime_dir>/worker.sock
     ring_chunks: int
@@ -69,7 +72,7 @@ class KestrelConfig:
     restart_window_s: float
     watchdog_config: str | None
     watchdog_timeout_s: float
-    watchdog_dump_dir: str | None
+    watchdog_dump_dir: str          # derived: <runtime base>/kestrel-<instance_id>-dumps
     watchdog_py_spy: str
     worker_timeout_s: float         # derived by device
     step_timeout_s: float           # derived by device
@@ -89,6 +92,8 @@ class KestrelConfig:
     sources: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
     # why the profile was chosen (device, model size); not serialized (the supervisor logs it)
     profile_detail: str = field(default="", compare=False)
+    # how a derived num_threads was chosen (shared.cpu_budget); not serialized either
+    threads_detail: str = field(default="", compare=False)
 
     def source(self, name: str) -> str:
         """The source of setting `name`. Raises KeyError for an unknown name."""
@@ -201,9 +206,10 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
         values[k], sources[k] = v, source
     if profile is not None and values["profile"] == "auto":
         values["profile"], sources["profile"] = profile.name, "derived"
-    _derive(values, sources)
+    threads_detail = _derive(values, sources, env)
     cfg = KestrelConfig(**values, sources=sources,
-                        profile_detail=profile.reason if profile is not None else "")
+                        profile_detail=profile.reason if profile is not None else "",
+                        threads_detail=threads_detail)
     _validate(cfg)
     return cfg
 
@@ -221,6 +227,8 @@ def _validate(cfg: KestrelConfig) -> None:
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise ValueError("setting gpu_memory_utilization: must be in (0, 1], got "
                          f"{cfg.gpu_memory_utilization!r}")
+    if cfg.num_threads <= 0:
+        raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # quantized KV: refused before any process starts
@@ -242,15 +250,26 @@ def _convert(f: Field, v: Any) -> Any:
     return out
 
 
-def _derive(values: dict[str, Any], sources: dict[str, str]) -> None:
-    """Fill settings whose default depends on others (source `derived`), in place."""
+def runtime_base(env: Mapping[str, str] | None = None) -> str:
+    """The folder that holds runtime folders: `$XDG_RUNTIME_DIR` when usable, else /tmp
+    (`shared.runtime_dir.runtime_base`). env: the environment (default os.environ)."""
+    env = os.environ if env is None else env
+    return runtime_dir_base(env.get("XDG_RUNTIME_DIR"))
+
+
+def _derive(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> str:
+    """Fill settings whose default depends on others (source `derived`), in place. Returns
+    how a derived num_threads was chosen ("" when it was given)."""
     def put(name: str, value: Any) -> None:
         values[name], sources[name] = value, "derived"
 
     if values["instance_id"] is None:
         put("instance_id", uuid.uuid4().hex[:8])
+    base = runtime_base(env)
     if values["runtime_dir"] is None:
-        put("runtime_dir", f"/tmp/kestrel-{values['instance_id']}")
+        put("runtime_dir", os.path.join(base, f"kestrel-{values['instance_id']}"))
+    if values["watchdog_dump_dir"] is None:
+        put("watchdog_dump_dir", os.path.join(base, f"kestrel-{values['instance_id']}-dumps"))
     run = values["runtime_dir"]
     for name, sock in (("engine_address", "engine"), ("worker_address", "worker"),
                        ("kvstore_address", "kvstore")):
@@ -269,6 +288,12 @@ def _derive(values: dict[str, Any], sources: dict[str, str]) -> None:
         put("worker_timeout_s", 30.0 if cuda else 10.0)
     if values["step_timeout_s"] is None:
         put("step_timeout_s", 180.0 if cuda else 600.0)
+    detail = ""
+    if not values["num_threads"]:  # 0 or unset: from the CPUs this process may use
+        choice = resolve_num_threads(values["num_threads"], "cuda" if cuda else "cpu")
+        put("num_threads", choice.threads)
+        detail = choice.reason
+    return detail
 
 
 def ring_name(instance_id: str, ring: str) -> str:

@@ -54,10 +54,13 @@ FIELDS: list[Field] = [
     Field("kv_cache_gib", float, 1.0, "KV cache memory of each worker on the CPU path, GiB"),
     Field("enable_prefix_caching", parse_bool, True,
           "keep freed full KV blocks and reuse them for requests sharing a prefix"),
-    Field("num_threads", int, 0, "torch intra-op threads of the worker (0: all cores on the CPU, 4 with a GPU)"),
+    Field("num_threads", int, 0, "torch intra-op threads of the worker (0: automatic, from the CPUs "
+          "available to the process: one fewer on the CPU, capped at 32; at most 4 with a GPU)"),
     Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
     Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
-    Field("runtime_dir", str, None, "folder for ipc sockets (default: /tmp/kestrel-<instance>)"),
+    Field("runtime_dir", str, None, "private folder (0700, refused otherwise) for the resolved config "
+          "and ipc sockets (default: $XDG_RUNTIME_DIR/kestrel-<instance> when usable, else "
+          "/tmp/kestrel-<instance>)"),
     Field("engine_address", str, None, "ZMQ address the engine binds for frontends"),
     Field("worker_address", str, None, "ZMQ address the engine binds for worker results"),
     Field("ring_chunks", int, 8, "chunks in the engine->worker plan ring"),
@@ -79,7 +82,8 @@ FIELDS: list[Field] = [
     Field("restart_window_s", float, 60.0, "window for restart_max, seconds"),
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
     Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
-    Field("watchdog_dump_dir", str, None, "folder for stack dumps (default: /tmp/kestrel-<instance>-dumps)"),
+    Field("watchdog_dump_dir", str, None, "private folder (0700) for stack dumps, made at startup "
+          "(default: kestrel-<instance>-dumps beside the runtime folder)"),
     Field("watchdog_py_spy", str, "auto", "py-spy binary for stack dumps: auto (beside the "
           "interpreter, else on PATH), off (faulthandler only) or a path"),
     Field("worker_timeout_s", float, None,

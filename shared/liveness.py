@@ -29,6 +29,8 @@ import signal
 import struct
 import time
 
+from shared.runtime_dir import open_private, private_dir
+
 BEAT = struct.Struct("<Qd")
 DUMP_SIGNAL = signal.SIGUSR1
 DUMP_REQUEST = ".dump-request"
@@ -76,16 +78,20 @@ def take_dump_answer(runtime_dir: str, role: str, pid: int) -> str | None:
 class Beacon:
     """The progress counter and SIGUSR1 stack-dump hook of this process.
 
-    runtime_dir: the instance's runtime folder (created 0700 if missing). role: the
-    process's name in dump file names. Raises OSError if the files cannot be created.
+    runtime_dir: the instance's runtime folder; it and its `watchdog/` are made private
+    (`shared.runtime_dir.private_dir`: created 0700, or checked). role: the process's name
+    in dump file names. Both files are opened with O_NOFOLLOW, mode 0600.
+    Raises UnsafeFolderError for a folder that is not private, OSError if the files cannot
+    be created (ELOOP for a planted symlink).
     """
 
     def __init__(self, runtime_dir: str, role: str):
         folder = watchdog_dir(runtime_dir)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        private_dir(runtime_dir)
+        private_dir(folder)
         base = os.path.join(folder, f"{role}-{os.getpid()}")
         self.path = base + ".beat"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         try:
             os.ftruncate(fd, BEAT.size)
             self._mm = mmap.mmap(fd, BEAT.size)
@@ -94,7 +100,8 @@ class Beacon:
         self.count = 0
         # Kept open for the life of the process: faulthandler writes to its fd from a
         # signal handler, where nothing can be opened.
-        self._stacks = open(base + ".stacks", "w")
+        self._stacks = os.fdopen(open_private(base + ".stacks",
+                                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
         faulthandler.register(DUMP_SIGNAL, file=self._stacks, all_threads=True, chain=False)
         self.beat()
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import os
 
+from shared.runtime_dir import write_private_file
+
 RESTARTS_FILE = "restarts.json"
 
 
 def write_restart_counts(runtime_dir: str, counts: dict[str, int]) -> None:
     """Write `counts` (process role -> restarts) to <runtime_dir>/restarts.json atomically
-    (a temporary file renamed into place). Raises OSError when the folder is not writable."""
-    path = os.path.join(runtime_dir, RESTARTS_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(counts, fh)
-    os.replace(tmp, path)
+    (`write_private_file`: a private temporary file renamed into place, mode 0600).
+    Raises OSError when the folder is not writable."""
+    write_private_file(runtime_dir, RESTARTS_FILE, json.dumps(counts))
 
 
 def read_restart_counts(runtime_dir: str) -> dict[str, int]:

@@ -74,6 +74,7 @@ from shared.shm_layout import (CHUNK, CHUNK_HDR, HEADER_SIZE, MAGIC, MAX_READERS
                                OFF_READ_FLAGS, OFF_STATE, OFF_WRITE_SEQ, OVERFLOW, PREAMBLE, RING,
                                SLOT, SLOTS_OFF, STATE_CLOSED, STATE_OPEN, VERSION, WRITTEN, _U32,
                                _U64, _pack_text, _pidns, owner_alive, read_header, shm_path)
+from shared.runtime_dir import private_dir
 from shared.zmq_utils import restrict_ipc_file
 
 _IDLE_SLICE_S = 0.1     # a blocked reader re-checks the chunk and the writer this often
@@ -157,7 +158,8 @@ class ShmRingWriter:
 
     n_readers: 1..16 reader slots, every one of which must read every message.
     n_chunks, chunk_size: ring capacity in messages and bytes per message; larger payloads go
-    over the side channel. runtime_dir: folder for the ipc sockets (created 0700 if missing).
+    over the side channel. runtime_dir: folder for the ipc sockets (`shared.runtime_dir.private_dir`:
+    created 0700, or checked to be private; UnsafeFolderError otherwise).
     Raises FileExistsError if a live ring of that name exists, ValueError on bad arguments.
     The segment is unlinked by close(), the context manager, atexit, and SIGTERM (see
     close_all_writers); a forked child never unlinks its parent's ring.
@@ -172,7 +174,7 @@ class ShmRingWriter:
         self.path = shm_path(name)
         self.stride = (CHUNK_HDR + chunk_size + 63) // 64 * 64
         inst = _pack_text(instance_id, 32, "instance id")
-        os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
+        private_dir(runtime_dir)
         self._ipc = [_ipc(runtime_dir, name, "notify"), _ipc(runtime_dir, name, "side")]
         self._pid, self._seq, self._closed = os.getpid(), 0, False
         self._overflow: dict[int, tuple[int, bytes]] = {}   # chunk index -> (seq, payload)

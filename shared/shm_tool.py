@@ -192,9 +192,11 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     for name in removed:
         out.write(f"removed {name}\n")
     out.write(f"{len(removed)} stale segment(s) removed\n")
-    from shared.runtime_dir import sweep_dead_runtime_dirs
+    from shared.config import runtime_base
+    from shared.runtime_dir import DEFAULT_BASE, sweep_dead_runtime_dirs
 
-    dirs = sweep_dead_runtime_dirs(args.instance)
+    dirs = [path for base in dict.fromkeys([DEFAULT_BASE, runtime_base()])  # /tmp and $XDG_RUNTIME_DIR
+            for path in sweep_dead_runtime_dirs(args.instance, base)]
     for path in dirs:
         out.write(f"removed {path}/\n")
     out.write(f"{len(dirs)} runtime folder(s) of dead instances removed\n")

@@ -33,7 +33,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
     report: what the engine writes to `<runtime_dir>/startup_report.json`:
       {"device": str (host description), "workers": [WorkerReady.report + rank, pid],
        "num_blocks": int, "block_size": int, "kv_tokens": int, "max_model_len": int,
-       "phases": {name: seconds}}. Worker phases (load, kv alloc, worker startup) are
+       "phases": {name: seconds}}, and from the supervisor `threads_source` (how the
+    worker's thread count was chosen) and the phase `ready`. Worker phases (load, kv alloc, worker startup) are
     seconds since the worker started; engine phases since the engine started; `ready`
     (added by the supervisor) since the supervisor started the processes.
     Lines: device and memory, kernels, weight and KV memory, KV blocks and tokens, graph
@@ -48,6 +49,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
         dev = w.get("device_name") or w.get("device", "?")
         mem = f", device memory {_gib(w['gpu_memory_bytes'])}" if w.get("gpu_memory_bytes") else ""
         threads = f", {w['threads']} threads" if w.get("threads") else ""
+        if threads and report.get("threads_source"):
+            threads += f" (num_threads {report['threads_source']})"
         lines.append(f"{tag}: {dev}, {w.get('dtype', '?')}{threads}{mem}")
         kernels = w.get("kernels")
         if isinstance(kernels, dict):

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the repo root and the default model (SmolLM2-135M-Instruct)."""
+"""Session-wide fixtures: the repo root, the default model (SmolLM2-135M-Instruct), and
+the guard that the session leaves no runtime folder of its own behind (runtime_guard.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,19 @@ import pathlib
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_runtime_folder_left_behind():
+    """Fails the session (an error at the last teardown) when its servers or in-process
+    processes left `kestrel-<id>` runtime or dump folders (tests/runtime_guard.py)."""
+    from tests.runtime_guard import left_behind, runtime_folders
+
+    before = runtime_folders()
+    yield
+    left = left_behind(before)
+    if left:
+        pytest.fail(f"the test session left runtime folders behind: {left}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

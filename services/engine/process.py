@@ -43,6 +43,7 @@ from shared.liveness import Beacon
 from shared.kv_layout import KVLayout
 from shared.model_spec import ModelSpec, model_spec_for
 from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.runtime_dir import write_private_file
 from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.engine")
@@ -235,8 +236,7 @@ def _tier_connector(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.Worker
 def _record_refusal(cfg: KestrelConfig, why: object) -> None:
     """Write the refused configuration's reason where the supervisor looks for it."""
     try:
-        with open(os.path.join(cfg.runtime_dir, CONFIG_REFUSED), "w") as fh:
-            fh.write(f"{why}\n")
+        write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"{why}\n")
     except OSError as err:
         log.warning("could not record the refused configuration: %s", err)
 

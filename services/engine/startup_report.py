@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 from shared import protocol as P
 from shared.device import detect_device
 from shared.config import KestrelConfig
+from shared.runtime_dir import write_private_file
 
 log = logging.getLogger("kestrel.engine")
 
@@ -30,11 +30,7 @@ def write_startup_report(cfg: KestrelConfig, workers: list[P.WorkerReady], num_b
             "phases": {k: round(v, 3) for k, v in phases.items()}}
         # One line here; the supervisor prints it formatted once the server is ready.
         log.info("startup report: %s", json.dumps(report, default=str))
-        path = os.path.join(cfg.runtime_dir, "startup_report.json")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(report, fh, default=str)
-        os.replace(tmp, path)
+        write_private_file(cfg.runtime_dir, "startup_report.json",
+                           json.dumps(report, default=str))
     except Exception as e:  # the report must never stop the engine
         log.warning("startup report failed: %s", e)

@@ -37,8 +37,14 @@ removed; the exit code is 0. Ctrl-C in a terminal sends SIGINT to the whole proc
 the children ignore SIGINT when started by a supervisor (KESTREL_SUPERVISOR_PID), so only
 this orderly drain happens.
 
-The runtime folder holds `owner.json` (shared/runtime_dir.py); at start, the folders of
-instances whose supervisor is dead (kill -9) are removed, never a live one's.
+The runtime folder and the watchdog's dump folder are private (shared/runtime_dir.py):
+made with mode 0700 at start, or, when they exist, taken only if they are real folders of
+this user with no group/other bits; otherwise `serve` exits 2 naming the folder and the
+problem, before it writes anything. Files in the runtime folder (config.json with the API
+key, owner.json, restarts.json) are written as new private files renamed into place, never
+through a planted symlink. The runtime folder holds `owner.json`; at start, the folders of
+instances whose supervisor is dead (kill -9) are removed, never a live one's. At stop the
+runtime folder goes, and the dump folder too when it is empty.
 """
 
 from __future__ import annotations
@@ -56,12 +62,13 @@ import urllib.request
 from collections.abc import Callable
 
 from services.supervisor.restart import RestartPolicy
-from services.supervisor.watchdog import Watchdog, load_watchdog_config
+from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
 from shared.config import KestrelConfig
 from shared.model_spec import ModelFolderError, model_spec_for
 from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging
 from shared.restart_counts import write_restart_counts
-from shared.runtime_dir import sweep_dead_runtime_dirs, write_owner
+from shared.runtime_dir import (private_dir, remove_if_empty, sweep_dead_runtime_dirs,
+                                write_owner, write_private_file)
 
 log = logging.getLogger("kestrel.supervisor")
 
@@ -124,10 +131,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _sweep_runtime_dirs() -> None:
-    """Remove the runtime folders of instances whose supervisor is dead (shared.runtime_dir)."""
+def _sweep_runtime_dirs(base: str) -> None:
+    """Remove the runtime folders under `base` of instances whose supervisor is dead
+    (shared.runtime_dir)."""
     try:
-        for path in sweep_dead_runtime_dirs():
+        for path in sweep_dead_runtime_dirs(base=base):
             log.info("removed the runtime folder of a dead instance: %s", path)
     except Exception as e:  # never block startup on the sweep
         log.warning("runtime folder sweep failed: %s", e)
@@ -276,7 +284,8 @@ def _stop_group(group: list[Child], grace: float, own_exit_s: float = 0.0) -> No
 def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
     """Print the engine's startup report (`<runtime_dir>/startup_report.json`, written by
     EngineProcess.start) with the supervisor's own phase `ready` (seconds from the start of
-    the children to the first healthy /health) added."""
+    the children to the first healthy /health) and the source of the worker's thread count
+    (`num_threads`: "cli", or "derived: <how>" from shared.cpu_budget) added."""
     from shared.startup_report import format_startup_report
 
     try:
@@ -286,15 +295,35 @@ def _log_startup_report(cfg: KestrelConfig, ready_s: float) -> None:
         log.warning("no startup report from the engine: %s", e)
         return
     report.setdefault("phases", {})["ready"] = round(ready_s, 3)
+    source = cfg.source("num_threads")
+    report["threads_source"] = f"{source}: {cfg.threads_detail}" if cfg.threads_detail else source
     for line in format_startup_report(report):
         log.info("%s", line)
+
+
+def _private_folders(cfg: KestrelConfig, wc: WatchdogConfig) -> bool | None:
+    """Make (or check) the dump folder and the runtime folder, private to this user
+    (shared.runtime_dir.private_dir). Returns whether the dump folder was made now, or None
+    after logging and printing why a folder is refused (nothing written then: a dump folder
+    made by this call is removed again)."""
+    made_dumps = False
+    try:
+        made_dumps = private_dir(wc.dump_dir)
+        private_dir(cfg.runtime_dir)
+        return made_dumps
+    except OSError as e:
+        log.error("%s", e)
+        print(f"kestrel serve: {e}", file=sys.stderr, flush=True)
+        if made_dumps:
+            remove_if_empty(wc.dump_dir)
+        return None
 
 
 def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> int:
     """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code:
     0 after a signal, 1 when a process kept failing (restart policy gave up) or the server
     was not ready within cfg.startup_timeout_s, 2 for a bad model folder, watchdog config or
-    kvstore settings. check_kvstore: the kvstore's check of its settings (a summary line;
+    kvstore settings, or a runtime or dump folder that is not private (`_private_folders`). check_kvstore: the kvstore's check of its settings (a summary line;
     raises ValueError with the message when they cannot work), run when offload is on; the
     caller passes it so that the supervisor imports no other service."""
     set_title("kestrel:supervisor")
@@ -321,13 +350,12 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
             return 2
         log.info("kvstore: %s", summary)
     _sweep(None)
-    _sweep_runtime_dirs()
-    os.makedirs(cfg.runtime_dir, mode=0o700, exist_ok=True)
+    _sweep_runtime_dirs(os.path.dirname(os.path.abspath(cfg.runtime_dir)))
+    made_dumps = _private_folders(cfg, wc)
+    if made_dumps is None:
+        return 2
     write_owner(cfg.runtime_dir, cfg.instance_id)  # lets a later serve remove it if we die
-    resolved = os.path.join(cfg.runtime_dir, "config.json")
-    fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(cfg.to_json())
+    resolved = write_private_file(cfg.runtime_dir, "config.json", cfg.to_json())
     env = dict(os.environ, KESTREL_SUPERVISOR_PID=str(os.getpid()))
     sup = Supervisor(cfg, resolved, env)
     watchdog = Watchdog(cfg.runtime_dir, wc)
@@ -369,6 +397,8 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
         watchdog.stop()
         sup.stop_all(drain=ready)
         shutil.rmtree(cfg.runtime_dir, ignore_errors=True)
+        if made_dumps:
+            remove_if_empty(wc.dump_dir)
         _sweep(cfg.instance_id)
     log.info("stopped (exit code %d)", code)
     return code

@@ -19,8 +19,10 @@ Config (`--watchdog-config FILE`, JSON, every key optional):
 `processes` are role prefixes (`worker` matches `worker-0`); default: every process.
 `py_spy`: auto (beside the interpreter, else on PATH), off (faulthandler only) or a path.
 Missing keys come from the settings watchdog_timeout_s, watchdog_dump_dir and
-watchdog_py_spy (default dump folder: `/tmp/kestrel-<instance>-dumps`, outside the runtime
-folder, which is removed at exit).
+watchdog_py_spy (default dump folder: `kestrel-<instance>-dumps` beside the runtime folder,
+which is removed at exit). The dump folder is private (`shared.runtime_dir.private_dir`:
+`kestrel serve` makes or checks it at startup, and again before each dump); dump files are
+written with `write_private_file`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from services.supervisor.stack_dump import collect_stacks, find_py_spy
 from shared.config import KestrelConfig
 from shared.liveness import DUMP_DONE, DUMP_REQUEST, read_beat, watchdog_dir
 from shared.procutil import pid_alive
+from shared.runtime_dir import private_dir, write_private_file
 
 log = logging.getLogger("kestrel.supervisor.watchdog")
 
@@ -64,8 +67,7 @@ def load_watchdog_config(cfg: KestrelConfig) -> WatchdogConfig:
 
     Raises ValueError for an unreadable file, unknown keys, wrong types or a py_spy path
     that is not an executable."""
-    wc = WatchdogConfig(cfg.watchdog_timeout_s,
-                        cfg.watchdog_dump_dir or f"/tmp/kestrel-{cfg.instance_id}-dumps")
+    wc = WatchdogConfig(cfg.watchdog_timeout_s, cfg.watchdog_dump_dir)
     py_spy = cfg.watchdog_py_spy
     if cfg.watchdog_config:
         try:
@@ -195,16 +197,12 @@ class Watchdog:
             w.dumped = True  # this stall has its dump
         if out is None:
             return
-        tmp = base + DUMP_DONE + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(out + "\n")
-        os.replace(tmp, base + DUMP_DONE)
+        write_private_file(self.folder, stem + DUMP_DONE, out + "\n")
 
     def _dump(self, role: str, pid: int, stacks_path: str, why: str) -> str | None:
         """Write the stacks of `pid` (stack_dump.collect_stacks) to a new dump file; returns
         its path, or None when the process is gone. `why` heads the file."""
-        os.makedirs(self.wc.dump_dir, mode=0o700, exist_ok=True)
+        private_dir(self.wc.dump_dir)  # made at startup; refused if swapped since
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         out = os.path.join(self.wc.dump_dir, f"{role}-{pid}-{stamp}.txt")
         n = 1
@@ -216,9 +214,7 @@ class Watchdog:
         stacks = collect_stacks(pid, stacks_path, self.wc.py_spy)
         header = (f"# kestrel watchdog: {role} (pid {pid}) {why}; Python stacks of all threads "
                   f"({stacks.method})\n" + "".join(f"# {n}\n" for n in stacks.notes))
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(header + stacks.text)
+        write_private_file(self.wc.dump_dir, os.path.basename(out), header + stacks.text)
         self.dumps.append(out)
         log.warning("%s (pid %d) %s: stacks (%s) written to %s", role, pid, why, stacks.method, out)
         return out

@@ -41,7 +41,6 @@ from shared.plan_state import PlanState
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GPU_WORKER_THREADS = 4  # torch intra-op threads of a GPU worker unless num_threads is set
 
 
 @dataclass
@@ -73,7 +72,7 @@ class ModelRunner:
     """One worker's model, KV cache and sampler.
 
     cfg fields used: model (HF folder), device, dtype, block_size, kv_cache_gib,
-    num_threads (0 = all cores on the CPU, GPU_WORKER_THREADS with a GPU), max_model_len
+    num_threads (torch threads, resolved by the config builder: shared.cpu_budget), max_model_len
     (None: the model's default, `shared.model_spec.default_max_model_len`), seed (sampling seed of requests without one).
     Attributes a driver may replace between steps: graphs (None: eager decode) and fusion
     (the `FusionPlan`; captured graphs keep the plan of their capture).
@@ -84,13 +83,8 @@ class ModelRunner:
     def __init__(self, cfg: KestrelConfig):
         t0 = time.perf_counter()
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if cfg.num_threads and cfg.num_threads > 0:
+        if cfg.num_threads > 0:  # resolved by the config builder (shared.cpu_budget)
             torch.set_num_threads(cfg.num_threads)
-        elif dev != "cpu":
-            # the host side of a GPU step is small tensor work: a full-width OpenMP pool only
-            # spins, and competes with the engine and frontends for the cores (H200 host, 16
-            # cores, serve_bench at 256 streams: 8,305 -> 9,445 output tok/s with 2 threads)
-            torch.set_num_threads(min(GPU_WORKER_THREADS, torch.get_num_threads()))
         self.device = torch.device(dev)
         dt = resolved_dtype(cfg.dtype, self.device.type)
         self.dtype = _DTYPES[dt]

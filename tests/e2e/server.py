@@ -10,10 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 import httpx
 import psutil
+
+from shared.config import runtime_base
+from shared.runtime_dir import DUMPS_SUFFIX, remove_if_empty, sweep_dead_runtime_dirs
+from tests.runtime_guard import new_instance_id
 
 KESTREL = os.path.join(os.path.dirname(sys.executable), "kestrel")
 
@@ -31,12 +34,20 @@ def segments(instance_id: str) -> list[str]:
 class KestrelServer:
     """One `kestrel serve` subprocess. Logs go to a temp file (shown on failure)."""
 
-    def __init__(self, model_dir: str, *extra: str, port: int | None = None):
+    def __init__(self, model_dir: str, *extra: str, port: int | None = None,
+                 base: str | None = None):
+        """base: the folder for the runtime and dump folders (`--runtime-dir
+        <base>/kestrel-<id>`; default: the one `kestrel serve` derives, /tmp or
+        $XDG_RUNTIME_DIR)."""
         self.port = port or free_port()
-        self.instance_id = "t" + uuid.uuid4().hex[:8]
+        self.instance_id = new_instance_id("t")
+        self.base = base or runtime_base()
+        self.runtime_dir = os.path.join(self.base, f"kestrel-{self.instance_id}")
         self.base_url = f"http://127.0.0.1:{self.port}"
+        own = ["--runtime-dir", self.runtime_dir, "--watchdog-dump-dir",
+               self.runtime_dir + DUMPS_SUFFIX] if base else []
         self.argv = [KESTREL, "serve", "--model", model_dir, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--instance-id", self.instance_id, *extra]
+                     "--port", str(self.port), "--instance-id", self.instance_id, *own, *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
@@ -66,8 +77,13 @@ class KestrelServer:
             return []
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
+        """Stop the server with `sig` (SIGKILL after `timeout` s) and its children; the
+        runtime folder of a supervisor that could not clean up (killed) is removed."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is not None:
+            self._remove_dead_folders()
+            return self.proc.returncode
         kids = self.children()
         self.proc.send_signal(sig)
         try:
@@ -82,7 +98,16 @@ class KestrelServer:
                 k.kill()
             except psutil.NoSuchProcess:
                 pass
+        self._remove_dead_folders()
         return self.proc.returncode
+
+    def _remove_dead_folders(self) -> None:
+        """The runtime folder of a dead supervisor (as the next `kestrel serve` would remove
+        it), and its dump folder when empty (also when another process swept the runtime
+        folder first)."""
+        sweep_dead_runtime_dirs(self.instance_id, self.base)
+        if not os.path.exists(self.runtime_dir):
+            remove_if_empty(self.runtime_dir + DUMPS_SUFFIX)
 
     def __enter__(self):
         return self.start()

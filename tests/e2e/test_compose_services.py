@@ -10,7 +10,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import uuid
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from tests.e2e.server import KESTREL, free_port, segments
+from tests.runtime_guard import new_instance_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPOSE = os.path.join(ROOT, "compose.yaml")
@@ -74,20 +74,41 @@ def test_compose_frontend_and_kvstore_restart_independently_of_the_engine():
     assert "/health" in hc and "urllib" in hc
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None and shutil.which("docker") is None,
-                    reason="no Compose implementation installed")
+def compose_command() -> tuple[list[str] | None, str]:
+    """The first working Compose implementation: (its argv prefix, "") for `docker compose`
+    (the v2 plugin) or `docker-compose` whose `version` exits 0; (None, why not) when there
+    is none. A docker without the compose plugin takes `docker compose -f` as its own flag
+    and fails ("unknown shorthand flag: 'f'"), so a working one is probed, not assumed."""
+    tried = []
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(argv[0]) is None:
+            tried.append(f"{argv[0]} is not installed")
+            continue
+        try:
+            r = subprocess.run(argv + ["version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            tried.append(f"`{' '.join(argv)} version` failed: {e}")
+            continue
+        if r.returncode == 0:
+            return argv, ""
+        err = (r.stderr or r.stdout).strip().splitlines()
+        tried.append(f"`{' '.join(argv)} version` exited {r.returncode}"
+                     + (f" ({err[0]})" if err else ""))
+    return None, "no working Compose parser: " + "; ".join(tried)
+
+
 def test_compose_config_parses_with_real_parser():
-    cmd = ["docker-compose", "-f", COMPOSE, "config"] if shutil.which("docker-compose") else \
-        ["docker", "compose", "-f", COMPOSE, "config"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    if r.returncode != 0 and "unknown" in r.stderr and "compose" in r.stderr:
-        pytest.skip("docker has no compose plugin")
+    cmd, why = compose_command()
+    if cmd is None:
+        pytest.skip(why)
+    r = subprocess.run(cmd + ["-f", COMPOSE, "config"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 
 def test_each_compose_service_command_serves(smollm2_dir, tmp_path):
     doc = load()
-    iid = "c" + uuid.uuid4().hex[:8]
+    iid = new_instance_id("c")
     port = free_port()
     runtime = tempfile.mkdtemp(prefix="krun-")  # short: unix socket paths are limited to ~100 bytes
     procs = []
@@ -132,4 +153,5 @@ def test_each_compose_service_command_serves(smollm2_dir, tmp_path):
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(runtime, ignore_errors=True)
     assert segments(iid) == []

@@ -11,12 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 import psutil
 import pytest
 
+from shared.config import runtime_base
 from tests.e2e.server import KESTREL, KestrelServer, segments
 from tests.faults.helpers import find_pid, gone, join_all, start_streams, wait_for
 
@@ -82,7 +84,7 @@ def test_ctrl_c_to_the_process_group_drains_a_stream_and_everything_exits_zero(
     assert set(codes) >= {"engine", "worker-0", "frontend-0"} and set(codes.values()) == {0}, log
     assert "KeyboardInterrupt" not in log, log
     assert segments(srv.instance_id) == []
-    assert not os.path.exists(f"/tmp/kestrel-{srv.instance_id}")
+    assert not os.path.exists(srv.runtime_dir)
 
 
 def test_health_turns_503_as_soon_as_the_engine_socket_is_gone(servers, smollm2_dir):
@@ -110,30 +112,45 @@ def test_health_turns_503_as_soon_as_the_engine_socket_is_gone(servers, smollm2_
 
 
 def _runtime_dir(instance_id: str) -> str:
-    return f"/tmp/kestrel-{instance_id}"
+    return os.path.join(runtime_base(), f"kestrel-{instance_id}")
+
+
+@pytest.fixture
+def own_base():
+    """A private base folder for runtime folders, short (unix socket paths inside must fit):
+    the `kestrel serve` of other sessions on this host sweep dead folders under /tmp too."""
+    base = tempfile.mkdtemp(prefix="kb-", dir="/tmp")
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_next_serve_removes_the_runtime_folder_of_a_kill9_supervisor_never_a_live_one(
-        servers, smollm2_dir):
-    dead = KestrelServer(str(smollm2_dir))
+        servers, smollm2_dir, own_base):
+    dead = KestrelServer(str(smollm2_dir), base=own_base)
     servers.append(dead)
     _start(dead)
     kids = [p.pid for p in dead.children()]
-    rdir = _runtime_dir(dead.instance_id)
+    rdir = dead.runtime_dir
     assert os.path.isfile(os.path.join(rdir, "owner.json"))
     dead.proc.kill()
     dead.proc.wait(10)
     assert gone(kids, 15) == []
     assert os.path.isdir(rdir), "nothing to clean: the folder is already gone"
 
-    live = KestrelServer(str(smollm2_dir))
+    live = KestrelServer(str(smollm2_dir), base=own_base)
     servers.append(live)
     _start(live)
     assert wait_for(lambda: not os.path.exists(rdir), 10), os.listdir(rdir)
+    assert not os.path.exists(rdir + "-dumps"), "the dead instance's empty dump folder stayed"
     assert "removed the runtime folder of a dead instance" in live.log_tail(400)
 
-    # `kestrel shm clean` keeps the live instance's folder and removes a dead one's
-    live_dir = _runtime_dir(live.instance_id)
+    # `kestrel shm clean` (over /tmp and $XDG_RUNTIME_DIR) keeps the live instance's folder
+    # and removes a dead one's
+    live.stop()
+    live = KestrelServer(str(smollm2_dir))
+    servers.append(live)
+    _start(live)
+    live_dir = live.runtime_dir
     fake = _runtime_dir("tdead" + live.instance_id[1:])
     os.makedirs(fake)
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

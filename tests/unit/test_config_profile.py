@@ -207,7 +207,7 @@ def test_device_detection_without_a_gpu_does_not_import_torch():
 # ---------------------------------------------------------------- the typed config object
 
 _PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool}
-_PROVENANCE = ("sources", "profile_detail")  # KestrelConfig's fields that are not settings
+_PROVENANCE = ("sources", "profile_detail", "threads_detail")  # KestrelConfig's fields that are not settings
 
 
 def test_fields_table_and_typed_config_name_the_same_settings_in_the_same_order():

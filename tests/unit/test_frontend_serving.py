@@ -60,11 +60,11 @@ def _counting(monkeypatch) -> dict[str, int]:
 
 
 def test_each_api_serving_object_is_built_once_at_startup_and_shared_by_every_request(
-        engine, monkeypatch):
+        engine, monkeypatch, tmp_path):
     fake, model_dir = engine
     built = _counting(monkeypatch)
     cfg = build_config({"engine_address": fake.address, "served_model_name": MODEL,
-                        "startup_timeout_s": 20}, env={})
+                        "startup_timeout_s": 20, "runtime_dir": str(tmp_path / "run")}, env={})
     app = server.create_app(cfg)
     assert built == {name: 0 for name in built}  # the route table needs no serving object
     with TestClient(app) as client:

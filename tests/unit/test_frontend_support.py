@@ -45,6 +45,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from services.frontend.tokenizer import Tokenizer as FrontendTokenizer
 from shared import protocol as p
+from tests.runtime_guard import new_instance_id
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS = "<|im_end|>"
@@ -297,7 +298,8 @@ class Stack:
                self.address, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--dtype", "float32", "--model", self.model_dir, "--served-model-name", MODEL,
                "--keepalive-s", "0.2", "--startup-timeout-s", str(startup_timeout_s),
-               *self.extra_args]
+               "--runtime-dir", os.path.join(self.dir, "run"),  # removed with self.dir
+               "--instance-id", new_instance_id("f"), *self.extra_args]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log,
                                          stderr=subprocess.STDOUT)
