@@ -64,9 +64,9 @@ def drive(core: EngineCore, executor: Executor, async_scheduling: bool, outbox: 
     a stall."""
     pipeline = StepPipeline(core, executor, async_scheduling)
     deadline = time.monotonic() + timeout_s
-    while pipeline.busy() or core.grammars.compiling:
+    while pipeline.busy() or core.num_compiling:
         assert time.monotonic() < deadline, "engine loop stalled"
-        if core.grammars.compiling:
+        if core.num_compiling:
             outbox.take(core.admit_compiled({b"fe"}))
         executor.drain()
         if pipeline.busy():

@@ -75,7 +75,7 @@ def test_in_process_pipeline_outputs_equal_the_synchronous_scheduler(async_sched
     drive(core, InProcessExecutor(runner), async_scheduling, outbox)
     _check(outbox)
     assert runner.model.pending_fed > 0 if async_scheduling else runner.model.pending_fed == 0
-    assert core.num_steps > 0 and not core.scheduler.requests
+    assert core.num_steps > 0 and not core.requests
 
 
 class RingWorker:

@@ -156,7 +156,7 @@ def test_engine_process_serves_a_frontend_and_fails_in_flight_requests_at_shutdo
 
     fe.send(enc.encode(P.AddRequest("long", [1, 2, 3], P.SamplingParams(max_tokens=150, ignore_eos=True), 0.0)))
     deadline = time.monotonic() + 10
-    while proc.core.scheduler.requests.get("long") is None or not proc.core.scheduler.requests["long"].output_token_ids:
+    while proc.core.requests.get("long") is None or not proc.core.requests["long"].output_token_ids:
         assert time.monotonic() < deadline, "the long request never ran"
         time.sleep(0.01)
     stop.requested = True
