@@ -1,6 +1,6 @@
 """Helpers of the benchmarks: a model folder from a config in benchmarks/configs, the device
-name, and the in-process engine (`ModelRunner` + `Scheduler`, no HTTP, no ZMQ) that the
-offline benchmarks drive.
+name, and the in-process engine (`EngineCore` on an `InProcessExecutor` over a `ModelRunner`,
+no HTTP, no ZMQ) that the offline benchmarks drive.
 
 torch and the engine are imported inside the functions that need them, so that HTTP-only
 code (benchmarks/serve_bench.py's client processes) can import this module cheaply.
@@ -78,58 +78,98 @@ def load_runner(cli: dict):
     return runner, time.perf_counter() - t0
 
 
-def new_scheduler(runner, max_num_seqs: int, max_num_batched_tokens: int):
-    """A fresh `Scheduler` over a fresh `BlockManager` of the runner's KV blocks (prefix
-    caching off; no EOS ids: the benchmarks use ignore_eos)."""
-    from services.engine.block_manager import BlockManager
-    from services.engine.scheduler import Scheduler
+def new_core(runner, max_num_seqs: int, max_num_batched_tokens: int, max_num_waiting: int):
+    """A fresh `EngineCore` over the runner's KV blocks and model facts, as the engine
+    process builds it (prefix caching off, no KV tiers, the structured-output compiler not
+    prepared: the benchmarks use neither). max_num_waiting: room for every request at once."""
+    from services.engine.core import EngineCore
+    from shared.config import build_config
 
-    bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, runner.max_model_len, [])
+    cfg = build_config(cli={"model": runner.spec.path, "device": runner.device.type,
+                            "block_size": runner.block_size, "max_num_seqs": max_num_seqs,
+                            "max_num_batched_tokens": max_num_batched_tokens,
+                            "max_model_len": runner.max_model_len, "max_num_waiting": max_num_waiting,
+                            "enable_prefix_caching": False}, env={})
+    return EngineCore(cfg, runner.spec, runner.num_blocks)
 
 
-def run_engine(runner, sched, requests) -> tuple[float, int, dict]:
-    """Add requests, step until done. Returns (seconds, steps, timings): the host seconds
-    spent scheduling and applying results (`schedule_seconds`, `update_seconds`), the wall
-    seconds inside `execute` (`run_step_seconds`: host prepare + launch + the wait for the
-    sampled ids) and, on CUDA, the GPU seconds of the steps (`gpu_event_seconds`: CUDA events
-    around each execute, read at the end so that timing adds no sync; None on CPU)."""
-    import torch
+class TimedRunner:
+    """The runner behind the executor, timed: the wall seconds inside `execute` (host
+    prepare + launch + the wait for the sampled ids) and, on CUDA, a pair of CUDA events
+    around each step with its (seqs, new tokens, context tokens), read only at the end so
+    that timing adds no sync (`step_breakdown`)."""
 
-    cuda = runner.device.type == "cuda"
-    for r in requests:
-        sched.add(r)
-    steps, t_model, t_sched, t_upd = 0, 0.0, 0.0, 0.0
-    events = []
-    t0 = time.perf_counter()
-    while sched.has_work():
-        t1 = time.perf_counter()
-        out = sched.schedule()
-        t2 = time.perf_counter()
-        t_sched += t2 - t1
-        if out is None or not out.plan.seqs:
-            continue
-        if cuda:
+    def __init__(self, runner):
+        self.runner = runner
+        self.cuda = runner.device.type == "cuda"
+        self.seconds = 0.0
+        self.events: list = []
+
+    def execute(self, plan):
+        import torch
+
+        t0 = time.perf_counter()
+        if self.cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-        result = runner.execute(out.plan)
-        if cuda:
+        result = self.runner.execute(plan)
+        if self.cuda:
             b.record()
-            seqs = out.plan.seqs
-            events.append((a, b, len(seqs), sum(len(q.token_ids) for q in seqs),
-                           sum(q.start_pos + len(q.token_ids) for q in seqs)))
+            seqs = plan.seqs
+            self.events.append((a, b, len(seqs), sum(len(q.token_ids) for q in seqs),
+                                sum(q.start_pos + len(q.token_ids) for q in seqs)))
+        self.seconds += time.perf_counter() - t0
+        return result
+
+
+def run_core(core, runner, requests: list, prefix: str = "r") -> tuple[float, int, int, dict]:
+    """Add requests ((prompt token ids, `SamplingParams`) each; ids prefix + index, distinct
+    from an earlier run's: the runner keeps its last tables) to `core` and run its steps
+    on an `InProcessExecutor` over `runner` until done, in the engine's synchronous order
+    (`StepPipeline.advance` without async scheduling: plan, submit, result, finish), each
+    verb timed. Returns (seconds, steps, output tokens, timings): the host seconds spent
+    planning and applying results (`schedule_seconds`, `update_seconds`), the wall seconds
+    inside `execute` (`run_step_seconds`) and, on CUDA, the GPU seconds of the steps
+    (`gpu_event_seconds`, `gpu_by_step_kind`; None on CPU). Raises RuntimeError when the
+    core refuses a request or a request fails (a step's fault), AssertionError when work is
+    left that nothing can run."""
+    import torch
+
+    from services.engine.executor import InProcessExecutor
+    from shared.protocol import AddRequest
+
+    for i, (prompt, sp) in enumerate(requests):
+        refused = core.add(b"", AddRequest(f"{prefix}{i}", prompt, sp, 0.0))
+        if refused is not None:
+            raise RuntimeError(f"request {prefix}{i} refused: {refused.outputs()[0][1].error}")
+    timed = TimedRunner(runner)
+    executor = InProcessExecutor(timed)
+    steps, out_tokens, t_sched, t_upd = 0, 0, 0.0, 0.0
+    t0 = time.perf_counter()
+    while core.has_work():
+        t1 = time.perf_counter()
+        out = core.plan_step()
+        t_sched += time.perf_counter() - t1
+        assert out is not None, "requests are left that no step can run"
+        executor.submit(out.plan)  # runs the step
+        result = executor.result(out.plan.step_id)
         t3 = time.perf_counter()
-        t_model += t3 - t2
-        sched.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
+        emitted = core.finish_step(out, result)
         t_upd += time.perf_counter() - t3
+        for _, o in emitted.outputs():
+            if o.error:
+                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
+            out_tokens += len(o.new_token_ids)
         steps += 1
-    if cuda:
+    if timed.cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    gpu = round(sum(e[0].elapsed_time(e[1]) for e in events) / 1e3, 3) if cuda else None
-    return seconds, steps, {"schedule_seconds": round(t_sched, 3), "update_seconds": round(t_upd, 3),
-                            "run_step_seconds": round(t_model, 3), "gpu_event_seconds": gpu,
-                            "gpu_by_step_kind": step_breakdown(events, runner) if cuda else None}
+    events = timed.events
+    gpu = round(sum(e[0].elapsed_time(e[1]) for e in events) / 1e3, 3) if timed.cuda else None
+    return seconds, steps, out_tokens, {
+        "schedule_seconds": round(t_sched, 3), "update_seconds": round(t_upd, 3),
+        "run_step_seconds": round(timed.seconds, 3), "gpu_event_seconds": gpu,
+        "gpu_by_step_kind": step_breakdown(events, runner) if timed.cuda else None}
 
 
 def step_breakdown(events, runner) -> dict:
@@ -164,12 +204,12 @@ def offline_run(runner, max_num_seqs: int, max_num_batched_tokens: int,
                 prompts: list[list[int]], params: list,
                 warm_prompts: list[list[int]] | None = None, warm_tokens: int = 32) -> dict:
     """Warm the runner up (one request of warm_tokens output tokens per warm prompt; default
-    64 random prompts of 20..1024 tokens with 1..24 output tokens each), then run one request per (prompt token ids, `SamplingParams`
-    with ignore_eos) through a fresh scheduler. Returns {seconds, steps, prompt_tokens,
-    output_tokens, output_tok_per_s, total_tok_per_s, and run_engine's timings}; seconds =
-    wall time from the first schedule to the last token. Raises AssertionError if a request
-    ended before its max_tokens."""
-    from services.engine.request import Request
+    64 random prompts of 20..1024 tokens with 1..24 output tokens each), then run one request
+    per (prompt token ids, `SamplingParams` with ignore_eos) through a fresh `EngineCore` on
+    an `InProcessExecutor` (`run_core`). Returns {seconds, steps, prompt_tokens,
+    output_tokens, output_tok_per_s, total_tok_per_s, and run_core's timings}; seconds =
+    wall time from the first plan to the last token. Raises AssertionError if a request
+    ended before its max_tokens, and what `run_core` raises."""
     from shared.protocol import SamplingParams
 
     if warm_prompts is None:  # prefill chunks, mixed steps and decode batches of many sizes,
@@ -178,13 +218,11 @@ def offline_run(runner, max_num_seqs: int, max_num_batched_tokens: int,
         warm_lens = [wr.randint(1, 24) for _ in warm_prompts]
     else:
         warm_lens = [warm_tokens] * len(warm_prompts)
-    warm = [Request(f"w{i}", b"", p, SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True))
+    warm = [(p, SamplingParams(temperature=0.6, seed=i, max_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(warm_prompts, warm_lens))]
-    run_engine(runner, new_scheduler(runner, max_num_seqs, max_num_batched_tokens), warm)
-    reqs = [Request(f"r{i}", b"", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    seconds, steps, timing = run_engine(
-        runner, new_scheduler(runner, max_num_seqs, max_num_batched_tokens), reqs)
-    out_tokens = sum(len(r.output_token_ids) for r in reqs)
+    run_core(new_core(runner, max_num_seqs, max_num_batched_tokens, len(warm)), runner, warm, "w")
+    core = new_core(runner, max_num_seqs, max_num_batched_tokens, len(prompts))
+    seconds, steps, out_tokens, timing = run_core(core, runner, list(zip(prompts, params)))
     assert out_tokens == sum(sp.max_tokens for sp in params), "a request ended early"
     n_prompt = sum(map(len, prompts))
     return {"prompt_tokens": n_prompt, "output_tokens": out_tokens,

@@ -3,9 +3,10 @@
 Workload (nano-vllm's bench.py): 256 sequences; python `random.seed(0)`; prompt lengths
 U[100, 1024] of random ids in [0, 10000]; output lengths U[100, 1024] with ignore_eos;
 temperature 0.6. Model: a config of benchmarks/configs with dummy weights (default
-Qwen3-0.6B, bf16). The engine runs in this process: `Scheduler` + `BlockManager` drive
-`ModelRunner.execute` directly (no HTTP, no ZMQ). Output tok/s = sum of output lengths /
-wall time from the first schedule to the last token (after a short warm-up run).
+Qwen3-0.6B, bf16). The engine runs in this process: an `EngineCore` runs its steps on an
+`InProcessExecutor` over the `ModelRunner` (benchmarks/common.py `offline_run`; no HTTP, no
+ZMQ). Output tok/s = sum of output lengths / wall time from the first plan to the last token
+(after a short warm-up run).
 Writes JSON (settings, runner report, seconds, steps, tok/s) to --out and stdout.
 
 Usage: python benchmarks/offline_throughput.py [--config qwen3-0.6b] [--out FILE]

@@ -16,6 +16,11 @@ are off). Its verbs each return the outputs to send (`Emitted`, services/engine/
   `plan_transfer()` / `finish_transfer()`: a plan with only tier stores.
 - `fail_all(reason)`: fail everything (shutdown).
 
+What the process and its frontend link read, so that nothing outside this file reaches into
+the scheduler, the block manager or the grammar jobs: `has_work()`, `has_requests_to_run()`,
+`can_plan_ahead()`, `num_compiling`, `num_blocks`, `requests`, `stats()`,
+`reset_prefix_cache()`, and `connector` (the process polls and services its socket).
+
 The process around it (`services.engine.process`) owns the sockets, the loop and the
 frontends' liveness; the executor (`services.engine.executor`) runs the plans; the step
 pipeline (`services.engine.pipeline`) sequences them.
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import NamedTuple
 
 from services.engine.admission import invalid_reason
@@ -57,7 +62,7 @@ class EngineConfigError(ValueError):
 
 
 class EngineCore:
-    """The socket-free engine: scheduler, structured output, admission, KV tiers (module doc).
+    """The socket-free engine: scheduler, structured output, admission, KV connector (module doc).
 
     cfg: the settings (max_num_seqs, max_num_batched_tokens, block_size, max_num_waiting,
         enable_prefix_caching, max_model_len, seed). info: the model's facts.
@@ -65,7 +70,7 @@ class EngineCore:
     root_hash: the prefix cache's root block name (the model identity; a default when None).
     grammars: the grammar compiler and compile jobs (built, not prepared, when None).
     connector: the KV connector the scheduler calls (services/engine/kv_connector.py); None:
-        tiers off.
+        tiers off. Kept as `connector`: the process services its socket.
     seed: seeds the per-request seeds drawn for requests without one (cfg.seed when None).
     Raises EngineConfigError when max_model_len exceeds the KV cache.
     """
@@ -89,7 +94,7 @@ class EngineCore:
         if connector is not None:
             self.scheduler.attach_connector(connector)
         self.grammars = grammars if grammars is not None else GrammarJobs(info)
-        self.tiers: KVConnector | None = connector  # the loop services its socket
+        self.connector: KVConnector | None = connector  # the process services its socket
         self.rng = random.Random(cfg.seed if seed is None else seed)
         self.pending_aborts: list[PendingAbort] = []
         self.num_steps = 0  # steps whose result was applied (transfer-only plans excluded)
@@ -199,7 +204,13 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether a step could run now: requests to schedule, or KV tier stores ready."""
-        return self.scheduler.has_work() or (self.tiers is not None and self.tiers.has_stores())
+        return self.scheduler.has_work() or (self.connector is not None and self.connector.has_stores())
+
+    def has_requests_to_run(self) -> bool:
+        """Whether requests wait to be scheduled or are running (those waiting for the
+        kvstore's answer, for their grammar, or tier stores do not count): the heartbeat's
+        `busy`, next to the step count that only such steps advance."""
+        return self.scheduler.has_work()
 
     def can_plan_ahead(self) -> bool:
         """Whether the next step may be planned before the last one's result is applied
@@ -215,7 +226,7 @@ class EngineCore:
         """Apply a step's result. A failed step (result.error) fails its requests, with an
         "internal" error naming the worker's fault; the other requests are untouched."""
         self.num_steps += 1
-        if self.tiers is not None:
+        if self.connector is not None:
             if result.kv_store_error:
                 log.warning("step %d: KV stores dropped: %s", out.plan.step_id,
                             result.kv_store_error)
@@ -236,13 +247,37 @@ class EngineCore:
 
     def finish_transfer(self, plan: P.StepPlan, result: P.StepResult) -> None:
         """Complete a transfer-only plan's stores (dropped if the worker could not copy)."""
-        assert self.tiers is not None, "transfer plans exist only with tiers"
+        assert self.connector is not None, "transfer plans exist only with tiers"
         if result.kv_store_error or result.error:
             log.warning("transfer step %d: KV stores dropped: %s", plan.step_id,
                         result.kv_store_error or result.error)
         self.scheduler.transfers_done(plan, not result.error and not result.kv_store_error)
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """The admitted, unfinished requests (waiting, running, waiting for the kvstore) by
+        id; read only (the scheduler's own table). Requests whose grammar compiles are not
+        admitted yet (`num_compiling`)."""
+        return self.scheduler.requests
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests parked by `add` while their grammar compiles (`admit_compiled` admits
+        them): while any is, the process polls for the compiles."""
+        return len(self.grammars.compiling)
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of cfg.block_size tokens the block manager holds (the constructor's)."""
+        return self.scheduler.bm.num_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block of the prefix cache (the reset_prefix_cache utility).
+        Returns False, and drops nothing, while any block is in use
+        (`BlockManager.reset_prefix_cache`)."""
+        return self.scheduler.bm.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Counters of the scheduler, the block manager and the tiers (the stats utility)."""
@@ -251,7 +286,7 @@ class EngineCore:
                 "kv_usage": s.bm.usage(), "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
                 "num_preemptions": s.num_preemptions, **s.bm.stats(),
-                **(self.tiers.stats() if self.tiers is not None else {})}
+                **(self.connector.stats() if self.connector is not None else {})}
 
     def fail_all(self, reason: str) -> Emitted:
         """Fail every request (running, waiting, compiling) with error `reason` and stop the

@@ -75,7 +75,7 @@ class FrontendLink:
         elif isinstance(msg, P.Heartbeat):
             # progress/busy let the frontend tell a stuck engine from an idle one
             self.send(ident, P.Heartbeat(time.time(), progress=self.core.num_steps,
-                                         busy=self.core.scheduler.has_work()))
+                                         busy=self.core.has_requests_to_run()))
 
     def on_unknown(self, ident: bytes, msg: P.FrontendToEngine) -> None:
         """A message from an identity without a Hello (dropped after a silence, or sent to
@@ -103,7 +103,7 @@ class FrontendLink:
         self.send(ident, P.EngineInfo(
             engine_id=self.engine_id, model_name=self.cfg.served_model_name,
             model_path=core.info.path, max_model_len=core.max_model_len,
-            block_size=self.cfg.block_size, num_blocks=core.scheduler.bm.num_blocks,
+            block_size=self.cfg.block_size, num_blocks=core.num_blocks,
             eos_token_ids=list(core.info.eos_token_ids), max_num_waiting=self.cfg.max_num_waiting))
 
     def utility(self, msg: P.UtilityCall) -> P.UtilityResult:
@@ -128,8 +128,7 @@ class FrontendLink:
             log.warning("debug_sleep: the engine will sleep %.1f s inside its next step", secs)
             return P.UtilityResult(msg.call_id, {"ok": True, "seconds": secs})
         if msg.method == "reset_prefix_cache":
-            # False while any request holds blocks (BlockManager.reset_prefix_cache).
-            ok = self.core.scheduler.bm.reset_prefix_cache()
+            ok = self.core.reset_prefix_cache()  # False while any block is in use
             log.info("reset_prefix_cache: %s", "done" if ok else "refused, blocks in use")
             return P.UtilityResult(msg.call_id, {"ok": ok})
         return P.UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")

@@ -83,7 +83,8 @@ class EngineProcess:
         self.engine_id = f"{cfg.instance_id}-{os.getpid()}"
         self.link = FrontendLink(core, self._send, cfg, self.engine_id)
         self.pipeline = StepPipeline(core, executor, bool(cfg.async_scheduling), hook=self)
-        self._tier_sock = core.tiers.socket if core.tiers is not None else None
+        self.connector = core.connector  # its socket is polled here, and serviced each turn
+        self._tier_sock = self.connector.socket if self.connector is not None else None
 
     # ------------------------------------------------------------------ startup
 
@@ -143,13 +144,13 @@ class EngineProcess:
 
     def _service_tiers(self) -> bool:
         """Replies, timeouts and stores of the kvstore client; True when its socket changed."""
-        tiers = self.core.tiers
-        if tiers is None:
+        connector = self.connector
+        if connector is None:
             return False
-        tiers.service()
-        if tiers.socket is self._tier_sock:
+        connector.service()
+        if connector.socket is self._tier_sock:
             return False
-        self._tier_sock = tiers.socket
+        self._tier_sock = connector.socket
         return True
 
     # ------------------------------------------------------------------ WaitHook (in a step)
@@ -185,9 +186,9 @@ class EngineProcess:
             if self._tier_sock is not polled_tier_sock:  # reconnected here or during a step
                 poller, polled_tier_sock = self._poller(), self._tier_sock
             busy = pipeline.busy()
-            if core.grammars.compiling:  # grammars compiling in threads: admit the ready ones
+            if core.num_compiling:  # grammars compiling in threads: admit the ready ones
                 link.admit_compiled()
-            timeout = 0 if busy else (COMPILE_POLL_MS if core.grammars.compiling else IDLE_POLL_MS)
+            timeout = 0 if busy else (COMPILE_POLL_MS if core.num_compiling else IDLE_POLL_MS)
             events = dict(poller.poll(timeout))
             if self.router in events:
                 self._drain_frontends(in_step=False)
@@ -214,8 +215,8 @@ class EngineProcess:
         outputs). The caller destroys the context."""
         self.link.deliver(self.core.fail_all(reason))
         self.executor.shutdown(reason)
-        if self.core.tiers is not None:
-            self.core.tiers.close()
+        if self.connector is not None:
+            self.connector.close()
         self.router.close(linger=1000)
 
 

@@ -28,14 +28,12 @@ After the worker returns the sampled tokens, `update` registers the blocks that 
 full in the prefix cache, appends the tokens and applies the stop conditions
 (services/engine/stop_conditions.py).
 
-Per-request extras in the plan, only where used (plans stay small otherwise):
-- penalties: `penalty_token_ids` (prompt + outputs so far) and `num_prompt_tokens`;
-- prompt logprobs: `num_prompt_tokens`; such a request skips the prefix cache (the worker
-  must run every prompt position to score it), and its logprobs are gathered chunk by chunk;
-- structured output: `allowed_token_bitmask` from the request's grammar, for sampled seqs;
-  each accepted token advances the grammar, and its termination ends the request ("stop");
-- `max_tokens == 0` (score the prompt only): the last prefill chunk samples nothing and the
-  request finishes with "length".
+The scheduled requests become the step's `StepPlan` in services/engine/step_plan.py
+(`build_plan`: tokens, table increments, pending tokens, per-request extras). A request with
+a grammar advances it with each accepted token, and its termination ends the request
+("stop"); `max_tokens == 0` (score the prompt only): the last prefill chunk samples nothing
+and the request finishes with "length". A request with prompt logprobs skips the prefix
+cache (the worker must run every prompt position to score it).
 """
 
 from __future__ import annotations
@@ -48,7 +46,8 @@ from services.engine.block_manager import BlockManager
 from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
 from services.engine.stop_conditions import stop_reason
-from shared.protocol import PENDING_TOKEN, FinishReason, ScheduledSeq, StepPlan, TokenLogprob
+from services.engine.step_plan import build_plan
+from shared.protocol import FinishReason, StepPlan, TokenLogprob
 
 
 @dataclass
@@ -225,38 +224,8 @@ class Scheduler:
         if not scheduled:
             return None
         self.step_id += 1
-        seqs = []
-        for req, n in scheduled:
-            start = req.num_computed_tokens
-            end = start + n
-            known = req.worker_blocks  # the workers hold the rest (shared.plan_state)
-            toks = req.token_slice(start, min(end, req.num_tokens))
-            if end > req.num_tokens:  # a decode of the token step N is sampling now
-                toks.append(PENDING_TOKEN)
-            seq = ScheduledSeq(
-                request_id=req.request_id,
-                token_ids=toks,
-                start_pos=start,
-                block_table=req.block_ids[known:] if known else list(req.block_ids),
-                sample=end == req.num_tokens + req.inflight and req.sampling.max_tokens > 0,
-                sampling=None if known else req.sampling,
-                output_index=len(req.output_token_ids) + req.inflight,
-                table_start=known,
-            )
-            req.worker_blocks = len(req.block_ids)
-            req.num_computed_tokens = end  # the KV is written before any later plan runs
-            if seq.sample:
-                req.inflight += 1
-            if req.has_penalty:
-                seq.penalty_token_ids = req.prompt_token_ids + req.output_token_ids
-                seq.num_prompt_tokens = req.num_prompt_tokens
-            elif req.wants_prompt_logprobs:
-                seq.num_prompt_tokens = req.num_prompt_tokens
-            if seq.sample and req.grammar is not None:
-                seq.allowed_token_bitmask = req.grammar.bitmask()
-            seqs.append(seq)
         forget, self.worker_forget = self.worker_forget, []
-        plan = StepPlan(step_id=self.step_id, seqs=seqs, forget=forget)
+        plan = build_plan(self.step_id, scheduled, forget)  # advances the requests (step_plan.py)
         if self.connector is not None:
             self._add_transfers(plan)
         return SchedulerOutput(plan=plan, requests=[r for r, _ in scheduled],

@@ -56,7 +56,7 @@ class ToyWorker:
     """
 
     def __init__(self, bm: BlockManager):
-        self.model = BlockKVModel(bm)
+        self.model = BlockKVModel(bm.block_size, bm)
         self.fail_stores = False
 
     def execute(self, plan: StepPlan) -> tuple[list[int], str]:

@@ -11,7 +11,6 @@ be lost (a lost one hangs the engine until its step timeout)."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 import uuid
 
@@ -23,9 +22,7 @@ from services.engine.executor import InProcessExecutor
 from services.engine.request import Request
 from services.engine.ring_executor import RingExecutor
 from shared import protocol as P
-from shared.config import ring_name
-from shared.shm_ring import ShmRingReader
-from tests.unit.engine_rig import Outbox, core_config, drive, toy_info
+from tests.unit.engine_rig import Outbox, RingWorkerThread, core_config, drive, toy_info
 from tests.unit.test_scheduler import EOS, VOCAB, ToyModel, run
 
 
@@ -75,36 +72,7 @@ def test_in_process_pipeline_outputs_equal_the_synchronous_scheduler(async_sched
     drive(core, InProcessExecutor(runner), async_scheduling, outbox)
     _check(outbox)
     assert runner.model.pending_fed > 0 if async_scheduling else runner.model.pending_fed == 0
-    assert core.num_steps > 0 and not core.scheduler.requests
-
-
-class RingWorker:
-    """A worker thread on the plan ring: runs each plan on the toy model and pushes its
-    StepResult to the engine's worker socket at once, plus a heartbeat after it."""
-
-    def __init__(self, ctx: zmq.Context, cfg, block_size: int):
-        self.reader = ShmRingReader(ring_name(cfg.instance_id, "plan"), 0, cfg.runtime_dir)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(cfg.worker_address)
-        self.model = ToyModel(block_size)
-        self.enc, self.dec = P.encoder(), P.decoder(P.EngineToWorker)
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.error: BaseException | None = None
-        self.thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                data = self.reader.read(timeout=0.1)
-                if data is None:
-                    continue
-                msg = self.dec.decode(data)
-                if isinstance(msg, P.WorkerShutdown):
-                    return
-                self.push.send(self.enc.encode(P.StepResult(msg.step_id, self.model.execute(msg))))
-                self.push.send(self.enc.encode(P.WorkerHeartbeat(0, time.time())))
-        except BaseException as e:  # reported by the test
-            self.error = e
+    assert core.num_steps > 0 and not core.requests
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -116,7 +84,8 @@ def test_ring_executor_keeps_results_that_arrive_before_they_are_awaited(async_s
     executor = RingExecutor(cfg, ctx)
     worker = None
     try:
-        worker = RingWorker(ctx, cfg, block_size=4)
+        model = ToyModel(block_size=4)
+        worker = RingWorkerThread(cfg, model.execute, ctx=ctx, heartbeat=True)
         outbox = Outbox()
 
         def drain_late() -> None:  # the results land before the pipeline's next turn
@@ -134,13 +103,12 @@ def test_ring_executor_keeps_results_that_arrive_before_they_are_awaited(async_s
         drive(core, executor, async_scheduling, outbox)
         _check(outbox)
         assert worker.error is None
-        fed = worker.model.pending_fed
+        fed = model.pending_fed
         assert fed > 0 if async_scheduling else fed == 0
         assert len(kept) > 0 if async_scheduling else kept == []  # early results were used
         assert not executor._early and not executor._submitted  # nothing kept or lost
     finally:
         executor.shutdown("test over")
         if worker is not None:
-            worker.thread.join(5)
-            worker.reader.close()
+            worker.close()
         ctx.destroy(linger=0)

@@ -102,10 +102,10 @@ def test_core_outputs_follow_the_toy_model_under_preemption(async_scheduling, se
     for rid, prompt, n in prompts:
         assert outbox.tokens(rid) == expected(prompt, n), rid
         assert outbox.final(rid).finish_reason == "length" and outbox.final(rid).error is None
-    assert core.scheduler.num_preemptions > 0  # memory was short: recompute happened
+    stats = core.stats()
+    assert stats["num_preemptions"] > 0  # memory was short: recompute happened
     assert (model.pending_fed > 0) == async_scheduling
-    bm = core.scheduler.bm
-    assert not core.scheduler.requests and bm.num_free_blocks == bm.num_blocks
+    assert not core.requests and stats["num_free_blocks"] == stats["num_blocks"] == 12
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -126,7 +126,7 @@ def test_a_step_fault_fails_only_the_requests_of_that_step(async_scheduling):
             assert outbox.tokens(rid) == []
         else:
             assert outbox.tokens(rid) == expected(prompt, n) and final.finish_reason == "length"
-    assert not core.scheduler.requests
+    assert not core.requests
 
 
 def test_core_refuses_a_max_model_len_over_its_kv_cache():
@@ -148,8 +148,8 @@ def test_abort_while_running_ends_the_request_and_frees_its_blocks():
         outbox.take(pipeline.advance())
     core.abort(["x", "nosuch"])
     outbox.take(core.apply_aborts())
-    assert outbox.final("x").finish_reason == "abort" and "x" not in core.scheduler.requests
+    assert outbox.final("x").finish_reason == "abort" and "x" not in core.requests
     drive(core, executor, False, outbox)
     assert outbox.tokens("y") == expected([4, 5], 5)
     assert outbox.tokens("x") == expected([1, 2, 3], 50)[:len(outbox.tokens("x"))]
-    assert core.scheduler.bm.num_free_blocks == 64
+    assert core.stats()["num_free_blocks"] == 64

@@ -24,51 +24,9 @@ from services.engine.process import EngineProcess, StopFlag
 from services.engine.request import Request
 from services.engine.ring_executor import RingExecutor
 from shared import protocol as P
-from shared.config import ring_name
 from shared.liveness import Beacon
-from shared.shm_ring import ShmRingReader
-from tests.unit.engine_rig import core_config, toy_info
+from tests.unit.engine_rig import RingWorkerThread, core_config, toy_info
 from tests.unit.test_scheduler import EOS, VOCAB, ToyModel, run
-
-
-class ToyWorkerThread:
-    """Worker rank 0 on a thread: WorkerReady, then each plan on the toy model (step_s
-    seconds each), its result pushed back, until WorkerShutdown."""
-
-    def __init__(self, cfg, num_blocks: int, block_size: int, step_s: float = 0.0):
-        self.reader = ShmRingReader(ring_name(cfg.instance_id, "plan"), 0, cfg.runtime_dir)
-        self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(cfg.worker_address)
-        self.model = ToyModel(block_size)
-        self.step_s = step_s
-        self.shutdown_reason: str | None = None
-        self.error: BaseException | None = None
-        self.enc, self.dec = P.encoder(), P.decoder(P.EngineToWorker)
-        self.push.send(self.enc.encode(P.WorkerReady(0, os.getpid(), num_blocks, block_size, "cpu",
-                                                     {"kv_block_bytes": 64})))
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                data = self.reader.read(timeout=0.1)
-                if data is None:
-                    continue
-                msg = self.dec.decode(data)
-                if isinstance(msg, P.WorkerShutdown):
-                    self.shutdown_reason = msg.reason
-                    return
-                time.sleep(self.step_s)
-                self.push.send(self.enc.encode(P.StepResult(msg.step_id, self.model.execute(msg))))
-        except BaseException as e:
-            self.error = e
-
-    def close(self) -> None:
-        self.thread.join(5)
-        self.reader.close()
-        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture()
@@ -80,7 +38,7 @@ def engine(tmp_path):
     ctx = zmq.Context()
     stop = StopFlag()
     executor = RingExecutor(cfg, ctx)
-    worker = ToyWorkerThread(cfg, num_blocks=1000, block_size=4, step_s=0.002)
+    worker = RingWorkerThread(cfg, ToyModel(cfg.block_size).execute, ready_blocks=1000, step_s=0.002)
     try:
         proc = EngineProcess.start(cfg, ctx, executor, Beacon(cfg.runtime_dir, "engine"), stop,
                                    toy_info(VOCAB, EOS, cfg.max_model_len))
@@ -156,7 +114,7 @@ def test_engine_process_serves_a_frontend_and_fails_in_flight_requests_at_shutdo
 
     fe.send(enc.encode(P.AddRequest("long", [1, 2, 3], P.SamplingParams(max_tokens=150, ignore_eos=True), 0.0)))
     deadline = time.monotonic() + 10
-    while proc.core.scheduler.requests.get("long") is None or not proc.core.scheduler.requests["long"].output_token_ids:
+    while proc.core.requests.get("long") is None or not proc.core.requests["long"].output_token_ids:
         assert time.monotonic() < deadline, "the long request never ran"
         time.sleep(0.01)
     stop.requested = True

@@ -112,10 +112,10 @@ def test_engine_sends_the_final_abort_to_a_frontend_it_drops_for_silence():
     link.frontends[b"fe-a"] = FrontendState("frontend-0", time.monotonic() - 7)
     # admitted 7 s ago (a message now would count as a sign of life)
     assert link.core.add(b"fe-a", p.AddRequest("r1", [1, 2, 3], p.SamplingParams(max_tokens=4), 0.0)) is None
-    assert "r1" in link.core.scheduler.requests
+    assert "r1" in link.core.requests
     link.check_frontends()
     link.apply_aborts()
-    assert b"fe-a" not in link.frontends and "r1" not in link.core.scheduler.requests
+    assert b"fe-a" not in link.frontends and "r1" not in link.core.requests
     [(ident, msg)] = sent
     out = msg.outputs[0]
     assert ident == b"fe-a" and out.request_id == "r1" and out.finish_reason == "abort"
@@ -133,7 +133,7 @@ def test_engine_answers_an_unknown_identity_with_not_attached():
     assert (refused.request_id, refused.finish_reason, refused.error_kind) == (
         "r9", "error", "overloaded")
     assert sent[3][1].error and all(ident == b"ghost" for ident, _ in sent)
-    assert not link.core.scheduler.requests and not link.frontends  # nothing was admitted
+    assert not link.core.requests and not link.frontends  # nothing was admitted
     # The frontend decodes the new message with its one typed decoder.
     dec = p.decoder(p.EngineToFrontend)
     assert isinstance(dec.decode(p.encoder().encode(sent[0][1])), p.NotAttached)

@@ -24,6 +24,7 @@ pytest.importorskip("xgrammar")
 
 from services.engine.core import EngineCore  # noqa: E402
 from services.engine.executor import InProcessExecutor  # noqa: E402
+from services.engine.grammar_jobs import GrammarJobs  # noqa: E402
 from services.engine.pipeline import StepPipeline  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared import protocol as P  # noqa: E402
@@ -44,7 +45,8 @@ SCHEMA = {
 
 class InProcessEngine:
     """An EngineCore on a ModelRunner in this process: `add` calls `EngineCore.add`, `run`
-    advances the (synchronous) step pipeline until idle; outputs are collected per id."""
+    advances the (synchronous) step pipeline until idle; outputs are collected per id.
+    grammars: the core's compile jobs (built here, so tests can watch the compiles)."""
 
     def __init__(self, model_dir: str, max_num_waiting: int = 256):
         cfg = build_config(cli={"model": model_dir, "device": "cpu", "dtype": "float32",
@@ -53,7 +55,9 @@ class InProcessEngine:
                                 "max_model_len": 2048, "enable_prefix_caching": True}, env={})
         self.runner = ModelRunner(cfg)
         assert self.runner.block_size == cfg.block_size
-        self.core = EngineCore(cfg, model_spec_for(cfg), self.runner.num_blocks, seed=0)
+        info = model_spec_for(cfg)
+        self.grammars = GrammarJobs(info)
+        self.core = EngineCore(cfg, info, self.runner.num_blocks, grammars=self.grammars, seed=0)
         self.pipeline = StepPipeline(self.core, InProcessExecutor(self.runner),
                                      async_scheduling=False)
         self.outputs: dict[str, list[P.RequestOutput]] = {}
@@ -76,7 +80,7 @@ class InProcessEngine:
         for _ in range(max_steps):
             self.take(core.admit_compiled({b"fe"}))
             if not self.pipeline.busy():
-                if not core.grammars.compiling or not wait_compiles:
+                if not core.num_compiling or not wait_compiles:
                     return
                 time.sleep(0.005)
                 continue
@@ -195,16 +199,16 @@ def test_a_grammar_that_compiles_for_seconds_does_not_stall_the_engine_loop(engi
     engine.add("slow1", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
     engine.add("gone", prompt, P.SamplingParams(temperature=0.0, max_tokens=60, structured=spec))
     assert time.monotonic() - t0 < 5
-    assert {"slow0", "slow1", "gone"} <= set(engine.core.grammars.compiling)
-    assert len(engine.core.grammars.jobs) == 1  # one compile for the three
+    assert {"slow0", "slow1", "gone"} <= set(engine.grammars.compiling)
+    assert len(engine.grammars.jobs) == 1  # one compile for the three
     engine.add("slow0", prompt, P.SamplingParams(temperature=0.0, max_tokens=4))  # its id is taken
     assert engine.final("slow0").error == "duplicate request id"
     engine.add("plain", prompt, P.SamplingParams(temperature=0.0, max_tokens=8))
     engine.abort("gone")
-    assert engine.final("gone").finish_reason == "abort" and "gone" not in engine.core.grammars.compiling
+    assert engine.final("gone").finish_reason == "abort" and "gone" not in engine.grammars.compiling
     engine.run(wait_compiles=False)  # only "plain" can run: the compile waits on the gate
     assert engine.final("plain").finish_reason == "length" and len(engine.tokens("plain")) == 8
-    assert "slow0" in engine.core.grammars.compiling and "slow0" not in engine.core.scheduler.requests
+    assert "slow0" in engine.grammars.compiling and "slow0" not in engine.core.requests
     gate.set()
     engine.run()
     eos = set(engine.core.info.eos_token_ids)
@@ -213,7 +217,7 @@ def test_a_grammar_that_compiles_for_seconds_does_not_stall_the_engine_loop(engi
         jsonschema.validate(json.loads(tokenizer.decode([t for t in engine.tokens(rid) if t not in eos])), SCHEMA)
     assert engine.tokens("slow0") == engine.tokens("slow1")  # greedy: one grammar, two matchers
     assert [o.finish_reason for o in engine.outputs["gone"]] == ["abort"]
-    assert not engine.core.grammars.compiling and not engine.core.grammars.jobs
+    assert not engine.grammars.compiling and not engine.grammars.jobs
 
 
 def test_sampling_values_the_worker_cannot_hold_fail_only_their_request(engine, tokenizer):
