@@ -104,3 +104,42 @@ def test_a_forced_call_constraint_wins_over_text_format_and_stateful_fields_are_
             parse_responses_request(json.dumps({"model": "m", "input": "x", name: value})
                                     .encode(), 1000)
         assert e.value.param == name
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.frontend.chat_api import ChatDelta
+    from services.frontend.generation import TextDelta
+    from services.frontend.responses_api import ResponsesServing
+
+    class Fan:  # the FanOut after the first item: one failed delta
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if getattr(self, "done", False):
+                raise StopAsyncIteration
+            self.done = True
+            return 0, TextDelta("", "error", "worker died", 3, 1, "internal")
+
+    ctx = SimpleNamespace(model_name="m", features=None, tokenizer=None)
+    serving = ResponsesServing(ctx)  # type: ignore[arg-type]
+    req = parse_responses_request(b'{"model": "m", "input": "x", "stream": true}', 1000)
+    first = (0, ChatDelta("", None, None, 3, 1, events=[Content("Hel")]))
+
+    async def run() -> list[bytes]:
+        return [b async for b in serving._events("resp_1", 0, req, 3, first, Fan())]
+
+    events = []
+    for frame in asyncio.run(run()):
+        name, data = frame.decode().strip().split("\n")
+        events.append(json.loads(data[len("data: "):]))
+        assert name == "event: " + events[-1]["type"]
+        EVENTS.validate_python(events[-1])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "worker died" in failed["error"]["message"]
