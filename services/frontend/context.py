@@ -4,8 +4,8 @@ Built once at startup by `build_context` (docs/ARCHITECTURE.md §7), after the e
 handshake: the engine client, the tokenizer and chat template of the model the engine
 names, the chat features (tool-call and reasoning parsers), the limits, the served model
 name and the process's request metrics. Every serving object (chat_api, completions_api,
-tokenize_api, anthropic_api, info_api) is built from it once, and reads it; nothing in it
-changes while the process serves.
+responses_api, tokenize_api, anthropic_api, info_api) is built from it once, and reads it;
+nothing in it changes while the process serves.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The OpenAPI 3.1 document of Kestrel's HTTP API, served at GET /openapi.json.
 
 Written by hand from the validators (`openai_protocol`, `openai_sampling`,
-`tokenize_api`, `anthropic_protocol`): request bodies list the main fields with their
-constraints; every route documents its success response and its error envelope for 4xx/5xx
-(OpenAI's, or Anthropic's under /v1/messages). Also documented: /metrics and
-/reset_prefix_cache (server.py). `extra_paths` adds more (e.g. debug routes).
+`responses_protocol`, `tokenize_api`, `anthropic_protocol`): request bodies list the main
+fields with their constraints; every route documents its success response and its error
+envelope for 4xx/5xx (OpenAI's, or Anthropic's under /v1/messages). Also documented:
+/metrics and /reset_prefix_cache (server.py). `extra_paths` adds more (e.g. debug routes).
 """
 
 from __future__ import annotations
@@ -119,6 +119,51 @@ COMPLETION_REQUEST = {"type": "object", "required": ["model", "prompt"], "proper
     "best_of": {"type": ["integer", "null"], "minimum": 1, "description": "must equal n"},
     "suffix": {"type": ["string", "null"], "description": "not supported: 400 unless empty"},
     **SAMPLING_PROPS}}
+
+# ---------------------------------------------------------------- OpenAI Responses API
+# From responses_protocol / responses_input's validators.
+
+_R_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
+_R_ITEM = {"type": "object", "properties": {
+    "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"],
+             "description": "message when absent and `role` is set"},
+    "role": {"enum": ["user", "assistant", "system", "developer"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _R_TEXT_PART}]},
+    "call_id": {"type": "string", "minLength": 1}, "name": {"type": "string", "minLength": 1},
+    "arguments": {"type": "string", "description": "JSON text"},
+    "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": _R_TEXT_PART}]},
+    "summary": {"type": "array"}}}
+RESPONSES_REQUEST = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string"},
+    "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _R_ITEM}]},
+    "instructions": {"type": ["string", "null"]},
+    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": _num(0, 2), "top_p": _num(0, 1, excl_lo=True),
+    "tools": {"type": ["array", "null"], "items": {
+        "type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"},
+            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+            "description": {"type": "string"}, "parameters": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}}},
+    "tool_choice": {"anyOf": [
+        {"enum": ["none", "auto", "required"]}, {"type": "null"},
+        {"type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": {"type": "string"}}}]},
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+    "text": {"type": ["object", "null"], "properties": {"format": {
+        "type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "name": {"type": "string"}, "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}}}},
+    "reasoning": {"type": ["object", "null"], "properties": {
+        "effort": {"enum": ["none", "minimal", "low", "medium", "high", "xhigh", None]},
+        "summary": {"type": ["string", "null"]}},
+        "description": "effort none: the template's thinking off"},
+    "store": {"type": ["boolean", "null"], "description": "treated as false"},
+    "stream": {"type": ["boolean", "null"]},
+    "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+    "previous_response_id": {"type": "null", "description": "not supported (no state)"}}}
 
 TOKENIZE_REQUEST = {"anyOf": [
     {"type": "object", "required": ["prompt"], "properties": {
@@ -280,6 +325,14 @@ def openapi_document(extra_paths: dict[str, Any] | None = None) -> dict[str, Any
         "/v1/chat/completions": _post("OpenAI Chat Completions", CHAT_REQUEST, _json_ok(
             "chat.completion, or chat.completion.chunk SSE events",
             {"type": "object", "properties": {"usage": _USAGE}}, sse=True)),
+        "/v1/responses": _post("OpenAI Responses (stateless)", RESPONSES_REQUEST, _json_ok(
+            "response (output items: message / function_call / reasoning), or SSE events "
+            "response.created ... response.completed", {"type": "object", "properties": {
+                "object": {"const": "response"}, "status": {"type": "string"},
+                "output": {"type": "array"}, "usage": {"type": "object", "properties": {
+                    "input_tokens": {"type": "integer"},
+                    "output_tokens": {"type": "integer"},
+                    "total_tokens": {"type": "integer"}}}}}, sse=True)),
         "/v1/completions": _post("OpenAI Completions", COMPLETION_REQUEST, _json_ok(
             "text_completion, or SSE events", {"type": "object",
                                                "properties": {"usage": _USAGE}}, sse=True)),

@@ -43,6 +43,7 @@ from services.frontend.errors import (APIError, InternalError, MethodNotAllowed,
 from services.frontend.info_api import InfoServing
 from services.frontend.lifecycle import DrainMiddleware, beat_forever, frontend_name, serve
 from services.frontend.openai_sampling import warm_xgrammar
+from services.frontend.responses_api import ResponsesServing
 from services.frontend.tokenize_api import TokenizeServing
 from shared.config import KestrelConfig, add_cli_arguments, build_config
 from shared.liveness import Beacon
@@ -65,13 +66,15 @@ class Servings:
     completions: CompletionsServing
     tokenize: TokenizeServing
     anthropic: AnthropicServing
+    responses: ResponsesServing
 
     @classmethod
     def build(cls, ctx: ServingContext, runtime_dir: str | None) -> Servings:
         """Every API's serving object on `ctx`. runtime_dir: cfg.runtime_dir (/metrics reads
         the supervisor's restart counts there)."""
         return cls(ctx, InfoServing(ctx, runtime_dir), ChatServing(ctx),
-                   CompletionsServing(ctx), TokenizeServing(ctx), AnthropicServing(ctx))
+                   CompletionsServing(ctx), TokenizeServing(ctx), AnthropicServing(ctx),
+                   ResponsesServing(ctx))
 
 
 def _bind(name: str, method: Callable[[Servings], Handler]) -> Handler:
@@ -103,6 +106,8 @@ def routes(cfg: KestrelConfig) -> list[Route]:
               _bind("chat_completions", lambda s: s.chat.chat_completions), methods=["POST"]),
         Route("/v1/completions",
               _bind("completions", lambda s: s.completions.completions), methods=["POST"]),
+        Route("/v1/responses", _bind("responses", lambda s: s.responses.responses),
+              methods=["POST"]),
         Route("/v1/messages", _bind("anthropic_messages", lambda s: s.anthropic.messages),
               methods=ANY_METHOD),
         Route("/v1/messages/count_tokens",
