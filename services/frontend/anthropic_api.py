@@ -2,7 +2,8 @@
 
 Shapes follow Anthropic's API reference. A response is a `message` object with content
 blocks (`thinking`, `text`, `tool_use`), `stop_reason` (end_turn, max_tokens, stop_sequence
-with `stop_sequence` set, tool_use) and `usage` (input_tokens, output_tokens). With
+with `stop_sequence` set, tool_use) and `usage` (input_tokens, output_tokens, and the cache
+counts cache_creation_input_tokens / cache_read_input_tokens, 0: see `usage`). With
 `stream: true` the answer is Server-Sent Events `event: <type>\\ndata: <JSON>\\n\\n` in the
 documented order: message_start, ping, then per content block content_block_start,
 content_block_delta (text_delta / thinking_delta / input_json_delta), content_block_stop,
@@ -202,13 +203,13 @@ class AnthropicServing:
             forced = req.tool_choice in ("any", "tool")
             # A forced call is the whole answer: output_config.format (which constrains
             # the text) has nothing to apply to then.
-            structured = (forced_call_constraint(req.tool_schemas, req.tool_name,
-                                                 req.parallel_tool_use) if forced
-                          else req.output_format)
             sampling = SamplingParams(  # tiny temperature / top_p: as on the OpenAI routes
                 temperature=engine_temperature(req.temperature),
                 top_p=engine_top_p(req.top_p), top_k=req.top_k,
-                max_tokens=max_tokens, structured=structured)
+                max_tokens=max_tokens,
+                structured=forced_call_constraint(req.tool_schemas, req.tool_name,
+                                                  req.parallel_tool_use) if forced
+                else req.output_format)
             parser = self.features.output_parser(
                 prompt, req.stop_sequences, req.thinking.on,
                 req.tool_schemas if req.tool_choice != "none" else None, forced)
