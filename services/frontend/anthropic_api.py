@@ -2,11 +2,13 @@
 
 Shapes follow Anthropic's API reference. A response is a `message` object with content
 blocks (`thinking`, `text`, `tool_use`), `stop_reason` (end_turn, max_tokens, stop_sequence
-with `stop_sequence` set, tool_use) and `usage` (input_tokens, output_tokens). With
+with `stop_sequence` set, tool_use) and `usage` (input_tokens, output_tokens, and the cache
+counts cache_creation_input_tokens / cache_read_input_tokens, 0: see `usage`). With
 `stream: true` the answer is Server-Sent Events `event: <type>\\ndata: <JSON>\\n\\n` in the
 documented order: message_start, ping, then per content block content_block_start,
 content_block_delta (text_delta / thinking_delta / input_json_delta), content_block_stop,
-then message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop; a
+then message_delta (stop_reason, stop_sequence, and the usage of the message: input_tokens,
+output_tokens, cache_creation_input_tokens and cache_read_input_tokens) and message_stop; a
 `ping` event is also sent every keepalive_s while waiting. The non-streaming content is built
 from the same events as the stream, so both agree (a tool call cut by max_tokens included:
 its input is the partial JSON closed, parsed with partial-json-parser if needed).
@@ -27,8 +29,14 @@ forced tool_use whose input_schema the engine cannot compile) is 400 invalid_req
 anything else 500 api_error. A stream awaits its first engine output (up to keepalive_s)
 before it starts, so that a refusal is still an HTTP status; an error after the stream
 started is an `error` event of the same type. Every response carries a `request-id`
-header (`msg_...`, or `req_...` on count_tokens). The `x-api-key` and `anthropic-version`
-headers are accepted (the key is checked by the server's auth, if set).
+header (`msg_...`, or `req_...` on count_tokens). The `x-api-key`, `anthropic-version` and
+`anthropic-beta` headers are accepted (the key is checked by the server's auth, if set; the
+others change nothing), and so is the `?beta=true` query of the SDK's beta client.
+
+Structured output: `output_config.format` (anthropic_fields.py) is sent to the engine as its
+grammar constraint, as OpenAI's response_format is; the text is then the JSON and nothing
+else (no reasoning part, and no room for a tool call unless tool_choice forces one, whose
+constraint then replaces the format).
 
 Sampling: a temperature below 1e-5 is sent to the engine as 0.0 (greedy, as vLLM does) and a
 top_p below 1e-6 as 1e-6 (openai_sampling's `engine_temperature` / `engine_top_p`).
@@ -85,6 +93,15 @@ def finish_error(fin: Finish) -> APIError:
     return engine_error(fin.error, fin.error_kind)
 
 
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    """The `usage` of a message, and of the final message_delta (the same four counts, as
+    Anthropic's reference has them): the cache counts are 0, as no prompt tokens are
+    billed or written as Anthropic's explicit cache (the engine's prefix cache is
+    transparent), so input_tokens is the whole prompt (= count_tokens)."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
 def _error_event(err: APIError) -> bytes:
     """The SSE `error` event of `err` (in a stream that already started)."""
     _, body = anthropic_error_body(err.status, err.message)
@@ -122,7 +139,7 @@ class AnthropicServing:
         if self.template is None:
             raise InternalError("The model has no chat template.")
         tools = req.tools if req.tool_choice != "none" and req.tools else None
-        kwargs = self.features.template_kwargs() | {"enable_thinking": req.thinking}
+        kwargs = self.features.template_kwargs() | {"enable_thinking": req.thinking.on}
         prompt = self.template.render(req.messages, add_generation_prompt=True, tools=tools,
                                       **kwargs)
         return prompt, self.tokenizer.encode(prompt)
@@ -184,14 +201,17 @@ class AnthropicServing:
             assert max_tokens is not None  # parse_messages_request requires it here
             self._check_length(n, max_tokens)
             forced = req.tool_choice in ("any", "tool")
+            # A forced call is the whole answer: output_config.format (which constrains
+            # the text) has nothing to apply to then.
             sampling = SamplingParams(  # tiny temperature / top_p: as on the OpenAI routes
                 temperature=engine_temperature(req.temperature),
                 top_p=engine_top_p(req.top_p), top_k=req.top_k,
                 max_tokens=max_tokens,
                 structured=forced_call_constraint(req.tool_schemas, req.tool_name,
-                                                  req.parallel_tool_use) if forced else None)
+                                                  req.parallel_tool_use) if forced
+                else req.output_format)
             parser = self.features.output_parser(
-                prompt, req.stop_sequences, req.thinking,
+                prompt, req.stop_sequences, req.thinking.on,
                 req.tool_schemas if req.tool_choice != "none" else None, forced)
             stream = self.engine.open_request(request_id, ids, sampling,
                                               merge=not req.stop_sequences)
@@ -200,13 +220,15 @@ class AnthropicServing:
             log.info("%s added: %d prompt tokens, max_tokens %d, stream %s", request_id, n,
                      req.max_tokens, req.stream)
             events = run_parsed(gen, parser)
+            blocks = Blocks(omit_thinking=req.thinking.omit_text)
             if req.stream:
                 first = await self._first(gen, events)
-                return StreamingResponse(self._stream(request_id, n, gen, events, first),
+                return StreamingResponse(self._stream(request_id, n, gen, events, first,
+                                                      blocks),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
                                                   "request-id": request_id})
-            return await self._complete(request, request_id, n, gen, events)
+            return await self._complete(request, request_id, n, gen, events, blocks)
         except APIError as e:
             return self._error(request_id, e)
         except EngineUnavailable as e:
@@ -223,8 +245,7 @@ class AnthropicServing:
                  stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:
         return {"id": request_id, "type": "message", "role": "assistant",
                 "model": self.model_name, "content": content, "stop_reason": stop_reason,
-                "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+                "stop_sequence": stop_sequence, "usage": usage(input_tokens, output_tokens)}
 
     @staticmethod
     def _stop_reason(fin: Finish, blocks: Blocks) -> str:
@@ -255,11 +276,10 @@ class AnthropicServing:
         return first
 
     async def _stream(self, request_id: str, n_prompt: int, gen: Deltas, events: Items,
-                      first: asyncio.Future[list[OutEvent] | None | Finish]
+                      first: asyncio.Future[list[OutEvent] | None | Finish], blocks: Blocks
                       ) -> AsyncIterator[bytes]:
         """The SSE events of a streamed answer: `first` (from `_first`) is the first item
-        of `events`."""
-        blocks = Blocks()
+        of `events`; `blocks` (empty) builds the content blocks."""
 
         async def items() -> Items:
             yield await first
@@ -289,7 +309,7 @@ class AnthropicServing:
                         "type": "message_delta",
                         "delta": {"stop_reason": self._stop_reason(item, blocks),
                                   "stop_sequence": item.stop_string},
-                        "usage": {"output_tokens": item.completion_tokens}})
+                        "usage": usage(n_prompt, item.completion_tokens)})
                     yield sse_event("message_stop", {"type": "message_stop"})
                     return
                 else:
@@ -306,9 +326,9 @@ class AnthropicServing:
             self.engine.abort(request_id)  # no-op unless the request is still running
 
     async def _complete(self, request: Request, request_id: str, n_prompt: int,
-                        gen: Deltas, events: Items) -> Response:
-        """Collect the whole answer; abort the request if the client disconnects first."""
-        blocks = Blocks()
+                        gen: Deltas, events: Items, blocks: Blocks) -> Response:
+        """Collect the whole answer into `blocks` (empty); abort the request if the client
+        disconnects first."""
 
         async def collect() -> Finish:
             try:

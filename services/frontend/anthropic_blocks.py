@@ -43,11 +43,14 @@ def tool_input(args: str) -> Any:
 
 
 class Blocks:
-    """Content blocks built from parser events, with the stream events that build them."""
+    """Content blocks built from parser events, with the stream events that build them.
+    omit_thinking: thinking `display: "omitted"`: thinking blocks are kept, their text is
+    left out (no thinking_delta)."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
         self.blocks: list[dict[str, Any]] = []
         self._open = False
+        self.omit_thinking = omit_thinking
 
     def _start(self, block: dict[str, Any], out: list[bytes]) -> None:
         self.close(out)
@@ -77,6 +80,8 @@ class Blocks:
             if isinstance(e, Reasoning):
                 if self._current("thinking") is None:
                     self._start({"type": "thinking", "thinking": "", "signature": ""}, out)
+                if self.omit_thinking:
+                    continue
                 self.blocks[-1]["thinking"] += e.text
                 self._delta({"type": "thinking_delta", "thinking": e.text}, out)
             elif isinstance(e, Content):

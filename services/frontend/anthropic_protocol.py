@@ -1,16 +1,21 @@
 """Validation of Anthropic Messages API requests (POST /v1/messages and
 /v1/messages/count_tokens), following Anthropic's API reference.
 
-Accepted: model, max_tokens (required on /v1/messages, >= 1), messages (roles user and
-assistant; content a string or blocks `text`, `image` (base64 source), `tool_use`,
-`tool_result`, and `thinking` / `redacted_thinking` in assistant turns, which are not
-replayed), system (a string or text blocks), stop_sequences, temperature [0, 1], top_p
-(0, 1], top_k in [0, 2**31 - 1] (0: off; larger values would overflow the worker's
-sampler), stream, tools (custom tools: name, description, input_schema), tool_choice
-(auto / any / tool with name / none, disable_parallel_tool_use), metadata (user_id,
-accepted and unused), thinking ({"type": "enabled", "budget_tokens": N >= 1024 and
-< max_tokens} or {"type": "disabled"}; the budget is not enforced: the reasoning ends when
-the model closes it).
+Accepted: model, max_tokens (required on /v1/messages, >= 1), messages (roles user,
+assistant and system; content a string or blocks `text`, `image` (base64 source),
+`tool_use`, `tool_result`, and `thinking` / `redacted_thinking` in assistant turns, which
+are not replayed; a `system` message, Anthropic's "mid-conversation system message", holds a
+string or text blocks and is rendered as a system turn where it stands), system (a string or
+text blocks: the first system turn), stop_sequences, temperature [0, 1], top_p (0, 1], top_k
+in [0, 2**31 - 1] (0: off; larger values would overflow the worker's sampler), stream, tools
+(custom tools: name, description, input_schema), tool_choice (auto / any / tool with name /
+none, disable_parallel_tool_use), metadata (user_id, accepted and unused), thinking and
+output_config (anthropic_fields.py: every documented thinking type; structured output with
+output_config.format), and the fields accepted without effect (anthropic_fields'
+IGNORED_FIELDS: cache_control, context_management, service_tier, ...). Any other top-level
+field is a 400 "<field>: Extra inputs are not permitted", as Anthropic answers. Blocks may
+carry keys not read here (cache_control, citations): they are ignored. A null optional
+field is the same as an absent one.
 
 Sampling values go to the engine as on the OpenAI routes (anthropic_api.py, with
 openai_sampling's `engine_temperature` / `engine_top_p`): a temperature below 1e-5 is greedy
@@ -32,13 +37,15 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.frontend.anthropic_fields import (Thinking, check_known_fields,
+                                                parse_output_config, parse_thinking)
 from services.frontend.errors import InvalidRequest
+from services.frontend.strict_json import load_json
+from shared.protocol import StructuredSpec
 
 IMAGE_MEDIA_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/gif": "GIF",
                      "image/webp": "WEBP"}
@@ -51,7 +58,9 @@ class MessagesRequest:
     """A validated request. messages: template-ready dicts ({"role", "content": str} plus
     "tool_calls" for assistant tool_use, role "tool" with "tool_call_id" for tool_result).
     tools: template-ready [{"type": "function", "function": {...}}]; tool_schemas: name ->
-    input_schema. tool_choice: "auto" | "any" | "tool" | "none"; tool_name for "tool"."""
+    input_schema. tool_choice: "auto" | "any" | "tool" | "none"; tool_name for "tool".
+    thinking: the thinking switch and display (anthropic_fields.Thinking). output_format:
+    output_config.format as the engine's constraint (None: free text)."""
 
     model: str
     messages: list[dict[str, Any]]
@@ -66,7 +75,8 @@ class MessagesRequest:
     tool_choice: str = "auto"
     tool_name: str | None = None
     parallel_tool_use: bool = True
-    thinking: bool = False
+    thinking: Thinking = field(default_factory=Thinking)
+    output_format: StructuredSpec | None = None
 
 
 def _type_name(v: Any) -> str:
@@ -148,8 +158,11 @@ def _message(i: int, msg: Any) -> list[dict[str, Any]]:
     param = f"messages.{i}"
     _need(isinstance(msg, dict), param, "Input should be an object.")
     role = msg.get("role")
-    _need(role in ("user", "assistant"), f"{param}.role", "Input should be 'user' or 'assistant'.")
+    _need(role in ("user", "assistant", "system"), f"{param}.role",
+          "Input should be 'user', 'assistant' or 'system'.")
     content = msg.get("content")
+    if role == "system":  # a mid-conversation system message: text only
+        return [{"role": "system", "content": _text_of(content, f"{param}.content")}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     _need(isinstance(content, list), f"{param}.content",
@@ -242,58 +255,13 @@ def _tools(body: dict, req: MessagesRequest) -> None:
         _need(bool(req.tool_schemas), "tool_choice", "tool_choice requires 'tools'.")
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _first_lone_surrogate(doc: Any) -> str | None:
-    """The dotted path of a string (object key or value) of `doc` that holds a lone
-    surrogate, or None. Iterative: the depth of `doc` is bounded by json's recursion only."""
-    todo: list[tuple[str, Any]] = [("", doc)]
-    while todo:
-        path, v = todo.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                return path or "body"
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if _SURROGATE.search(k):  # the path names it escaped (it is quoted back)
-                    k = k.encode("utf-8", "backslashreplace").decode("utf-8")
-                    return f"{path}.{k}" if path else k
-                p = f"{path}.{k}" if path else k
-                todo.append((p, x))
-        elif isinstance(v, list):
-            todo.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
-    return None
-
-
-def _load_json(raw: bytes) -> Any:
-    """The body as JSON (RFC 8259): UTF-8, no NaN / Infinity, every string valid Unicode
-    (no lone surrogates, escaped or not), as the OpenAI routes' parser (orjson) requires.
-    Python's json module is used so that integers of any size stay exact. Raises
-    InvalidRequest (400)."""
-    try:
-        text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are rejected here
-        body = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise InvalidRequest(None, "The request body is not valid JSON.") from None
-    if "\\u" in text:  # only an escape can still produce a lone surrogate
-        where = _first_lone_surrogate(body)
-        if where is not None:
-            raise InvalidRequest(where, f"The request body is not valid JSON: {where} holds a "
-                                 "lone surrogate (strings must be valid Unicode).")
-    return body
-
-
 def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequest:
     """Parse and validate a body (JSON bytes). count_only: the count_tokens route (no
     max_tokens, no sampling fields). Raises InvalidRequest."""
-    body = _load_json(raw)
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest(None, "The request body must be a JSON object.")
+    check_known_fields(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model", "model: Field required (a string).")
@@ -329,21 +297,17 @@ def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequ
                                 and 0 <= top_k <= MAX_TOP_K),
               "top_k", f"Input should be an integer between 0 and {MAX_TOP_K}.")
         req.top_k = top_k or 0
-        stream = body.get("stream", False)
+        stream = body.get("stream")
+        stream = False if stream is None else stream
         _need(isinstance(stream, bool), "stream", "Input should be a boolean.")
         req.stream = stream
     meta = body.get("metadata")
     _need(meta is None or isinstance(meta, dict), "metadata", "Input should be an object.")
     _tools(body, req)
-    thinking = body.get("thinking")
-    if thinking is not None:
-        _need(isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"),
-              "thinking.type", "Input should be 'enabled' or 'disabled'.")
-        if thinking["type"] == "enabled":
-            budget = thinking.get("budget_tokens")
-            _need(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1024,
-                  "thinking.budget_tokens", "Input should be an integer greater than or equal to 1024.")
-            if max_tokens is not None and not count_only:
-                _need(budget < max_tokens, "thinking.budget_tokens", "Must be less than max_tokens.")
-            req.thinking = True
+    req.thinking = parse_thinking(body.get("thinking"), None if count_only else max_tokens)
+    req.output_format = parse_output_config(body)
+    if req.output_format is not None:
+        # The grammar holds from the first token: no room for a reasoning part, so the
+        # template's thinking switch is off (on both routes: count_tokens agrees).
+        req.thinking = Thinking()
     return req

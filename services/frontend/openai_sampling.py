@@ -200,20 +200,33 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _check_schema(schema_text: str) -> None:
-    """Compile a JSON schema with xgrammar; raise InvalidRequest if it cannot. The first
-    call imports xgrammar (and torch: seconds): call it off the event loop, after
+def _check_schema(schema_text: str, param: str = "response_format.json_schema.schema") -> None:
+    """Compile a JSON schema with xgrammar; raise InvalidRequest(param) if it cannot. The
+    first call imports xgrammar (and torch: seconds): call it off the event loop, after
     `warm_xgrammar` (server startup) where possible."""
     try:
         import xgrammar
         xgrammar.Grammar.from_json_schema(schema_text)
     except ImportError:  # pragma: no cover - xgrammar is a runtime dependency
-        raise InvalidRequest("response_format", "Structured output is not available "
+        raise InvalidRequest(param, "Structured output is not available "
                              "(xgrammar is not installed).") from None
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
         reason = grammar_error_text(e)
-        raise InvalidRequest("response_format.json_schema.schema",
-                             f"The JSON schema cannot be compiled: {reason}") from None
+        raise InvalidRequest(param, f"The JSON schema cannot be compiled: {reason}") from None
+
+
+def json_schema_constraint(schema: dict[str, Any], param: str) -> StructuredSpec:
+    """The StructuredSpec (kind json_schema) of a JSON schema object, checked with xgrammar
+    (the engine's compiler): Raises InvalidRequest(param) when the schema is nested too
+    deeply to serialize (orjson's limit, about 255 levels) or cannot be compiled. Shared by
+    OpenAI's response_format and Anthropic's output_config.format. Call it off the event
+    loop (see `_check_schema`)."""
+    try:
+        text = orjson.dumps(schema).decode()
+    except orjson.JSONEncodeError:  # "Recursion limit reached": nested past ~255 levels
+        raise InvalidRequest(param, f"'{param}' is nested too deeply.") from None
+    _check_schema(text, param)
+    return StructuredSpec(kind="json_schema", spec=text)
 
 
 def warm_xgrammar() -> None:
@@ -249,14 +262,7 @@ def parse_response_format(value: Any) -> StructuredSpec | None:
     if not isinstance(schema, dict):
         raise InvalidRequest("response_format.json_schema.schema",
                              "'response_format.json_schema.schema' must be an object.")
-    try:
-        text = orjson.dumps(schema).decode()
-    except orjson.JSONEncodeError:  # "Recursion limit reached": nested past ~255 levels
-        raise InvalidRequest("response_format.json_schema.schema",
-                             "'response_format.json_schema.schema' is nested too deeply."
-                             ) from None
-    _check_schema(text)
-    return StructuredSpec(kind="json_schema", spec=text)
+    return json_schema_constraint(schema, "response_format.json_schema.schema")
 
 
 def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> SamplingRequest:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.frontend.anthropic_fields import IGNORED_FIELDS
 from services.frontend.openai_sampling import (MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                                MAX_TOP_LOGPROBS)
 
@@ -227,7 +228,8 @@ _A_BLOCK = {"type": "object", "required": ["type"], "properties": {
     "tool_use_id": {"type": "string"}, "is_error": {"type": "boolean"},
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_TEXT}]}}}
 _A_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": ["user", "assistant"]},
+    "role": {"enum": ["user", "assistant", "system"],
+             "description": "system: a mid-conversation system message (text only)"},
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _A_BLOCK}]}}}
 _A_COMMON = {
     "model": {"type": "string", "minLength": 1},
@@ -241,13 +243,23 @@ _A_COMMON = {
         "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
         "disable_parallel_tool_use": {"type": "boolean"}}},
     "thinking": {"type": "object", "required": ["type"], "properties": {
-        "type": {"enum": ["enabled", "disabled"]},
+        "type": {"enum": ["enabled", "adaptive", "disabled", "between_tools"]},
         "budget_tokens": {"type": "integer", "minimum": 1024,
-                          "description": "below max_tokens; not enforced"}}},
+                          "description": "enabled: below max_tokens; not enforced"},
+        "display": {"enum": ["summarized", "omitted"]}}},
+    "output_config": {"type": "object", "properties": {
+        "format": {"type": "object", "required": ["type", "schema"], "properties": {
+            "type": {"const": "json_schema"}, "schema": {"type": "object"}},
+            "description": "the text is constrained to the schema (grammar)"},
+        "effort": {"enum": ["low", "medium", "high", "xhigh", "max"],
+                   "description": "accepted, unused"}}},
+    "output_format": {"type": "object", "description": "the beta's output_config.format"},
     "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+    # accepted and ignored (anthropic_fields.IGNORED_FIELDS); other fields are a 400
+    **{name: {"description": "accepted, no effect here"} for name in sorted(IGNORED_FIELDS)},
 }
 MESSAGES_REQUEST = {"type": "object", "required": ["model", "max_tokens", "messages"],
-                    "properties": {
+                    "additionalProperties": False, "properties": {
     **_A_COMMON,
     "max_tokens": {"type": "integer", "minimum": 1},
     "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
@@ -256,7 +268,8 @@ MESSAGES_REQUEST = {"type": "object", "required": ["model", "max_tokens", "messa
     "top_k": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
     "stream": {"type": "boolean"}}}
 COUNT_TOKENS_REQUEST = {"type": "object", "required": ["model", "messages"],
-                        "properties": _A_COMMON}
+                        "additionalProperties": False,  # sampling fields: accepted, unused
+                        "properties": MESSAGES_REQUEST["properties"]}
 _A_ERR = {"$ref": "#/components/schemas/AnthropicError"}
 
 
@@ -284,7 +297,9 @@ ANTHROPIC_PATHS: dict[str, Any] = {
             "stop_reason": {"type": ["string", "null"]},
             "stop_sequence": {"type": ["string", "null"]},
             "usage": {"type": "object", "properties": {
-                "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"}}}}},
+                "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+                "cache_creation_input_tokens": {"type": "integer", "const": 0},
+                "cache_read_input_tokens": {"type": "integer", "const": 0}}}}},
         sse=True)),
     "/v1/messages/count_tokens": _anthropic_post(
         "Prompt tokens of a Messages request (as its usage.input_tokens)",

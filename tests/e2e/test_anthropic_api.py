@@ -188,3 +188,74 @@ def test_tool_choice_forces_a_valid_tool_use(client, choice, stream):
     assert uses and all(u.name == "get_weather" for u in uses)
     if m.stop_reason == "tool_use":
         assert all(isinstance(u.input.get("city"), str) for u in uses)
+
+
+COLOR_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                 "sure": {"type": "boolean"}},
+                "required": ["color", "sure"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_config_format_gives_json_valid_against_the_schema(client, stream):
+    """The real model under output_config.format: the text is JSON that jsonschema
+    accepts, streamed or not (thinking adaptive is on: the format turns the reasoning
+    part off)."""
+    import jsonschema
+
+    kw = dict(model=MODEL, max_tokens=60, messages=_msgs("Pick a color."),
+              thinking={"type": "adaptive"},
+              output_config={"effort": "low",
+                             "format": {"type": "json_schema", "schema": COLOR_SCHEMA}})
+    if stream:
+        with client.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = client.messages.create(**kw)
+    assert m.stop_reason == "end_turn", m
+    text = "".join(b.text for b in m.content if b.type == "text")
+    jsonschema.validate(json.loads(text), COLOR_SCHEMA)
+
+
+def test_the_sdks_parse_returns_the_pydantic_object(client):
+    """`messages.parse(output_format=Model)`: the SDK sends output_config.format and
+    validates the answer into the model."""
+    import typing
+
+    import pydantic
+
+    class Pick(pydantic.BaseModel):
+        color: typing.Literal["red", "green", "blue"]
+        sure: bool
+
+    m = client.messages.parse(model=MODEL, max_tokens=60, messages=_msgs("Pick a color."),
+                              output_format=Pick)
+    assert isinstance(m.parsed_output, Pick)
+
+
+def test_stream_message_delta_usage_has_the_input_tokens(client):
+    kw = dict(model=MODEL, max_tokens=8, messages=_msgs(), extra_body={"temperature": 0})
+    events = list(client.messages.create(**kw, stream=True))
+    start = next(e for e in events if e.type == "message_start").message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    assert isinstance(delta.input_tokens, int) and delta.input_tokens == start.input_tokens > 0
+    assert delta.cache_read_input_tokens == delta.cache_creation_input_tokens == 0
+    whole = client.messages.create(**kw).usage
+    assert (delta.input_tokens, delta.output_tokens) == (whole.input_tokens, whole.output_tokens)
+
+
+def test_thinking_adaptive_and_a_mid_conversation_system_message_are_served(client):
+    """Claude Code's first request shape, on the real model: accepted and answered."""
+    m = client.messages.create(
+        model=MODEL, max_tokens=8, thinking={"type": "adaptive"},
+        system=[{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": "Say hi."},
+                  {"role": "system", "content": "Answer in one word."}],
+        extra_body={"context_management": {"edits": []}})
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.input_tokens > 0
+
+
+def test_an_unknown_field_is_a_400_naming_it(client):
+    with pytest.raises(anthropic.BadRequestError, match="response_format: Extra inputs are "
+                                                         "not permitted"):
+        client.messages.create(model=MODEL, max_tokens=4, messages=_msgs(),
+                               extra_body={"response_format": {"type": "json_object"}})
