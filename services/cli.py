@@ -110,16 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         return serve(cfg, check_kvstore)
     if cmd == "engine":
         from services.engine.process import run_engine
+        from shared.procutil import exit_now
 
-        return run_engine(cfg)
+        exit_now(run_engine(cfg))  # the engine group's restart waits for this exit
     if cmd == "kvstore":
         from services.kvstore.server import run_kvstore
 
         return run_kvstore(cfg)
     if cmd == "worker":
         from services.worker.worker import run_worker
+        from shared.procutil import exit_now
 
-        return run_worker(cfg, args.rank)
+        exit_now(run_worker(cfg, args.rank))
     from services.frontend.server import run_frontend
 
     run_frontend(cfg, args.frontend_index)
