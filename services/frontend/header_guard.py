@@ -66,8 +66,9 @@ class _HeaderGuard(asyncio.Protocol):
             self._head_bytes += len(data)
         super().data_received(data)
         if self._timer is not None:
-            if self.cycle is not self._armed_cycle:
-                self._disarm()  # its headers are complete: a request is being served
+            if self.cycle is not self._armed_cycle or self.transport.get_protocol() is not self:
+                self._disarm()  # its headers are complete: a request is being served (or
+                # the connection was upgraded and another protocol owns it now)
             elif self._head_bytes > MAX_HEADER_BYTES:
                 self._refuse(431, "Request Header Fields Too Large",
                              f"Request headers over {MAX_HEADER_BYTES} bytes.")
