@@ -67,6 +67,7 @@ class KestrelConfig:
     shutdown_timeout: float
     header_timeout: float
     max_incomplete_connections: int
+    engine_standby: bool
     restart_max: int
     restart_window_s: float
     watchdog_config: str | None

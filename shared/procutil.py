@@ -87,6 +87,16 @@ def setup_logging(process: str, level: str = "INFO") -> logging.Logger:
     return logging.getLogger("kestrel")
 
 
+def await_activation(title: str) -> bool:
+    """The wait of a standby process (services/supervisor/standby.py), after its imports:
+    set the process title `title`, die with the parent, and block until a line arrives on
+    stdin. True for "go" (carry on as the real process), False at EOF or anything else
+    (exit quietly)."""
+    set_title(title)
+    die_with_parent()
+    return sys.stdin.readline().strip() == "go"
+
+
 def exit_now(code: int) -> NoReturn:
     """End this process with exit status `code` once its own cleanup is done: run the atexit
     handlers, flush the logs and stdio, then `os._exit`. It skips the interpreter's teardown
