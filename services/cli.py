@@ -29,6 +29,9 @@ def _config_parser(prog: str, extra=None) -> argparse.ArgumentParser:
     return p
 
 
+STANDBY_HELP = ("import, then wait for 'go' on stdin before starting (the supervisor's spare "
+                "for a fast restart: services/supervisor/standby.py)")
+
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 
@@ -85,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                 return code
         except BrokenPipeError:
             return _quiet_broken_pipe()
-    extra = None
-    if cmd == "worker":
-        extra = lambda p: p.add_argument("--rank", type=int, default=0)  # noqa: E731
-    elif cmd == "frontend":  # the supervisor's index: name frontend-<i>, SO_REUSEPORT if > 1
-        extra = lambda p: p.add_argument("--frontend-index", type=int, default=0)  # noqa: E731
+    def extra(p: argparse.ArgumentParser) -> None:
+        if cmd == "worker":
+            p.add_argument("--rank", type=int, default=0)
+        if cmd in ("engine", "worker"):
+            p.add_argument("--standby", action="store_true", help=STANDBY_HELP)
+        if cmd == "frontend":  # the supervisor's index: name frontend-<i>, SO_REUSEPORT if > 1
+            p.add_argument("--frontend-index", type=int, default=0)
+
     try:
         args = _config_parser(f"kestrel {cmd}", extra).parse_args(rest)
     except SystemExit as e:  # --help or a usage error: argparse printed and exits
@@ -109,17 +115,26 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(cfg, check_kvstore)
     if cmd == "engine":
-        from services.engine.process import run_engine
+        from services.engine.process import run_engine  # the heavy imports (torch, xgrammar)
+        from shared.procutil import await_activation, exit_now
 
-        return run_engine(cfg)
+        if args.standby and not await_activation("kestrel:engine-standby"):
+            exit_now(0)
+        exit_now(run_engine(cfg))  # the engine group's restart waits for this exit
     if cmd == "kvstore":
         from services.kvstore.server import run_kvstore
 
         return run_kvstore(cfg)
     if cmd == "worker":
         from services.worker.worker import run_worker
+        from shared.procutil import await_activation, exit_now
 
-        return run_worker(cfg, args.rank)
+        if args.standby:
+            import services.worker.model_runner  # noqa: F401 (run_worker's heavy import, done now)
+
+            if not await_activation(f"kestrel:worker-standby:{args.rank}"):
+                exit_now(0)
+        exit_now(run_worker(cfg, args.rank))
     from services.frontend.server import run_frontend
 
     run_frontend(cfg, args.frontend_index)

@@ -68,6 +68,9 @@ class KestrelConfig:
     api_key: str | None
     frontends: int
     shutdown_timeout: float
+    header_timeout: float
+    max_incomplete_connections: int
+    engine_standby: bool
     restart_max: int
     restart_window_s: float
     watchdog_config: str | None
@@ -218,7 +221,8 @@ def _validate(cfg: KestrelConfig) -> None:
     """Range checks of numeric settings, and no quantized KV cache (not implemented yet).
     Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
-                "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib")
+                "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib",
+                "header_timeout", "max_incomplete_connections")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"setting {name}: must be positive, got {getattr(cfg, name)!r}")

@@ -77,7 +77,14 @@ FIELDS: list[Field] = [
     Field("api_key", str, None, "require this key on API routes (Bearer or x-api-key)"),
     # --- operations (supervision, watchdog, shutdown, profile)
     Field("frontends", int, 1, "frontend processes sharing the port (SO_REUSEPORT)"),
-    Field("shutdown_timeout", float, 30.0, "seconds to drain in-flight requests on SIGTERM"),
+    Field("shutdown_timeout", float, 30.0, "seconds to drain in-flight requests on SIGTERM; "
+          "then they end with an error (503 / error event)"),
+    Field("header_timeout", float, 10.0, "seconds a client has to send a request's headers "
+          "(from its connect, or from the first byte of its next request); then 408 and closed"),
+    Field("max_incomplete_connections", int, 256, "connections per frontend still sending "
+          "their headers; a new one beyond closes the one waiting longest"),
+    Field("engine_standby", parse_bool, True, "keep a pre-imported spare engine and worker "
+          "(about 0.3 GB RSS each) to restart a dead engine group without the imports"),
     Field("restart_max", int, 5, "restarts of one process within restart_window_s before giving up"),
     Field("restart_window_s", float, 60.0, "window for restart_max, seconds"),
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),

@@ -1,13 +1,15 @@
 """Process utilities shared by every Kestrel process: titles, parent-death signal, stop
-signals, logging."""
+signals, logging, a fast exit."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 # the exit code of a process that refuses its configuration (it would refuse it again): the
@@ -83,6 +85,34 @@ def setup_logging(process: str, level: str = "INFO") -> logging.Logger:
         force=True,
     )
     return logging.getLogger("kestrel")
+
+
+def await_activation(title: str) -> bool:
+    """The wait of a standby process (services/supervisor/standby.py), after its imports:
+    set the process title `title`, die with the parent, and block until a line arrives on
+    stdin. True for "go" (carry on as the real process), False at EOF or anything else
+    (exit quietly)."""
+    set_title(title)
+    die_with_parent()
+    return sys.stdin.readline().strip() == "go"
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with exit status `code` once its own cleanup is done: run the atexit
+    handlers, flush the logs and stdio, then `os._exit`. It skips the interpreter's teardown
+    of every loaded module (3.3 s with torch and xgrammar loaded, measured on the busy 2-core
+    dev machine), time that an engine-group restart would otherwise wait for. Non-daemon
+    threads are not joined: call it only where the process has stopped its own."""
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing left to say
+                pass
+    finally:
+        os._exit(code)
 
 
 def pid_alive(pid: int) -> bool:

@@ -44,6 +44,7 @@ class ErrorKind(StrEnum):
     INVALID = "invalid"          # the request's own fault: 400
     OVERLOADED = "overloaded"    # the waiting queue is full: 503 + Retry-After
     INTERNAL = "internal"        # a fault inside Kestrel: 500
+    UNAVAILABLE = "unavailable"  # the engine went away (restart, shutdown): 503 + Retry-After
 
 
 class StructuredSpec(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -14,7 +14,7 @@ are off). Its verbs each return the outputs to send (`Emitted`, services/engine/
 - `plan_step()` -> the next `SchedulerOutput` (with its tier copies), `finish_step(out,
   result)` applies the workers' `StepResult`; a failed step fails its requests only.
   `plan_transfer()` / `finish_transfer()`: a plan with only tier stores.
-- `fail_all(reason)`: fail everything (shutdown).
+- `fail_all(reason)`: fail everything (shutdown or restart: error_kind "unavailable").
 
 What the process and its frontend link read, so that nothing outside this file reaches into
 the scheduler, the block manager or the grammar jobs: `has_work()`, `has_requests_to_run()`,
@@ -289,13 +289,14 @@ class EngineCore:
                 **(self.connector.stats() if self.connector is not None else {})}
 
     def fail_all(self, reason: str) -> Emitted:
-        """Fail every request (running, waiting, compiling) with error `reason` and stop the
-        compile threads: the engine is going away."""
+        """Fail every request (running, waiting, compiling) with error `reason`, error_kind
+        "unavailable" (the engine is going away, for a restart or a shutdown: the client may
+        retry, 503 + Retry-After), and stop the compile threads."""
         reqs = list(self.scheduler.requests.values())
         for req in reqs:
             self.scheduler.finish(req, P.FinishReason.ERROR)
-        em = emitted_for(reqs, error=reason)
+        em = emitted_for(reqs, error=reason, kind=P.ErrorKind.UNAVAILABLE)
         for c in self.grammars.compiling.values():
-            em.anyway.append((c.frontend, refusal(c.msg, P.ErrorKind.INTERNAL, reason)))
+            em.anyway.append((c.frontend, refusal(c.msg, P.ErrorKind.UNAVAILABLE, reason)))
         self.grammars.shutdown()
         return em

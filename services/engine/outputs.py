@@ -58,15 +58,16 @@ def request_output(req: Request) -> P.RequestOutput:
     return o
 
 
-def emitted_for(reqs: list[Request], error: str | None = None) -> Emitted:
+def emitted_for(reqs: list[Request], error: str | None = None,
+                kind: P.ErrorKind = P.ErrorKind.INTERNAL) -> Emitted:
     """The outputs of `reqs` (grouped by frontend, sent to attached ones); with `error`, each
-    carries it with error_kind "internal"."""
+    carries it with error_kind `kind` (default "internal")."""
     em = Emitted()
     for req in reqs:
         o = request_output(req)
         if error:
             o.error = error
-            o.error_kind = P.ErrorKind.INTERNAL
+            o.error_kind = kind
         em.add(req.frontend, o)
     return em
 

@@ -159,6 +159,7 @@ class EngineClient:
         self._info_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._reattach_at: float | None = None  # monotonic time of a Hello sent on NotAttached
+        self._closed_reason: str | None = None  # set by end_requests: new requests refused
 
     # ------------------------------------------------------------ lifecycle
 
@@ -217,7 +218,10 @@ class EngineClient:
         stream merge queued outputs (`RequestStream.get`); only for requests without stop
         strings, whose end is found in the text and must cut the token count there.
 
-        Raises EngineUnavailable if the engine is not connected or not answering."""
+        Raises EngineUnavailable if the engine is not connected or not answering, or once
+        `end_requests` was called."""
+        if self._closed_reason is not None:
+            raise EngineUnavailable(self._closed_reason)
         if self.is_dead():
             raise EngineUnavailable("the engine is not responding")
         stream = RequestStream(request_id, merge)
@@ -227,6 +231,17 @@ class EngineClient:
             del self._streams[request_id]
             raise EngineUnavailable("the engine is not connected")
         return stream
+
+    def end_requests(self, reason: str) -> int:
+        """End every request in flight now with an error output of error_kind "unavailable"
+        and `reason` (each API then answers its own way: a 503 in its envelope, or its
+        stream's error event), abort them in the engine, and refuse new requests from now on
+        (EngineUnavailable(reason)). The drain of a stopping frontend calls it when its time
+        is up (lifecycle.py). Returns the number of requests ended."""
+        self._closed_reason = reason
+        n = len(self._streams)
+        self._fail_all(reason)
+        return n
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone, stop string): forget its stream and send Abort.
@@ -353,14 +368,17 @@ class EngineClient:
                 self._fail_all("the engine is not responding")
 
     def _fail_all(self, reason: str) -> None:
-        """End every request in flight with an error output (and Abort them in the engine,
-        in case it still runs them); fail pending utility calls."""
+        """End every request in flight with an error output of error_kind "unavailable" (the
+        engine is gone or restarted, or this frontend stops: a retry may succeed, 503 +
+        Retry-After) and Abort them in the engine, in case it still runs them; fail pending
+        utility calls."""
         streams, self._streams = self._streams, {}
         if streams:
             self._send(p.Abort(request_ids=list(streams)))
         for rid, stream in streams.items():
             stream.put(p.RequestOutput(request_id=rid, new_token_ids=[], num_prompt_tokens=0,
-                                       finish_reason=p.FinishReason.ERROR, error=reason))
+                                       finish_reason=p.FinishReason.ERROR, error=reason,
+                                       error_kind=p.ErrorKind.UNAVAILABLE))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineCallError(reason))

@@ -95,10 +95,13 @@ class InternalError(APIError):
 def engine_error(error: str | None, error_kind: str | None) -> APIError:
     """The API error of a request the engine ended with an error, by its error_kind:
     "overloaded" (waiting queue full) -> Overloaded (503 / Anthropic's 529, Retry-After),
-    "invalid" (the engine rejected the request) -> InvalidRequest (400), anything else
-    (None: internal) -> InternalError (500)."""
+    "unavailable" (the engine went away: a restart, a shutdown, or this frontend lost it) ->
+    ServiceUnavailable (503 / 529, Retry-After), "invalid" (the engine rejected the request)
+    -> InvalidRequest (400), anything else (None: internal) -> InternalError (500)."""
     if error_kind == "overloaded":
         return Overloaded(f"The server is overloaded ({error}); retry later.")
+    if error_kind == "unavailable":
+        return ServiceUnavailable(f"The server is unavailable ({error}); retry later.")
     if error_kind == "invalid":
         return InvalidRequest(None, f"The engine rejected the request: {error}")
     return InternalError(f"The request failed: {error}")

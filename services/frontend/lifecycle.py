@@ -7,11 +7,17 @@
 - Draining: on SIGTERM (or SIGINT when the frontend runs alone) `DrainingServer` marks the
   app draining. The listening socket stays open: every new request gets 503 + Retry-After
   from `DrainMiddleware` (with `Connection: close`), while the requests in flight (counted
-  by the middleware) get up to cfg.shutdown_timeout seconds. When none is left, or the time
-  is up, uvicorn shuts down: it closes the listener, and cancels what still runs after
-  FINAL_GRACE_S (those requests are aborted on the engine). A second stop signal skips the
-  rest of the drain. Under a supervisor (`kestrel serve`) SIGINT is a no-op: a terminal's
-  Ctrl-C reaches the whole process group, and the supervisor drains everything in order.
+  by the middleware) get up to cfg.shutdown_timeout seconds. When none is left, uvicorn
+  shuts down. When the time is up, the requests still in flight are ended with a "server
+  shutting down" error (`app.state.end_requests`, the engine client's `end_requests`: every
+  request gets an error output of kind "unavailable", which each API renders its own way,
+  as for any engine error: a non-streamed request gets a 503 + Retry-After in its
+  envelope, a stream its error event, then `data: [DONE]` on the OpenAI routes); they get
+  CUT_GRACE_S to write it, then uvicorn shuts down: it closes the listener, and cancels
+  what still runs after FINAL_GRACE_S (those requests are aborted on the engine). A second
+  stop signal ends the requests in flight the same way and skips the rest of the drain.
+  Under a supervisor (`kestrel serve`) SIGINT is a no-op: a terminal's Ctrl-C reaches the
+  whole process group, and the supervisor drains everything in order.
 - Watchdog: `beat_forever` beats the process's progress beacon from the event loop, so a
   blocked loop stops the counter and the supervisor's watchdog dumps the stacks.
 """
@@ -26,7 +32,9 @@ import time
 
 import orjson
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from services.frontend.header_guard import guarded_protocol
 from shared.config import KestrelConfig
 from shared.liveness import Beacon
 from shared.procutil import supervisor_pid
@@ -36,6 +44,8 @@ log = logging.getLogger("kestrel.frontend")
 BEAT_INTERVAL_S = 0.5
 DRAIN_RETRY_AFTER_S = 5
 FINAL_GRACE_S = 1  # seconds (uvicorn takes an int); after the drain: for responses that are just finishing, then cancel
+CUT_GRACE_S = 2.0  # seconds for the requests ended at the drain's timeout to write their error
+SHUTDOWN_ERROR = "the server is shutting down"
 
 
 def frontend_name(index: int) -> str:
@@ -72,6 +82,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_s = drain_s
         self._ignore_sigint = ignore_sigint
         self._drain_deadline: float | None = None  # time.monotonic() at which the drain ends
+        self._cut_deadline: float | None = None    # the same, for the error writes after it
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGINT and self._ignore_sigint:
@@ -85,19 +96,40 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
         else:
             log.info("second stop signal: stopping now")
+            end_in_flight(self._app, f"{SHUTDOWN_ERROR} (stopped before its drain ended)")
             self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        """uvicorn calls this every 0.1 s; True stops the server. Ends the drain."""
+        """uvicorn calls this every 0.1 s; True stops the server. Ends the drain: at its
+        timeout the requests in flight are ended with an error (module doc), and CUT_GRACE_S
+        later uvicorn's shutdown cancels what is left."""
         if self._drain_deadline is not None and not self.should_exit:
             left = in_flight(self._app)
+            now = time.monotonic()
             if left == 0:
                 log.info("drained: no request in flight")
                 self.should_exit = True
-            elif time.monotonic() >= self._drain_deadline:
-                log.warning("drain time is up with %d request(s) in flight: cancelling them", left)
+            elif self._cut_deadline is None and now >= self._drain_deadline:
+                log.warning("drain time (%.0f s) is up with %d request(s) in flight: ending "
+                            "them with an error", self._drain_s, left)
+                end_in_flight(self._app, f"{SHUTDOWN_ERROR} (the request outlasted the "
+                                         f"{self._drain_s:.0f} s drain)")
+                self._cut_deadline = now + CUT_GRACE_S
+            elif self._cut_deadline is not None and now >= self._cut_deadline:
+                log.warning("%d request(s) still in flight %.0f s after their error: "
+                            "cancelling them", left, CUT_GRACE_S)
                 self.should_exit = True
         return await super().on_tick(counter)
+
+
+def end_in_flight(app, reason: str) -> None:
+    """End every request of `app` in flight with error `reason` through the hook its
+    lifespan set (`app.state.end_requests(reason)`, the engine client's `end_requests`);
+    nothing when there is none (before the startup finished)."""
+    hook = getattr(app.state, "end_requests", None)
+    if hook is not None:
+        n = hook(reason)
+        log.info("ended %s request(s) in flight: %s", n, reason)
 
 
 def in_flight(app) -> int:
@@ -144,8 +176,12 @@ def serve(app, cfg: KestrelConfig, index: int) -> None:
     """Run `app` under uvicorn until a stop signal, draining for up to cfg.shutdown_timeout s.
 
     With cfg.frontends > 1 the socket is pre-bound with SO_REUSEPORT (shared port);
-    otherwise uvicorn binds cfg.host:cfg.port itself. Raises OSError if the bind fails."""
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None,
+    otherwise uvicorn binds cfg.host:cfg.port itself. uvicorn's HTTP protocol gets the
+    header timeout and the cap on connections still sending headers (header_guard.py:
+    cfg.header_timeout, cfg.max_incomplete_connections). Raises OSError if the bind fails,
+    ValueError for a header timeout or cap that is not positive."""
+    http = guarded_protocol(AutoHTTPProtocol, cfg.header_timeout, cfg.max_incomplete_connections)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, http=http,
                             log_level=cfg.log_level.lower(), timeout_keep_alive=30,
                             timeout_graceful_shutdown=FINAL_GRACE_S)
     server = DrainingServer(config, app, drain_s=max(float(cfg.shutdown_timeout), 0.1),

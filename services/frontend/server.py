@@ -164,6 +164,7 @@ def create_app(cfg: KestrelConfig, index: int = 0) -> Starlette:
         try:
             ctx = await build_context(cfg, engine)
             app.state.servings = Servings.build(ctx, cfg.runtime_dir)
+            app.state.end_requests = engine.end_requests  # the drain's timeout (lifecycle.py)
             log.info("serving %s on http://%s:%d", ctx.model_name, cfg.host, cfg.port)
             yield
         finally:

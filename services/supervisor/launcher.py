@@ -28,6 +28,9 @@ Policies (docs/ARCHITECTURE.md §8):
   engine carries on without tiers meanwhile and reconnects). It stops last.
 - A watchdog thread (watchdog.py) writes stack dumps of processes that stop making progress,
   and of the workers the engine gives up on, before they are killed (dump, then kill).
+- With cfg.engine_standby (default on), a restart of the engine group activates a spare
+  engine and worker that already imported their modules (standby.py), made once the group
+  has served for a while; without a spare a fresh process starts.
 
 Stop (SIGTERM or Ctrl-C): the frontends drain (they keep listening and answer new requests
 with 503 + Retry-After; requests in flight get up to --shutdown-timeout seconds), then the
@@ -62,6 +65,7 @@ import urllib.request
 from collections.abc import Callable
 
 from services.supervisor.restart import RestartPolicy
+from services.supervisor.standby import STANDBY_DELAY_S, Standby
 from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
 from shared.config import KestrelConfig
 from shared.model_spec import ModelFolderError, model_spec_for
@@ -79,16 +83,20 @@ WORKER_OWN_EXIT_S = 5.0  # at stop: time for workers to exit after the engine's 
 class Child:
     """One supervised process: its role name, command line and Popen handle."""
 
-    def __init__(self, role: str, argv: list[str], env: dict[str, str]):
+    def __init__(self, role: str, argv: list[str], env: dict[str, str], standby: bool = False):
         self.role = role
         self.argv = argv
         self.env = env
         self.proc: subprocess.Popen | None = None
+        self.standby = Standby(role, argv, env) if standby else None
 
     def start(self) -> None:
-        """Start (or start again) the process; the previous handle is dropped."""
-        self.proc = subprocess.Popen(self.argv, env=self.env)
-        log.info("started %s (pid %d)", self.role, self.proc.pid)
+        """Start (or start again) the process, from its standby when one is ready; the
+        previous handle is dropped."""
+        spare = self.standby.take() if self.standby is not None else None
+        self.proc = spare or subprocess.Popen(self.argv, env=self.env)
+        log.info("started %s (pid %d%s)", self.role, self.proc.pid,
+                 ", its standby" if spare else "")
 
     def alive(self) -> bool:
         """Started and not exited yet."""
@@ -162,10 +170,13 @@ class Supervisor:
     def __init__(self, cfg: KestrelConfig, resolved: str, env: dict[str, str]):
         self.cfg = cfg
         base = [sys.executable, "-m", "services.cli"]
+        spare = bool(cfg.engine_standby)
         self.engine_group = [
-            Child("engine", base + ["engine", "--resolved-config", resolved], env),
-            Child("worker-0", base + ["worker", "--rank", "0", "--resolved-config", resolved], env),
+            Child("engine", base + ["engine", "--resolved-config", resolved], env, spare),
+            Child("worker-0", base + ["worker", "--rank", "0", "--resolved-config", resolved], env,
+                  spare),
         ]
+        self.group_started = time.monotonic()  # the engine group's last (re)start
         self.frontends = [
             Child(f"frontend-{i}", base + ["frontend", "--frontend-index", str(i),
                                            "--resolved-config", resolved], env)
@@ -238,7 +249,24 @@ class Supervisor:
             for c in group:
                 self.restarts[c.role] += 1
                 c.start()
+            if unit == "engine":
+                self.group_started = time.monotonic()
             self._write_counts()
+
+    def wants_standbys(self) -> bool:
+        """Whether spares are missing while the engine group has run STANDBY_DELAY_S
+        without a restart pending (then `make_standbys` once /health says 200)."""
+        return ("engine" not in self.pending
+                and time.monotonic() - self.group_started >= STANDBY_DELAY_S
+                and all(c.alive() for c in self.engine_group)
+                and any(c.standby is not None and not c.standby.alive()
+                        for c in self.engine_group))
+
+    def make_standbys(self) -> None:
+        """Start the missing spares of the engine group (standby.py)."""
+        for c in self.engine_group:
+            if c.standby is not None and not c.standby.alive():
+                c.standby.spawn()
 
     def _stop_engine_group(self) -> None:
         """Stop what is left of the engine group (the engine first: it fails the requests
@@ -252,6 +280,9 @@ class Supervisor:
         False: a server that never served has nothing to drain, GRACE_S only), then the
         engine, then the workers; SIGKILL for any that outstay their grace."""
         self.pending.clear()
+        for c in self.engine_group:
+            if c.standby is not None:
+                c.standby.stop()
         _stop_group(self.frontends, (self.cfg.shutdown_timeout if drain else 0.0) + GRACE_S)
         _stop_group(self.engine_group[:1], GRACE_S)
         # The engine told its workers to exit: let them finish on their own (a SIGTERM in
@@ -378,6 +409,8 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
             if sup.gave_up:
                 code = 1
                 break
+            if ready and sup.wants_standbys() and _healthy(url):
+                sup.make_standbys()
             if not ready:
                 if _healthy(url):
                     ready = True

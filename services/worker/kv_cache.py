@@ -7,12 +7,19 @@ block_size, num_kv_heads, head_dim] in the KV dtype (today the model dtype), and
 per-layer scales a quantized KV dtype will need (None today). Slot s of a layer's cache is
 block s // block_size, offset s % block_size. The cache is zero-filled: attention reads
 padded slots under a mask, and 0 * NaN from uninitialised memory would poison the output.
+On the CPU the zeros are the kernel's: every tensor is a view of one anonymous mmap, whose
+pages are zero when first touched (mmap(2)), so the start does not fault the whole cache in
+(`torch.zeros` writes every page: 1.2 GiB took 2-10 s of a worker restart on the 2-core dev
+VM, where a page's first touch is the slow part); a page is faulted in when a block is first
+written.
 Only the attention backends (`services.worker.layers.attention`) and the tier copier
 (`services.worker.kv_transfer`) touch the tensors; models never do.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +77,21 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         s = specs[0]
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-        self.layers = [KVHandle(torch.zeros(shape, dtype=dtype, device=device),
-                                torch.zeros(shape, dtype=dtype, device=device), dtype) for _ in specs]
+        tensors = _zeros(2 * len(specs), shape, dtype, torch.device(device))
+        self.layers = [KVHandle(tensors[2 * i], tensors[2 * i + 1], dtype) for i in range(len(specs))]
         self.k = [h.k for h in self.layers]
         self.v = [h.v for h in self.layers]
         self.bytes = sum(t.numel() * t.element_size() for t in self.k + self.v)  # as allocated
+
+
+def _zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype,
+           device: torch.device) -> list[torch.Tensor]:
+    """`count` zero tensors of `shape` and `dtype` on `device`. On the CPU they are views of
+    one anonymous private mmap (zero pages, faulted in lazily; the tensors keep the mapping
+    alive); elsewhere `torch.zeros`."""
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    numel = math.prod(shape)
+    nbytes = count * numel * torch.empty((), dtype=dtype).element_size()
+    flat = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=count * numel)
+    return [flat[i * numel:(i + 1) * numel].view(shape) for i in range(count)]

@@ -11,7 +11,7 @@ from shared import protocol as P
 
 # The wire strings (the OpenAI finish reasons and the frontend's error mapping read them).
 FINISH = ["stop", "length", "abort", "error"]
-KINDS = ["invalid", "overloaded", "internal"]
+KINDS = ["invalid", "overloaded", "internal", "unavailable"]
 
 
 def test_the_members_are_exactly_the_wire_strings():

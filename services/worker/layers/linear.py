@@ -30,7 +30,11 @@ class Linear(nn.Module):
         super().__init__()
         stacked = isinstance(out_features, (list, tuple))
         sizes: list[int] = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
-        self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
+        weight = torch.empty(sum(sizes), in_features)
+        if weight.device.type == "cpu":  # born in the CPU gemm layout (to_cpu_gemm_layout):
+            # the loader copies into it once, instead of a copy and a re-laid second copy
+            weight = torch.empty(in_features, sum(sizes)).t()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
         if stacked:
             for p in (self.weight, self.bias):
