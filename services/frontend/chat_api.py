@@ -1,8 +1,8 @@
 """POST /v1/chat/completions: OpenAI's Chat Completions API, with tool calls and reasoning.
 
 The prompt is the chat template rendered with the request's messages, its `tools` (unless
-tool_choice is "none"), the tool-call format of `--tool-call-parser` and
-`chat_template_kwargs`. Each choice's text goes through its own output parser
+tool_choice is "none"; through `tool_prompt.py`'s fallback when the template cannot render
+them), the tool-call format of `--tool-call-parser` and `chat_template_kwargs`. Each choice's text goes through its own output parser
 (`parsers/output.py`): the `--reasoning-parser` splits off the reasoning (when
 `chat_template_kwargs.enable_thinking` is not false), stop strings apply to the content
 only, and the `--tool-call-parser` (or the `forced` parser, when tool_choice is "required"

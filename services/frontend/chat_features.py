@@ -3,7 +3,9 @@
 tool calls with `--tool-call-parser`, stop strings).
 
 `--chat-template` is a name of a file under services/frontend/templates/ without `.jinja`
-(`qwen3`), or a path to a Jinja file; without it, the model's own template is used.
+(`qwen3`), or a path to a Jinja file; without it, the model's own template is used. A
+template that does not render tools (or tool calls) gets them through the fallback of
+`tool_prompt.py`; that is logged once, at load.
 """
 
 from __future__ import annotations
@@ -37,7 +39,18 @@ def load_chat_template(setting: str | None, tokenizer: Tokenizer) -> ChatTemplat
             source = fh.read()
     if source is None:
         return None
-    return ChatTemplate(source, tokenizer.special_tokens)
+    template = ChatTemplate(source, tokenizer.special_tokens)
+    sup = template.support
+    if sup.needs_fallback:
+        log.warning("the chat template renders %s; Kestrel adds them to the prompt itself "
+                    "(a system block of tools, calls and results as <tool_call> / "
+                    "<tool_response> text)%s", " and ".join(
+                        w for w, ok in (("no tools", sup.renders_tools),
+                                        ("no tool calls", sup.renders_tool_calls)) if not ok),
+                    "" if sup.renders_system or sup.renders_tools else
+                    "; it renders no system message either, so requests with tools get 400 "
+                    "(use --chat-template)")
+    return template
 
 
 class ChatFeatures:

@@ -3,7 +3,8 @@
 Follows the OpenAI API reference for the request bodies. Chat: model, messages (roles
 system, developer (sent to the template as system), user, assistant (with `tool_calls`),
 tool (with `tool_call_id`); content a string or a list of text parts), logprobs,
-top_logprobs (0-20, needs logprobs), chat_template_kwargs, tools / tool_choice /
+top_logprobs (0-20, needs logprobs), chat_template_kwargs (an object; not the keys the
+renderer sets itself, `chat_template.RESERVED`), tools / tool_choice /
 parallel_tool_calls (`openai_tools`), and the shared sampling fields of `openai_sampling`
 (n, seed, penalties, logit_bias, stop, response_format, stream, stream_options, vLLM's
 top_k/min_p/min_tokens/...).
@@ -23,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from services.frontend.chat_template import check_template_kwargs
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import (MAX_TOP_LOGPROBS, SamplingRequest, get_bool,
                                                get_int, is_int, parse_sampling)
@@ -167,9 +169,7 @@ def parse_chat_request(raw: bytes, vocab_size: int) -> ChatCompletionRequest:
     top = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and top > 0 and not want_logprobs:
         raise InvalidRequest("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise InvalidRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object.")
+    kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     tools = parse_tools(body)
     sampling = parse_sampling(body, vocab_size)
     if tools.forced:
@@ -180,7 +180,7 @@ def parse_chat_request(raw: bytes, vocab_size: int) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         model=body["model"], messages=messages, sampling=sampling,
         logprobs=(top or 0) if want_logprobs else None,
-        chat_template_kwargs=dict(kwargs or {}), tools=tools)
+        chat_template_kwargs=kwargs, tools=tools)
 
 
 def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:

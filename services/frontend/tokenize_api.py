@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.frontend.body import json_object, read_body
+from services.frontend.chat_template import check_template_kwargs
 from services.frontend.context import ServingContext
 from services.frontend.errors import InternalError, InvalidRequest, model_not_found
 from services.frontend.guard import guard, json_response
@@ -58,10 +59,7 @@ class TokenizeServing:
                 messages = parse_messages(body["messages"])
                 if s.template is None:
                     raise InternalError("The model has no chat template.")
-                kwargs = body.get("chat_template_kwargs") or {}
-                if not isinstance(kwargs, dict):
-                    raise InvalidRequest("chat_template_kwargs",
-                                         "'chat_template_kwargs' must be an object.")
+                kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
                 tools = parse_tools(body)
                 text = s.template.render(
                     messages, add_generation_prompt=get_bool(body, "add_generation_prompt",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import anthropic
 import httpx
@@ -248,3 +249,63 @@ def test_the_stream_of_a_bad_tool_request_fails_before_any_sse_byte(stack):
         "model": MODEL, "messages": _msgs("hi"), "stream": True, "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+
+
+def _engine_prompt(stack) -> str:
+    """The prompt text of the engine's last AddRequest, decoded by the model's tokenizer."""
+    tok = Tokenizer.from_file(os.path.join(stack.model_dir, "tokenizer.json"))
+    return tok.decode(stack.engine.added[-1].prompt_token_ids, skip_special_tokens=False)
+
+
+def test_tools_the_template_ignores_reach_the_prompt_and_the_call_round_trips(client, stack):
+    # The stack's ChatML template renders only role and content (as SmolLM2's does).
+    bare = client.chat.completions.create(model=MODEL, messages=_msgs("please call"))
+    r = client.chat.completions.create(model=MODEL, messages=_msgs("please call"), tools=TOOLS)
+    assert r.usage.prompt_tokens > bare.usage.prompt_tokens
+    prompt = _engine_prompt(stack)
+    for t in TOOLS:
+        assert json.dumps(t["function"]) in prompt
+    assert "<tool_call></tool_call> XML tags" in prompt  # the hermes format the parser reads
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLED
+    history = _msgs("please call") + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [c.model_dump(exclude_none=True) for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny."},
+        {"role": "tool", "tool_call_id": calls[1].id, "content": "Noon."}]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
+    prompt = _engine_prompt(stack)
+    turn = prompt.split("<|im_start|>assistant\n")[1]  # the earlier assistant turn
+    shown = [json.loads(m) for m in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", turn)]
+    assert [(c["name"], c["arguments"]) for c in shown] == CALLED
+    assert "<tool_response>\nSunny.\n</tool_response>\n<tool_response>\nNoon." in prompt
+
+
+def test_anthropic_tools_the_template_ignores_are_counted_and_rendered(stack):
+    anth = anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in TOOLS]
+    msgs = _msgs("please call")
+    bare = anth.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
+    counted = anth.messages.count_tokens(model=MODEL, messages=msgs, tools=tools).input_tokens
+    assert counted > bare
+    m = anth.messages.create(model=MODEL, max_tokens=8, messages=msgs, tools=tools)
+    assert m.usage.input_tokens == counted
+    assert json.dumps({"name": "get_weather",
+                       "parameters": tools[0]["input_schema"]}) in _engine_prompt(stack)
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "tools", "messages", "documents"])
+def test_chat_template_kwargs_with_the_renderers_own_keys_is_400_naming_the_key(client, stack,
+                                                                                key):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=_msgs("hi"), stream=stream,
+                                           extra_body={"chat_template_kwargs": {key: True}})
+        assert e.value.body["param"] == f"chat_template_kwargs.{key}"
+        assert repr(key) in e.value.body["message"]
+    r = httpx.post(f"{stack.url}/tokenize", timeout=10, json={
+        "model": MODEL, "messages": _msgs("hi"), "chat_template_kwargs": {key: True}})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == f"chat_template_kwargs.{key}"

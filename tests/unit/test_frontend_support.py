@@ -63,7 +63,7 @@ ERROR_KINDS = {
     "please overload": ("overloaded", "waiting queue full (64 requests)"),
     "please reject": ("invalid", "simulated invalid request: the schema cannot be compiled"),
 }
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 16384  # room for tools in the prompts (tool_prompt.py), a 400-deep schema too
 FAKE_PROMPT_LOGPROB = -1.5  # every prompt token's logprob (requests with prompt_logprobs)
 MODEL = "test-model"  # the served model name
 HI = [{"role": "user", "content": "Say hello 你好"}]
