@@ -67,15 +67,15 @@ from services.frontend.fanout import until_disconnect
 from services.frontend.generation import TextDelta, generate
 from services.frontend.guard import CLIENT_CLOSED
 from services.frontend.openai_sampling import engine_temperature, engine_top_p
-from services.frontend.parsers.output import Finish, OutEvent, run_parsed
+from services.frontend.parsers.output import STOP_STRING, Finish, OutEvent, run_parsed
 from services.frontend.parsers.tool_choice import forced_call_constraint
-from shared.protocol import SamplingParams
+from shared.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("kestrel.frontend.anthropic")
 
 # Routes take every method, so that a wrong one gets Anthropic's envelope (405).
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-STOP_REASONS = {"length": "max_tokens", "stop_string": "stop_sequence"}
+STOP_REASONS = {FinishReason.LENGTH: "max_tokens", STOP_STRING: "stop_sequence"}
 
 # The request's text deltas (`generate`), and the parser's items made of them
 # (`run_parsed`: event lists, None for keep-alive ticks, the Finish last).
@@ -249,7 +249,7 @@ class AnthropicServing:
 
     @staticmethod
     def _stop_reason(fin: Finish, blocks: Blocks) -> str:
-        if fin.reason == "stop" and blocks.has_tool_use():
+        if fin.reason == FinishReason.STOP and blocks.has_tool_use():
             return "tool_use"
         return STOP_REASONS.get(fin.reason, "end_turn")
 

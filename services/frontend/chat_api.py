@@ -50,7 +50,7 @@ from services.frontend.openai_protocol import ChatCompletionRequest, parse_chat_
 from services.frontend.parsers.output import (ChatOutputParser, OutEvent, ParsedMessage,
                                               Reasoning)
 from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
-from shared.protocol import TokenLogprob
+from shared.protocol import FinishReason, TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.chat")
 
@@ -78,7 +78,7 @@ async def parse_deltas(gen: Deltas, parser: ChatOutputParser) -> Deltas:
             events = parser.feed(d.text) if d.text else []
             reason = d.finish_reason
             if parser.stopped is not None:
-                reason = "stop"
+                reason = FinishReason.STOP
                 await end_by_stop_string(gen, parser.stopped)
             elif reason is not None:
                 events += parser.finish()
@@ -94,8 +94,9 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    return "tool_calls" if reason == "stop" and has_calls else reason
+def _finish_reason(reason: FinishReason | None, has_calls: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" for an answer that ended by itself with calls."""
+    return "tool_calls" if reason == FinishReason.STOP and has_calls else reason
 
 
 class ChatCollected(Collected):

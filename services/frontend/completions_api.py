@@ -41,7 +41,7 @@ from services.frontend.guard import CLIENT_CLOSED, guard, json_response
 from services.frontend.logprobs import merge_completion
 from services.frontend.openai_protocol import CompletionRequest, parse_completion_request
 from services.frontend.sse import SSE_DONE, sse, start_stream, stream_items
-from shared.protocol import SamplingParams
+from shared.protocol import FinishReason, SamplingParams
 
 log = logging.getLogger("kestrel.frontend.completions")
 
@@ -148,7 +148,7 @@ class CompletionsServing:
         return req.sampling.max_tokens == 0
 
     def _finish(self, req: CompletionRequest, d: TextDelta) -> str | None:
-        return "length" if self._scoring(req) else d.finish_reason
+        return FinishReason.LENGTH if self._scoring(req) else d.finish_reason
 
     def _completion_tokens(self, req: CompletionRequest, finals: list) -> int:
         if self._scoring(req):

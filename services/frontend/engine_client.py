@@ -63,7 +63,7 @@ class EngineUnavailable(Exception):
     """The engine cannot take a request now (not connected, or silent too long)."""
 
 
-_FAILED = ("abort", "error")
+_FAILED = (p.FinishReason.ABORT, p.FinishReason.ERROR)
 
 
 def merge_outputs(outs: list[p.RequestOutput]) -> p.RequestOutput:

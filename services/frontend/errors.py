@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from shared.protocol import ErrorKind
+
 
 class APIError(Exception):
     """An error that ends one request with an HTTP status and OpenAI's envelope.
@@ -92,17 +94,17 @@ class InternalError(APIError):
     type = "server_error"
 
 
-def engine_error(error: str | None, error_kind: str | None) -> APIError:
+def engine_error(error: str | None, error_kind: ErrorKind | None) -> APIError:
     """The API error of a request the engine ended with an error, by its error_kind:
     "overloaded" (waiting queue full) -> Overloaded (503 / Anthropic's 529, Retry-After),
     "unavailable" (the engine went away: a restart, a shutdown, or this frontend lost it) ->
     ServiceUnavailable (503 / 529, Retry-After), "invalid" (the engine rejected the request)
     -> InvalidRequest (400), anything else (None: internal) -> InternalError (500)."""
-    if error_kind == "overloaded":
+    if error_kind == ErrorKind.OVERLOADED:
         return Overloaded(f"The server is overloaded ({error}); retry later.")
-    if error_kind == "unavailable":
+    if error_kind == ErrorKind.UNAVAILABLE:
         return ServiceUnavailable(f"The server is unavailable ({error}); retry later.")
-    if error_kind == "invalid":
+    if error_kind == ErrorKind.INVALID:
         return InvalidRequest(None, f"The engine rejected the request: {error}")
     return InternalError(f"The request failed: {error}")
 

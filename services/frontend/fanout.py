@@ -25,7 +25,7 @@ from services.frontend.errors import APIError, InvalidRequest, engine_error
 from services.frontend.generation import TextDelta, generate
 from services.frontend.mailbox import Mailbox
 from services.frontend.openai_sampling import SamplingRequest
-from shared.protocol import SamplingParams, TokenLogprob
+from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.openai")
 
@@ -59,7 +59,7 @@ class FanOut:
                 if d is not None:
                     self._box.put((index, d))
         except Exception as e:  # a fault in one choice fails that choice, visibly
-            self._box.put((index, TextDelta("", "error", f"internal error: {e}")))
+            self._box.put((index, TextDelta("", FinishReason.ERROR, f"internal error: {e}")))
         finally:
             await gen.aclose()
 
@@ -75,7 +75,7 @@ class FanOut:
                 self._open = 0
                 raise
             except Exception as e:  # a fault in the choice fails it, visibly (as _pump)
-                d = TextDelta("", "error", f"internal error: {e}")
+                d = TextDelta("", FinishReason.ERROR, f"internal error: {e}")
             if d is None:
                 return None
             item = (0, d)

@@ -22,7 +22,7 @@ from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient, RequestStream
 from services.frontend.metrics import RequestMetrics, RequestTimer
 from services.frontend.tokenizer import Tokenizer
-from shared.protocol import FinishReason, TokenLogprob
+from shared.protocol import ErrorKind, FinishReason, TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.generation")
 
@@ -70,18 +70,18 @@ class TextDelta:
     """A piece of a request's output. text: new final text ('' allowed).
     finish_reason: None while running; "stop" or "length" at the end.
     error: set (with finish_reason "error") when the engine failed or dropped the request;
-    error_kind: the engine's "invalid" / "overloaded" / "internal" (None: internal).
+    error_kind: the engine's ErrorKind ("invalid", "overloaded", "unavailable", "internal"; None: internal).
     completion_tokens / prompt_tokens: counts so far.
     logprobs: the engine's TokenLogprob of each output token that arrived with this delta
     (empty unless the request asked for logprobs; the text of the last tokens may still be
     held back). prompt_logprobs: the prompt's, on the first delta only (None for token 0)."""
 
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
@@ -146,17 +146,17 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestM
             pending_lps.extend(out.logprobs)
             if out.prompt_logprobs:
                 prompt_lps = list(out.prompt_logprobs)
-            if (out.finish_reason == "stop" and out.stop_token_id is not None and ids
+            if (out.finish_reason == FinishReason.STOP and out.stop_token_id is not None and ids
                     and ids[-1] == out.stop_token_id):
                 ids = ids[:-1]  # the stop token's text is not part of the answer
             text = detok.add(ids)
             finish = out.finish_reason
             engine_done = finish is not None
-            if finish in ("abort", "error"):
+            if finish in (FinishReason.ABORT, FinishReason.ERROR):
                 reason = finish
                 error = out.error or "The request was aborted by the engine."
                 log.error("%s failed in the engine: %s", request_id, error)
-                yield TextDelta(text, "error", error, n_prompt, n_out, out.error_kind)
+                yield TextDelta(text, FinishReason.ERROR, error, n_prompt, n_out, out.error_kind)
                 return
             if finish is not None:
                 text += detok.flush()
@@ -178,12 +178,12 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestM
                                 prompt_lps)
                 pending_lps, prompt_lps = [], []
     except StopStringMatched as e:  # the consumer's parser matched it: a stop, no client gone
-        reason, how = "stop", f" (stop string {e.stop!r}, matched by the output parser)"
+        reason, how = FinishReason.STOP, f" (stop string {e.stop!r}, matched by the output parser)"
     finally:
-        timer.finish(reason or "abort", n_prompt, n_out)
+        timer.finish(reason or FinishReason.ABORT, n_prompt, n_out)
         if reason is None:
             log.info("%s aborted after %d tokens (client gone)", request_id, n_out)
-        elif reason not in ("abort", "error"):  # (those were logged as errors above)
+        elif reason not in (FinishReason.ABORT, FinishReason.ERROR):  # (those were logged as errors above)
             log.info("%s finished: %s%s, %d prompt + %d completion tokens, %.2f s",
                      request_id, reason, how, n_prompt, n_out, time.monotonic() - started)
         if engine_done:

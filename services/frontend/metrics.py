@@ -46,6 +46,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from shared.protocol import FinishReason
 from shared.restart_counts import read_restart_counts
 
 log = logging.getLogger("kestrel.frontend.metrics")
@@ -147,7 +148,7 @@ class RequestTimer:
         now = time.monotonic()
         m.prompt_tokens.labels(name).inc(prompt_tokens)
         m.generation_tokens.labels(name).inc(output_tokens)
-        if reason in ("stop", "length"):
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
             m.e2e.labels(name).observe(now - self.start)
             if self.first is not None and output_tokens > 1:
                 m.tpot.labels(name).observe((now - self.first) / (output_tokens - 1))

@@ -56,12 +56,13 @@ from services.frontend.guard import CLIENT_CLOSED, guard, json_response
 from services.frontend.responses_output import OutputItems, response_object, usage
 from services.frontend.responses_protocol import ResponsesRequest, parse_responses_request
 from services.frontend.sse import SSE_KEEPALIVE, start_stream
+from shared.protocol import FinishReason
 
 log = logging.getLogger("kestrel.frontend.responses")
 
 
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+def _status(finish_reason: FinishReason | None) -> str:
+    return "incomplete" if finish_reason == FinishReason.LENGTH else "completed"
 
 
 class ResponsesCollected(Collected):

@@ -18,6 +18,10 @@ from services.frontend.generation import StopStringMatcher, TextDelta, end_by_st
 from services.frontend.parsers.reasoning import Qwen3ReasoningParser
 from services.frontend.parsers.tool_parsers import (Content, Event, ToolCallArgs, ToolCallStart,
                                                     ToolParser)
+from shared.protocol import ErrorKind, FinishReason
+
+# Finish.reason of a response a stop string of its parser ended (the engine saw "stop")
+STOP_STRING = "stop_string"
 
 
 @dataclass
@@ -119,16 +123,17 @@ class ParsedMessage:
 
 @dataclass
 class Finish:
-    """The end of a response. reason: "stop" (EOS / stop token), "length", "stop_string"
-    (then stop_string is set) or "error" (then error is set, and error_kind is the
-    engine's "invalid" / "overloaded" / "internal", None meaning internal)."""
+    """The end of a response. reason: a FinishReason ("stop": EOS / stop token, "length",
+    "error": then error is set, and error_kind is the engine's ErrorKind, None meaning
+    internal) or "stop_string" (STOP_STRING: a stop string of the request's parser matched,
+    then stop_string is set; the engine counts it as "stop")."""
 
-    reason: str
+    reason: FinishReason | str
     prompt_tokens: int
     completion_tokens: int
     stop_string: str | None = None
     error: str | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 async def run_parsed(gen: AsyncGenerator[TextDelta | None, None], parser: ChatOutputParser
@@ -143,7 +148,7 @@ async def run_parsed(gen: AsyncGenerator[TextDelta | None, None], parser: ChatOu
             yield None
             continue
         if d.error is not None:
-            yield Finish("error", d.prompt_tokens, d.completion_tokens, error=d.error,
+            yield Finish(FinishReason.ERROR, d.prompt_tokens, d.completion_tokens, error=d.error,
                          error_kind=d.error_kind)
             return
         events = parser.feed(d.text) if d.text else []
@@ -154,7 +159,7 @@ async def run_parsed(gen: AsyncGenerator[TextDelta | None, None], parser: ChatOu
         if events:
             yield events
         if parser.stopped is not None:
-            yield Finish("stop_string", d.prompt_tokens, d.completion_tokens,
+            yield Finish(STOP_STRING, d.prompt_tokens, d.completion_tokens,
                          stop_string=parser.stopped)
             return
         if d.finish_reason is not None:
