@@ -10,8 +10,11 @@ padded slots under a mask, and 0 * NaN from uninitialised memory would poison th
 On the CPU the zeros are the kernel's: every tensor is a view of one anonymous mmap, whose
 pages are zero when first touched (mmap(2)), so the start does not fault the whole cache in
 (`torch.zeros` writes every page: 1.2 GiB took 2-10 s of a worker restart on the 2-core dev
-VM, where a page's first touch is the slow part); a page is faulted in when a block is first
-written.
+VM, where a page's first touch is the slow part). A daemon thread then faults the pages in
+behind the start (`_populate`: madvise MADV_POPULATE_WRITE in 32 MiB chunks; Linux >= 5.14,
+else the pages stay lazy), so the worker's RSS reaches its plateau within seconds of
+serving instead of growing for minutes as blocks are first used (benchmarks/soak.py reads
+RSS growth as a leak).
 Only the attention backends (`services.worker.layers.attention`) and the tier copier
 (`services.worker.kv_transfer`) touch the tensors; models never do.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -93,5 +97,26 @@ def _zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype,
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
     numel = math.prod(shape)
     nbytes = count * numel * torch.empty((), dtype=dtype).element_size()
-    flat = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=count * numel)
+    mm = mmap.mmap(-1, max(nbytes, 1))
+    flat = torch.frombuffer(mm, dtype=dtype, count=count * numel)
+    threading.Thread(target=_populate, args=(mm,), name="kv-populate", daemon=True).start()
     return [flat[i * numel:(i + 1) * numel].view(shape) for i in range(count)]
+
+
+_POPULATE_CHUNK = 32 << 20
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14 (madvise(2))
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Fault every page of `mm` in, 32 MiB at a time, without changing its contents:
+    MADV_POPULATE_WRITE (madvise(2)) maps each page writable and zero-filled, or keeps a page
+    already written, and never writes data, so it may run beside the worker writing blocks.
+    On a kernel without it (EINVAL) the pages stay lazy: a zero write from this thread could
+    race a block's first write, so there is no fallback."""
+    step = _POPULATE_CHUNK
+    try:
+        for off in range(0, len(mm), step):
+            mm.madvise(_MADV_POPULATE_WRITE, off, min(step, len(mm) - off))
+    except (OSError, ValueError):
+        pass
+
