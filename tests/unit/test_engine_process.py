@@ -126,7 +126,7 @@ def test_engine_process_serves_a_frontend_and_fails_in_flight_requests_at_shutdo
         msg = _recv(fe)
         if isinstance(msg, P.Outputs):
             last = msg.outputs[-1]
-    assert (last.request_id, last.finish_reason, last.error_kind) == ("long", "error", "internal")
+    assert (last.request_id, last.finish_reason, last.error_kind) == ("long", "error", "unavailable")
     assert last.error == "the engine stopped (test)"
     worker.thread.join(5)
     assert worker.shutdown_reason == "the engine stopped (test)" and worker.error is None
