@@ -5,6 +5,8 @@ runner driven with explicit tokens. The GPU twin (CUDA graphs) is in tests/gpu."
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -17,9 +19,13 @@ from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPla
 
 @pytest.fixture(scope="module")
 def runner():
-    cfg = build_config(cli={"model": model_dir("tiny-qwen3"), "load_format": "dummy", "device": "cpu",
-                            "dtype": "float32", "kv_cache_gib": 0.05, "max_model_len": 512}, env={})
-    return ModelRunner(cfg)
+    folder = model_dir("tiny-qwen3")
+    try:
+        cfg = build_config(cli={"model": folder, "load_format": "dummy", "device": "cpu",
+                                "dtype": "float32", "kv_cache_gib": 0.05, "max_model_len": 512}, env={})
+        yield ModelRunner(cfg)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the temporary model folder (config.json only)
 
 
 def _prompts(seed: int) -> list[list[int]]:
