@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 
+from services.frontend.body import json_object
 from services.frontend.chat_template import check_template_kwargs
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import (MAX_TOP_LOGPROBS, SamplingRequest, get_bool,
@@ -138,12 +138,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _load(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest(None, "The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(None, "The request body must be a JSON object.")
+    body = json_object(raw)
     model = body.get("model")
     if model is None:
         raise InvalidRequest("model", "Missing required parameter: 'model'.")

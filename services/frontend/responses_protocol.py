@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 
+from services.frontend.body import json_object
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import (SamplingRequest, get_bool, get_int,
                                                parse_response_format, parse_sampling)
@@ -63,12 +63,7 @@ class ResponsesRequest:
 
 
 def _load(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest(None, "The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(None, "The request body must be a JSON object.")
+    body = json_object(raw)
     if body.get("model") is None:
         raise InvalidRequest("model", "Missing required parameter: 'model'.")
     if not isinstance(body["model"], str):
