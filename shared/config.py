@@ -27,6 +27,7 @@ from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, 
 from shared.cpu_budget import resolve_num_threads
 from shared.model_spec import kv_dtype_in_use
 from shared.runtime_dir import runtime_base as runtime_dir_base
+from shared.spec_config import SpeculativeConfig, check_speculative
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +87,7 @@ class KestrelConfig:
     async_scheduling: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
+    speculative_config: str | None  # canonical JSON (shared.spec_config); None: off
     kv_offload_cpu_gib: float
     kv_offload_disk_dir: str | None
     kv_offload_disk_gib: float | None
@@ -97,6 +99,11 @@ class KestrelConfig:
     profile_detail: str = field(default="", compare=False)
     # how a derived num_threads was chosen (shared.cpu_budget); not serialized either
     threads_detail: str = field(default="", compare=False)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config` (shared.spec_config), None when off."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def source(self, name: str) -> str:
         """The source of setting `name`. Raises KeyError for an unknown name."""
@@ -236,6 +243,7 @@ def _validate(cfg: KestrelConfig) -> None:
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # quantized KV: refused before any process starts
+    check_speculative(cfg)  # combinations that cannot work: refused before any process starts
 
 
 def _convert(f: Field, v: Any) -> Any:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shared.spec_config import normalize_setting
+
 
 @dataclass(frozen=True)
 class Field:
@@ -110,6 +112,9 @@ FIELDS: list[Field] = [
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
     Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3 and int8 "
           "are refused until quantized KV is implemented)", ("auto", "fp8_e4m3", "int8")),
+    Field("speculative_config", normalize_setting, None, "speculative decoding, JSON as vLLM's "
+          "--speculative-config: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|\"dflash\", "
+          "\"num_speculative_tokens\": k, ...} (shared/spec_config.py; default off)"),
     # --- KV tier store (services/kvstore; docs/ARCHITECTURE.md §4 "Tiers")
     Field("kv_offload_cpu_gib", float, 0.0, "CPU tier of the kvstore: shm pool size, GiB (0: no offload)"),
     Field("kv_offload_disk_dir", str, None, "disk tier folder of the kvstore (needs --kv-offload-disk-gib)"),

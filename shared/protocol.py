@@ -255,6 +255,22 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     # of ceil(vocab/32) words (xgrammar's layout); bit t set = token t allowed.
     allowed_token_bitmask: bytes | None = None
     table_start: int = 0
+    # Speculative decoding (docs/ARCHITECTURE.md §5.5). num_draft: the last num_draft
+    # entries of token_ids are draft tokens (token_ids = [last token, d1..dk]); with sample
+    # True the workers sample at the last num_draft + 1 positions (output indexes
+    # output_index .. output_index + num_draft) and return 1..num_draft+1 tokens: the
+    # accepted drafts, then one recovered or bonus token (StepResult.num_sampled). With
+    # structured output, allowed_token_bitmask then holds num_draft + 1 masks, one per
+    # position, back to back; with penalties, position i counts penalty_token_ids plus
+    # d1..di. num_propose: drafts the workers propose for this request after this step
+    # (0: none); they come back in StepResult.draft_token_ids. The block table covers
+    # start_pos + len(token_ids) + num_propose tokens (a drafter writes its KV there).
+    num_draft: int = 0
+    num_propose: int = 0
+    # With a proposer that reads the context (n-gram), a request's first seq (table_start
+    # 0) carries the tokens [0, start_pos) the workers never ran (a prefix-cache hit or a
+    # tier load), so the worker's token history (services/worker/spec/history.py) is whole.
+    context_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True):
@@ -325,6 +341,13 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # Set when the step's kv_stores could not be copied (the pool is unavailable): the
     # engine drops those stores. A failed kv_load fails the step instead (`error`).
     kv_store_error: str = ""
+    # Speculative decoding (docs/ARCHITECTURE.md §5.5). num_sampled: one count per seq with
+    # sample=True (plan order), 1..num_draft+1, when any seq of the plan had drafts;
+    # sampled_token_ids (and logprobs) are then flat, each seq's tokens back to back; empty:
+    # one token per seq. draft_token_ids: request id -> the drafts proposed for its next
+    # step (0..num_propose tokens, following the seq's last sampled token).
+    num_sampled: list[int] = []
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class WorkerHeartbeat(msgspec.Struct, tag="whb", array_like=True):

@@ -1,0 +1,181 @@
+"""`--speculative-config`: what speculative decoding runs with (docs/ARCHITECTURE.md §5.5).
+
+The setting is a JSON object, spelled as vLLM's `--speculative-config`:
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": "models/SmolLM2-135M-Instruct", "num_speculative_tokens": 4}
+    {"method": "eagle", "model": "<EAGLE-3 head folder>", "num_speculative_tokens": 3}
+    {"method": "dflash", "model": "<DFlash drafter folder>", "num_speculative_tokens": 8,
+     "target_layer_ids": [1, 9, 17, 25], "draft_sampling": "probabilistic"}
+
+Fields:
+- method: "ngram" (prompt lookup: the n-gram that ends the context is searched earlier in
+  it and what followed is proposed; no weights), "draft_model" (a smaller model folder with
+  the target's tokenizer, run in the same worker with its own KV cache group), "eagle" (an
+  EAGLE-style head: one decoder layer over the target's hidden states and the next token's
+  embedding, arXiv 2401.15077 / 2503.01840), "dflash" (a block drafter that proposes
+  `num_speculative_tokens` tokens in one forward, conditioned on hidden states of
+  `target_layer_ids`, arXiv 2602.06036).
+- num_speculative_tokens: k, the most drafts verified per step (1..16). The policy
+  (services/engine/spec_policy.py) chooses 0..k per request and step.
+- prompt_lookup_min / prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
+- model: the drafter's folder (draft_model, eagle, dflash). With `load_format` dummy it may
+  be omitted for eagle/dflash (a head of the target's shape, random weights).
+- draft_sampling: "greedy" (drafts are the drafter's argmax: verified as point masses) or
+  "probabilistic" (drafts are sampled from the drafter's distribution q, verified by
+  rejection sampling against q). ngram is always a point mass.
+- target_layer_ids: target layers whose outputs the drafter reads (eagle: 3 layers,
+  EAGLE-3's low/mid/high features; dflash: its conditioning layers). Empty: the method's
+  default (eagle: 3 layers spread over the depth; dflash: 4).
+- policy: "adaptive" (default: k per request and step from its running acceptance rate and
+  the batch size, down to 0 where verifying costs more than it gains) or "fixed" (always k:
+  for tests and benchmarks).
+- draft_num_layers: dummy drafter depth (draft_model with load_format dummy: a model of the
+  target's shape with this many layers; 0 = the target's own depth).
+
+Errors: `SpeculativeConfig.parse` raises ValueError naming the field for an unknown field, a
+wrong type or value, or a field that the method does not take.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+METHODS = ("ngram", "draft_model", "eagle", "dflash")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The parsed `--speculative-config` (module doc for each field)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    draft_sampling: str = "greedy"
+    target_layer_ids: tuple[int, ...] = field(default_factory=tuple)
+    policy: str = "adaptive"
+    draft_num_layers: int = 0
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """The config from the setting's JSON text (or an already-decoded object, from a
+        config file); None for None or "". Raises ValueError naming the field."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                data = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON ({e.msg} at {e.pos})") from None
+        else:
+            data = value
+        if not isinstance(data, dict):
+            raise ValueError("speculative_config: expected a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field {unknown[0]!r} (known: {sorted(known)})")
+        method = data.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method: {method!r} is not one of {METHODS}")
+        k = data.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens: expected an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        ints = ("prompt_lookup_min", "prompt_lookup_max", "draft_num_layers")
+        for name in ints:
+            v = data.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"speculative_config.{name}: expected a non-negative integer, got {v!r}")
+        if method != "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if name in data:
+                    raise ValueError(f"speculative_config.{name}: only for method 'ngram'")
+        if method == "ngram":
+            for name in ("model", "draft_sampling", "target_layer_ids", "draft_num_layers"):
+                if name in data:
+                    raise ValueError(f"speculative_config.{name}: not for method 'ngram'")
+        if method not in ("eagle", "dflash") and "target_layer_ids" in data:
+            raise ValueError("speculative_config.target_layer_ids: only for methods 'eagle' and 'dflash'")
+        lo, hi = data.get("prompt_lookup_min", 2), data.get("prompt_lookup_max", 4)
+        if "prompt_lookup_max" in data and "prompt_lookup_min" not in data:
+            lo = min(lo, hi)  # vLLM: one given alone bounds the other
+        if "prompt_lookup_min" in data and "prompt_lookup_max" not in data:
+            hi = max(lo, hi)
+        if method == "ngram" and not 1 <= lo <= hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min {lo} and prompt_lookup_max {hi} "
+                             "must satisfy 1 <= min <= max")
+        model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config.model: expected a folder path, got {model!r}")
+        sampling = data.get("draft_sampling", "greedy")
+        if sampling not in ("greedy", "probabilistic"):
+            raise ValueError(f"speculative_config.draft_sampling: {sampling!r} is not 'greedy' or 'probabilistic'")
+        layers = data.get("target_layer_ids", [])
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in layers):
+            raise ValueError(f"speculative_config.target_layer_ids: expected a list of layer indexes, got {layers!r}")
+        policy = data.get("policy", "adaptive")
+        if policy not in ("adaptive", "fixed"):
+            raise ValueError(f"speculative_config.policy: {policy!r} is not 'adaptive' or 'fixed'")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                   model=model, draft_sampling=sampling, target_layer_ids=tuple(layers), policy=policy,
+                   draft_num_layers=data.get("draft_num_layers", 0))
+
+    @property
+    def uses_draft_probs(self) -> bool:
+        """Whether drafts come with the drafter's distribution (rejection sampling against
+        q); False: point-mass drafts (verified by drawing the target and comparing)."""
+        return self.method != "ngram" and self.draft_sampling == "probabilistic"
+
+    def to_json(self) -> str:
+        """Canonical JSON (what `parse` reads back): method, k and the fields that differ
+        from their defaults, sorted."""
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        keep = ("method", "num_speculative_tokens")
+        default = asdict(SpeculativeConfig(self.method, self.num_speculative_tokens))
+        default["target_layer_ids"] = []
+        return json.dumps({k: v for k, v in d.items() if k in keep or v != default[k]}, sort_keys=True)
+
+
+def normalize_setting(value: str | dict[str, Any]) -> str:
+    """The setting's parser (`shared.config_fields`): JSON text or a decoded object -> the
+    canonical JSON text, "" unset. Raises ValueError like `SpeculativeConfig.parse`."""
+    cfg = SpeculativeConfig.parse(value)
+    return "" if cfg is None else cfg.to_json()
+
+
+def check_speculative(cfg: Any) -> None:
+    """Refuse, at configuration time (before any process starts or weights load),
+    speculative settings that cannot work with the rest of `cfg` (a `KestrelConfig`):
+    a drafter folder that is missing or whose vocabulary is not the target's, a method
+    without the weights it needs. Raises ValueError naming the setting."""
+    spec = SpeculativeConfig.parse(cfg.speculative_config)
+    if spec is None:
+        return
+    import os
+
+    if spec.method in ("draft_model", "eagle", "dflash") and spec.model is None:
+        if not (cfg.load_format == "dummy" and spec.method in ("eagle", "dflash", "draft_model")):
+            raise ValueError(f"speculative_config.model: method {spec.method!r} needs the drafter's folder "
+                             "(or --load-format dummy for random weights)")
+    if spec.model is not None and spec.method in ("draft_model", "eagle", "dflash"):
+        conf = os.path.join(spec.model, "config.json")
+        if not os.path.isfile(conf):
+            raise ValueError(f"speculative_config.model: {spec.model!r} has no config.json")
+        if spec.method == "draft_model":
+            target = os.path.join(cfg.model, "config.json")
+            if os.path.isfile(target):
+                with open(conf) as fh:
+                    dv = json.load(fh).get("vocab_size")
+                with open(target) as fh:
+                    tv = json.load(fh).get("vocab_size")
+                if dv is not None and tv is not None and dv != tv:
+                    raise ValueError(f"speculative_config.model: the draft's vocab_size {dv} is not the "
+                                     f"target's {tv} (a draft model must share the target's tokenizer)")
