@@ -35,7 +35,14 @@ class CausalLM(Protocol):
                  fused: bool = False) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 (flattened over the step's sequences),
         attn: the step's backend, fused: the fused layer path (the runner's FusionPlan)
-        -> hidden [T, hidden_size] in the model dtype."""
+        -> hidden [T, hidden_size] in the model dtype (after the final norm).
+
+        Speculative decoding (docs/ARCHITECTURE.md §5.5): a model whose
+        `aux_hidden_layers` (a tuple of layer indexes, set by the runner once at load;
+        empty by default) is not empty also stores, at every call, the outputs of those
+        decoder layers (the residual stream after layer i, before the final norm)
+        concatenated in that order as `self.aux_hidden` [T, len(layers) * hidden_size]
+        (EAGLE-3's and DFlash's conditioning features)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
