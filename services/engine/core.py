@@ -107,6 +107,7 @@ class EngineCore:
         self.clock = clock
         self._last_result_at = 0.0  # when the last step's result was taken up
         self._busy_since: float | None = None  # a result taken up with work left (step_cost.py)
+        self._in_flight = 0  # plans made whose results were not applied yet
 
     # ------------------------------------------------------------------ requests in
 
@@ -233,6 +234,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out is not None:
             out.planned_at = now = self.clock()
+            out.planned_ahead = self._in_flight > 0
+            self._in_flight += 1
             if self._busy_since is not None and self.spec is not None:
                 self.spec.cost.observe_overhead(now - self._busy_since)
             self._busy_since = None
@@ -241,10 +244,14 @@ class EngineCore:
     def finish_step(self, out: SchedulerOutput, result: P.StepResult) -> Emitted:
         """Apply a step's result. A failed step (result.error) fails its requests, with an
         "internal" error naming the worker's fault; the other requests are untouched.
-        With speculation on, the step's duration (from its plan, or from the previous result
-        when it was planned ahead of it, to now) goes to the policy's cost model."""
+        With speculation on, the step's duration goes to the policy's cost model: from its
+        plan, or from the previous result when it was planned ahead of it, to now; a step
+        planned with nothing in flight whose result is taken up only after a later plan went
+        out is not timed (its result may have waited: an in-process executor runs a plan
+        when it is submitted)."""
         now = self.clock()
-        if self.spec is not None and not result.error:
+        self._in_flight = max(0, self._in_flight - 1)
+        if self.spec is not None and not result.error and (out.planned_ahead or not self._in_flight):
             self.spec.observe_step(out.total_tokens, now - max(out.planned_at, self._last_result_at),
                                    out.speculative)
         self._last_result_at = now

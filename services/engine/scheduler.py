@@ -66,7 +66,8 @@ class SchedulerOutput:
 
     num_tokens: tokens per request id (drafts included); total_tokens: their sum.
     speculative: a seq verifies or proposes drafts. planned_at: the engine core's clock
-    when the plan was made (step durations, services/engine/step_cost.py)."""
+    when the plan was made; planned_ahead: another plan was in flight then (the engine
+    core times the steps with both, services/engine/step_cost.py)."""
 
     plan: StepPlan
     requests: list[Request]
@@ -76,6 +77,7 @@ class SchedulerOutput:
     total_tokens: int = 0
     speculative: bool = False
     planned_at: float = 0.0
+    planned_ahead: bool = False
 
 
 class Scheduler:
@@ -457,7 +459,10 @@ class Scheduler:
                     break  # the tokens after a stop are dropped
             accepted = n - 1 if n else 0  # drafts whose KV this step wrote and kept
             if current:  # register full blocks whose KV holds accepted tokens, before a finish frees them
-                new = self.bm.cache_full_blocks(req, upto=done - seq.num_draft + accepted)
+                upto = done - seq.num_draft + accepted
+                if reason is not None:  # as without drafts: the KV of the last token is not kept
+                    upto = min(upto, req.num_tokens - 1)
+                new = self.bm.cache_full_blocks(req, upto=upto)
                 if new and self.connector is not None:
                     self.connector.on_cached(new)
             if live and not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
