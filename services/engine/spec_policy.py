@@ -62,13 +62,11 @@ SCAN_DENSE = 32      # every K up to this is evaluated, then K grows by 25%
 
 
 def expected_accepted(a: float, k: int) -> float:
-    """sum_{i=1..k} a^i: the expected accepted drafts of k drafts at per-draft
-    acceptance a (0 <= a <= 1)."""
-    s, g = 0.0, 1.0
-    for _ in range(k):
-        g *= a
-        s += g
-    return s
+    """sum_{i=1..k} a^i = a (1 - a^k) / (1 - a): the expected accepted drafts of k drafts
+    at per-draft acceptance a (0 <= a <= 1)."""
+    if a >= 1.0:
+        return float(k)
+    return a * (1.0 - a ** k) / (1.0 - a)
 
 
 class SpecState:

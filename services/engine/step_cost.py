@@ -125,6 +125,8 @@ class StepCostModel:
         if not seconds >= 0.0:
             return
         self._overhead_n += 1
+        if self._overhead_n > WARM and self.overhead > 0:  # one slow turn does not swing it
+            seconds = min(seconds, 2.0 * self.overhead)
         a = max(ALPHA / 2, 1.0 / self._overhead_n)
         self.overhead += a * (seconds - self.overhead)
 
