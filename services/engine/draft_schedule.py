@@ -60,11 +60,12 @@ class DraftScheduler:
         when it verifies and asks none, or the blocks are short: then it runs plain."""
         drafts = req.draft_token_ids
         n = end - req.num_computed_tokens
+        declined = bool(drafts) and k == 0  # the policy's choice (not the budget's)
         k = max(0, min(k, len(drafts), budget - n))
         masks = None
         if k and req.grammar is not None:
             k, masks = req.grammar.draft_bitmasks(drafts[:k])
-        p = self.spec.num_propose(req, k, self.propose_limit(req, k))
+        p = self.spec.num_propose(req, k, self.propose_limit(req, k), declined)
         if not (k or p) or not self.bm.allocate(req, end + k + p):
             return None
         return SeqWork(req, n, drafts[:k], p, masks if k else None)

@@ -230,16 +230,19 @@ class SpecPolicy:
                      "rate_plain": self._base, "rate_chosen": best_rate}
         return ks
 
-    def num_propose(self, req: Request, k: int, limit: int) -> int:
+    def num_propose(self, req: Request, k: int, limit: int, declined: bool = False) -> int:
         """Drafts `req` asks for after this step's seq (which verifies k drafts); at most
-        `limit` (what it could still use). Counts the request's seqs toward its next probe."""
+        `limit` (what it could still use). declined: it held drafts and `choose` took none
+        (then it asks only when a probe is due). Counts the request's seqs toward its next
+        probe."""
         if limit <= 0:
             return 0
         n = min(self.kmax, limit)
         if self.fixed:
             return n
         st = self.state(req)
-        if (k > 0 and not st.probing) or st.acceptance > self.break_even_acceptance():
+        if (k > 0 and not st.probing) or (
+                not declined and st.acceptance > self.break_even_acceptance()):
             st.idle, st.interval = 0, PROBE_MIN
             return n
         st.idle += 1
@@ -270,10 +273,11 @@ class SpecPolicy:
             self.acceptance += GLOBAL_ALPHA * (accepted / trials - self.acceptance)
         if num_propose:
             self.num_proposals += 1
-            if num_returned == 0:
+            if num_returned == 0:  # nothing to verify: one failed trial
                 self.num_empty_proposals += 1
-                st.observe(0, 1)
+                st.observe(0, 1, PROBE_ALPHA if st.probing else ALPHA)
                 st.probing = False
+                self.acceptance -= GLOBAL_ALPHA * self.acceptance
 
     def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
         """A step of `tokens` tokens (drafts included) took `seconds`; speculative: a seq
