@@ -26,12 +26,15 @@ with recovered and bonus tokens (kernels/rejection_sampling.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
-from shared.protocol import ScheduledSeq, TokenLogprob
+from kernels.rejection_sampling import rejection_keys, rejection_sample, restrict_to_filtered
+from services.worker.sampler import make_token_logprobs
+from shared.protocol import SamplingParams, ScheduledSeq, TokenLogprob
 
 
 def mask_bytes(seq: ScheduledSeq, i: int) -> bytes | None:
@@ -109,8 +112,108 @@ def accept_point_mass(seqs: list[ScheduledSeq], starts: list[int], drawn: list[i
 
 
 def verify_probabilistic(target_logits: torch.Tensor, seqs: list[ScheduledSeq], starts: list[int],
-                         draft_probs: list[torch.Tensor]) -> VerifyOutput:
-    """Rejection sampling against draft distributions q (module doc). target_logits:
-    [rows, vocab] fp32 after the processors (`Sampler.process` over `expand_rows`);
-    draft_probs: per seq [num_draft, vocab] fp32. Not built yet (issue 15)."""
-    raise NotImplementedError("probabilistic verification (issue 15)")
+                         draft_probs: Sequence[torch.Tensor | None], *, default_seed: int = 0,
+                         raw_logits: torch.Tensor | None = None) -> VerifyOutput:
+    """Rejection sampling against draft distributions q (Leviathan et al. 2023, arXiv
+    2211.17192; Chen et al. 2023, arXiv 2302.01318; kernels/rejection_sampling.py).
+
+    target_logits: [rows, vocab] fp32 after the processors (`Sampler.process` over
+        `expand_rows(seqs)`), rows = starts[-1]; row starts[j] + i is seq j's position i.
+    seqs, starts: the sampled seqs and their first rows (`expand_rows`); a seq with
+        num_draft 0 gets its ordinary draw.
+    draft_probs: per seq, [num_draft, vocab] fp32 on any device: q_i, the distribution draft
+        d_i was sampled from (not renormalised here); ignored (may be None) for num_draft 0.
+    default_seed: the seed of requests without one (the Sampler's `default_seed`).
+    raw_logits: [rows, vocab], the model's logits before the processors; when given, the
+        emitted tokens of seqs that ask logprobs get raw logprobs (as `Sampler.sample`).
+        Without it every logprobs entry is None and the caller computes them for the rows
+        up to `last_rows` (the emitted token of row starts[j] + i is tokens[j][i]).
+
+    Per seq: each draft d_i (i = 1..k) is accepted with probability min(1, p_i(d_i) /
+    q_i(d_i)), p_i the filtered target distribution of row i - 1 (temperature, top-k,
+    top-p, min-p: the ordinary sampler's), using a uniform hashed from (seed, output_index
+    + i - 1) on its own stream; the first rejection emits a recovered token from
+    norm(max(0, p_i - q_i)) (its own Gumbel stream) and stops; after k acceptances the
+    bonus token is the ordinary seeded draw from p_{k+1}. Greedy seqs (temperature 0)
+    accept while the argmax equals the draft and emit the first differing argmax (the same
+    tokens as `accept_point_mass`). The emitted tokens are distributed as decoding without
+    speculation (the papers' theorem); tests/unit/test_rejection_sampling.py checks it.
+
+    Raises ValueError when rows, a draft id or a q's shape do not fit.
+    """
+    rows, vocab = target_logits.shape
+    if rows != starts[-1] or len(starts) != len(seqs) + 1:
+        raise ValueError(f"{rows} logits rows for seqs spanning {starts[-1]} rows")
+    params = [s.sampling for s in seqs]
+    if any(p is None for p in params):
+        raise ValueError("sampling params are resolved before verification")
+    temp: list[float] = []
+    seeds: list[int] = []
+    indexes: list[int] = []
+    drafts: list[int] = []
+    q_index: list[int] = []
+    filt: list[int] = []  # sampled rows with top-k / top-p / min-p
+    filt_params: list[SamplingParams] = []
+    qs: list[torch.Tensor] = []
+    num_q = 0
+    for j, (s, p) in enumerate(zip(seqs, params)):
+        assert p is not None
+        k = s.num_draft
+        if starts[j + 1] - starts[j] != k + 1:
+            raise ValueError(f"request {s.request_id}: {starts[j + 1] - starts[j]} rows for {k} drafts")
+        ds = s.token_ids[len(s.token_ids) - k:] if k else []
+        if k:
+            q = draft_probs[j]
+            if q is None or tuple(q.shape) != (k, vocab):
+                raise ValueError(f"request {s.request_id}: draft probs {None if q is None else tuple(q.shape)}"
+                                 f" for {k} drafts over {vocab} tokens")
+            if not all(0 <= d < vocab for d in ds):
+                raise ValueError(f"request {s.request_id}: a draft token outside [0, {vocab})")
+            q_index.extend(range(num_q, num_q + k))  # rows of the concatenated q
+            num_q += k
+            qs.append(q)
+        q_index.append(-1)
+        if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0):
+            filt.extend(range(len(temp), len(temp) + k + 1))
+            filt_params.extend([p] * (k + 1))
+        temp.extend([p.temperature] * (k + 1))
+        seeds.extend([default_seed if p.seed is None else p.seed] * (k + 1))
+        indexes.extend(range(s.output_index, s.output_index + k + 1))
+        drafts.extend(ds)
+        drafts.append(-1)
+    dev = target_logits.device
+    temp_t = torch.tensor(temp, dtype=torch.float32)
+    logits = target_logits.float()
+    if filt:
+        logits = restrict_to_filtered(
+            logits, torch.tensor(filt, device=dev), temp_t[filt].to(dev),
+            torch.tensor([p.top_k for p in filt_params], dtype=torch.long, device=dev),
+            torch.tensor([p.top_p for p in filt_params], dtype=torch.float32, device=dev),
+            torch.tensor([p.min_p for p in filt_params], dtype=torch.float32, device=dev))
+    keys, u = rejection_keys(seeds, indexes)
+    q_all = torch.cat([q.to(dev, torch.float32) for q in qs]) if qs else logits.new_zeros((0, vocab))
+    tokens, accepted = rejection_sample(logits, temp_t.to(dev), torch.tensor(drafts, device=dev), q_all,
+                                        torch.tensor(q_index, device=dev), keys.to(dev), u.to(dev))
+    tok_acc = torch.stack((tokens, accepted.long())).tolist()
+    out_t: list[list[int]] = []
+    last: list[int] = []
+    for j, s in enumerate(seqs):
+        a, k = starts[j], s.num_draft
+        n = 1
+        while n <= k and tok_acc[1][a + n - 1]:
+            n += 1
+        out_t.append(tok_acc[0][a:a + n])
+        last.append(a + n - 1)
+    out_lp: list[list[TokenLogprob] | None] = [None] * len(seqs)
+    want_k = {j: p.logprobs for j, p in enumerate(params) if p is not None and p.logprobs is not None}
+    if raw_logits is not None and want_k:
+        emitted = [starts[j] + i for j in want_k for i in range(len(out_t[j]))]
+        idx = torch.tensor(emitted, dtype=torch.long, device=raw_logits.device)
+        ids = torch.tensor([t for j in want_k for t in out_t[j]], dtype=torch.long, device=raw_logits.device)
+        made = make_token_logprobs(torch.log_softmax(raw_logits[idx].float(), dim=-1), ids,
+                                   [k for j, k in want_k.items() for _ in out_t[j]])
+        pos = 0
+        for j in want_k:
+            out_lp[j] = made[pos:pos + len(out_t[j])]
+            pos += len(out_t[j])
+    return VerifyOutput(out_t, out_lp, last)
