@@ -82,6 +82,11 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
     return stat, df, (chi2_sf(stat, df) if df > 0 else 1.0)
 
 
+def _residual_score(res: torch.Tensor, g: torch.Tensor, v: int) -> float:
+    """The recovered draw's score of token v: log(p - q) + G, -inf where p <= q."""
+    return math.log(float(res[v])) + float(g[v]) if res[v] > 0 else -math.inf
+
+
 def unexplained_mismatches(logits: torch.Tensor, temperature: torch.Tensor, draft_ids: torch.Tensor,
                            q: torch.Tensor, q_index: torch.Tensor, keys: torch.Tensor, u: torch.Tensor,
                            ref: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor],
@@ -116,12 +121,9 @@ def unexplained_mismatches(logits: torch.Tensor, temperature: torch.Tensor, draf
             else:
                 g = race_noise(keys[r:r + 1, 2:], vocab)[0].double()
                 res = p - qr
-
-                def score(v: int) -> float:
-                    return math.log(float(res[v])) + float(g[v]) if res[v] > 0 else -math.inf
-
+                sa, sb = (_residual_score(res, g, v) for v in (a, b))
                 near_zero = any(abs(float(res[v])) <= rel * float(p[v]) for v in (a, b))
-                ok = near_zero or abs(score(a) - score(b)) <= rel * (1 + abs(score(a)))
+                ok = near_zero or abs(sa - sb) <= rel * (1 + abs(sa))
         if not ok:
             bad.append(r)
     return bad

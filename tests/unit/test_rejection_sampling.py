@@ -335,3 +335,27 @@ def test_logprobs_are_raw_and_errors_are_loud():
     bad = msgspec.structs.replace(seqs[1], token_ids=[0, V + 3])
     with pytest.raises(ValueError, match="outside"):
         verify_probabilistic(logits[:2], [bad], [0, 2], [qs[1]])
+
+
+def test_near_tie_check_flags_real_differences():
+    """The kernel-vs-reference comparison (tests/rejection_helpers.py) is not vacuous: a
+    flipped accept flag or a different token on rows far from a tie is reported."""
+    from kernels.rejection_sampling import rejection_keys, rejection_sample_ref
+    from tests.rejection_helpers import unexplained_mismatches
+    gen = torch.Generator().manual_seed(9)
+    n = 30
+    logits = torch.randn(n, 50, generator=gen) * 3
+    temp = torch.where(torch.arange(n) % 3 == 0, 0.0, 1.0)
+    drafts = torch.where(torch.arange(n) % 3 == 1, -1, torch.randint(0, 50, (n,), generator=gen))
+    q = torch.softmax(torch.randn(n, 50, generator=gen), -1)
+    q_index = torch.where(drafts >= 0, torch.arange(n), -1)
+    keys, u = rejection_keys(list(range(n)), [0] * n)
+    args = (logits, temp, drafts, q, q_index, keys, u)
+    ref = rejection_sample_ref(*args)
+    assert unexplained_mismatches(*args, ref, (ref[0].clone(), ref[1].clone())) == []
+    flipped = ref[1].clone()
+    flipped[2] = ~flipped[2]  # a draft row: accept flag flipped
+    other = ref[0].clone()
+    other[0] = (other[0] + 1) % 50  # a greedy row: not the argmax
+    other[1] = (other[1] + 1) % 50  # a bonus row: another token
+    assert unexplained_mismatches(*args, ref, (other, flipped)) == [0, 1, 2]
