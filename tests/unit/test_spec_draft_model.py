@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
-
 import msgspec
 import pytest
 import torch
@@ -31,6 +29,7 @@ from services.worker.spec.draft_model import DraftModelProposer, draft_noise_see
 from shared.config import build_config
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
 from tests.runner_driver import greedy_generate, step_logits
+from tests.unit.spec_draft_rig import GREEDY, Req, spec_greedy, with_draft_kv
 
 VOCAB = 384
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -41,7 +40,6 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_si
          "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
          "head_dim": 32, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def _save_random_model(conf: dict, seed: int) -> str:
@@ -98,85 +96,10 @@ def _cfg(model: str, spec: dict | None = None, **kw):
 
 
 def _setup(target: str, spec: dict, **kw) -> tuple[ModelRunner, DraftModelProposer]:
-    """The target's runner and the proposer, its KV group allocated as the runner will
-    (the target's num_blocks and block_size) and bound."""
+    """The target's runner and the proposer, its KV group allocated and bound."""
     cfg = _cfg(target, spec, **kw)
     runner = ModelRunner(cfg)
-    prop = DraftModelProposer(cfg, cfg.speculative, runner)
-    prop.kv = KVCache(prop.kv_specs(), runner.num_blocks, runner.block_size, runner.dtype, runner.device)
-    prop.bind_kv(prop.kv.layers)
-    return runner, prop
-
-
-@dataclass
-class Req:
-    """One request of `spec_greedy`: `hit` prompt tokens are already in its table's blocks
-    (a prefix-cache hit), n tokens to generate."""
-
-    rid: str
-    prompt: list[int]
-    table: list[int]
-    n: int
-    hit: int = 0
-
-
-def spec_greedy(runner: ModelRunner, prop: DraftModelProposer, reqs: list[Req], k: int, chunk: int | None = None):
-    """Greedy speculative decoding of `reqs` together, as the runner's step does it: target
-    forward, `observe`, point-mass verification (accept while the target's argmax equals the
-    draft), `propose` with k drafts; a finished request is forgotten while the others run.
-    Returns (outputs per rid, drafted, accepted, log of (rid, context through emitted[-1],
-    drafts))."""
-    done = {r.rid: r.hit for r in reqs}
-    outs: dict[str, list[int]] = {r.rid: [] for r in reqs}
-    drafts: dict[str, list[int]] = {r.rid: [] for r in reqs}
-    log, drafted, accepted = [], 0, 0
-    live = list(reqs)
-    with torch.inference_mode():
-        while live:
-            seqs = []
-            for r in live:
-                d, o = done[r.rid], outs[r.rid]
-                if d < len(r.prompt):
-                    m = min(chunk or len(r.prompt), len(r.prompt) - d)
-                    last = d + m == len(r.prompt)
-                    seqs.append(ScheduledSeq(r.rid, r.prompt[d:d + m], d, r.table, last, GREEDY, 0,
-                                             num_propose=k if last else 0))
-                    done[r.rid] += m
-                else:
-                    ds = drafts[r.rid]
-                    seqs.append(ScheduledSeq(r.rid, [o[-1]] + ds, len(r.prompt) + len(o) - 1, r.table, True, GREEDY,
-                                             len(o), num_draft=len(ds), num_propose=k))
-            ids, pos, meta = runner._prepare(seqs)
-            hidden = runner.run_model(ids, pos, meta)
-            view = StepView(seqs, ids, pos, meta, hidden)
-            prop.observe(view)
-            ends = meta.cu_seqlens_q[1:].tolist()
-            preqs, ended = [], []
-            for i, (r, s) in enumerate(zip(live, seqs)):
-                if not s.sample:
-                    continue
-                a = ends[i] - s.num_draft - 1
-                drawn = runner.model.compute_logits(hidden[a:ends[i]]).argmax(-1).tolist()
-                n = 0
-                while n < s.num_draft and drawn[n] == s.token_ids[1 + n]:
-                    n += 1
-                drafted, accepted = drafted + s.num_draft, accepted + n
-                o = outs[r.rid]
-                o.extend(drawn[:n + 1][:r.n - len(o)])
-                if len(o) >= r.n:
-                    ended.append(r.rid)
-                    continue
-                preqs.append(ProposeRequest(r.rid, i, drawn[:n + 1], len(r.prompt) + len(o) - 1, a + n, k,
-                                            r.table, GREEDY, len(o)))
-            if preqs:
-                for pr, d in zip(preqs, prop.propose(preqs, view).token_ids):
-                    drafts[pr.request_id] = d
-                    r = next(x for x in live if x.rid == pr.request_id)
-                    log.append((pr.request_id, r.prompt + outs[pr.request_id], d))
-            if ended:
-                prop.forget(ended)
-                live = [r for r in live if r.rid not in ended]
-    return outs, drafted, accepted, log
+    return runner, with_draft_kv(cfg, runner)
 
 
 def _prompts(seed: int, sizes=(21, 6, 40)) -> list[list[int]]:
@@ -368,10 +291,12 @@ def test_probabilistic_drafts_are_draws_from_the_returned_q(folders):
     support = (expect > 0).float()
     assert _chi_square(counts, support / support.sum() * draws)[0] > _chi_square_critical(df)
 
-    # chains of 3 on tables of their own: q at draft i is the draft's after context + d1..d(i-1)
+    # chains of 3 on tables of their own: q at draft i is the draft's after context + d1..d(i-1),
+    # under each request's parameters
     tables = [list(range(10 + 4 * i, 14 + 4 * i)) for i in range(3)]
     view = _observe_prefill(runner, prop, [prompt[:-1]] * 3, tables)
-    reqs = [want(11, 3, tables[0]), want(12, 3, tables[1]), want(13, 3, tables[2], GREEDY)]
+    unfiltered = SamplingParams(temperature=1.3)  # no top-k/top-p/min-p: the plain softmax path
+    reqs = [want(11, 3, tables[0]), want(12, 3, tables[1], unfiltered), want(13, 3, tables[2], GREEDY)]
     chain = prop.propose(reqs, view)
     assert chain.probs is not None
     for r, d, qs in zip(reqs, chain.token_ids, chain.probs):

@@ -201,7 +201,7 @@ class DraftModelProposer(Proposer):
             ids, positions, meta = prepare_step(seqs, self.block_size, self.max_model_len, self.device, kernels)
             if prev is not None:  # the previous drafts, on the device; rows only ever leave
                 ids = prev if len(rows) == len(prev_rows) else prev.index_select(
-                    0, torch.tensor([prev_rows[j] for j in rows], device=prev.device))
+                    0, self._to_device([prev_rows[j] for j in rows], torch.long))
             hidden = self.model(ids, positions, select_backend(layers, meta, self.reference),
                                 self.fusion.fused(len(rows)))
             logits = self.model.compute_logits(hidden)
@@ -239,20 +239,28 @@ class DraftModelProposer(Proposer):
         rand = [r for r, p in enumerate(params) if p.temperature > 0]
         if not rand:
             return greedy, q
-        dev = logits.device
         ps = [params[r] for r in rand]
-        idx = torch.tensor(rand, dtype=torch.long, device=dev)
-        fp = filtered_probs(logits[idx],
-                            torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev),
-                            torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev),
-                            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev),
-                            torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev))
+        idx = self._to_device(rand, torch.long)
+        temp = self._to_device([p.temperature for p in ps], torch.float32)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in ps):
+            fp = filtered_probs(logits[idx], temp, self._to_device([p.top_k for p in ps], torch.long),
+                                self._to_device([p.top_p for p in ps], torch.float32),
+                                self._to_device([p.min_p for p in ps], torch.float32))
+        else:  # filtered_probs without filters, and without its host reads of the filter tensors
+            fp = torch.softmax(logits[idx].float() / temp[:, None], dim=-1)
         fp = fp / fp.sum(dim=-1, keepdim=True)
         keys = noise_keys([draft_noise_seed(self.default_seed if p.seed is None else p.seed,
-                                            reqs[r].output_index + i) for p, r in zip(ps, rand)]).to(dev)
+                                            reqs[r].output_index + i) for p, r in zip(ps, rand)])
+        keys = keys.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else keys
         drawn = (torch.log(fp) + race_noise(keys, logits.shape[1])).argmax(dim=-1)  # Gumbel-max: i ~ q
         q[idx] = fp
         return greedy.index_copy(0, idx, drawn), q
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a 1-D tensor on the device, without waiting for the device
+        (pinned memory, an asynchronous copy on CUDA)."""
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
     def info(self) -> ProposerInfo:
         """Startup facts: weight bytes, the draft's KV bytes per block (all its layers, K and
