@@ -28,8 +28,8 @@ from services.worker.spec.base import ProposeRequest, StepView
 from services.worker.spec.draft_model import DraftModelProposer, draft_noise_seed
 from shared.config import build_config
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
-from tests.runner_driver import greedy_generate, step_logits
-from tests.unit.spec_draft_rig import GREEDY, Req, spec_greedy, with_draft_kv
+from tests.runner_driver import greedy_generate, spec_generate, step_logits
+from tests.unit.spec_draft_rig import GREEDY, Req, spec_greedy
 
 VOCAB = 384
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -96,10 +96,11 @@ def _cfg(model: str, spec: dict | None = None, **kw):
 
 
 def _setup(target: str, spec: dict, **kw) -> tuple[ModelRunner, DraftModelProposer]:
-    """The target's runner and the proposer, its KV group allocated and bound."""
-    cfg = _cfg(target, spec, **kw)
-    runner = ModelRunner(cfg)
-    return runner, with_draft_kv(cfg, runner)
+    """The target's runner with speculative decoding on, and its proposer (built by the
+    runner's `build_proposer`, its KV group allocated and bound by the runner)."""
+    runner = ModelRunner(_cfg(target, spec, **kw))
+    assert isinstance(runner.proposer, DraftModelProposer) and runner.draft_kv is not None
+    return runner, runner.proposer
 
 
 def _prompts(seed: int, sizes=(21, 6, 40)) -> list[list[int]]:
@@ -107,72 +108,76 @@ def _prompts(seed: int, sizes=(21, 6, 40)) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in sizes]
 
 
-def _tables(prompts: list[list[int]], n: int, k: int, bs: int, first: int = 0) -> list[list[int]]:
+def _reqs(prompts: list[list[int]], n: int, k: int, bs: int, first: int = 100, rid: str = "r") -> list[Req]:
+    """One request per prompt on blocks of its own from block `first` on (the truth runs of
+    `greedy_generate` on the same runner use blocks 0, 1, ...)."""
     out, nxt = [], first
-    for p in prompts:
-        need = -(-(len(p) + n + k) // bs)
-        out.append(list(range(nxt, nxt + need)))
+    for i, p in enumerate(prompts):
+        need = -(-(len(p) + n + 2 * k) // bs)
+        out.append(Req(f"{rid}{i}", p, list(range(nxt, nxt + need)), n))
         nxt += need
     return out
 
 
-def _check_drafts_and_kv(truth: ModelRunner, prop: DraftModelProposer, log, tables: dict[str, list[int]],
+def _check_drafts_and_kv(truth: ModelRunner, runner: ModelRunner, proposals, tables: dict[str, list[int]],
                          contexts: dict[str, list[int]]) -> None:
     """Every proposal is the draft model's own greedy continuation of its context, and the
-    proposer's KV group holds, at each request's slots, the KV the draft model computes for
-    its whole context (positions written by `observe` and by the chain's first input)."""
-    assert log
-    for _, context, d in log:
-        if d:
-            assert d == greedy_generate(truth, context, len(d)), context
+    runner's draft KV group holds, at each request's slots, the KV the draft model computes
+    for its whole context (positions written by `observe` and by the chain's first input).
+    Run before any other use of `runner` (its forwards write draft KV too)."""
+    assert proposals and runner.draft_kv is not None
     bs = truth.block_size
     for rid, ctx in contexts.items():
         truth.execute(StepPlan(0, [ScheduledSeq(f"kv-{rid}", ctx, 0, list(range(len(tables[rid]))), True, GREEDY)]))
         ours = [(tables[rid][p // bs], p % bs) for p in range(len(ctx))]
         theirs = [(p // bs, p % bs) for p in range(len(ctx))]
-        for mine, truth_cache in zip(prop.kv.k + prop.kv.v, truth.kv.k + truth.kv.v):
+        for mine, truth_cache in zip(runner.draft_kv.k + runner.draft_kv.v, truth.kv.k + truth.kv.v):
             torch.testing.assert_close(torch.stack([mine[b, o] for b, o in ours]),
                                        torch.stack([truth_cache[b, o] for b, o in theirs]), rtol=1e-4, atol=1e-5)
+    for _, context, d in proposals:
+        if d:
+            assert d == greedy_generate(truth, context, len(d)), context
 
 
 def test_target_as_its_own_draft_accepts_every_draft(smollm2_dir):
-    """The real SmolLM2 drafting for itself: every draft is accepted and the output is
-    decoding without speculation's (chunked prefill, two requests in one batch)."""
+    """The real SmolLM2 drafting for itself through the runner: every draft is accepted,
+    the output is decoding without speculation's (chunked prefill, two requests in one
+    batch), and the runner reports the draft's weight and KV bytes."""
     folder = str(smollm2_dir)
-    runner, prop = _setup(folder, {"method": "draft_model", "model": folder, "num_speculative_tokens": 3})
+    runner, prop = _setup(folder, {"method": "draft_model", "model": folder, "num_speculative_tokens": 3},
+                          kv_cache_gib=0.1)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 20000, (n,), generator=g).tolist() for n in (13, 30)]
     n, k = 12, 3
-    tables = _tables(prompts, n, k, runner.block_size)
-    reqs = [Req(f"r{i}", p, t, n) for i, (p, t) in enumerate(zip(prompts, tables))]
-    outs, drafted, accepted, _ = spec_greedy(runner, prop, reqs, k, chunk=8)
+    run = spec_greedy(runner, _reqs(prompts, n, k, runner.block_size, first=10), k, chunk=8)
+    assert run.drafted > 0 and run.accepted == run.drafted
     for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == greedy_generate(runner, p, n)
-    assert drafted > 0 and accepted == drafted
-    info = prop.info()
-    assert info.weight_bytes == runner.weight_bytes
-    assert info.kv_bytes_per_block == runner.kv_layout.block_bytes
-    assert info.detail["kv_bytes"] == runner.kv.bytes
+        assert run.outputs[f"r{i}"] == greedy_generate(runner, p, n)
+    rep = runner.report()["speculative"]
+    assert rep["method"] == "draft_model" and rep["model"] == folder and rep["num_layers"] == 30
+    assert rep["weight_bytes"] == runner.weight_bytes
+    assert rep["kv_bytes_per_block"] == prop.info().kv_bytes_per_block == runner.kv_layout.block_bytes
+    assert rep["kv_bytes"] == prop.info().detail["kv_bytes"] == runner.kv.bytes
 
 
 def test_two_layer_dummy_draft_is_lossless_and_drafts_the_truncated_target(folders):
     """load_format dummy, no draft folder, draft_num_layers 2: the draft is the target's
     shape at 2 layers with the target's seed; its drafts and KV are those of a runner on the
-    2-layer config, and greedy output equals decoding without speculation."""
+    2-layer config, and greedy output equals decoding without speculation (spec_generate)."""
     runner, prop = _setup(folders["target"], {"method": "draft_model", "num_speculative_tokens": 4,
                                               "draft_num_layers": 2}, load_format="dummy")
     truth = ModelRunner(_cfg(folders["dummy2"], load_format="dummy"))
     assert prop.draft_spec.num_layers == 2 and prop.info().weight_bytes == truth.weight_bytes
     assert prop.info().kv_bytes_per_block == truth.kv_layout.block_bytes
     prompts, n, k = _prompts(0), 10, 4
-    tables = _tables(prompts, n, k, runner.block_size)
-    reqs = [Req(f"r{i}", p, t, n) for i, (p, t) in enumerate(zip(prompts, tables))]
-    outs, drafted, _, log = spec_greedy(runner, prop, reqs, k, chunk=16)
-    for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == greedy_generate(runner, p, n)
-    assert drafted > 0
-    _check_drafts_and_kv(truth, prop, log, {r.rid: r.table for r in reqs},
-                         {r.rid: r.prompt + outs[r.rid][:-1] for r in reqs})
+    reqs = _reqs(prompts, n, k, runner.block_size)
+    run = spec_greedy(runner, reqs, k, chunk=16)
+    assert run.drafted > 0
+    _check_drafts_and_kv(truth, runner, run.proposals, {r.rid: r.table for r in reqs},
+                         {r.rid: r.prompt + run.outputs[r.rid][:-1] for r in reqs})
+    plain = [greedy_generate(runner, p, n) for p in prompts]
+    assert [run.outputs[r.rid] for r in reqs] == plain
+    assert spec_generate(runner, prompts, n, k, chunk=16) == plain  # the runner driver's loop too
 
 
 @pytest.fixture(scope="module")
@@ -185,16 +190,15 @@ def rig(folders):
 
 
 def test_a_draft_of_another_architecture_is_lossless_with_rejections(rig):
-    runner, prop, truth = rig
+    runner, _, truth = rig
     prompts, n, k = _prompts(1), 14, 3
-    tables = _tables(prompts, n, k, runner.block_size)
-    reqs = [Req(f"r{i}", p, t, n) for i, (p, t) in enumerate(zip(prompts, tables))]
-    outs, drafted, accepted, log = spec_greedy(runner, prop, reqs, k, chunk=16)
-    for i, p in enumerate(prompts):
-        assert outs[f"r{i}"] == greedy_generate(runner, p, n)
-    assert 0 < accepted < drafted  # both verification paths ran
-    _check_drafts_and_kv(truth, prop, log, {r.rid: r.table for r in reqs},
-                         {r.rid: r.prompt + outs[r.rid][:-1] for r in reqs})
+    reqs = _reqs(prompts, n, k, runner.block_size)
+    run = spec_greedy(runner, reqs, k, chunk=16)
+    assert 0 < run.accepted < run.drafted  # both verification paths ran
+    _check_drafts_and_kv(truth, runner, run.proposals, {r.rid: r.table for r in reqs},
+                         {r.rid: r.prompt + run.outputs[r.rid][:-1] for r in reqs})
+    for r in reqs:
+        assert run.outputs[r.rid] == greedy_generate(runner, r.prompt, n)
 
 
 def test_state_survives_forget_preemption_and_prefix_hits(rig):
@@ -202,26 +206,26 @@ def test_state_survives_forget_preemption_and_prefix_hits(rig):
     (table_start 0) into a table of reused, stale blocks; C starts at a prefix-cache hit on
     B's first two blocks. Each output is decoding without speculation's, each proposal the
     draft's greedy continuation, and the draft's KV is the draft model's at every slot."""
-    runner, prop, truth = rig
+    runner, _, truth = rig
     bs, k = runner.block_size, 3
     pa, pb = _prompts(2, (19, 23))
-    ta, tb = _tables([pa, pb], 12, k, bs, first=40)
-    outs, _, _, log = spec_greedy(runner, prop, [Req("a", pa, ta, 4), Req("b", pb, tb, 6)], k)
-    first = outs["b"]
+    a, b = _reqs([pa, pb], 12, k, bs)
+    run1 = spec_greedy(runner, [Req("a", pa, a.table, 4), Req("b", pb, b.table, 6)], k)
+    first = run1.outputs["b"]
     # preempted: B comes back from 0 with its outputs as context, on the blocks A and B held
     ctx = pb + first
-    tb2 = (tb + ta)[::-1][:len(tb) + 1]
-    outs2, _, _, log2 = spec_greedy(runner, prop, [Req("b", ctx, tb2, 6)], k, chunk=8)
-    assert first + outs2["b"] == greedy_generate(runner, pb, 12)
+    tb2 = (b.table + a.table)[::-1][:len(b.table) + 1]
+    run2 = spec_greedy(runner, [Req("b", ctx, tb2, 6)], k, chunk=8)
     # prefix hit: C's first 2 * bs tokens are B's, in B's first two blocks (as computed above)
-    full = ctx + outs2["b"]
+    full = ctx + run2.outputs["b"]
     assert len(full) > 2 * bs
     pc = full[:2 * bs] + _prompts(4, (5,))[0]
-    tc = tb2[:2] + list(range(100, 104))
-    outs3, _, _, log3 = spec_greedy(runner, prop, [Req("c", pc, tc, 8, hit=2 * bs)], k)
-    assert outs3["c"] == greedy_generate(runner, pc, 8)
-    _check_drafts_and_kv(truth, prop, log + log2 + log3, {"b": tb2, "c": tc},
-                         {"b": ctx + outs2["b"][:-1], "c": pc + outs3["c"][:-1]})
+    tc = tb2[:2] + list(range(300, 304))
+    run3 = spec_greedy(runner, [Req("c", pc, tc, 8, hit=2 * bs)], k)
+    _check_drafts_and_kv(truth, runner, run1.proposals + run2.proposals + run3.proposals, {"b": tb2, "c": tc},
+                         {"b": ctx + run2.outputs["b"][:-1], "c": pc + run3.outputs["c"][:-1]})
+    assert first + run2.outputs["b"] == greedy_generate(runner, pb, 12)
+    assert run3.outputs["c"] == greedy_generate(runner, pc, 8)
 
 
 def _chi_square_critical(df: int, z: float = 3.09) -> float:
