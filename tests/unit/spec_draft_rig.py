@@ -83,3 +83,34 @@ def spec_greedy(runner: ModelRunner, reqs: list[Req], k: int, chunk: int | None 
         live = [r for r in live if r.rid not in forget]
     runner.execute(StepPlan(step, [], forget=forget))
     return log
+
+
+def spec_sample(runner: ModelRunner, prompt: list[int], params: list[SamplingParams], n: int,
+                k: int) -> tuple[list[list[int]], int, int]:
+    """One request per `params` entry (each its own seed), all on `prompt`, run together to
+    n tokens each, every sampled seq asking for k drafts and the next verifying them (k = 0:
+    plain decoding). Returns (tokens per request, drafts verified, drafts accepted)."""
+    bs = runner.block_size
+    per = -(-(len(prompt) + n + 2 * k) // bs)
+    ids = [f"s{i}" for i in range(len(params))]
+    toks: dict[str, list[int]] = {r: [] for r in ids}
+    drafted = accepted = step = 0
+    seqs = [ScheduledSeq(r, prompt, 0, list(range(i * per, (i + 1) * per)), True, p, 0, num_propose=k)
+            for i, (r, p) in enumerate(zip(ids, params))]
+    while seqs:
+        result = runner.execute(StepPlan(step, seqs))
+        if result.error:
+            raise ValueError(f"step {step}: {result.error}")
+        step, off, nxt = step + 1, 0, []
+        for s, c in zip(seqs, result.num_sampled or [1] * len(seqs)):
+            o = toks[s.request_id]
+            o.extend(result.sampled_token_ids[off:off + c][:n - len(o)])
+            off += c
+            drafted, accepted = drafted + s.num_draft, accepted + c - 1
+            if len(o) < n:
+                d = result.draft_token_ids.get(s.request_id, [])[:n - len(o) - 1]
+                nxt.append(ScheduledSeq(s.request_id, [o[-1], *d], len(prompt) + len(o) - 1, s.block_table, True,
+                                        s.sampling, len(o), num_draft=len(d), num_propose=k))
+        seqs = nxt
+    runner.execute(StepPlan(step, [], forget=ids))
+    return [toks[r] for r in ids], drafted, accepted

@@ -29,7 +29,7 @@ from services.worker.spec.draft_model import DraftModelProposer, draft_noise_see
 from shared.config import build_config
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
 from tests.runner_driver import greedy_generate, spec_generate, step_logits
-from tests.unit.spec_draft_rig import GREEDY, Req, spec_greedy
+from tests.unit.spec_draft_rig import GREEDY, Req, spec_greedy, spec_sample
 
 VOCAB = 384
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -316,6 +316,29 @@ def test_probabilistic_drafts_are_draws_from_the_returned_q(folders):
     view = _observe_prefill(runner, prop, [prompt[:-1]] * 3, tables)
     assert prop.propose(reqs, view).token_ids == chain.token_ids  # seeded: the same draws again
     assert draft_noise_seed(11, 5) != mix_seed(11, 5)  # a stream of its own, not the target's noise
+
+
+def test_the_target_as_its_own_probabilistic_draft_is_accepted_and_lossless(folders):
+    """Probabilistic drafting verified by rejection sampling (kernels/rejection_sampling.py,
+    skipped until it is merged): with the target as its own draft q = p, so every draft is
+    accepted, and the tokens at each output position have the distribution of plain seeded
+    decoding (two-sample chi-square over 400 seeds each, p = 0.001)."""
+    pytest.importorskip("kernels.rejection_sampling")
+    t = folders["target"]
+    spec = {"method": "draft_model", "model": t, "num_speculative_tokens": 3, "draft_sampling": "probabilistic"}
+    runner, plain = ModelRunner(_cfg(t, spec, kv_cache_gib=0.1)), ModelRunner(_cfg(t, kv_cache_gib=0.1))
+    prompt = _prompts(7, (9,))[0]
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=1000 + i) for i in range(400)]
+    ours, drafted, accepted = spec_sample(runner, prompt, params, 4, 3)
+    theirs, _, _ = spec_sample(plain, prompt, params, 4, 0)
+    assert drafted > 0 and accepted == drafted
+    for pos in range(4):
+        a = torch.bincount(torch.tensor([o[pos] for o in ours]), minlength=VOCAB).float()
+        b = torch.bincount(torch.tensor([o[pos] for o in theirs]), minlength=VOCAB).float()
+        seen = (a + b) > 0
+        stat = float(((a[seen] - b[seen]) ** 2 / (a[seen] + b[seen])).sum())  # equal sample sizes
+        df = int(seen.sum()) - 1
+        assert df == 0 or stat < _chi_square_critical(df), (pos, stat, df)
 
 
 def test_drafts_stop_where_the_block_table_ends(rig):

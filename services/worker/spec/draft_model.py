@@ -71,16 +71,17 @@ if TYPE_CHECKING:  # the runner builds the proposer; no import at run time (no c
     from services.worker.model_runner import ModelRunner
     from shared.config import KestrelConfig
 
-# The draft's noise stream: the draft's draw of output index j uses the key
-# mix_seed(mix_seed(seed, DRAFT_NOISE_STREAM), j), the target's mix_seed(seed, j).
-DRAFT_NOISE_STREAM = 0x6472616674  # b"draft"
+# The draft's noise stream: the draft's draw at output index j of a request seeded `seed` is
+# keyed mix_seed(mix_seed(seed, j), DRAFT_NOISE_STREAM); the target's draw there uses the row
+# key mix_seed(seed, j) itself, rejection sampling's streams other tags of it.
+DRAFT_NOISE_STREAM = 0x64726166  # b"draf"
 
 
 def draft_noise_seed(seed: int, output_index: int) -> int:
     """The 63-bit key of the draft's seeded draw at `output_index` for a request seeded
     `seed`: a stream of its own (`DRAFT_NOISE_STREAM`), so the draft's Gumbel noise is not
-    the target's noise of the same output index (`kernels.sampling_noise.mix_seed`)."""
-    return mix_seed(mix_seed(seed, DRAFT_NOISE_STREAM), output_index)
+    the noise of the target's draws at the same output index (`kernels.sampling_noise.mix_seed`)."""
+    return mix_seed(mix_seed(seed, output_index), DRAFT_NOISE_STREAM)
 
 
 def draft_model_spec(cfg: KestrelConfig, spec: SpeculativeConfig, target: ModelSpec) -> ModelSpec:
