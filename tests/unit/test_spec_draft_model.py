@@ -319,11 +319,10 @@ def test_probabilistic_drafts_are_draws_from_the_returned_q(folders):
 
 
 def test_the_target_as_its_own_probabilistic_draft_is_accepted_and_lossless(folders):
-    """Probabilistic drafting verified by rejection sampling (kernels/rejection_sampling.py,
-    skipped until it is merged): with the target as its own draft q = p, so every draft is
-    accepted, and the tokens at each output position have the distribution of plain seeded
-    decoding (two-sample chi-square over 400 seeds each, p = 0.001)."""
-    pytest.importorskip("kernels.rejection_sampling")
+    """Probabilistic drafting through the runner's rejection sampling: with the target as
+    its own draft q = p, so every draft is accepted, and the tokens at each output position
+    have the distribution of plain seeded decoding (two-sample chi-square over 400 seeds
+    each, p = 0.001)."""
     t = folders["target"]
     spec = {"method": "draft_model", "model": t, "num_speculative_tokens": 3, "draft_sampling": "probabilistic"}
     runner, plain = ModelRunner(_cfg(t, spec, kv_cache_gib=0.1)), ModelRunner(_cfg(t, kv_cache_gib=0.1))
