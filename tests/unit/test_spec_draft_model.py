@@ -322,7 +322,7 @@ def test_the_target_as_its_own_probabilistic_draft_is_accepted_and_lossless(fold
     """Probabilistic drafting through the runner's rejection sampling: with the target as
     its own draft q = p, so every draft is accepted, and the tokens at each output position
     have the distribution of plain seeded decoding (two-sample chi-square over 400 seeds
-    each, p = 0.001)."""
+    each, p = 0.001); greedy requests decode as without speculation."""
     t = folders["target"]
     spec = {"method": "draft_model", "model": t, "num_speculative_tokens": 3, "draft_sampling": "probabilistic"}
     runner, plain = ModelRunner(_cfg(t, spec, kv_cache_gib=0.1)), ModelRunner(_cfg(t, kv_cache_gib=0.1))
@@ -331,6 +331,8 @@ def test_the_target_as_its_own_probabilistic_draft_is_accepted_and_lossless(fold
     ours, drafted, accepted = spec_sample(runner, prompt, params, 4, 3)
     theirs, _, _ = spec_sample(plain, prompt, params, 4, 0)
     assert drafted > 0 and accepted == drafted
+    # a greedy request's drafts are point masses in q: the tokens of plain greedy decoding
+    assert spec_generate(runner, [prompt], 8, 3) == [greedy_generate(plain, prompt, 8)]
     for pos in range(4):
         a = torch.bincount(torch.tensor([o[pos] for o in ours]), minlength=VOCAB).float()
         b = torch.bincount(torch.tensor([o[pos] for o in theirs]), minlength=VOCAB).float()
