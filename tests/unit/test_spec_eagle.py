@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from services.worker.spec.eagle import EagleProposer, eagle_default_layers
 from shared.protocol import SamplingParams
 from shared.spec_config import SpeculativeConfig
-from tests.runner_driver import generate
+from tests.runner_driver import generate, spec_run
 from tests.unit.spec_head_rig import (SpecRig, attach, attend, mlp, rms, rope, sharpen, target_features,
                                       tiny_runner)
 
@@ -107,6 +107,18 @@ def test_greedy_output_with_eagle_equals_output_without(target):
     assert rig.accepted > 0 and len(rig.log) > 100  # drafts were accepted, and many proposed
     assert all(len(entry.drafts) == K for entry in rig.log)
     assert p._carry == {}  # every request was forgotten at its end
+
+
+def test_greedy_output_through_the_runner_equals_output_without(tmp_path):
+    runner, _ = tiny_runner(tmp_path, '{"method": "eagle", "num_speculative_tokens": 3, "policy": "fixed"}')
+    assert runner.model.aux_hidden_layers == runner.proposer.target_layer_ids == (1, 3, 4)
+    prompts = _prompts(4, (3, 26, 11, 19))
+    base = generate(runner, prompts, 16)
+    run = spec_run(runner, prompts, 16, K, chunk=8)
+    assert run.tokens == base and run.num_draft_tokens > 0
+    rep = runner.report()["speculative"]
+    assert rep["method"] == "eagle" and rep["kv_bytes_per_block"] == 2 * 16 * 2 * 16 * 4
+    assert runner.proposer._carry == {}  # the driver's forget reached it
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "probabilistic"])
