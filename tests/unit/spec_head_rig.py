@@ -9,8 +9,7 @@ Two kinds of verification:
 - forced: the rig accepts a chosen number of drafts and picks the bonus token itself, so
   every acceptance length occurs; what the proposer then drafts must equal the dense
   reference over the context it was given (its state followed the rollbacks).
-Dense references of both drafters (plain torch over whole tensors, no paged cache) are at the
-bottom; they read the proposers' parameters.
+The dense references of both drafters are in tests/unit/spec_head_dense.py.
 """
 
 from __future__ import annotations
@@ -35,12 +34,15 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
 
 
-def tiny_runner(folder, spec_json: str | None = None, **conf) -> tuple[ModelRunner, object]:
+def tiny_runner(folder, spec_json: str | None = None, device: str = "cpu", **conf) -> tuple[ModelRunner, object]:
     """(runner, cfg) of a tiny random Llama (TINY with `conf` over it) written to `folder`,
-    dummy weights scaled up (std 0.2) so that its features and logits are far from uniform."""
+    fp32 on `device`, dummy weights scaled up (std 0.2) so that its features and logits are
+    far from uniform."""
     (folder / "config.json").write_text(json.dumps({**TINY, **conf}))
-    cli = {"model": str(folder), "load_format": "dummy", "device": "cpu", "dtype": "float32",
+    cli = {"model": str(folder), "load_format": "dummy", "device": device, "dtype": "float32",
            "kv_cache_gib": 0.02, "max_model_len": 1024, "block_size": 16}
+    if device == "cuda":
+        cli.update(gpu_memory_utilization=0.05, max_num_seqs=16)
     if spec_json:
         cli["speculative_config"] = spec_json
     cfg = build_config(cli=cli, env={})
@@ -218,37 +220,3 @@ def target_features(runner: ModelRunner, tokens: list[int], table: list[int]) ->
         ids, pos, meta = runner._prepare([seq])
         runner.run_model(ids, pos, meta)
         return runner.model.aux_hidden.clone()
-
-
-# ---------------------------------------------------------------- dense references
-
-
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Neox-layout RoPE of x [T, heads, d] at positions [T]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = positions.float()[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention, q [Tq, h, d], k/v [Tk, kvh, d] (GQA), mask [Tq, Tk] bool or None
-    -> [Tq, h * d]."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
-    if mask is not None:
-        s = s.masked_fill(~mask[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(q.shape[0], -1)
-
-
-def mlp(x: torch.Tensor, m) -> torch.Tensor:
-    gu = x @ m.gate_up_proj.weight.T
-    gate, up = gu.chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ m.down_proj.weight.T

@@ -27,8 +27,8 @@ from services.worker.spec.head_loading import spread_layers
 from shared.protocol import SamplingParams
 from shared.spec_config import SpeculativeConfig
 from tests.runner_driver import generate, spec_run
-from tests.unit.spec_head_rig import (SpecRig, attach, attend, mlp, rms, rope, sharpen, target_features,
-                                      tiny_runner)
+from tests.unit.spec_head_dense import dflash_dense
+from tests.unit.spec_head_rig import SpecRig, attach, sharpen, tiny_runner
 
 K = 4
 
@@ -49,37 +49,6 @@ def _proposer(target, sampling: str = "greedy", model: str | None = None, layers
                                               target_layer_ids=tuple(layers), draft_num_layers=depth), runner)
     attach(runner, p)
     return p
-
-
-def dflash_dense(p: DFlashProposer, runner, context: list[int], n: int, temperature: float,
-                 table: list[int]) -> torch.Tensor:
-    """q [n, vocab] of DFlash's block after `context` (its last token at position m opens the
-    block): z-lab/dflash's DFlashDraftModel forward over whole tensors."""
-    d, a = p.drafter, p.args
-    m = len(context) - 1
-    c = rms(target_features(runner, context[:m], table) @ d.fc.weight.T, d.hidden_norm.weight, a.rms_norm_eps)
-    emb = runner.model.model.embed_tokens.weight
-    x = emb[torch.tensor([context[m]] + [p.mask_token_id] * n)]
-    pb, pc = torch.arange(m, m + n + 1), torch.arange(m)
-    heads, kvh, hd, eps, theta = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps, a.rope_theta
-
-    def norm(t, w):
-        return t if w is None else rms(t, w.weight, eps)
-
-    def keys(att, src, pos):
-        wk, wv = att.kv_proj.weight.split(att.kv_size)
-        return rope(norm((src @ wk.T).view(-1, kvh, hd), att.k_norm), pos, theta), (src @ wv.T).view(-1, kvh, hd)
-
-    for layer in d.decoder_layers:
-        att = layer.self_attn
-        h = rms(x, layer.input_layernorm.weight, eps)
-        q = rope(norm((h @ att.q_proj.weight.T).view(-1, heads, hd), att.q_norm), pb, theta)
-        kb, vb = keys(att, h, pb)
-        kc, vc = keys(att, c, pc)
-        x = x + attend(q, torch.cat([kc, kb]), torch.cat([vc, vb]), None) @ att.o_proj.weight.T
-        x = x + mlp(rms(x, layer.post_attention_layernorm.weight, eps), layer.mlp)
-    logits = rms(x[1:], d.norm.weight, eps) @ runner.model.lm_head.weight.T
-    return torch.softmax(logits / temperature, -1)
 
 
 def test_default_layers_are_spread_over_the_depth(target):

@@ -22,8 +22,8 @@ from services.worker.spec.eagle import EagleProposer, eagle_default_layers
 from shared.protocol import SamplingParams
 from shared.spec_config import SpeculativeConfig
 from tests.runner_driver import generate, spec_run
-from tests.unit.spec_head_rig import (SpecRig, attach, attend, mlp, rms, rope, sharpen, target_features,
-                                      tiny_runner)
+from tests.unit.spec_head_dense import eagle_dense
+from tests.unit.spec_head_rig import SpecRig, attach, sharpen, tiny_runner
 
 K = 3
 
@@ -44,47 +44,6 @@ def _proposer(target, sampling: str = "greedy", model: str | None = None, layers
                                              target_layer_ids=tuple(layers)), runner)
     attach(runner, p)
     return p
-
-
-def eagle_dense(p: EagleProposer, runner, context: list[int], drafts: list[int], temperature: float,
-                table: list[int]) -> torch.Tensor:
-    """q [len(drafts), vocab] of EAGLE-3 over `context` (its last token at position m, the
-    next step's first input), each step fed the previous draft: every context position p
-    holds the pair (fc(features at p - 1) or 0, token p), step i at m + i attends causally."""
-    head, a = p.head, p.args
-    m = len(context) - 1
-    feats = target_features(runner, context[:m], table) if m else torch.zeros(0, 3 * a.hidden_size)
-    g = feats @ head.fc.weight.T
-    f = torch.cat([torch.zeros(1, a.hidden_size), g])  # the feature of each position 0..m
-    emb = (head.embed_tokens or runner.model.model.embed_tokens).weight
-    layer, att = head.midlayer, head.midlayer.self_attn
-    eps, theta, hd = a.rms_norm_eps, a.rope_theta, a.head_dim
-    wk, wv = att.kv_proj.weight.split(att.kv_size)
-
-    def pair(tok_emb, feat):
-        return torch.cat([rms(tok_emb, layer.input_layernorm.weight, eps), rms(feat, layer.hidden_norm.weight, eps)], -1)
-
-    def kv(x, pos):
-        k = rope((x @ wk.T).view(-1, a.num_key_value_heads, hd), pos, theta)
-        return k, (x @ wv.T).view(-1, a.num_key_value_heads, hd)
-
-    x = pair(emb[torch.tensor(context)], f)
-    keys, vals = kv(x, torch.arange(m + 1))
-    cur_x, cur_f, qs = x[m:], f[m:], []
-    for i, d in enumerate(drafts):
-        q = rope((cur_x @ att.q_proj.weight.T).view(1, a.num_attention_heads, hd), torch.tensor([m + i]), theta)
-        h1 = attend(q, keys, vals, None) @ att.o_proj.weight.T + cur_f
-        h2 = mlp(rms(h1, layer.post_attention_layernorm.weight, eps), layer.mlp) + h1
-        logits = rms(h2, head.norm.weight, eps) @ head.lm_head.weight.T
-        if head.targets is not None:
-            full = torch.full((1, head.target_vocab), float("-inf"))
-            full[:, head.targets] = logits
-            logits = full
-        qs.append(torch.softmax(logits / temperature, -1))
-        cur_x, cur_f = pair(emb[torch.tensor([d])], h2), h2
-        k1, v1 = kv(cur_x, torch.tensor([m + i + 1]))
-        keys, vals = torch.cat([keys, k1]), torch.cat([vals, v1])
-    return torch.cat(qs)
 
 
 def test_default_layers_are_low_mid_high_outputs():
