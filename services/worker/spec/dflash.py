@@ -49,7 +49,7 @@ from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.spec.base import Proposal, ProposeRequest, Proposer, ProposerInfo, StepView
-from services.worker.spec.draft_attention import row_backend, row_inputs, store_kv_only
+from services.worker.spec.draft_attention import device_ints, row_backend, row_inputs, store_kv_only
 from services.worker.spec.draft_sampling import choose_drafts, draft_seed
 from services.worker.spec.head_layers import DRAFT_PACKED_MODULES, DraftAttention, DraftMLP, HeadArgs
 from services.worker.spec.head_loading import (TargetParts, building, check_layers, fill_weights, head_args,
@@ -191,10 +191,10 @@ class DFlashProposer(Proposer):
             tables.extend([r.block_table] * (k + 1))
         positions, meta = row_inputs(pos, lens, tables, bs, t.device, not t.reference)
         attn = row_backend(layers, meta, t.reference, True)
-        x = t.embed(torch.tensor(ids, dtype=torch.long, device=t.device))
+        x = t.embed(device_ints(ids, t.device))
         for layer in self.drafter.decoder_layers:
             x = layer(positions, x, attn)
-        x = x.index_select(0, torch.tensor(picks, dtype=torch.long, device=t.device))
+        x = x.index_select(0, device_ints(picks, t.device))
         logits = t.compute_logits(self.drafter.norm(x))
         reqs = [(requests[j], i) for j in cur for i in range(caps[j])]
         seeds = [draft_seed(self._seed(r), r.output_index + i) for r, i in reqs] if self.probabilistic else None

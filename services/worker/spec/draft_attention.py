@@ -25,6 +25,14 @@ from services.worker.layers.attention import (AttentionBackend, AttentionLayer, 
                                               PagedAttention, ReferenceAttention, select_backend)
 
 
+def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """values as an int64 tensor on `device`; on CUDA through pinned memory with a
+    non-blocking copy, so that the host does not wait for the stream (a pageable copy
+    would)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(list(values), dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
+
+
 def store_kv_only(layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, kv_heads, head_dim] (views with a unit last stride; k is normed and
@@ -61,7 +69,7 @@ def row_inputs(positions: Sequence[int], seq_lens: Sequence[int], tables: Sequen
         for part in parts:
             host.extend(part)
             host.extend([0] * (len(part) % 2))
-        d = torch.tensor(host, dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        d = device_ints(host, device)
         views, off = [], 0
         for part in parts:
             views.append(d[off:off + len(part)])

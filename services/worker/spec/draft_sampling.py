@@ -38,14 +38,21 @@ def choose_drafts(logits: torch.Tensor, temperatures: list[float], seeds: list[i
         return greedy, None
     assert seeds is not None and len(seeds) == logits.shape[0]
     dev = logits.device
-    temp = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32, device=dev)
+    temp = _on(torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32), dev)
     scaled = logits.float() / temp[:, None]
     q = torch.softmax(scaled, dim=-1)
-    noise = race_noise(noise_keys(seeds).to(dev), logits.shape[1])
+    noise = race_noise(_on(noise_keys(seeds), dev), logits.shape[1])
     tokens = (scaled + noise).argmax(dim=-1)
     cold = [i for i, t in enumerate(temperatures) if t <= 0]
     if cold:
-        idx = torch.tensor(cold, dtype=torch.long, device=dev)
+        idx = _on(torch.tensor(cold, dtype=torch.long), dev)
         tokens[idx] = greedy[idx]
         q[idx] = torch.nn.functional.one_hot(greedy[idx], logits.shape[1]).float()
     return tokens, q
+
+
+def _on(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on `dev`: pinned and non-blocking on CUDA (no wait for the stream)."""
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)

@@ -61,7 +61,7 @@ from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.spec.base import Proposal, ProposeRequest, Proposer, ProposerInfo, StepView
-from services.worker.spec.draft_attention import row_backend, row_inputs, store_kv_only
+from services.worker.spec.draft_attention import device_ints, row_backend, row_inputs, store_kv_only
 from services.worker.spec.draft_sampling import choose_drafts, draft_seed
 from services.worker.spec.head_layers import DRAFT_PACKED_MODULES, DraftAttention, DraftMLP, HeadArgs
 from services.worker.spec.head_loading import (TargetParts, building, check_layers, fill_weights, head_args,
@@ -236,12 +236,12 @@ class EagleProposer(Proposer):
             keep.append((s.request_id, s.start_pos + m - kk, off + m - kk, kk))
             off += m
         dev = g.device
-        feat = torch.cat([g, *extra]).index_select(0, torch.tensor(prev, dtype=torch.long, device=dev))
+        feat = torch.cat([g, *extra]).index_select(0, device_ints(prev, dev))
         x, _ = self.head.midlayer.attn_input(self.embed(view.input_ids[:n]), feat)
         k, v = self.head.midlayer.self_attn.kv(x)
         store_kv_only(layers[0], k, v, view.positions[:n], view.meta.slot_mapping[:n])
         rows = [r for _, _, a, kk in keep for r in range(a, a + kk)]
-        kept = g.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
+        kept = g.index_select(0, device_ints(rows, dev))
         o = 0
         for rid, first, _, kk in keep:
             self._carry[rid] = (first, kept[o:o + kk])
@@ -262,14 +262,13 @@ class EagleProposer(Proposer):
         if view.aux_hidden is None:
             raise ValueError("EAGLE propose: no aux_hidden (set model.aux_hidden_layers = target_layer_ids)")
         dev = view.aux_hidden.device
-        feat = self.head.fc(view.aux_hidden.index_select(
-            0, torch.tensor([requests[j].row for j in cur], dtype=torch.long, device=dev)))
-        tok = torch.tensor([requests[j].emitted[-1] for j in cur], dtype=torch.long, device=dev)
+        feat = self.head.fc(view.aux_hidden.index_select(0, device_ints([requests[j].row for j in cur], dev)))
+        tok = device_ints([requests[j].emitted[-1] for j in cur], dev)
         steps: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
         for i in range(max(caps)):
             still = [p for p, j in enumerate(cur) if caps[j] > i]
             if len(still) != len(cur):
-                idx = torch.tensor(still, dtype=torch.long, device=dev)
+                idx = device_ints(still, dev)
                 feat, tok, cur = feat.index_select(0, idx), tok.index_select(0, idx), [cur[p] for p in still]
             reqs = [requests[j] for j in cur]
             pos, meta = row_inputs([r.next_pos + i for r in reqs], [r.next_pos + i + 1 for r in reqs],
