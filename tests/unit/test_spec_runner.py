@@ -16,13 +16,12 @@ import torch
 
 from benchmarks.common import model_dir
 from services.worker import spec as spec_pkg
-from services.worker.kv_cache import PagedKVSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.spec import verify
-from services.worker.spec.base import Proposal, Proposer, ProposerInfo, ProposeRequest, StepView
 from shared.config import build_config
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan
 from tests.runner_driver import generate, spec_run, step_logits
+from tests.unit.spec_rig import FakeDrafter
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.25, seed=11, logprobs=3)  # low: dummy logits are near-flat
@@ -164,56 +163,10 @@ def test_a_seq_whose_drafts_do_not_fit_is_an_error(runner):
 # ---------------------------------------------------------------- proposer plumbing
 
 
-class FakeDrafter(Proposer):
-    """A drafter with its own KV group (2 layers of 1 head x 8) that reads target layer 1,
-    writes each token id into its K cache at the step's slots, and proposes the tokens of a
-    plain run (`oracle`), with one-hot draft distributions when `with_probs`."""
-
-    target_layer_ids = (1,)
-    last: FakeDrafter | None = None
-
-    def __init__(self, cfg, spec, runner):
-        self.spec, self.vocab = spec, runner.spec.vocab_size
-        self.layers: list = []
-        self.views: list[StepView] = []
-        self.requests: list[list[ProposeRequest]] = []
-        self.oracle: dict[str, list[int]] = {}
-        self.with_probs = False
-        self.forgotten: list[str] = []
-        FakeDrafter.last = self
-
-    def kv_specs(self):
-        return [PagedKVSpec(1, 8)] * 2
-
-    def bind_kv(self, layers):
-        self.layers = layers
-
-    def observe(self, view):
-        self.views.append(view)
-        slots = view.meta.slot_mapping
-        self.layers[0].k.view(-1, 8)[slots, 0] = view.input_ids.to(self.layers[0].k.dtype)
-
-    def propose(self, requests, view):
-        self.requests.append(requests)
-        toks = [self.oracle.get(r.request_id, [])[r.output_index:r.output_index + r.num_propose]
-                for r in requests]
-        probs = None
-        if self.with_probs:
-            probs = [torch.nn.functional.one_hot(torch.tensor(t, dtype=torch.long), self.vocab).float()
-                     for t in toks]
-        return Proposal(toks, probs)
-
-    def forget(self, request_ids):
-        self.forgotten.extend(request_ids)
-
-    def info(self):
-        return ProposerInfo("fake", detail={"fake": True})
-
-
 @pytest.fixture(scope="module")
 def drafter_runner(folder):
     mp = pytest.MonkeyPatch()
-    mp.setitem(spec_pkg.PROPOSERS, "draft_model", (__name__, "FakeDrafter"))
+    mp.setitem(spec_pkg.PROPOSERS, "draft_model", ("tests.unit.spec_rig", "FakeDrafter"))
     try:
         r = ModelRunner(_cfg(folder, speculative_config={"method": "draft_model", "num_speculative_tokens": 3}))
     finally:
@@ -242,18 +195,23 @@ def test_observe_and_propose_see_the_step_and_the_emitted_tokens(drafter_runner,
     prompts = _prompts(9)
     ref = generate(runner, prompts, N)
     fake.oracle = {f"r{i}": ref[i] for i in range(len(prompts))}
-    fake.views.clear()
+    fake.seen.clear()
     fake.requests.clear()
     run = spec_run(r, prompts, N, 3)
     assert run.tokens == ref and run.num_accepted == run.num_draft_tokens > 0
-    assert len(fake.views) == run.steps  # every step with seqs (not the last, forget-only plan)
-    for view in fake.views:
-        t = sum(len(s.token_ids) for s in view.seqs)
-        assert view.input_ids.shape == (t,) and view.hidden.shape == (t, r.spec.hidden_size)
+    assert len(fake.seen) == run.steps  # every step with seqs (not the last, forget-only plan)
+    for seen in fake.seen:
+        t = sum(len(s.token_ids) for s in seen["seqs"])
+        assert len(seen["ids"]) == t and seen["hidden"] == (t, r.spec.hidden_size)
+        want = [tok for s in seen["seqs"] for tok in s.token_ids]
+        assert seen["ids"] == want
+        assert seen["positions"] == [s.start_pos + j for s in seen["seqs"] for j in range(len(s.token_ids))]
         # the drafter's KV group is indexed by the target's slot mapping: it holds the ids there
-        k0 = fake.layers[0].k.view(-1, 8)[view.meta.slot_mapping, 0]
-        assert k0.long().tolist() == view.input_ids.tolist()
-    for reqs, view, res in zip(fake.requests, fake.views, run.results):
+        assert seen["kv"] == [x % 256 for x in want]
+        bs = r.block_size
+        assert seen["slots"] == [s.block_table[p // bs] * bs + p % bs for s in seen["seqs"]
+                                 for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+    for reqs, seen, res in zip(fake.requests, fake.seen, run.results):
         counts = res.num_sampled or [1] * len(reqs)
         flat, off = [], 0
         for c in counts:
@@ -261,11 +219,11 @@ def test_observe_and_propose_see_the_step_and_the_emitted_tokens(drafter_runner,
             off += c
         for req in reqs:
             i = int(req.request_id[1:])
-            s = view.seqs[req.seq_index]
+            s = seen["seqs"][req.seq_index]
             assert s.request_id == req.request_id and req.emitted in flat
             assert ref[i][req.output_index - len(req.emitted):req.output_index] == req.emitted
             assert req.next_pos == len(prompts[i]) + req.output_index - 1
-            assert int(view.positions[req.row]) == req.next_pos - 1  # its hidden state predicted emitted[-1]
+            assert seen["positions"][req.row] == req.next_pos - 1  # its hidden state predicted emitted[-1]
             assert req.block_table == s.block_table
     assert set(fake.forgotten) >= {"r0", "r1", "r2"}
 
@@ -278,7 +236,8 @@ def test_draft_distributions_go_to_probabilistic_verification(drafter_runner, ru
     fake.with_probs = True
     calls = []
 
-    def fake_verify(target_logits, seqs, starts, draft_probs):
+    def fake_verify(target_logits, seqs, starts, draft_probs, *, default_seed, raw_logits):
+        assert default_seed == r.sampler.default_seed and raw_logits.shape == target_logits.shape
         calls.append((len(seqs), [q.shape for q in draft_probs]))
         for s, q in zip(seqs, draft_probs):  # q of exactly the drafts being verified
             assert q.argmax(-1).tolist() == s.token_ids[-s.num_draft:]

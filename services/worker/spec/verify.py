@@ -26,6 +26,7 @@ with recovered and bonus tokens (kernels/rejection_sampling.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -109,8 +110,11 @@ def accept_point_mass(seqs: list[ScheduledSeq], starts: list[int], drawn: list[i
 
 
 def verify_probabilistic(target_logits: torch.Tensor, seqs: list[ScheduledSeq], starts: list[int],
-                         draft_probs: list[torch.Tensor]) -> VerifyOutput:
+                         draft_probs: Sequence[torch.Tensor | None], *, default_seed: int = 0,
+                         raw_logits: torch.Tensor | None = None) -> VerifyOutput:
     """Rejection sampling against draft distributions q (module doc). target_logits:
     [rows, vocab] fp32 after the processors (`Sampler.process` over `expand_rows`);
-    draft_probs: per seq [num_draft, vocab] fp32. Not built yet (issue 15)."""
+    draft_probs: per seq [num_draft, vocab] fp32; default_seed: the seed of requests
+    without one; raw_logits: the logits before the processors (for raw logprobs), or None.
+    Not built yet (issue 15)."""
     raise NotImplementedError("probabilistic verification (issue 15)")
