@@ -72,7 +72,8 @@ def eagle_dense(p: EagleProposer, runner, context: list[int], drafts: list[int],
     cur_x, cur_f, qs = x[m:], f[m:], []
     for i, d in enumerate(drafts):
         q = rope((cur_x @ att.q_proj.weight.T).view(1, a.num_attention_heads, hd), torch.tensor([m + i], device=dev), theta)
-        h1 = attend(q, keys, vals, None) @ att.o_proj.weight.T + cur_f
+        resid = rms(cur_f, layer.hidden_norm.weight, eps) if layer.norm_before_residual else cur_f
+        h1 = attend(q, keys, vals, None) @ att.o_proj.weight.T + resid
         h2 = mlp(rms(h1, layer.post_attention_layernorm.weight, eps), layer.mlp) + h1
         logits = rms(h2, head.norm.weight, eps) @ head.lm_head.weight.T
         if head.targets is not None:

@@ -71,8 +71,10 @@ def test_greedy_output_with_dflash_equals_output_without(target):
     assert all(len(entry.drafts) == K for entry in rig.log)
 
 
-def test_greedy_output_through_the_runner_equals_output_without(tmp_path):
-    runner, _ = tiny_runner(tmp_path, '{"method": "dflash", "num_speculative_tokens": 4, "policy": "fixed"}')
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_greedy_output_through_the_runner_equals_output_without(tmp_path, arch):
+    runner, _ = tiny_runner(tmp_path, '{"method": "dflash", "num_speculative_tokens": 4, "policy": "fixed"}',
+                            architectures=[arch], model_type=arch[:5].lower())
     assert runner.model.aux_hidden_layers == runner.proposer.target_layer_ids
     prompts = _prompts(4, (3, 26, 11, 19))
     base = generate(runner, prompts, 16)

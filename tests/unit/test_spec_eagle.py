@@ -68,8 +68,10 @@ def test_greedy_output_with_eagle_equals_output_without(target):
     assert p._carry == {}  # every request was forgotten at its end
 
 
-def test_greedy_output_through_the_runner_equals_output_without(tmp_path):
-    runner, _ = tiny_runner(tmp_path, '{"method": "eagle", "num_speculative_tokens": 3, "policy": "fixed"}')
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_greedy_output_through_the_runner_equals_output_without(tmp_path, arch):
+    runner, _ = tiny_runner(tmp_path, '{"method": "eagle", "num_speculative_tokens": 3, "policy": "fixed"}',
+                            architectures=[arch], model_type=arch[:5].lower())
     assert runner.model.aux_hidden_layers == runner.proposer.target_layer_ids == (1, 3, 4)
     prompts = _prompts(4, (3, 26, 11, 19))
     base = generate(runner, prompts, 16)
@@ -115,7 +117,8 @@ def test_seeded_probabilistic_drafts_repeat_and_differ_by_seed(target):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
-def _write_checkpoint(folder, runner, with_embed: bool, draft_vocab: int = 16) -> dict[str, torch.Tensor]:
+def _write_checkpoint(folder, runner, with_embed: bool, draft_vocab: int = 16,
+                      norm_before_residual: bool = False) -> dict[str, torch.Tensor]:
     h, kv = 64, 2 * 16
     g = torch.Generator().manual_seed(7)
 
@@ -136,15 +139,16 @@ def _write_checkpoint(folder, runner, with_embed: bool, draft_vocab: int = 16) -
     conf = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": h, "intermediate_size": 96,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 32, "draft_vocab_size": draft_vocab,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 7]}}
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 7]},
+            "norm_before_residual": norm_before_residual}
     (folder / "config.json").write_text(json.dumps(conf))
     return t
 
 
-@pytest.mark.parametrize("with_embed", [False, True])
-def test_checkpoint_round_trip(target, tmp_path, with_embed):
+@pytest.mark.parametrize("with_embed,norm_before_residual", [(False, False), (True, False), (False, True)])
+def test_checkpoint_round_trip(target, tmp_path, with_embed, norm_before_residual):
     runner, _ = target
-    saved = _write_checkpoint(tmp_path, runner, with_embed)
+    saved = _write_checkpoint(tmp_path, runner, with_embed, norm_before_residual=norm_before_residual)
     p = _proposer(target, "probabilistic", model=str(tmp_path))
     assert p.target_layer_ids == (1, 3, 6)  # vLLM's layer inputs 2, 4, 7 as layer outputs
     params = dict(p.head.named_parameters())
@@ -159,6 +163,7 @@ def test_checkpoint_round_trip(target, tmp_path, with_embed):
         torch.testing.assert_close(params[name], saved[name], rtol=0, atol=0)
     assert len(params) == len(plain) + 2
     assert (p.head.embed_tokens is None) == (not with_embed)
+    assert p.head.midlayer.norm_before_residual == norm_before_residual
     assert p.head.targets is not None and p.head.targets.tolist() == list(range(0, 32, 2))
     # drafts are target ids of the draft vocabulary (even ids), and q is zero outside it
     rig = SpecRig(runner, p, K, SamplingParams(temperature=1.0, seed=3))
