@@ -31,7 +31,8 @@ Fields:
   the batch size, down to 0 where verifying costs more than it gains) or "fixed" (always k:
   for tests and benchmarks).
 - draft_num_layers: dummy drafter depth (draft_model with load_format dummy: a model of the
-  target's shape with this many layers; 0 = the target's own depth).
+  target's shape with this many layers; 0 = the target's own depth; dflash with load_format
+  dummy and no model: the drafter's layers, 0 = one per target layer it reads).
 
 Errors: `SpeculativeConfig.parse` raises ValueError naming the field for an unknown field, a
 wrong type or value, or a field that the method does not take.
