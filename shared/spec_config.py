@@ -30,6 +30,9 @@ Fields:
 - policy: "adaptive" (default: k per request and step from its running acceptance rate and
   the batch size, down to 0 where verifying costs more than it gains) or "fixed" (always k:
   for tests and benchmarks).
+- load_format: "auto" (the drafter's weights from `model`) or "dummy" (seeded random drafter
+  weights without a folder, for tests and timing; also implied by the target's
+  `--load-format dummy` when `model` is absent).
 - draft_num_layers: dummy drafter depth (draft_model with load_format dummy: a model of the
   target's shape with this many layers; 0 = the target's own depth; dflash with load_format
   dummy and no model: the drafter's layers, 0 = one per target layer it reads).
@@ -63,6 +66,7 @@ class SpeculativeConfig:
     target_layer_ids: tuple[int, ...] = field(default_factory=tuple)
     policy: str = "adaptive"
     draft_num_layers: int = 0
+    load_format: str = "auto"
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -123,12 +127,24 @@ class SpeculativeConfig:
         if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                    for i in layers):
             raise ValueError(f"speculative_config.target_layer_ids: expected a list of layer indexes, got {layers!r}")
+        load_format = data.get("load_format", "auto")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"speculative_config.load_format: {load_format!r} is not 'auto' or 'dummy'")
+        if method == "ngram" and "load_format" in data:
+            raise ValueError("speculative_config.load_format: not for method 'ngram'")
+        if load_format == "dummy" and model is not None:
+            raise ValueError("speculative_config.load_format: 'dummy' makes random weights; it takes no model folder")
         policy = data.get("policy", "adaptive")
         if policy not in ("adaptive", "fixed"):
             raise ValueError(f"speculative_config.policy: {policy!r} is not 'adaptive' or 'fixed'")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                    model=model, draft_sampling=sampling, target_layer_ids=tuple(layers), policy=policy,
-                   draft_num_layers=data.get("draft_num_layers", 0))
+                   draft_num_layers=data.get("draft_num_layers", 0), load_format=load_format)
+
+    def dummy_weights(self, target_load_format: str) -> bool:
+        """Whether the drafter gets seeded random weights: no folder, and this config's
+        `load_format` or the target's (`--load-format`) is "dummy"."""
+        return self.model is None and "dummy" in (self.load_format, target_load_format)
 
     @property
     def uses_draft_probs(self) -> bool:
@@ -175,9 +191,9 @@ def check_speculative(cfg: Any) -> None:
     import os
 
     if spec.method in ("draft_model", "eagle", "dflash") and spec.model is None:
-        if not (cfg.load_format == "dummy" and spec.method in ("eagle", "dflash", "draft_model")):
+        if not spec.dummy_weights(cfg.load_format):
             raise ValueError(f"speculative_config.model: method {spec.method!r} needs the drafter's folder "
-                             "(or --load-format dummy for random weights)")
+                             "(or \"load_format\": \"dummy\" for seeded random drafter weights)")
     if spec.method in OWN_KV_METHODS and (cfg.kv_offload_cpu_gib or 0) > 0 and cfg.enable_prefix_caching:
         raise ValueError(f"speculative_config.method: {spec.method!r} keeps a KV cache of its own, which the "
                          "kvstore tiers do not store (a block loaded from a tier would lack the drafter's KV); "

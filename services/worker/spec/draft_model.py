@@ -91,7 +91,7 @@ def draft_model_spec(cfg: KestrelConfig, spec: SpeculativeConfig, target: ModelS
     folder outside dummy loading, `ModelFolderError` for a bad folder, and ValueError when
     the draft's vocab_size is not the target's."""
     if spec.model is None:
-        if cfg.load_format != "dummy":
+        if not spec.dummy_weights(cfg.load_format):
             raise ValueError("speculative_config.model: a draft model needs its folder (or --load-format dummy)")
         n = spec.draft_num_layers or target.num_layers
         hf = dict(target.hf_config)
@@ -137,7 +137,7 @@ class DraftModelProposer(Proposer):
         self.draft_spec = draft_model_spec(cfg, spec, runner.spec)
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.draft_spec)(self.draft_spec, self.max_model_len)
-        if cfg.load_format == "dummy":
+        if spec.dummy_weights(cfg.load_format):
             self.weight_bytes = load_dummy_weights(module, cfg.seed)
         else:
             assert spec.model is not None  # draft_model_spec refused a dummy draft otherwise
