@@ -1,6 +1,6 @@
 """Speculative decoding with structured output (docs/ARCHITECTURE.md §5.5): the engine's
 grammar masks of every verified position, on a toy vocabulary (a tokenizer.json written
-here, xgrammar over it) and the scripted oracle worker (tests/unit/spec_rig.py), which draws
+here, xgrammar over it) and the scripted oracle worker (tests/unit/spec_oracle_rig.py), which draws
 under each position's mask.
 
 Independent truths: the same requests without speculation (outputs token for token), the
@@ -26,7 +26,7 @@ from services.engine.core import EngineCore  # noqa: E402
 from services.engine.executor import InProcessExecutor  # noqa: E402
 from shared import protocol as P  # noqa: E402
 from tests.unit.engine_rig import Outbox, core_config, drive, toy_info  # noqa: E402
-from tests.unit.spec_rig import OracleWorker, allowed_ids  # noqa: E402
+from tests.unit.spec_oracle_rig import OracleWorker, allowed_ids  # noqa: E402
 
 TOKENS = ["</s>", *"0123456789", "[", "]", ",", " ", "a", "b", ", ", "12", "x"]
 V, EOS, BS = len(TOKENS), 0, 4

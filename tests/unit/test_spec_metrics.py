@@ -1,7 +1,7 @@
 """Speculative decoding's counters (docs/ARCHITECTURE.md §5.5, §8.5): the engine's stats,
 their Prometheus export by the frontend (`GET /metrics`, read back with prometheus_client's
 own parser) and the engine's periodic log line, each against what the scripted oracle
-worker (tests/unit/spec_rig.py) recorded verifying: seqs, drafts, accepted drafts and
+worker (tests/unit/spec_oracle_rig.py) recorded verifying: seqs, drafts, accepted drafts and
 accepted drafts per position."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.engine.stats_log import StatsLog, stats_line
 from services.frontend.metrics import MetricsEndpoint, RequestMetrics
 from shared import protocol as P
-from tests.unit.spec_rig import FakeClock
+from tests.unit.spec_oracle_rig import FakeClock
 from tests.unit.test_spec_scheduler import pair, requests, run, spec_json
 
 K = 3

@@ -1,5 +1,5 @@
 """The engine side of speculative decoding (docs/ARCHITECTURE.md §5.5) against a scripted
-oracle worker (tests/unit/spec_rig.py): `EngineCore` + the real scheduler and block manager
+oracle worker (tests/unit/spec_oracle_rig.py): `EngineCore` + the real scheduler and block manager
 on an in-process executor, no model weights.
 
 The truth is the same requests run without speculation on the same oracle: outputs (tokens,
@@ -22,7 +22,7 @@ from services.engine.executor import InProcessExecutor
 from services.engine.pipeline import StepPipeline
 from shared import protocol as P
 from tests.unit.engine_rig import Outbox, core_config, toy_info
-from tests.unit.spec_rig import EOS, VOCAB, FakeClock, OracleWorker, oracle_continuation
+from tests.unit.spec_oracle_rig import EOS, VOCAB, FakeClock, OracleWorker, oracle_continuation
 
 BS = 4
 
