@@ -20,6 +20,11 @@ non-decreasing in tokens (a running maximum), and extrapolates past the ends wit
 of the nearest segment; with one bucket only, in proportion to the tokens (the pessimistic
 guess: speculation then waits for a second measured size rather than assuming drafts are
 free). Units: seconds, tokens.
+
+The in-process executor (services/engine/executor.py) runs a plan when it is submitted, so
+under async scheduling the result taken up next carries the following step's time: time
+in-process engines synchronously (benchmarks/common.py `run_core` does); the ring executor
+times either way.
 """
 
 from __future__ import annotations
