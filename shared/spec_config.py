@@ -43,6 +43,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared.model_spec import load_model_spec
+
 METHODS = ("ngram", "draft_model", "eagle", "dflash")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -151,11 +153,21 @@ def normalize_setting(value: str | dict[str, Any]) -> str:
     return "" if cfg is None else cfg.to_json()
 
 
+# Methods whose drafter keeps a KV cache group of its own, indexed by the target's block ids
+# (services/worker/spec/base.py, `Proposer.kv_specs`).
+OWN_KV_METHODS = ("draft_model", "eagle", "dflash")
+
+
 def check_speculative(cfg: Any) -> None:
     """Refuse, at configuration time (before any process starts or weights load),
     speculative settings that cannot work with the rest of `cfg` (a `KestrelConfig`):
     a drafter folder that is missing or whose vocabulary is not the target's, a method
-    without the weights it needs. Raises ValueError naming the setting."""
+    without the weights it needs, draft_num_layers with a draft folder (it sizes a dummy
+    draft), and a drafter with its own KV group (`OWN_KV_METHODS`) together with the
+    kvstore tiers (on with kv_offload_cpu_gib > 0 and the prefix cache: a tier stores and
+    loads the target's KV only, so a block loaded from it would have no draft KV). Raises
+    ValueError naming the setting (`shared.model_spec.ModelFolderError` for a malformed
+    draft folder)."""
     spec = SpeculativeConfig.parse(cfg.speculative_config)
     if spec is None:
         return
@@ -165,17 +177,20 @@ def check_speculative(cfg: Any) -> None:
         if not (cfg.load_format == "dummy" and spec.method in ("eagle", "dflash", "draft_model")):
             raise ValueError(f"speculative_config.model: method {spec.method!r} needs the drafter's folder "
                              "(or --load-format dummy for random weights)")
+    if spec.method in OWN_KV_METHODS and (cfg.kv_offload_cpu_gib or 0) > 0 and cfg.enable_prefix_caching:
+        raise ValueError(f"speculative_config.method: {spec.method!r} keeps a KV cache of its own, which the "
+                         "kvstore tiers do not store (a block loaded from a tier would lack the drafter's KV); "
+                         "turn the tiers off (--kv-offload-cpu-gib 0) or use method 'ngram'")
+    if spec.method == "draft_model" and spec.model is not None and spec.draft_num_layers:
+        raise ValueError("speculative_config.draft_num_layers: sizes a dummy draft (load_format dummy, no "
+                         "model); a draft folder has its own depth")
     if spec.model is not None and spec.method in ("draft_model", "eagle", "dflash"):
         conf = os.path.join(spec.model, "config.json")
         if not os.path.isfile(conf):
             raise ValueError(f"speculative_config.model: {spec.model!r} has no config.json")
-        if spec.method == "draft_model":
-            target = os.path.join(cfg.model, "config.json")
-            if os.path.isfile(target):
-                with open(conf) as fh:
-                    dv = json.load(fh).get("vocab_size")
-                with open(target) as fh:
-                    tv = json.load(fh).get("vocab_size")
-                if dv is not None and tv is not None and dv != tv:
-                    raise ValueError(f"speculative_config.model: the draft's vocab_size {dv} is not the "
-                                     f"target's {tv} (a draft model must share the target's tokenizer)")
+        if spec.method == "draft_model" and os.path.isfile(os.path.join(cfg.model, "config.json")):
+            dv = load_model_spec(spec.model).vocab_size
+            tv = load_model_spec(cfg.model).vocab_size
+            if dv != tv:
+                raise ValueError(f"speculative_config.model: the draft's vocab_size {dv} is not the "
+                                 f"target's {tv} (a draft model must share the target's tokenizer)")

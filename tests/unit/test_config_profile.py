@@ -15,6 +15,7 @@ import typing
 import pytest
 
 from shared.config import KestrelConfig, add_cli_arguments, build_config
+from shared.spec_config import normalize_setting
 from shared.config_fields import FIELDS, parse_bool
 from shared.device import GIB, DeviceInfo
 from shared.model_size import estimate_model_size
@@ -206,7 +207,7 @@ def test_device_detection_without_a_gpu_does_not_import_torch():
 
 # ---------------------------------------------------------------- the typed config object
 
-_PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool}
+_PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool, normalize_setting: str}
 _PROVENANCE = ("sources", "profile_detail", "threads_detail")  # KestrelConfig's fields that are not settings
 
 
