@@ -36,8 +36,8 @@ from services.worker.prompt_logprobs import PromptScorer
 from services.worker.sampler import Sampler
 from services.worker.spec import build_proposer, proposer_report
 from services.worker.spec.base import StepView
-from services.worker.spec.step import (DraftProbs, check_drafts, logit_rows, propose, propose_requests,
-                                       verify_drafts)
+from services.worker.spec.step import (DraftProbs, check_drafts, graph_view, logit_rows, propose,
+                                       propose_requests, verify_drafts)
 from services.worker.step_inputs import prepare_step
 from shared.config import KestrelConfig
 from shared.kv_layout import KVLayout
@@ -280,20 +280,23 @@ class ModelRunner:
             return StepLogits(None, [])
         check_drafts(seqs)
         rows = [i for i, s in enumerate(seqs) if s.sample]
-        hidden = self._decode_graph(seqs) if self.graphs is not None else None
-        if hidden is not None:  # decode-only step replayed from a CUDA graph
+        graphs = self.graphs
+        hidden = self._decode_graph(seqs) if graphs is not None else None
+        if graphs is not None and hidden is not None:  # decode-only step replayed from a CUDA graph
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.tensor(rows, device=hidden.device))
                 if len(rows) != len(seqs) else hidden)
             if self.proposer is None:
                 return StepLogits(logits, rows)
-            return StepLogits(logits, rows, view=self._graph_view(seqs, hidden), offsets=list(range(len(seqs) + 1)))
+            aux = self._graph_aux.get(graphs.padded_size(len(seqs)) or 0)  # the replayed graph's
+            return StepLogits(logits, rows, view=graph_view(graphs, seqs, hidden, self.max_model_len, aux),
+                              offsets=list(range(len(seqs) + 1)))
         input_ids, positions, meta = self._prepare(seqs)
         self._fill_pending(input_ids, seqs)
         hidden = self.run_model(input_ids, positions, meta)
         drafts = any(seqs[i].num_draft for i in rows)
         offsets: list[int] = []
-        view = None
+        view: StepView | None = None
         if drafts or self.proposer is not None:
             offsets = [0, *itertools.accumulate(len(s.token_ids) for s in seqs)]
         if self.proposer is not None:
@@ -315,21 +318,6 @@ class ModelRunner:
             last = meta.cu_seqlens_q[1:].long() - 1
             picked = hidden.index_select(0, last[rows])
         return StepLogits(self.model.compute_logits(picked), rows, prompt_logits, view, offsets)
-
-    def _graph_view(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> StepView:
-        """The proposer's view of a decode step replayed from a graph: the graph's input
-        buffers (pending ids resolved), its metadata and its outputs, first b rows."""
-        g = self.graphs
-        assert g is not None
-        b = len(seqs)
-        meta = AttentionMetadata(g.cu[:b + 1], g.seq_lens[:b], g.tables[:b], g.slots[:b], None,
-                                 max_q_len=1, max_seq_len=self.max_model_len)
-        aux = None
-        if self.proposer is not None and self.proposer.target_layer_ids:
-            padded = g.padded_size(b)
-            out = self._graph_aux.get(padded) if padded is not None else None
-            aux = out[:b] if out is not None else None
-        return StepView(seqs, g.ids[:b], g.pos[:b], meta, hidden, aux)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   layers: list[AttentionLayer] | None = None) -> torch.Tensor:

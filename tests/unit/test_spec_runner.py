@@ -236,7 +236,8 @@ def test_draft_distributions_go_to_probabilistic_verification(drafter_runner, ru
     fake.with_probs = True
     calls = []
 
-    def fake_verify(target_logits, seqs, starts, draft_probs):
+    def fake_verify(target_logits, seqs, starts, draft_probs, *, default_seed, raw_logits):
+        assert default_seed == r.sampler.default_seed and raw_logits.shape == target_logits.shape
         calls.append((len(seqs), [q.shape for q in draft_probs]))
         for s, q in zip(seqs, draft_probs):  # q of exactly the drafts being verified
             assert q.argmax(-1).tolist() == s.token_ids[-s.num_draft:]

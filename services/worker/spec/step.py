@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.layers.attention import AttentionMetadata
 from services.worker.sampler import Sampler, make_token_logprobs
 from services.worker.spec import verify
 from services.worker.spec.base import Proposer, ProposeRequest, StepView
@@ -131,7 +133,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSe
             vo = verify.accept_point_mass(sub_seqs, sub_starts, out.token_ids, out.logprobs)
         else:
             processed = sampler.process(sub_logits, sub_rows)
-            vo = verify.verify_probabilistic(processed, sub_seqs, sub_starts, [q for j in group if (q := probs[j]) is not None])
+            qs = [q for j in group if (q := probs[j]) is not None]
+            vo = verify.verify_probabilistic(processed, sub_seqs, sub_starts, qs,
+                                             default_seed=sampler.default_seed, raw_logits=sub_logits)
             vo.logprobs = _raw_logprobs(sub_logits, sub_seqs, sub_starts, vo.tokens, vo.logprobs)
         for n, j in enumerate(group):
             tokens[j], lps[j] = vo.tokens[n], vo.logprobs[n]
@@ -200,3 +204,17 @@ def propose(proposer: Proposer, requests: list[ProposeRequest], view: StepView, 
         else:
             store.drop([r.request_id])
     return out
+
+
+def graph_view(graphs: DecodeGraphs, seqs: list[ScheduledSeq], hidden: torch.Tensor, max_model_len: int,
+               aux: torch.Tensor | None) -> StepView:
+    """The proposer's view of a decode step replayed from a CUDA graph: the graph's input
+    buffers (pending ids resolved inside the graph), metadata over them and its outputs,
+    first b = len(seqs) rows. The buffers are overwritten by the next replay: a proposer
+    reads them in `observe` / `propose`, it does not keep them. aux: the replayed graph's
+    aux hidden output [padded b, ...] (None: the model stores none)."""
+    b = len(seqs)
+    g = graphs
+    meta = AttentionMetadata(g.cu[:b + 1], g.seq_lens[:b], g.tables[:b], g.slots[:b], None,
+                             max_q_len=1, max_seq_len=max_model_len)
+    return StepView(seqs, g.ids[:b], g.pos[:b], meta, hidden, None if aux is None else aux[:b])
