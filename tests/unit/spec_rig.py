@@ -89,7 +89,7 @@ class OracleWorker:
     proposer(request_id, context, output_index, n): drafts for the tokens after context
         (default: the oracle's continuation with mistakes). short(request_id,
         output_index): how many of the wanted drafts to return (default: all).
-    bm: the engine's block manager; a write into a block it shares fails.
+    bm: the engine's block manager; a write into a block it shares or has named fails.
     clock, step_cost(plan): a simulated clock advanced by step_cost(plan) seconds per step.
     reads_context: the proposer reads the context (n-gram): the worker's token history,
         built from context_token_ids and the tokens it ran, must equal the KV's.
@@ -112,7 +112,9 @@ class OracleWorker:
         self.spec_prev: dict[str, bool] = {}  # the request's last seq verified or proposed
         self.pending_fed = 0
         self.verified: list[tuple[str, int, int, int]] = []  # (rid, output_index, k, accepted)
-        self.masks: list[tuple[str, int, list[bytes]]] = []  # (rid, output_index, masks per row)
+        # (rid, output_index, drafts, masks per row) of the sampled seqs that had masks
+        self.masks: list[tuple[str, int, list[int], list[bytes | None]]] = []
+        self.proposals: list[tuple[str, int, list[int]]] = []  # (rid, output index of d1, drafts)
         self.emitted: dict[str, list[int]] = {}  # everything emitted per request, drops included
 
     def _read(self, table: list[int], end: int) -> tuple[list[int], int]:
@@ -163,7 +165,9 @@ class OracleWorker:
             for i, tok in enumerate(toks):  # write the KV of every token run
                 pos = s.start_pos + i
                 blk = table[pos // self.bs]
-                assert self.bm is None or self.bm.ref_cnt[blk] == 1, f"write into shared block {blk}"
+                if self.bm is not None:  # a block in the prefix cache holds KV that is never rewritten
+                    assert self.bm.ref_cnt[blk] == 1, f"write into shared block {blk}"
+                    assert self.bm.block_hash[blk] is None, f"write into block {blk}, named in the prefix cache"
                 d = mix(d, tok)
                 self.kv[(blk, pos % self.bs)] = (pos, tok, d)
             self.spec_prev[rid] = bool(k or s.num_propose)
@@ -171,7 +175,7 @@ class OracleWorker:
                 continue
             masks = self._masks(s)
             if s.allowed_token_bitmask is not None:
-                self.masks.append((rid, s.output_index, masks))
+                self.masks.append((rid, s.output_index, toks[len(toks) - k:] if k else [], masks))
             base = s.start_pos + len(toks) - k  # positions [0, base) precede row 0's draw
             emitted = []
             for i in range(k + 1):
@@ -198,7 +202,9 @@ class OracleWorker:
             else:
                 lps += [None] * len(emitted)
             if s.num_propose:
-                drafts[rid] = self._propose(rid, hist, s.output_index + len(emitted), s.num_propose)
+                oi = s.output_index + len(emitted)
+                drafts[rid] = self._propose(rid, hist, oi, s.num_propose)
+                self.proposals.append((rid, oi, drafts[rid]))
         if self.clock is not None and self.step_cost is not None:
             self.clock.t += self.step_cost(plan)
         spec = any(s.num_draft for s in plan.seqs)
