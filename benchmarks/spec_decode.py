@@ -177,8 +177,8 @@ def main() -> int:
         for s in servers.values():
             s.start(a.startup_timeout)
         model = servers["off"].model_name()
-        for side, s in servers.items():
-            for n, prompts in sets.items():
+        for s in servers.values():
+            for prompts in sets.values():
                 for i in range(a.warmup):
                     chat(s.base_url, model, prompts[i % len(prompts)], min(64, a.max_tokens), a.request_timeout)
         flip = False
@@ -214,6 +214,8 @@ def main() -> int:
     finally:
         for s in servers.values():
             s.stop()
+    for s in servers.values():  # a run that got here needs no server log
+        os.unlink(s.log_path)
     import torch
 
     date = time.strftime("%Y-%m-%d")

@@ -83,7 +83,7 @@ class ReplayProposer(Proposer):
         ReplayProposer.last = self
 
     def propose(self, requests: list[ProposeRequest], view: StepView) -> Proposal:
-        out = []
+        out: list[list[int]] = []
         for r in requests:
             ref = self.refs.get(r.request_id)
             j = r.output_index

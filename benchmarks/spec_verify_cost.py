@@ -40,6 +40,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -81,6 +82,13 @@ def timed_execute(runner, plan: StepPlan, cuda: bool) -> tuple[float, float | No
     return wall, a.elapsed_time(b) / 1e3
 
 
+def verify_plan(step: int, seqs: list[tuple[str, int, list[int], list[int]]], context: int, k: int) -> StepPlan:
+    """A step of one seq per (request id, last token, drafts, block table): [last, d1..dk]
+    at position `context` with num_draft = k (k = 0: a plain decode step), greedy."""
+    return StepPlan(step, [ScheduledSeq(rid, [tok, *d[:k]], context, table, True, GREEDY, 1, num_draft=k)
+                           for rid, tok, d, table in seqs])
+
+
 def verify_cost(runner, batches: list[int], ks: list[int], context: int, reps: int, cuda: bool) -> list[dict]:
     """Part 1 (module doc): one row per (batch, k), k = 0 the plain decode (graphs and eager)."""
     g = torch.Generator().manual_seed(0)
@@ -100,22 +108,21 @@ def verify_cost(runner, batches: list[int], ks: list[int], context: int, reps: i
             last.append(res.sampled_token_ids[0])
             step += 1
         drafts = [torch.randint(3, 10000, (kmax,), generator=g).tolist() for _ in range(b)]
-
-        def plan(k: int) -> StepPlan:
-            nonlocal step
-            step += 1
-            return StepPlan(step, [ScheduledSeq(ids[j], [last[j], *drafts[j][:k]], context, tables[j], True,
-                                                GREEDY, 1, num_draft=k) for j in range(b)])
+        seqs = [(ids[j], last[j], drafts[j], tables[j]) for j in range(b)]
 
         graphs = runner.graphs
         base: dict[str, float] = {}
         for mode, k in ([("graphs", 0)] if graphs is not None else []) + [("eager", 0)] + [("verify", k) for k in ks]:
             runner.graphs = graphs if mode == "graphs" else None
-            for _ in range(3):
-                timed_execute(runner, plan(k), cuda)
-            times = [timed_execute(runner, plan(k), cuda) for _ in range(reps)]
+            times = []
+            for i in range(3 + reps):  # 3 warm-up steps
+                step += 1
+                t = timed_execute(runner, verify_plan(step, seqs, context, k), cuda)
+                if i >= 3:
+                    times.append(t)
             wall = statistics.median(t[0] for t in times)
-            gpu = statistics.median(t[1] for t in times) if cuda else None
+            gpus = [t[1] for t in times if t[1] is not None]
+            gpu = statistics.median(gpus) if gpus else None
             row = {"batch": b, "k": k, "mode": mode, "tokens": b * (k + 1), "wall_ms": round(wall * 1e3, 4),
                    "gpu_ms": round(gpu * 1e3, 4) if gpu is not None else None}
             if mode != "verify":
@@ -148,8 +155,9 @@ def _one_run(runner, prompts: list[list[int]], n: int, prefix: str, spec: str | 
 
 
 def _median_run(runner, prompts, n, tag: str, spec, mbt, reps: int, before=None) -> tuple[dict, dict, dict]:
-    """`_one_run` reps times (ids tag<rep>_<i>); the run of median tok/s, with its tokens and
-    counters. before(prefix): called before each run (the replay drafter's references)."""
+    """`_one_run` reps times (ids tag<rep>_<i>); the run of median tok/s (the upper middle
+    one for an even count), with its tokens and counters, and every run's tok/s.
+    before(prefix): called before each run (the replay drafter's references)."""
     runs = []
     for rep in range(reps):
         prefix = f"{tag}{rep}_"
@@ -239,6 +247,7 @@ def main() -> None:
     ap.add_argument("--e2e-tokens", type=int, default=None)
     ap.add_argument("--e2e-reps", type=int, default=None)
     ap.add_argument("--dm-batches", type=int, nargs="+", default=None)
+    ap.add_argument("--dm-reps", type=int, default=1, help="timed runs per draft-model point (after a warm-up)")
     ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model"],
                     default=["verify", "e2e", "draft_model"])
     ap.add_argument("--notes", default="")
@@ -248,7 +257,7 @@ def main() -> None:
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \
         dict(config="qwen3-0.6b", batches=[1, 8, 32], ks=list(range(1, 9)), context=1024, reps=20,
-             e2e_lengths=[1, 1.5, 2, 2.5, 3, 3.5, 4, 5], e2e_prompt_len=512, e2e_tokens=256, e2e_reps=3,
+             e2e_lengths=[1, 1.5, 2, 2.5, 3, 3.5, 4, 5], e2e_prompt_len=512, e2e_tokens=256, e2e_reps=2,
              dm_batches=[1, 32])
     for key, v in d.items():
         if getattr(a, key) is None:
@@ -263,6 +272,11 @@ def main() -> None:
     res: dict = {"benchmark": "spec_verify_cost", "device": device_name() if cuda else "cpu", "config": a.config,
                  "weights": "dummy", "dtype": cli["dtype"], "torch": torch.__version__,
                  "settings": {k: v for k, v in vars(a).items() if k not in ("out", "notes")}, "notes": a.notes}
+    def save_partial() -> None:  # a run cut short (a timeout) keeps the parts already done
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump({**res, "complete": False}, fh, indent=1)
+
     if "verify" in a.parts or "e2e" in a.parts:
         with registered():
             runner, startup = load_runner({**cli, "speculative_config": spec_json(max(max(a.ks), a.e2e_k))})
@@ -270,16 +284,20 @@ def main() -> None:
         if "verify" in a.parts:
             with without_proposer(runner):
                 res["verify_cost"] = verify_cost(runner, a.batches, a.ks, a.context, a.reps, cuda)
+            save_partial()
         if "e2e" in a.parts:
             res["e2e_replay"] = e2e_replay(runner, a.e2e_k, a.e2e_lengths, a.e2e_prompt_len, a.e2e_tokens,
                                            a.e2e_reps, mbt)
+            save_partial()
         del runner
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     if "draft_model" in a.parts:
         res["draft_model"] = draft_model_part(cli, a.e2e_k, a.dm_batches, a.e2e_prompt_len, a.e2e_tokens,
-                                              a.e2e_reps, mbt)
+                                              a.dm_reps, mbt)
+    res["complete"] = True
+    shutil.rmtree(cli["model"], ignore_errors=True)  # the temporary config-only model folder
     emit_json(res, a.out)
 
 
