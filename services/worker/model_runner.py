@@ -270,7 +270,8 @@ class ModelRunner:
         assert self.proposer is not None and fwd.view is not None
         reqs = propose_requests(fwd.view.seqs, fwd.rows, emitted, fwd.offsets)
         if reqs:
-            result.draft_token_ids = propose(self.proposer, reqs, fwd.view, self.spec.vocab_size, self.draft_probs)
+            result.draft_token_ids = propose(self.proposer, reqs, fwd.view, self.spec.vocab_size,
+                                             self.max_model_len, self.draft_probs)
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         """Forward a resolved plan (the KV cache written, nothing sampled); see `StepLogits`.

@@ -146,3 +146,21 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(ngram_runner):
     run = spec_run(ngram_runner, prompts, 24, 4)
     assert run.num_accepted > 0 and run.acceptance_length > 1.5
     assert len(ngram_runner.history) == 0  # the driver's last plan forgot every request
+
+
+
+def test_drafts_stop_before_max_model_len_and_at_an_invalid_id():
+    """`spec.step.propose` cuts a proposal to what the next seq can hold: [emitted[-1], drafts]
+    ends before max_model_len; an id outside the vocabulary ends the drafts."""
+    from services.worker.spec.base import Proposal, Proposer, ProposeRequest
+    from services.worker.spec.step import DraftProbs, propose
+
+    class Four(Proposer):
+        def propose(self, requests, view):
+            return Proposal([[5, 6, 7, 8], [5, 99, 7, 8], [1, 2, 3, 4]])
+
+    def req(rid, next_pos):
+        return ProposeRequest(rid, 0, [3], next_pos, 0, 4, [0], GREEDY, 1)
+
+    out = propose(Four(), [req("a", 509), req("b", 10), req("c", 511)], None, 50, 512, DraftProbs())
+    assert out == {"a": [5, 6], "b": [5], "c": []}

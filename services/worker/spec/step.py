@@ -186,15 +186,17 @@ def propose_requests(seqs: list[ScheduledSeq], rows: list[int], emitted: list[li
 
 
 def propose(proposer: Proposer, requests: list[ProposeRequest], view: StepView, vocab_size: int,
-            store: DraftProbs) -> dict[str, list[int]]:
+            max_model_len: int, store: DraftProbs) -> dict[str, list[int]]:
     """Call the proposer once for `requests` (non-empty) and return request id -> drafts
-    (0..num_propose each; a draft id outside [0, vocab_size) ends that request's drafts).
-    The drafts' q, when the proposal has probs, is kept in `store` for their verification;
-    a request proposed again without q drops what was kept."""
+    (0..num_propose each, and no more than fit before max_model_len in the next step; a
+    draft id outside [0, vocab_size) ends that request's drafts). The drafts' q, when the
+    proposal has probs, is kept in `store` for their verification; a request proposed again
+    without q drops what was kept."""
     prop = proposer.propose(requests, view)
     out: dict[str, list[int]] = {}
     for n, r in enumerate(requests):
-        toks = [int(t) for t in prop.token_ids[n][:r.num_propose]] if n < len(prop.token_ids) else []
+        room = min(r.num_propose, max_model_len - 1 - r.next_pos)  # the next seq is [emitted[-1], drafts]
+        toks = [int(t) for t in prop.token_ids[n][:max(0, room)]] if n < len(prop.token_ids) else []
         bad = next((m for m, t in enumerate(toks) if not 0 <= t < vocab_size), None)
         if bad is not None:
             toks = toks[:bad]
