@@ -28,14 +28,11 @@ After the worker returns the sampled tokens, `update` appends them one by one wi
 conditions (services/engine/stop_conditions.py) and registers the blocks that became full
 in the prefix cache.
 
-Speculative decoding (docs/ARCHITECTURE.md §5.5; `spec`, a `SpecPolicy`, None when off): a
-decode holding drafts (`Request.draft_token_ids`, from its last result) verifies k of them
-(the policy's choice, within the budget, its limits and its grammar), and a sampled seq asks
-for `num_propose` drafts for its next step; blocks are allocated for both (drafts never
-preempt: without the blocks the seq runs plain). `update` walks the emitted tokens with the
-stop checks, rolls `num_computed_tokens` back to the accepted positions, trims the blocks
-past the request's tokens and keeps the drafts that came back. A request whose seq in
-flight verifies or proposes is never planned ahead.
+Speculative decoding (docs/ARCHITECTURE.md §5.5; `spec`, None when off): a decode holding
+drafts verifies k of them and a sampled seq asks for drafts for its next step
+(services/engine/draft_schedule.py); `update` walks the emitted tokens with the stop checks,
+then rolls the request back to its accepted positions. A request whose seq in flight
+verifies or proposes is never planned ahead.
 
 The scheduled requests become the step's `StepPlan` in services/engine/step_plan.py
 (`build_plan`: tokens, table increments, pending tokens, per-request extras). A request with
@@ -52,11 +49,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.draft_schedule import DraftScheduler
 from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
 from services.engine.spec_policy import SpecPolicy
 from services.engine.stop_conditions import stop_reason
-from services.engine.step_plan import SeqWork, build_plan
+from services.engine.step_plan import SeqWork, build_plan, sampled_counts
 from shared.protocol import FinishReason, StepPlan, TokenLogprob
 
 
@@ -105,6 +103,7 @@ class Scheduler:
         self.num_preemptions = 0  # cumulative
         self.num_generated_tokens = 0  # cumulative output tokens
         self.spec = spec
+        self.drafts = DraftScheduler(spec, block_manager, max_model_len) if spec is not None else None
         self.worker_forget: list[str] = []  # ended requests the next plan names (plan.forget)
         # KV tiers (module doc): requests parked until the connector answers their lookup.
         self.waiting_for_kv: dict[str, Request] = {}
@@ -174,7 +173,8 @@ class Scheduler:
         preempted: list[Request] = []
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_tokens + r.inflight - 1]
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_tokens + r.inflight - 1]
-        ks = self._choose_drafts(decodes, prefills) if self.spec is not None else {}
+        drafts = self.drafts
+        ks = self._choose_drafts(drafts, decodes, prefills) if drafts is not None else {}
 
         taken: set[str] = set()
         for req in decodes:
@@ -185,8 +185,7 @@ class Scheduler:
                 continue  # nothing to run: its last chunk sampled nothing (max_tokens 0)
             if req.inflight and (self._must_sync(req) or self._at_limit(req)):
                 continue  # its pending token decides (or is its last): wait for it
-            work = self._spec_decode(req, end, ks.get(req.request_id, 0), budget) \
-                if self.spec is not None else None
+            work = drafts.decode(req, end, ks.get(req.request_id, 0), budget) if drafts else None
             if work is None:
                 if not self._allocate_or_preempt(req, end, taken, preempted):
                     continue
@@ -202,7 +201,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
             end = req.num_computed_tokens + n
-            p = self._prefill_propose(req, end)
+            p = drafts.prefill(req, end) if drafts else 0
             if not (p and self.bm.allocate(req, end + p)):
                 p = 0
                 if not self._allocate_or_preempt(req, end, taken, preempted):
@@ -236,7 +235,7 @@ class Scheduler:
                     num_load = answer
             computed = hit_tokens + num_load * self.bm.block_size
             n = min(req.num_tokens - computed, prefill_budget)
-            p = self._prefill_propose(req, computed + n)
+            p = drafts.prefill(req, computed + n) if drafts else 0
             # Two phases: the hit blocks are referenced first, then blocks for load + chunk.
             if not (p and self.bm.allocate(req, computed + n + p, computed_blocks=hit_blocks)):
                 p = 0
@@ -271,26 +270,10 @@ class Scheduler:
                                total_tokens=sum(num_tokens.values()),
                                speculative=any(s.num_draft or s.num_propose for s in plan.seqs))
 
-    # ------------------------------------------------------------------ speculative decoding
-
-    def _room(self, req: Request) -> int:
-        """Tokens req may still emit (max_tokens, max_model_len), counting those in flight."""
-        return min(req.sampling.max_tokens - len(req.output_token_ids) - req.inflight,
-                   self.max_model_len - req.num_tokens - req.inflight)
-
-    def _propose_limit(self, req: Request, num_draft: int) -> int:
-        """The most drafts req can use after a seq verifying num_draft: the next step emits
-        at least one token less than it may now, one of them not a draft; and a drafter's
-        KV stays below max_model_len."""
-        return min(self._room(req) - 2, self.max_model_len - req.num_tokens - req.inflight - num_draft)
-
-    def _choose_drafts(self, decodes: list[Request], prefills: list[Request]) -> dict[str, int]:
-        """The policy's k per request id for the decodes holding drafts, from the step's
-        expected size (decodes, then prefill tokens up to their budget)."""
-        spec = self.spec
-        assert spec is not None
-        cands = [(r, min(len(r.draft_token_ids), spec.kmax, self._room(r) - 1))
-                 for r in decodes if r.draft_token_ids and not r.inflight]
+    def _choose_drafts(self, drafts: DraftScheduler, decodes: list[Request],
+                       prefills: list[Request]) -> dict[str, int]:
+        """k per request id for the decodes holding drafts (`DraftScheduler.choose`), from
+        the step's expected size: the decodes, then prefill tokens up to their budget."""
         demand = sum(r.num_tokens - r.num_computed_tokens for r in prefills)
         seats = self.max_num_seqs - len(self.running)
         for i, r in enumerate(self.waiting):
@@ -300,30 +283,7 @@ class Scheduler:
         left = self.budget - len(decodes)
         cap = min(left, self.prefill_cap_with_decodes) if decodes else left
         async_ok = not any(r.has_penalty or r.grammar is not None for r in self.running)
-        spec.begin_step(len(decodes) + max(0, min(demand, cap)), len(decodes), async_ok)
-        return spec.choose(cands) if cands else {}
-
-    def _spec_decode(self, req: Request, end: int, k: int, budget: int) -> SeqWork | None:
-        """req's decode with k of its drafts (fewer within the budget or its grammar) and
-        the drafts it asks for next, its blocks allocated; None when it verifies and asks
-        none, or the blocks are short (drafts never preempt): then it runs plain."""
-        assert self.spec is not None
-        drafts = req.draft_token_ids
-        n = end - req.num_computed_tokens
-        k = max(0, min(k, len(drafts), budget - n))
-        masks = None
-        if k and req.grammar is not None:
-            k, masks = req.grammar.draft_bitmasks(drafts[:k])
-        p = self.spec.num_propose(req, k, self._propose_limit(req, k))
-        if not (k or p) or not self.bm.allocate(req, end + k + p):
-            return None
-        return SeqWork(req, n, drafts[:k], p, masks if k else None)
-
-    def _prefill_propose(self, req: Request, end: int) -> int:
-        """Drafts a prefill chunk ending at `end` asks for: only its last chunk samples."""
-        if self.spec is None or end != req.num_tokens or req.sampling.max_tokens <= 0:
-            return 0
-        return self.spec.num_propose(req, 0, self._propose_limit(req, 0))
+        return drafts.choose(decodes, len(decodes) + max(0, min(demand, cap)), async_ok)
 
     def _add_transfers(self, plan: StepPlan) -> None:
         """Put the connector's copies for this step into `plan`."""
@@ -417,7 +377,7 @@ class Scheduler:
         logprobs = logprobs or []
         prompt_logprobs = prompt_logprobs or {}
         drafts = draft_token_ids or {}
-        counts = self._counts(out, sampled, num_sampled or None)
+        counts = sampled_counts(out.plan, len(sampled), num_sampled or None)
         changed = []
         pos = j = 0
         epochs = out.epochs or [r.epoch for r in out.requests]
@@ -473,29 +433,7 @@ class Scheduler:
             changed.append(req)
             if reason is not None:
                 self.finish(req, reason)
-            elif current and spec:
-                # Roll back over the rejected drafts: the next seq starts at the last emitted
-                # token; trailing blocks (rejected drafts, proposals) go back.
-                req.num_computed_tokens = done - seq.num_draft + accepted
-                self.bm.trim(req, req.num_tokens)
-                req.worker_blocks = min(req.worker_blocks, len(req.block_ids))
-                if seq.num_propose:
-                    req.draft_token_ids = list(drafts.get(req.request_id, ())[:seq.num_propose])
+            elif current and spec and self.drafts is not None:
+                self.drafts.after_step(req, done - seq.num_draft + accepted, seq.num_propose,
+                                       drafts.get(req.request_id, ()))
         return changed
-
-    @staticmethod
-    def _counts(out: SchedulerOutput, sampled: list[int], num_sampled: list[int] | None) -> list[int] | None:
-        """Check the result's counts against the plan (ValueError); num_sampled or None."""
-        seqs = [s for s in out.plan.seqs if s.sample]
-        if num_sampled is None:
-            if len(sampled) != len(seqs):
-                raise ValueError(f"step {out.plan.step_id}: {len(sampled)} tokens for {len(seqs)} samples")
-            return None
-        if len(num_sampled) != len(seqs) or sum(num_sampled) != len(sampled):
-            raise ValueError(f"step {out.plan.step_id}: num_sampled {len(num_sampled)} counts summing to "
-                             f"{sum(num_sampled)} for {len(seqs)} samples and {len(sampled)} tokens")
-        for s, c in zip(seqs, num_sampled):
-            if not 1 <= c <= s.num_draft + 1:
-                raise ValueError(f"step {out.plan.step_id}: {c} tokens for {s.request_id}, "
-                                 f"which verified {s.num_draft} drafts")
-        return num_sampled

@@ -30,10 +30,11 @@ services/engine/step_cost.py).
 - Proposals: a request asks for k drafts after its seq when it verifies drafts now, or
   when its acceptance alone would pay for verifying at the current batch
   (`break_even_acceptance`). A request that asks for none is probed: after PROBE_MIN of
-  its sampled seqs without speculation it asks for k once and verifies whatever comes back
-  (whatever its acceptance says), so a request whose text turns repetitive starts
-  speculating again; each probe that does not switch it on doubles its interval, up to
-  PROBE_MAX.
+  its sampled seqs without speculation it asks for k once and verifies up to PROBE_DRAFTS
+  of what comes back (whatever its acceptance says); the probe's outcome replaces the
+  request's estimate (its text may have changed since), so a request whose text turns
+  repetitive starts speculating again; each probe doubles the interval to the next, up to
+  PROBE_MAX, until the request speculates again.
 Counters (`stats`): vLLM's spec_decode_num_drafts (seqs that verified drafts),
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, plus proposals, empty
 proposals and probes; the policy's inputs (the curves, overhead, the engine-wide
@@ -54,6 +55,8 @@ GLOBAL_ALPHA = 0.05  # ... in the engine-wide acceptance (the prior of new reque
 PRIOR_WEIGHT = 1.0   # trials the prior of a new request is worth
 PROBE_MIN = 16       # sampled seqs without speculation before the first probe
 PROBE_MAX = 256      # the longest probe interval
+PROBE_DRAFTS = 1     # drafts a probe verifies
+PROBE_ALPHA = 0.5    # weight of a probe's outcome (the text may have changed since the last)
 MIN_GAIN = 1e-3      # draft gains below this are never considered
 SCAN_DENSE = 32      # every K up to this is evaluated, then K grows by 25%
 
@@ -90,9 +93,10 @@ class SpecState:
         """The estimated per-draft acceptance rate, 0..1."""
         return self.accepted / self.trials if self.trials > 0 else 0.0
 
-    def observe(self, accepted: int, trials: int) -> None:
-        self.accepted += ALPHA * (accepted - self.accepted)
-        self.trials += ALPHA * (trials - self.trials)
+    def observe(self, accepted: int, trials: int, alpha: float = ALPHA) -> None:
+        """One verify's outcome, with weight alpha in the moving averages."""
+        self.accepted += alpha * (accepted - self.accepted)
+        self.trials += alpha * (trials - self.trials)
 
 
 class SpecPolicy:
@@ -192,9 +196,10 @@ class SpecPolicy:
                 continue
             st = self.state(req)
             if st.probing:  # a probe's drafts: verified whatever the acceptance says
-                ks[req.request_id] = usable
-                forced_k += usable
-                forced_gain += expected_accepted(st.acceptance, usable)
+                k = min(usable, PROBE_DRAFTS)
+                ks[req.request_id] = k
+                forced_k += k
+                forced_gain += expected_accepted(st.acceptance, k)
                 continue
             a, g = st.acceptance, 1.0
             for _ in range(usable):
@@ -262,9 +267,9 @@ class SpecPolicy:
                 self.accepted_per_pos[i] += 1
             self.k_hist[num_draft] += 1
             trials = accepted + (accepted < num_draft)
-            st.observe(accepted, trials)
-            self.acceptance += GLOBAL_ALPHA * (accepted / trials - self.acceptance)
+            st.observe(accepted, trials, PROBE_ALPHA if st.probing else ALPHA)
             st.probing = False
+            self.acceptance += GLOBAL_ALPHA * (accepted / trials - self.acceptance)
         if num_propose:
             self.num_proposals += 1
             if num_returned == 0:

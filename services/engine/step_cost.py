@@ -17,7 +17,9 @@ a bucket keeps exponential moving averages of the token counts and durations tha
 it (a sample far from its bucket's mean is clipped to half or twice it, so one stall does
 not swing the estimate). An estimate interpolates linearly between bucket means, made
 non-decreasing in tokens (a running maximum), and extrapolates past the ends with the slope
-of the nearest segment (flat with one bucket). Units: seconds, tokens.
+of the nearest segment; with one bucket only, in proportion to the tokens (the pessimistic
+guess: speculation then waits for a second measured size rather than assuming drafts are
+free). Units: seconds, tokens.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class CostCurve:
             return None
         xs, ys = self._points()
         if len(xs) == 1:
-            return ys[0]
+            return ys[0] * tokens / xs[0]
         i = bisect.bisect_left(xs, tokens)
         i = min(max(i, 1), len(xs) - 1)  # the segment [i-1, i]; past the ends, the nearest
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]

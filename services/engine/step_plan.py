@@ -98,3 +98,22 @@ def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str],
             seq.allowed_token_bitmask = work.bitmask if drafts else req.grammar.bitmask()
         seqs.append(seq)
     return StepPlan(step_id=step_id, seqs=seqs, forget=forget)
+
+
+def sampled_counts(plan: StepPlan, num_tokens: int, num_sampled: list[int] | None) -> list[int] | None:
+    """Check a step result's token counts against its plan: `num_tokens` sampled tokens and
+    `num_sampled` (StepResult's; None: one per sampled seq), each within 1..num_draft + 1.
+    Returns num_sampled (or None). Raises ValueError when they do not match."""
+    seqs = [s for s in plan.seqs if s.sample]
+    if num_sampled is None:
+        if num_tokens != len(seqs):
+            raise ValueError(f"step {plan.step_id}: {num_tokens} tokens for {len(seqs)} samples")
+        return None
+    if len(num_sampled) != len(seqs) or sum(num_sampled) != num_tokens:
+        raise ValueError(f"step {plan.step_id}: num_sampled {len(num_sampled)} counts summing to "
+                         f"{sum(num_sampled)} for {len(seqs)} samples and {num_tokens} tokens")
+    for s, c in zip(seqs, num_sampled):
+        if not 1 <= c <= s.num_draft + 1:
+            raise ValueError(f"step {plan.step_id}: {c} tokens for {s.request_id}, "
+                             f"which verified {s.num_draft} drafts")
+    return num_sampled
