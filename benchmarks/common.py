@@ -78,10 +78,13 @@ def load_runner(cli: dict):
     return runner, time.perf_counter() - t0
 
 
-def new_core(runner, max_num_seqs: int, max_num_batched_tokens: int, max_num_waiting: int):
+def new_core(runner, max_num_seqs: int, max_num_batched_tokens: int, max_num_waiting: int,
+             extra: dict | None = None):
     """A fresh `EngineCore` over the runner's KV blocks and model facts, as the engine
     process builds it (prefix caching off, no KV tiers, the structured-output compiler not
-    prepared: the benchmarks use neither). max_num_waiting: room for every request at once."""
+    prepared: the benchmarks use neither). max_num_waiting: room for every request at once.
+    extra: more settings of the core's config (e.g. `speculative_config` and `load_format`
+    for speculative decoding, benchmarks/spec_verify_cost.py); None: none."""
     from services.engine.core import EngineCore
     from shared.config import build_config
 
@@ -89,7 +92,7 @@ def new_core(runner, max_num_seqs: int, max_num_batched_tokens: int, max_num_wai
                             "block_size": runner.block_size, "max_num_seqs": max_num_seqs,
                             "max_num_batched_tokens": max_num_batched_tokens,
                             "max_model_len": runner.max_model_len, "max_num_waiting": max_num_waiting,
-                            "enable_prefix_caching": False}, env={})
+                            "enable_prefix_caching": False, **(extra or {})}, env={})
     return EngineCore(cfg, runner.spec, runner.num_blocks)
 
 
@@ -122,7 +125,8 @@ class TimedRunner:
         return result
 
 
-def run_core(core, runner, requests: list, prefix: str = "r") -> tuple[float, int, int, dict]:
+def run_core(core, runner, requests: list, prefix: str = "r",
+             tokens: dict | None = None) -> tuple[float, int, int, dict]:
     """Add requests ((prompt token ids, `SamplingParams`) each; ids prefix + index, distinct
     from an earlier run's: the runner keeps its last tables) to `core` and run its steps
     on an `InProcessExecutor` over `runner` until done, in the engine's synchronous order
@@ -132,7 +136,8 @@ def run_core(core, runner, requests: list, prefix: str = "r") -> tuple[float, in
     inside `execute` (`run_step_seconds`) and, on CUDA, the GPU seconds of the steps
     (`gpu_event_seconds`, `gpu_by_step_kind`; None on CPU). Raises RuntimeError when the
     core refuses a request or a request fails (a step's fault), AssertionError when work is
-    left that nothing can run."""
+    left that nothing can run. tokens: when given, each request's output token ids are
+    appended to tokens[request id] (a list made on first use)."""
     import torch
 
     from services.engine.executor import InProcessExecutor
@@ -160,6 +165,8 @@ def run_core(core, runner, requests: list, prefix: str = "r") -> tuple[float, in
             if o.error:
                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
             out_tokens += len(o.new_token_ids)
+            if tokens is not None:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         steps += 1
     if timed.cuda:
         torch.cuda.synchronize()

@@ -1,0 +1,127 @@
+"""The replay drafter of benchmarks/spec_verify_cost.py: a `Proposer` that drafts the
+target's own greedy continuation from an earlier plain run, with a controlled share of its
+drafts corrupted, so that the acceptance length is set by the benchmark and drafting costs
+next to nothing (what is measured is the verify step and its round trip, docs/ARCHITECTURE.md
+§5.5).
+
+Corruption: draft i (1-based) of a proposal whose first draft has output index j is kept
+with probability `accept`, independently, decided by `random.Random(f"{seed}:{j}:{i}")`
+(deterministic, and independent between proposals); a corrupted draft is the reference
+token + 1 (mod vocab), never the target's greedy token. A verify step of k drafts accepts
+the kept prefix, so the mean acceptance length is 1 + sum_{i=1..k} accept^i (Leviathan et
+al. 2023, arXiv 2211.17192, §3.1, for i.i.d. acceptance).
+
+Injection: the runner builds proposers from its registry (`services.worker.spec.PROPOSERS`,
+`cls(cfg, spec, runner)`); `registered()` puts this class in the "draft_model" slot while a
+runner is built (the engine side then treats it as any drafter without context tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+
+from services.worker.spec.base import Proposal, Proposer, ProposeRequest, ProposerInfo, StepView
+
+SLOT = "draft_model"  # the registry entry the replay drafter takes while a runner is built
+
+
+def draft_kept(seed: int, first_index: int, i: int, accept: float) -> bool:
+    """Whether draft i (1-based) of the proposal starting at output index first_index is the
+    reference token (module doc): a uniform draw of its own below `accept`."""
+    if accept >= 1.0:
+        return True
+    if accept <= 0.0:
+        return False
+    return random.Random(f"{seed}:{first_index}:{i}").random() < accept
+
+
+def replay_drafts(ref: list[int], output_index: int, n: int, accept: float, vocab: int,
+                  seed: int = 0) -> list[int]:
+    """Up to n drafts for output indexes output_index.. from the reference continuation ref
+    (token ids of the plain greedy run), each kept or corrupted as `draft_kept` says; fewer
+    (even none) near the end of ref."""
+    out = []
+    for i, t in enumerate(ref[output_index:output_index + n], start=1):
+        out.append(t if draft_kept(seed, output_index, i, accept) else (t + 1) % vocab)
+    return out
+
+
+def expected_length(accept: float, k: int) -> float:
+    """Mean acceptance length of k i.i.d. drafts each kept with probability accept:
+    1 + sum_{i=1..k} accept^i."""
+    return 1.0 + sum(accept ** i for i in range(1, k + 1))
+
+
+def accept_for_length(length: float, k: int) -> float:
+    """The per-draft acceptance whose `expected_length` with k drafts is `length` (bisection,
+    1e-9). Raises ValueError for a length outside [1, k + 1]."""
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"acceptance length {length} is outside [1, {k + 1}] for k = {k}")
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-9:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_length(mid, k) < length else (lo, mid)
+    return hi if length >= k + 1 else lo
+
+
+class ReplayProposer(Proposer):
+    """Drafts the reference continuation of each request (module doc). Set by the benchmark
+    between runs: refs (request id -> reference output token ids), accept, seed.
+    off_track: proposals refused because the request's last emitted token was not the
+    reference's (the run left the reference: outputs are not those of the plain run)."""
+
+    last: ReplayProposer | None = None
+
+    def __init__(self, cfg, spec, runner):
+        self.vocab = runner.spec.vocab_size
+        self.refs: dict[str, list[int]] = {}
+        self.accept = 1.0
+        self.seed = 0
+        self.off_track = 0
+        ReplayProposer.last = self
+
+    def propose(self, requests: list[ProposeRequest], view: StepView) -> Proposal:
+        out: list[list[int]] = []
+        for r in requests:
+            ref = self.refs.get(r.request_id)
+            j = r.output_index
+            if ref is None or j < 1 or j > len(ref) or ref[j - 1] != r.emitted[-1]:
+                self.off_track += ref is not None
+                out.append([])
+                continue
+            out.append(replay_drafts(ref, j, r.num_propose, self.accept, self.vocab, self.seed))
+        return Proposal(out)
+
+    def info(self) -> ProposerInfo:
+        return ProposerInfo(method="replay", detail={"replay": True})
+
+
+@contextlib.contextmanager
+def registered() -> Iterator[None]:
+    """`ReplayProposer` in the registry's "draft_model" slot for the duration (a runner
+    built inside gets it for `speculative_config.method` "draft_model")."""
+    from services.worker import spec as spec_pkg
+
+    old = spec_pkg.PROPOSERS.get(SLOT)
+    spec_pkg.PROPOSERS[SLOT] = (__name__, "ReplayProposer")
+    try:
+        yield
+    finally:
+        if old is None:
+            spec_pkg.PROPOSERS.pop(SLOT, None)
+        else:
+            spec_pkg.PROPOSERS[SLOT] = old
+
+
+@contextlib.contextmanager
+def without_proposer(runner) -> Iterator[None]:
+    """The runner as a plain one for the duration (its `proposer` None: no observe, no
+    proposer view), for the baselines of the same run."""
+    saved = runner.proposer
+    runner.proposer = None
+    try:
+        yield
+    finally:
+        runner.proposer = saved

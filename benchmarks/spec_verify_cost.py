@@ -1,0 +1,305 @@
+"""The cost of speculative verification on the device (issue 15, "Benchmark on the H200"):
+dummy weights of a benchmarks/configs shape (default Qwen3-0.6B; --config llama-3.1-8b),
+bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anywhere.
+
+1. Verify step vs decode step (`verify_cost`): `ModelRunner.execute` on hand-made plans
+   of `batch` seqs at --context tokens of context each: a plain decode step ([last token],
+   with the runner's CUDA graphs and eager) against a verify step of k random drafts per
+   seq ([last token, d1..dk], num_draft = k: logits at k + 1 positions, expanded rows,
+   point-mass verification), k = 1..8, batch 1, 8, 32. Median over --reps of the wall time
+   of one execute (host prepare, forward, verify, tokens back: execute returns host ints,
+   so it is synchronous) and of its CUDA-event time. The same positions are rewritten each
+   step. break_even_L = verify ms / plain ms: the acceptance length a verify step of that
+   k needs to pay for itself.
+2. End to end at batch 1 with a replay drafter (`e2e_replay`, benchmarks/spec_replay.py):
+   one request (--e2e-prompt-len random ids, --e2e-tokens greedy output tokens,
+   ignore_eos) through an `EngineCore` on an `InProcessExecutor` (benchmarks/common.py
+   `run_core`: the engine's scheduler, the fixed policy with k = --e2e-k, the runner).
+   The plain run gives the reference tokens and the plain tok/s (the runner's proposer
+   removed); then for each target acceptance length L the replay drafter proposes that
+   reference with a share of drafts corrupted (`accept_for_length`). Reported: measured L
+   (1 + accepted / drafts, the core's spec_decode counters), tok/s, speedup over plain,
+   efficiency = speedup / L (target >= 0.8 for L <= 4), outputs identical to plain.
+3. The draft-model proposer (`draft_model`, when services/worker/spec/draft_model.py
+   exists; skipped otherwise): dummy drafts of the target's shape, its full depth (the
+   target as its own draft: acceptance 100% up to numerics) and 2 layers, k = --e2e-k,
+   fixed policy, at batch 1 and 32 (--dm-batches) through `run_core`, against plain runs
+   of the same runner. tok/s, speedup, measured L, identical outputs.
+Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
+JSON (settings, device, runner report, the three parts) to --out and stdout.
+
+Usage:
+  python benchmarks/spec_verify_cost.py [--config qwen3-0.6b|llama-3.1-8b] [--out FILE]
+  .venv/bin/python benchmarks/spec_verify_cost.py --tiny            # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks import spec_stats as st  # noqa: E402
+from benchmarks.common import device_name, emit_json, load_runner, model_dir, new_core, run_core  # noqa: E402
+from benchmarks.spec_replay import ReplayProposer, accept_for_length, registered, without_proposer  # noqa: E402
+from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+EFFICIENCY_TARGET = 0.8  # speedup >= 0.8 x L for L <= 4 (issue 15)
+
+
+def spec_json(k: int, **extra) -> str:
+    """`speculative_config` of a fixed-policy draft_model run (the replay drafter takes
+    that registry slot, benchmarks/spec_replay.py)."""
+    return json.dumps({"method": "draft_model", "num_speculative_tokens": k, "policy": "fixed", **extra})
+
+
+def timed_execute(runner, plan: StepPlan, cuda: bool) -> tuple[float, float | None]:
+    """(wall seconds, CUDA-event seconds or None on CPU) of one `runner.execute(plan)`."""
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    t0 = time.perf_counter()
+    res = runner.execute(plan)
+    wall = time.perf_counter() - t0
+    if res.error:
+        raise RuntimeError(f"step {plan.step_id}: {res.error}")
+    if not cuda:
+        return wall, None
+    b.record()
+    b.synchronize()
+    return wall, a.elapsed_time(b) / 1e3
+
+
+def verify_plan(step: int, seqs: list[tuple[str, int, list[int], list[int]]], context: int, k: int) -> StepPlan:
+    """A step of one seq per (request id, last token, drafts, block table): [last, d1..dk]
+    at position `context` with num_draft = k (k = 0: a plain decode step), greedy."""
+    return StepPlan(step, [ScheduledSeq(rid, [tok, *d[:k]], context, table, True, GREEDY, 1, num_draft=k)
+                           for rid, tok, d, table in seqs])
+
+
+def verify_cost(runner, batches: list[int], ks: list[int], context: int, reps: int, cuda: bool) -> list[dict]:
+    """Part 1 (module doc): one row per (batch, k), k = 0 the plain decode (graphs and eager)."""
+    g = torch.Generator().manual_seed(0)
+    kmax, bs = max(ks), runner.block_size
+    need = -(-(context + kmax + 2) // bs)
+    rows, step = [], 0
+    for b in batches:
+        if b * need > runner.num_blocks:
+            rows.append({"batch": b, "skipped": f"needs {b * need} KV blocks, the runner has {runner.num_blocks}"})
+            continue
+        ids = [f"v{b}_{j}" for j in range(b)]
+        tables = [list(range(j * need, (j + 1) * need)) for j in range(b)]
+        last = []
+        for j in range(b):  # prefill, one seq per step
+            prompt = torch.randint(3, 10000, (context,), generator=g).tolist()
+            res = runner.execute(StepPlan(step, [ScheduledSeq(ids[j], prompt, 0, tables[j], True, GREEDY)]))
+            last.append(res.sampled_token_ids[0])
+            step += 1
+        drafts = [torch.randint(3, 10000, (kmax,), generator=g).tolist() for _ in range(b)]
+        seqs = [(ids[j], last[j], drafts[j], tables[j]) for j in range(b)]
+
+        graphs = runner.graphs
+        base: dict[str, float] = {}
+        for mode, k in ([("graphs", 0)] if graphs is not None else []) + [("eager", 0)] + [("verify", k) for k in ks]:
+            runner.graphs = graphs if mode == "graphs" else None
+            times = []
+            for i in range(3 + reps):  # 3 warm-up steps
+                step += 1
+                t = timed_execute(runner, verify_plan(step, seqs, context, k), cuda)
+                if i >= 3:
+                    times.append(t)
+            wall = statistics.median(t[0] for t in times)
+            gpus = [t[1] for t in times if t[1] is not None]
+            gpu = statistics.median(gpus) if gpus else None
+            row = {"batch": b, "k": k, "mode": mode, "tokens": b * (k + 1), "wall_ms": round(wall * 1e3, 4),
+                   "gpu_ms": round(gpu * 1e3, 4) if gpu is not None else None}
+            if mode != "verify":
+                base[mode] = wall
+            else:
+                ref = base.get("graphs", base["eager"])
+                row.update(break_even_L=round(wall / ref, 3), vs_plain_eager=round(wall / base["eager"], 3))
+            rows.append(row)
+        runner.graphs = graphs
+        runner.execute(StepPlan(step + 1, [], forget=ids))
+        step += 2
+    return rows
+
+
+def _one_run(runner, prompts: list[list[int]], n: int, prefix: str, spec: str | None,
+             max_num_batched_tokens: int) -> tuple[dict, dict, dict]:
+    """prompts (one request each, greedy, n tokens, ignore_eos) through a fresh core
+    (speculative with `spec`, plain with None). Returns (speed, tokens by request index,
+    the core's spec counters or {})."""
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    extra = {"speculative_config": spec, "load_format": "dummy"} if spec else None
+    core = new_core(runner, max(8, len(prompts)), max_num_batched_tokens, len(prompts), extra)
+    toks: dict[str, list[int]] = {}
+    seconds, steps, out, timing = run_core(core, runner, [(p, sp) for p in prompts], prefix, toks)
+    counters = st.spec_counters_from_stats(core.stats()) if spec else None
+    speed = {"seconds": round(seconds, 4), "steps": steps, "output_tokens": out,
+             "output_tok_per_s": round(out / seconds, 2), "run_step_seconds": timing["run_step_seconds"],
+             "schedule_seconds": timing["schedule_seconds"], "update_seconds": timing["update_seconds"]}
+    return speed, {int(r[len(prefix):]): t for r, t in toks.items()}, (st.acceptance_summary(counters) if counters else {})
+
+
+def _median_run(runner, prompts, n, tag: str, spec, mbt, reps: int, before=None) -> tuple[dict, dict, dict]:
+    """`_one_run` reps times (ids tag<rep>_<i>); the run of median tok/s (the upper middle
+    one for an even count), with its tokens and counters, and every run's tok/s.
+    before(prefix): called before each run (the replay drafter's references)."""
+    runs = []
+    for rep in range(reps):
+        prefix = f"{tag}{rep}_"
+        if before is not None:
+            before(prefix)
+        runs.append(_one_run(runner, prompts, n, prefix, spec, mbt))
+    runs.sort(key=lambda r: r[0]["output_tok_per_s"])
+    speed, toks, acc = runs[len(runs) // 2]
+    return {**speed, "tok_per_s_all": [r[0]["output_tok_per_s"] for r in runs]}, toks, acc
+
+
+def e2e_replay(runner, k: int, lengths: list[float], prompt_len: int, n: int, reps: int, mbt: int) -> dict:
+    """Part 2 (module doc)."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 10000, (prompt_len,), generator=g).tolist()
+    proposer = runner.proposer
+    assert isinstance(proposer, ReplayProposer), "the runner was not built with the replay drafter"
+    with without_proposer(runner):
+        _one_run(runner, [prompt], n, "pw_", None, mbt)  # warm-up
+        plain, ref_toks, _ = _median_run(runner, [prompt], n, "p", None, mbt, reps)
+    ref = ref_toks[0]
+
+    def use(accept: float, seed: int):
+        def before(prefix: str) -> None:
+            proposer.refs, proposer.accept, proposer.seed = {prefix + "0": ref}, accept, seed
+        return before
+
+    for a in (1.0, 0.5):  # warm-up of the verify shapes
+        use(a, 99)("sw_")
+        _one_run(runner, [prompt], n, "sw_", spec_json(k), mbt)
+    points = []
+    for li, length in enumerate(lengths):
+        accept = accept_for_length(min(length, k + 1), k)
+        proposer.off_track = 0
+        speed, toks, acc = _median_run(runner, [prompt], n, f"s{li}_", spec_json(k), mbt, reps, use(accept, li))
+        measured = acc.get("mean_acceptance_length") or 1.0
+        speedup = speed["output_tok_per_s"] / plain["output_tok_per_s"]
+        eff = speedup / measured
+        points.append({"target_L": length, "accept": round(accept, 4), "measured_L": measured,
+                       "acceptance": acc, **speed, "speedup": round(speedup, 3), "efficiency": round(eff, 3),
+                       "meets_target": eff >= EFFICIENCY_TARGET if measured <= 4.0 else None,
+                       "identical": toks.get(0) == ref, "off_track_proposals": proposer.off_track})
+    return {"k": k, "prompt_len": prompt_len, "output_tokens": n, "plain": plain, "points": points,
+            "target": f"speedup >= {EFFICIENCY_TARGET} x L for L <= 4"}
+
+
+def draft_model_part(cli: dict, k: int, batches: list[int], prompt_len: int, n: int, reps: int, mbt: int) -> dict:
+    """Part 3 (module doc); {"skipped": why} without the draft-model proposer."""
+    if importlib.util.find_spec("services.worker.spec.draft_model") is None:
+        return {"skipped": "services/worker/spec/draft_model.py is not in this tree (spec-draft not merged)"}
+    g = torch.Generator().manual_seed(2)
+    out: dict = {"k": k, "prompt_len": prompt_len, "output_tokens": n, "variants": {}}
+    for name, layers in (("target_as_draft", 0), ("2_layer_draft", 2)):
+        spec = spec_json(k, draft_num_layers=layers)
+        runner, startup = load_runner({**cli, "speculative_config": spec})
+        rows = []
+        for b in batches:
+            prompts = [torch.randint(3, 10000, (prompt_len,), generator=g).tolist() for _ in range(b)]
+            with without_proposer(runner):
+                _one_run(runner, prompts, min(n, 16), f"dpw{b}_", None, mbt)
+                plain, ref, _ = _median_run(runner, prompts, n, f"dp{b}_", None, mbt, reps)
+            _one_run(runner, prompts, min(n, 16), f"dsw{b}_", spec, mbt)
+            speed, toks, acc = _median_run(runner, prompts, n, f"ds{b}_", spec, mbt, reps)
+            rows.append({"batch": b, "plain": plain, "spec": speed, "acceptance": acc,
+                         "speedup": round(speed["output_tok_per_s"] / plain["output_tok_per_s"], 3),
+                         "identical_requests": sum(toks.get(i) == ref.get(i) for i in range(b)), "requests": b})
+        out["variants"][name] = {"draft_num_layers": layers or "target's depth", "startup_seconds": round(startup, 2),
+                                 "speculative": runner.report().get("speculative"), "rows": rows}
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=None, help="benchmarks/configs name (default qwen3-0.6b; tiny-qwen3 with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="CPU, tiny-qwen3, fp32, small settings")
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--ks", type=int, nargs="+", default=None)
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--e2e-k", type=int, default=4)
+    ap.add_argument("--e2e-lengths", type=float, nargs="+", default=None)
+    ap.add_argument("--e2e-prompt-len", type=int, default=None)
+    ap.add_argument("--e2e-tokens", type=int, default=None)
+    ap.add_argument("--e2e-reps", type=int, default=None)
+    ap.add_argument("--dm-batches", type=int, nargs="+", default=None)
+    ap.add_argument("--dm-reps", type=int, default=1, help="timed runs per draft-model point (after a warm-up)")
+    ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model"],
+                    default=["verify", "e2e", "draft_model"])
+    ap.add_argument("--notes", default="")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    tiny = a.tiny
+    d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
+             e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \
+        dict(config="qwen3-0.6b", batches=[1, 8, 32], ks=list(range(1, 9)), context=1024, reps=20,
+             e2e_lengths=[1, 1.5, 2, 2.5, 3, 3.5, 4, 5], e2e_prompt_len=512, e2e_tokens=256, e2e_reps=2,
+             dm_batches=[1, 32])
+    for key, v in d.items():
+        if getattr(a, key) is None:
+            setattr(a, key, v)
+    cuda = not tiny
+    mbt = 4096
+    cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda" if cuda else "cpu",
+           "dtype": "bfloat16" if cuda else "float32", "max_num_seqs": max(32, *a.batches, *a.dm_batches),
+           "max_num_batched_tokens": mbt, "max_model_len": max(2048, a.context + 64, a.e2e_prompt_len + a.e2e_tokens + 64),
+           "enable_prefix_caching": False}
+    cli.update({"gpu_memory_utilization": 0.35} if cuda else {"kv_cache_gib": 0.25})
+    res: dict = {"benchmark": "spec_verify_cost", "device": device_name() if cuda else "cpu", "config": a.config,
+                 "weights": "dummy", "dtype": cli["dtype"], "torch": torch.__version__,
+                 "settings": {k: v for k, v in vars(a).items() if k not in ("out", "notes")}, "notes": a.notes}
+    def save_partial() -> None:  # a run cut short (a timeout) keeps the parts already done
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump({**res, "complete": False}, fh, indent=1)
+
+    if "verify" in a.parts or "e2e" in a.parts:
+        with registered():
+            runner, startup = load_runner({**cli, "speculative_config": spec_json(max(max(a.ks), a.e2e_k))})
+        res.update(runner=runner.report(), startup_seconds=round(startup, 2))
+        if "verify" in a.parts:
+            with without_proposer(runner):
+                res["verify_cost"] = verify_cost(runner, a.batches, a.ks, a.context, a.reps, cuda)
+            save_partial()
+        if "e2e" in a.parts:
+            res["e2e_replay"] = e2e_replay(runner, a.e2e_k, a.e2e_lengths, a.e2e_prompt_len, a.e2e_tokens,
+                                           a.e2e_reps, mbt)
+            save_partial()
+        del runner
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if "draft_model" in a.parts:
+        res["draft_model"] = draft_model_part(cli, a.e2e_k, a.dm_batches, a.e2e_prompt_len, a.e2e_tokens,
+                                              a.dm_reps, mbt)
+    res["complete"] = True
+    shutil.rmtree(cli["model"], ignore_errors=True)  # the temporary config-only model folder
+    emit_json(res, a.out)
+
+
+if __name__ == "__main__":
+    main()
