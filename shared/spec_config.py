@@ -30,8 +30,12 @@ Fields:
 - policy: "adaptive" (default: k per request and step from its running acceptance rate and
   the batch size, down to 0 where verifying costs more than it gains) or "fixed" (always k:
   for tests and benchmarks).
+- load_format: "auto" (the drafter's weights from `model`) or "dummy" (seeded random drafter
+  weights without a folder, for tests and timing; also implied by the target's
+  `--load-format dummy` when `model` is absent).
 - draft_num_layers: dummy drafter depth (draft_model with load_format dummy: a model of the
-  target's shape with this many layers; 0 = the target's own depth).
+  target's shape with this many layers; 0 = the target's own depth; dflash with load_format
+  dummy and no model: the drafter's layers, 0 = one per target layer it reads).
 
 Errors: `SpeculativeConfig.parse` raises ValueError naming the field for an unknown field, a
 wrong type or value, or a field that the method does not take.
@@ -42,6 +46,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from shared.model_spec import load_model_spec
 
 METHODS = ("ngram", "draft_model", "eagle", "dflash")
 MAX_SPECULATIVE_TOKENS = 16
@@ -60,6 +66,7 @@ class SpeculativeConfig:
     target_layer_ids: tuple[int, ...] = field(default_factory=tuple)
     policy: str = "adaptive"
     draft_num_layers: int = 0
+    load_format: str = "auto"
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -120,12 +127,24 @@ class SpeculativeConfig:
         if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                    for i in layers):
             raise ValueError(f"speculative_config.target_layer_ids: expected a list of layer indexes, got {layers!r}")
+        load_format = data.get("load_format", "auto")
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"speculative_config.load_format: {load_format!r} is not 'auto' or 'dummy'")
+        if method == "ngram" and "load_format" in data:
+            raise ValueError("speculative_config.load_format: not for method 'ngram'")
+        if load_format == "dummy" and model is not None:
+            raise ValueError("speculative_config.load_format: 'dummy' makes random weights; it takes no model folder")
         policy = data.get("policy", "adaptive")
         if policy not in ("adaptive", "fixed"):
             raise ValueError(f"speculative_config.policy: {policy!r} is not 'adaptive' or 'fixed'")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                    model=model, draft_sampling=sampling, target_layer_ids=tuple(layers), policy=policy,
-                   draft_num_layers=data.get("draft_num_layers", 0))
+                   draft_num_layers=data.get("draft_num_layers", 0), load_format=load_format)
+
+    def dummy_weights(self, target_load_format: str) -> bool:
+        """Whether the drafter gets seeded random weights: no folder, and this config's
+        `load_format` or the target's (`--load-format`) is "dummy"."""
+        return self.model is None and "dummy" in (self.load_format, target_load_format)
 
     @property
     def uses_draft_probs(self) -> bool:
@@ -151,31 +170,44 @@ def normalize_setting(value: str | dict[str, Any]) -> str:
     return "" if cfg is None else cfg.to_json()
 
 
+# Methods whose drafter keeps a KV cache group of its own, indexed by the target's block ids
+# (services/worker/spec/base.py, `Proposer.kv_specs`).
+OWN_KV_METHODS = ("draft_model", "eagle", "dflash")
+
+
 def check_speculative(cfg: Any) -> None:
     """Refuse, at configuration time (before any process starts or weights load),
     speculative settings that cannot work with the rest of `cfg` (a `KestrelConfig`):
     a drafter folder that is missing or whose vocabulary is not the target's, a method
-    without the weights it needs. Raises ValueError naming the setting."""
+    without the weights it needs, draft_num_layers with a draft folder (it sizes a dummy
+    draft), and a drafter with its own KV group (`OWN_KV_METHODS`) together with the
+    kvstore tiers (on with kv_offload_cpu_gib > 0 and the prefix cache: a tier stores and
+    loads the target's KV only, so a block loaded from it would have no draft KV). Raises
+    ValueError naming the setting (`shared.model_spec.ModelFolderError` for a malformed
+    draft folder)."""
     spec = SpeculativeConfig.parse(cfg.speculative_config)
     if spec is None:
         return
     import os
 
     if spec.method in ("draft_model", "eagle", "dflash") and spec.model is None:
-        if not (cfg.load_format == "dummy" and spec.method in ("eagle", "dflash", "draft_model")):
+        if not spec.dummy_weights(cfg.load_format):
             raise ValueError(f"speculative_config.model: method {spec.method!r} needs the drafter's folder "
-                             "(or --load-format dummy for random weights)")
+                             "(or \"load_format\": \"dummy\" for seeded random drafter weights)")
+    if spec.method in OWN_KV_METHODS and (cfg.kv_offload_cpu_gib or 0) > 0 and cfg.enable_prefix_caching:
+        raise ValueError(f"speculative_config.method: {spec.method!r} keeps a KV cache of its own, which the "
+                         "kvstore tiers do not store (a block loaded from a tier would lack the drafter's KV); "
+                         "turn the tiers off (--kv-offload-cpu-gib 0) or use method 'ngram'")
+    if spec.method == "draft_model" and spec.model is not None and spec.draft_num_layers:
+        raise ValueError("speculative_config.draft_num_layers: sizes a dummy draft (load_format dummy, no "
+                         "model); a draft folder has its own depth")
     if spec.model is not None and spec.method in ("draft_model", "eagle", "dflash"):
         conf = os.path.join(spec.model, "config.json")
         if not os.path.isfile(conf):
             raise ValueError(f"speculative_config.model: {spec.model!r} has no config.json")
-        if spec.method == "draft_model":
-            target = os.path.join(cfg.model, "config.json")
-            if os.path.isfile(target):
-                with open(conf) as fh:
-                    dv = json.load(fh).get("vocab_size")
-                with open(target) as fh:
-                    tv = json.load(fh).get("vocab_size")
-                if dv is not None and tv is not None and dv != tv:
-                    raise ValueError(f"speculative_config.model: the draft's vocab_size {dv} is not the "
-                                     f"target's {tv} (a draft model must share the target's tokenizer)")
+        if spec.method == "draft_model" and os.path.isfile(os.path.join(cfg.model, "config.json")):
+            dv = load_model_spec(spec.model).vocab_size
+            tv = load_model_spec(cfg.model).vocab_size
+            if dv != tv:
+                raise ValueError(f"speculative_config.model: the draft's vocab_size {dv} is not the "
+                                 f"target's {tv} (a draft model must share the target's tokenizer)")

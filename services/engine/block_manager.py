@@ -273,6 +273,28 @@ class BlockManager:
         self.num_evictions += 1
         return blk
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the trailing blocks of the request's table past those covering `num_tokens`
+        tokens (speculative decoding, docs/ARCHITECTURE.md §5.5: blocks allocated for draft
+        positions that were rejected). Trailing blocks hold no accepted KV, so they were
+        never registered in the prefix cache; they go back as plain free blocks (or, were
+        one named, evictable). Returns the number of blocks freed. Raises RuntimeError on
+        a block with no reference."""
+        keep = blocks_needed(num_tokens, self.block_size)
+        table = request.block_ids
+        n = len(table) - keep
+        if n <= 0:
+            return 0
+        for blk in reversed(table[keep:]):
+            if self.ref_cnt[blk] <= 0:
+                raise RuntimeError(f"block {blk} of {request.request_id} trimmed with no reference")
+            self.ref_cnt[blk] -= 1
+            if self.ref_cnt[blk] == 0 and blk not in self.store_pins:
+                self._release(blk)
+        del table[keep:]
+        request.num_registered_blocks = min(request.num_registered_blocks, keep)
+        return n
+
     def free(self, request: Request) -> None:
         """Drop the request's references, tail first. A block nobody holds becomes free:
         evictable (still cached) when named, plain free otherwise.

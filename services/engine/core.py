@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Container, Mapping
+import time
+from collections.abc import Callable, Container, Mapping
 from typing import NamedTuple
 
 from services.engine.admission import invalid_reason
@@ -40,6 +41,7 @@ from services.engine.kv_connector import KVConnector
 from services.engine.outputs import Emitted, emitted_for, refusal, request_output
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.spec_policy import SpecPolicy
 from services.engine.structured import GrammarError, RequestGrammar
 from shared import protocol as P
 from shared.config import KestrelConfig
@@ -72,13 +74,15 @@ class EngineCore:
     connector: the KV connector the scheduler calls (services/engine/kv_connector.py); None:
         tiers off. Kept as `connector`: the process services its socket.
     seed: seeds the per-request seeds drawn for requests without one (cfg.seed when None).
+    clock: seconds, monotonic; times the steps for the speculation policy's cost model
+        (services/engine/step_cost.py); tests give a simulated one.
     Raises EngineConfigError when max_model_len exceeds the KV cache.
     """
 
     def __init__(self, cfg: KestrelConfig, info: ModelSpec, num_blocks: int, *,
                  root_hash: bytes | None = None, grammars: GrammarJobs | None = None,
                  connector: KVConnector | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, clock: Callable[[], float] = time.perf_counter):
         self.cfg = cfg
         self.info = info
         self.max_model_len: int = info.max_model_len  # the setting or the model's default (ModelSpec)
@@ -89,8 +93,10 @@ class EngineCore:
                 "raise --kv-cache-gib or lower --max-model-len")
         bm = BlockManager(num_blocks, cfg.block_size,
                           enable_prefix_caching=cfg.enable_prefix_caching, root_hash=root_hash)
+        spec_cfg = cfg.speculative
+        self.spec = SpecPolicy(spec_cfg, bool(cfg.async_scheduling)) if spec_cfg is not None else None
         self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len, list(info.eos_token_ids))
+                                   self.max_model_len, list(info.eos_token_ids), spec=self.spec)
         if connector is not None:
             self.scheduler.attach_connector(connector)
         self.grammars = grammars if grammars is not None else GrammarJobs(info)
@@ -98,6 +104,10 @@ class EngineCore:
         self.rng = random.Random(cfg.seed if seed is None else seed)
         self.pending_aborts: list[PendingAbort] = []
         self.num_steps = 0  # steps whose result was applied (transfer-only plans excluded)
+        self.clock = clock
+        self._last_result_at = 0.0  # when the last step's result was taken up
+        self._busy_since: float | None = None  # a result taken up with work left (step_cost.py)
+        self._in_flight = 0  # plans made whose results were not applied yet
 
     # ------------------------------------------------------------------ requests in
 
@@ -219,12 +229,32 @@ class EngineCore:
 
     def plan_step(self) -> SchedulerOutput | None:
         """The next step's plan (the scheduler puts the KV tier copies in), or None (nothing
-        to run)."""
-        return self.scheduler.schedule()
+        to run). With speculation on, the engine's time from the last result taken up to
+        this plan goes to the policy's cost model (`StepCostModel.overhead`)."""
+        out = self.scheduler.schedule()
+        if out is not None:
+            out.planned_at = now = self.clock()
+            out.planned_ahead = self._in_flight > 0
+            self._in_flight += 1
+            if self._busy_since is not None and self.spec is not None:
+                self.spec.cost.observe_overhead(now - self._busy_since)
+            self._busy_since = None
+        return out
 
     def finish_step(self, out: SchedulerOutput, result: P.StepResult) -> Emitted:
         """Apply a step's result. A failed step (result.error) fails its requests, with an
-        "internal" error naming the worker's fault; the other requests are untouched."""
+        "internal" error naming the worker's fault; the other requests are untouched.
+        With speculation on, the step's duration goes to the policy's cost model: from its
+        plan, or from the previous result when it was planned ahead of it, to now; a step
+        planned with nothing in flight whose result is taken up only after a later plan went
+        out is not timed (its result may have waited: an in-process executor runs a plan
+        when it is submitted)."""
+        now = self.clock()
+        self._in_flight = max(0, self._in_flight - 1)
+        if self.spec is not None and not result.error and (out.planned_ahead or not self._in_flight):
+            self.spec.observe_step(out.total_tokens, now - max(out.planned_at, self._last_result_at),
+                                   out.speculative)
+        self._last_result_at = now
         self.num_steps += 1
         if self.connector is not None:
             if result.kv_store_error:
@@ -237,7 +267,9 @@ class EngineCore:
                 self.scheduler.finish(req, P.FinishReason.ERROR)
             return emitted_for(out.requests, error=f"internal error in the model worker: {result.error}")
         changed = self.scheduler.update(out, result.sampled_token_ids, result.logprobs,
-                                        result.prompt_logprobs)
+                                        result.prompt_logprobs, result.num_sampled,
+                                        result.draft_token_ids)
+        self._busy_since = now if self.scheduler.has_work() else None
         return emitted_for(changed)
 
     def plan_transfer(self) -> P.StepPlan | None:
@@ -280,13 +312,17 @@ class EngineCore:
         return self.scheduler.bm.reset_prefix_cache()
 
     def stats(self) -> dict:
-        """Counters of the scheduler, the block manager and the tiers (the stats utility)."""
+        """Counters of the scheduler, the block manager, the tiers and speculative decoding
+        (`SpecPolicy.stats`: vLLM's spec_decode_* counters, the policy's inputs and choice),
+        for the stats utility."""
         s = self.scheduler
         return {"num_blocks": s.bm.num_blocks, "num_free_blocks": s.bm.num_free_blocks,
                 "kv_usage": s.bm.usage(), "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
-                "num_preemptions": s.num_preemptions, **s.bm.stats(),
-                **(self.connector.stats() if self.connector is not None else {})}
+                "num_preemptions": s.num_preemptions,
+                "num_generated_tokens": s.num_generated_tokens, **s.bm.stats(),
+                **(self.connector.stats() if self.connector is not None else {}),
+                **(self.spec.stats() if self.spec is not None else {})}
 
     def fail_all(self, reason: str) -> Emitted:
         """Fail every request (running, waiting, compiling) with error `reason`, error_kind

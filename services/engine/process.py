@@ -9,7 +9,8 @@ docs/ARCHITECTURE.md §2. Sockets:
   the others, also while a step runs).
 
 One turn of the loop: beat, service the tiers, admit compiled grammars, poll, read the
-frontends and the workers, drop silent frontends (every second), run the step pipeline
+frontends and the workers, drop silent frontends and log the periodic stats line
+(`StatsLog`, services/engine/stats_log.py) every second, run the step pipeline
 (`StepPipeline.advance`), apply the aborts. While a step's result is awaited the process
 keeps serving (it is the executor's `WaitHook`): new requests join the waiting queue at
 once, aborts are applied after the step (its blocks are in use).
@@ -37,6 +38,7 @@ from services.engine.kv_tiers import KVStoreConnector
 from services.engine.pipeline import StepPipeline
 from services.engine.ring_executor import RingExecutor
 from services.engine.startup_report import write_startup_report
+from services.engine.stats_log import StatsLog
 from shared import protocol as P
 from shared.config import KestrelConfig
 from shared.liveness import Beacon
@@ -178,6 +180,7 @@ class EngineProcess:
         worker_socks = executor.sockets()
         poller, polled_tier_sock = self._poller(), self._tier_sock
         last_check = time.monotonic()
+        stats_log = StatsLog(core.stats, time.monotonic)
         while not self.stop.requested:
             self.beacon.beat()
             if link.debug_sleep_s:
@@ -198,6 +201,7 @@ class EngineProcess:
             if now - last_check > CHECK_S:
                 link.check_frontends()
                 link.apply_aborts()
+                stats_log.tick()
                 last_check = now
             if busy:
                 link.deliver(pipeline.advance())

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # xgrammar is imported only where grammars are compiled
+    from services.engine.spec_policy import SpecState
     from services.engine.structured import RequestGrammar
 
 
@@ -48,9 +49,16 @@ class Request:
     worker_blocks: how many leading entries of block_ids the workers already hold
     (`shared.plan_state`); 0 = the next seq carries the whole table and the parameters.
     Async scheduling: num_computed_tokens counts the tokens of plans already sent (their
-    KV is written before any later plan runs); inflight is the number of tokens those plans
-    sample whose values have not come back yet (the next decode feeds PENDING_TOKEN);
-    epoch counts preemptions, so a result of a plan made before one only adds its token.
+    KV is written before any later plan runs); inflight is the number of sampling seqs of
+    those plans whose tokens have not come back yet (the next decode feeds PENDING_TOKEN; a
+    verify seq counts one, and nothing is planned past it);
+    epoch counts preemptions, so a result of a plan made before one only adds its tokens.
+    Speculative decoding (docs/ARCHITECTURE.md §5.5): draft_token_ids are the drafts the
+    workers proposed after the request's last seq (current epoch only; cleared when its
+    next seq is planned and on preemption); spec_inflight is True while a seq that verified
+    or proposed drafts is in flight (the next plan must wait for its result); spec is the
+    speculation policy's per-request state (`services.engine.spec_policy.SpecState`), None
+    while speculation is off.
     """
 
     __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
@@ -58,7 +66,7 @@ class Request:
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
-                 "worker_blocks", "inflight", "epoch")
+                 "worker_blocks", "inflight", "epoch", "draft_token_ids", "spec_inflight", "spec")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -84,8 +92,11 @@ class Request:
         self.prompt_logprobs_sent = False
         self.grammar: RequestGrammar | None = None
         self.worker_blocks = 0  # leading block_ids the workers hold (0: send all, with sampling)
-        self.inflight = 0  # tokens sampled by plans whose results have not come back (0 or 1)
+        self.inflight = 0  # sampling seqs sent whose results have not come back (0 or 1)
         self.epoch = 0  # bumped by each preemption: results of older plans only add tokens
+        self.draft_token_ids: list[int] = []  # drafts for the next seq (§5.5)
+        self.spec_inflight = False  # a seq that verified or proposed is in flight
+        self.spec: SpecState | None = None  # the speculation policy's state (spec_policy.py)
 
     @property
     def has_penalty(self) -> bool:

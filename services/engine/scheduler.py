@@ -24,9 +24,15 @@ Under memory pressure the newest running request is preempted: its blocks are fr
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to
 recompute from token 0, taking whatever of its prefix is still cached when re-admitted.
 
-After the worker returns the sampled tokens, `update` registers the blocks that became
-full in the prefix cache, appends the tokens and applies the stop conditions
-(services/engine/stop_conditions.py).
+After the worker returns the sampled tokens, `update` appends them one by one with the stop
+conditions (services/engine/stop_conditions.py) and registers the blocks that became full
+in the prefix cache.
+
+Speculative decoding (docs/ARCHITECTURE.md §5.5; `spec`, None when off): a decode holding
+drafts verifies k of them and a sampled seq asks for drafts for its next step
+(services/engine/draft_schedule.py); `update` walks the emitted tokens with the stop checks,
+then rolls the request back to its accepted positions. A request whose seq in flight
+verifies or proposes is never planned ahead.
 
 The scheduled requests become the step's `StepPlan` in services/engine/step_plan.py
 (`build_plan`: tokens, table increments, pending tokens, per-request extras). A request with
@@ -43,22 +49,33 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.draft_schedule import DraftScheduler
 from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
+from services.engine.spec_policy import SpecPolicy
 from services.engine.stop_conditions import stop_reason
-from services.engine.step_plan import build_plan
+from services.engine.step_plan import SeqWork, build_plan, sampled_counts
 from shared.protocol import FinishReason, StepPlan, TokenLogprob
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs: the plan for the workers and the requests in plan order."""
+    """What one step runs: the plan for the workers and the requests in plan order.
+
+    num_tokens: tokens per request id (drafts included); total_tokens: their sum.
+    speculative: a seq verifies or proposes drafts. planned_at: the engine core's clock
+    when the plan was made; planned_ahead: another plan was in flight then (the engine
+    core times the steps with both, services/engine/step_cost.py)."""
 
     plan: StepPlan
     requests: list[Request]
     num_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)  # each request's epoch when planned
+    total_tokens: int = 0
+    speculative: bool = False
+    planned_at: float = 0.0
+    planned_ahead: bool = False
 
 
 class Scheduler:
@@ -67,11 +84,12 @@ class Scheduler:
     max_num_seqs: requests running at once. max_num_batched_tokens: tokens per step.
     max_model_len: prompt + output tokens of one request. eos_token_ids: ids that end a
     request (unless ignore_eos). connector: the KV tiers (module doc), or None.
+    spec: the speculative decoding policy (module doc), or None (off).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
-                 connector: KVConnector | None = None):
+                 connector: KVConnector | None = None, spec: SpecPolicy | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -83,6 +101,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.num_preemptions = 0  # cumulative
+        self.num_generated_tokens = 0  # cumulative output tokens
+        self.spec = spec
+        self.drafts = DraftScheduler(spec, block_manager, max_model_len) if spec is not None else None
         self.worker_forget: list[str] = []  # ended requests the next plan names (plan.forget)
         # KV tiers (module doc): requests parked until the connector answers their lookup.
         self.waiting_for_kv: dict[str, Request] = {}
@@ -148,10 +169,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """Plan the next step. Returns None when nothing can run."""
         budget = self.budget
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[SeqWork] = []
         preempted: list[Request] = []
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_tokens + r.inflight - 1]
         prefills = [r for r in self.running if r.num_computed_tokens < r.num_tokens + r.inflight - 1]
+        drafts = self.drafts
+        ks = self._choose_drafts(drafts, decodes, prefills) if drafts is not None else {}
 
         taken: set[str] = set()
         for req in decodes:
@@ -162,20 +185,28 @@ class Scheduler:
                 continue  # nothing to run: its last chunk sampled nothing (max_tokens 0)
             if req.inflight and (self._must_sync(req) or self._at_limit(req)):
                 continue  # its pending token decides (or is its last): wait for it
-            if not self._allocate_or_preempt(req, end, taken, preempted):
-                continue
-            scheduled.append((req, end - req.num_computed_tokens))
+            work = drafts.decode(req, end, ks.get(req.request_id, 0), budget) if drafts else None
+            if work is None:
+                if not self._allocate_or_preempt(req, end, taken, preempted):
+                    continue
+                work = SeqWork(req, end - req.num_computed_tokens)
+            req.draft_token_ids = []
+            scheduled.append(work)
             taken.add(req.request_id)
-            budget -= scheduled[-1][1]
+            budget -= work.num_tokens + len(work.drafts)
 
         prefill_budget = min(budget, self.prefill_cap_with_decodes) if scheduled else budget
         for req in prefills:
             if req.status != RequestStatus.RUNNING or prefill_budget <= 0:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
-            if not self._allocate_or_preempt(req, req.num_computed_tokens + n, taken, preempted):
-                continue
-            scheduled.append((req, n))
+            end = req.num_computed_tokens + n
+            p = drafts.prefill(req, end) if drafts else 0
+            if not (p and self.bm.allocate(req, end + p)):
+                p = 0
+                if not self._allocate_or_preempt(req, end, taken, preempted):
+                    continue
+            scheduled.append(SeqWork(req, n, num_propose=p))
             taken.add(req.request_id)
             prefill_budget -= n
 
@@ -204,9 +235,12 @@ class Scheduler:
                     num_load = answer
             computed = hit_tokens + num_load * self.bm.block_size
             n = min(req.num_tokens - computed, prefill_budget)
+            p = drafts.prefill(req, computed + n) if drafts else 0
             # Two phases: the hit blocks are referenced first, then blocks for load + chunk.
-            if not self.bm.allocate(req, computed + n, computed_blocks=hit_blocks):
-                break
+            if not (p and self.bm.allocate(req, computed + n + p, computed_blocks=hit_blocks)):
+                p = 0
+                if not self.bm.allocate(req, computed + n, computed_blocks=hit_blocks):
+                    break
             if connector is not None:
                 first = len(hit_blocks)
                 connector.on_allocated(req, req.block_ids[first:first + num_load])
@@ -218,19 +252,38 @@ class Scheduler:
             if req.first_scheduled is None:
                 req.first_scheduled = time.time()
             self.running.append(req)
-            scheduled.append((req, n))
+            scheduled.append(SeqWork(req, n, num_propose=p))
             prefill_budget -= n
 
         if not scheduled:
             return None
         self.step_id += 1
         forget, self.worker_forget = self.worker_forget, []
-        plan = build_plan(self.step_id, scheduled, forget)  # advances the requests (step_plan.py)
+        send_context = self.spec is not None and self.spec.reads_context
+        plan = build_plan(self.step_id, scheduled, forget, send_context)  # advances the requests
         if self.connector is not None:
             self._add_transfers(plan)
-        return SchedulerOutput(plan=plan, requests=[r for r, _ in scheduled],
-                               num_tokens={r.request_id: n for r, n in scheduled},
-                               preempted=preempted, epochs=[r.epoch for r, _ in scheduled])
+        num_tokens = {w.request.request_id: w.num_tokens + len(w.drafts) for w in scheduled}
+        return SchedulerOutput(plan=plan, requests=[w.request for w in scheduled],
+                               num_tokens=num_tokens, preempted=preempted,
+                               epochs=[w.request.epoch for w in scheduled],
+                               total_tokens=sum(num_tokens.values()),
+                               speculative=any(s.num_draft or s.num_propose for s in plan.seqs))
+
+    def _choose_drafts(self, drafts: DraftScheduler, decodes: list[Request],
+                       prefills: list[Request]) -> dict[str, int]:
+        """k per request id for the decodes holding drafts (`DraftScheduler.choose`), from
+        the step's expected size: the decodes, then prefill tokens up to their budget."""
+        demand = sum(r.num_tokens - r.num_computed_tokens for r in prefills)
+        seats = self.max_num_seqs - len(self.running)
+        for i, r in enumerate(self.waiting):
+            if i >= seats:
+                break
+            demand += r.num_tokens
+        left = self.budget - len(decodes)
+        cap = min(left, self.prefill_cap_with_decodes) if decodes else left
+        async_ok = not any(r.has_penalty or r.grammar is not None for r in self.running)
+        return drafts.choose(decodes, len(decodes) + max(0, min(demand, cap)), async_ok)
 
     def _add_transfers(self, plan: StepPlan) -> None:
         """Put the connector's copies for this step into `plan`."""
@@ -258,9 +311,11 @@ class Scheduler:
 
     @staticmethod
     def _must_sync(req: Request) -> bool:
-        """Whether req's next seq needs its previous token on the engine's side: penalties
-        count it, a grammar's mask follows from it."""
-        return req.has_penalty or req.grammar is not None
+        """Whether req's next seq needs its previous result on the engine's side: penalties
+        count its token, a grammar's mask follows from it, and after a seq that verified
+        or proposed drafts the next one's tokens and position depend on what was accepted
+        and proposed (docs/ARCHITECTURE.md §5.5)."""
+        return req.spec_inflight or req.has_penalty or req.grammar is not None
 
     def _at_limit(self, req: Request) -> bool:
         """Whether the pending tokens already reach max_tokens or max_model_len."""
@@ -269,9 +324,9 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be planned before the results of the plans in flight
-        (async scheduling): False while a running request that needs its previous token
-        on this side (penalties, a grammar) still waits for one, so that it is not
-        left out of a step."""
+        (async scheduling): False while a running request that needs its previous result
+        on this side (penalties, a grammar, a seq verifying or proposing drafts) still
+        waits for one, so that it is not left out of a step."""
         return not any(r.inflight and self._must_sync(r) for r in self.running)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
@@ -293,6 +348,7 @@ class Scheduler:
         self.running.remove(victim)
         self.bm.free(victim)
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
+        victim.draft_token_ids = []  # they follow a position it no longer holds
         victim.num_computed_tokens = 0
         victim.epoch += 1  # (its lookup ended at admission: the connector is asked again)
         victim.status = RequestStatus.WAITING
@@ -304,57 +360,80 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[int],
                logprobs: list[TokenLogprob | None] | None = None,
-               prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> list[Request]:
-        """Apply a step's results. Returns the requests that got a new token or finished.
+               prompt_logprobs: dict[str, list[TokenLogprob]] | None = None,
+               num_sampled: list[int] | None = None,
+               draft_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
+        """Apply a step's results. Returns the requests that got new tokens or finished.
 
-        sampled: one token id per scheduled request whose chunk ends a prefill or decodes,
-        in plan order. logprobs: aligned with sampled, or empty/None (StepResult.logprobs).
+        sampled: the tokens of the seqs that sample (a prefill's last chunk, a decode, a
+        verify), in plan order; num_sampled: how many each seq emitted (1..num_draft + 1;
+        None or empty: one each). logprobs: aligned with sampled, or empty/None.
         prompt_logprobs: request id -> logprobs of the prompt tokens scored this step, in
-        position order (StepResult.prompt_logprobs).
-        Raises ValueError if the count does not match the plan.
+        position order. draft_token_ids: request id -> drafts proposed for its next seq
+        (StepResult's fields of the same names). Each seq's tokens are appended one by one
+        with the stop checks; those after a stop are dropped (module doc).
+        Raises ValueError if the counts do not match the plan.
         """
         logprobs = logprobs or []
         prompt_logprobs = prompt_logprobs or {}
-        k = 0
-        expected = sum(1 for s in out.plan.seqs if s.sample)
-        if len(sampled) != expected:
-            raise ValueError(f"step {out.plan.step_id}: {len(sampled)} tokens for {expected} samples")
+        drafts = draft_token_ids or {}
+        counts = sampled_counts(out.plan, len(sampled), num_sampled or None)
         changed = []
-        it = iter(sampled)
+        pos = j = 0
         epochs = out.epochs or [r.epoch for r in out.requests]
         for req, seq, epoch in zip(out.requests, out.plan.seqs, epochs):
-            tok = lp = None
+            n = 0
             if seq.sample:
-                tok = next(it)
-                lp = logprobs[k] if k < len(logprobs) else None
-                k += 1
+                n = counts[j] if counts else 1
+                j += 1
                 req.inflight = max(0, req.inflight - 1)
+            first, pos = pos, pos + n
+            spec = bool(seq.num_draft or seq.num_propose)
+            if spec:
+                req.spec_inflight = False
+                if self.spec is not None:
+                    self.spec.observe_result(req, seq.num_draft, n - 1, seq.num_propose,
+                                             len(drafts.get(req.request_id, ())))
             if req.is_finished:
                 continue  # e.g. a decode planned before its previous token ended the request
             current = epoch == req.epoch and req.status == RequestStatus.RUNNING
             done = seq.start_pos + len(seq.token_ids)  # prompt/context tokens computed by this plan
-            if current:
-                new = self.bm.cache_full_blocks(req, upto=done)  # before a finish frees them
-                if new and self.connector is not None:
-                    self.connector.on_cached(new)
             # Prompt logprobs of a plan made before a preemption still count while the
             # request waits (it rescores from scratch only when re-admitted): its kept
             # token may end it, prompt logprobs complete.
             live = current or req.status == RequestStatus.WAITING
             if live and req.wants_prompt_logprobs and req.request_id in prompt_logprobs:
                 req.prompt_logprobs.extend(prompt_logprobs[req.request_id])
+            # Tokens sampled before a preemption are still the right ones: they are kept,
+            # and the recompute runs them as context (the drafts that came back are not).
+            reason = None
+            for i in range(first, pos):
+                tok = sampled[i]
+                req.output_token_ids.append(tok)
+                self.num_generated_tokens += 1
+                lp = logprobs[i] if i < len(logprobs) else None
+                if req.sampling.logprobs is not None and lp is not None:
+                    req.output_logprobs.append(lp)
+                reason = stop_reason(req, tok, self.eos, self.max_model_len)
+                if reason is not None:
+                    break  # the tokens after a stop are dropped
+            accepted = n - 1 if n else 0  # drafts whose KV this step wrote and kept
+            if current:  # register full blocks whose KV holds accepted tokens, before a finish frees them
+                upto = done - seq.num_draft + accepted
+                if reason is not None:  # as without drafts: the KV of the last token is not kept
+                    upto = min(upto, req.num_tokens - 1)
+                new = self.bm.cache_full_blocks(req, upto=upto)
+                if new and self.connector is not None:
+                    self.connector.on_cached(new)
             if live and not seq.sample and req.sampling.max_tokens == 0 and done >= req.num_prompt_tokens:
                 self.finish(req, FinishReason.LENGTH)  # scored the prompt (with or without logprobs); nothing to generate
                 changed.append(req)
-            if tok is None:
+            if n == 0:
                 continue
-            # A token sampled before a preemption is still the right one: it is kept, and
-            # the recompute runs it as context.
-            req.output_token_ids.append(tok)
-            if req.sampling.logprobs is not None and lp is not None:
-                req.output_logprobs.append(lp)
             changed.append(req)
-            reason = stop_reason(req, tok, self.eos, self.max_model_len)
             if reason is not None:
                 self.finish(req, reason)
+            elif current and spec and self.drafts is not None:
+                self.drafts.after_step(req, done - seq.num_draft + accepted, seq.num_propose,
+                                       drafts.get(req.request_id, ()))
         return changed

@@ -20,6 +20,11 @@ Flow (docs/ARCHITECTURE.md §7 "Structured output"):
    (bit t set = token t allowed), sent in `ScheduledSeq.allowed_token_bitmask`.
 4. After the step, `accept(token)` advances the matcher; `is_terminated()` turns True when
    the grammar accepted a stop token (EOS), which ends the request with "stop".
+5. Speculative decoding (docs/ARCHITECTURE.md §5.5): a verify seq needs a mask per position.
+   `draft_bitmasks(drafts)` advances the matcher tentatively over the drafts (stopping at
+   the first one the grammar rejects, or one that would terminate it), takes the mask of
+   each position and rolls back (`GrammarMatcher.rollback`), so the matcher is left as it
+   was; `accept` then advances it over the tokens the step really emitted.
 """
 
 from __future__ import annotations
@@ -82,11 +87,38 @@ class RequestGrammar:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._buf = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab/32)] int32
+        self._draft_buf = self._buf  # [k + 1, ceil(vocab/32)], grown on demand
 
     def bitmask(self) -> bytes:
         """The allowed next tokens: ceil(vocab/32) little-endian int32 words as bytes."""
         self.matcher.fill_next_token_bitmask(self._buf)
         return self._buf.numpy().astype("<i4", copy=False).tobytes()
+
+    def draft_bitmasks(self, drafts: list[int]) -> tuple[int, bytes]:
+        """The masks of a verify seq over `drafts` (module doc, 5). Returns (n, masks): n
+        drafts the grammar accepts in a row (it stops before a rejected draft and before one
+        that would terminate the grammar: no position follows a terminated grammar), and
+        n + 1 masks back to back (position i: after drafts[:i]), each ceil(vocab/32)
+        little-endian int32 words. The matcher is left as it was."""
+        m = self.matcher
+        n = 0
+        for tok in drafts:
+            if not m.accept_token(tok):
+                break
+            n += 1
+            if m.is_terminated():
+                m.rollback(1)
+                n -= 1
+                break
+        if self._draft_buf.shape[0] < n + 1:
+            self._draft_buf = xgr.allocate_token_bitmask(max(n + 1, 2 * self._draft_buf.shape[0]),
+                                                         self.vocab_size)
+        buf = self._draft_buf
+        for i in range(n, -1, -1):  # the deepest state first, rolling back one token each
+            m.fill_next_token_bitmask(buf, i)
+            if i:
+                m.rollback(1)
+        return n, buf[:n + 1].numpy().astype("<i4", copy=False).tobytes()
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token. False when the grammar rejects it."""

@@ -27,6 +27,13 @@ frontend):
 - `kestrel:prefix_cache_queries_total`, `kestrel:prefix_cache_hits_total` (counters, tokens
   looked up / found in the prefix cache since the engine started).
 - `kestrel:engine_up` (gauge): 1 when the last stats call answered.
+- Speculative decoding (only when the engine runs with `--speculative-config`;
+  docs/ARCHITECTURE.md §5.5), counters as vLLM's: `kestrel:spec_decode_num_drafts` (seqs
+  that verified drafts), `kestrel:spec_decode_num_draft_tokens` (drafts verified),
+  `kestrel:spec_decode_num_accepted_tokens` (drafts accepted), and
+  `kestrel:spec_decode_num_accepted_tokens_per_pos{position}` (seqs whose draft at
+  position 0.. was accepted). Mean acceptance length = 1 + accepted_tokens / drafts
+  (the engine also logs it periodically); acceptance rate = accepted_tokens / draft_tokens.
 
 Read from the supervisor (`<runtime_dir>/restarts.json`, `{"<process>": count}`, written by
 services/supervisor/restart.py at start and after every restart):
@@ -186,6 +193,8 @@ class _EngineCollector:
                 c = CounterMetricFamily("kestrel:" + name, doc, labels=["model_name"])
                 c.add_metric(m, float(s.get(key, 0)))
                 yield c
+            if "spec_decode_num_drafts" in s:  # the engine speculates
+                yield from _spec_counters(m, s)
             if "kv_tier_hits_cpu" in s:   # the engine runs with the kvstore (KV tiers)
                 c = CounterMetricFamily("kestrel:kv_tier_hits", "Prompt tokens loaded from a "
                                         "kvstore tier instead of computed.",
@@ -198,6 +207,27 @@ class _EngineCollector:
         for proc, n in sorted(self.restarts.items()):
             r.add_metric([proc], float(n))
         yield r
+
+
+SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Sequences that verified draft tokens (speculative decoding)."),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+)
+
+
+def _spec_counters(m: list[str], s: dict[str, Any]):
+    """The speculative decoding counters of one stats answer (module doc)."""
+    for name, doc in SPEC_COUNTERS:
+        c = CounterMetricFamily("kestrel:" + name, doc, labels=["model_name"])
+        c.add_metric(m, float(s.get(name, 0)))
+        yield c
+    c = CounterMetricFamily("kestrel:spec_decode_num_accepted_tokens_per_pos",
+                            "Sequences whose draft at this position (0 = the first) was accepted.",
+                            labels=["model_name", "position"])
+    for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+        c.add_metric(m + [str(pos)], float(n))
+    yield c
 
 
 def read_restarts(runtime_dir: str | None) -> dict[str, int]:

@@ -15,6 +15,7 @@ engine) are in `tests/runner_driver.py`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,10 @@ from services.worker.models import model_class
 from services.worker.models.base import CausalLM
 from services.worker.prompt_logprobs import PromptScorer
 from services.worker.sampler import Sampler
+from services.worker.spec import build_proposer, proposer_report
+from services.worker.spec.base import StepView
+from services.worker.spec.step import (DraftProbs, check_drafts, graph_view, logit_rows, propose,
+                                       propose_requests, verify_drafts)
 from services.worker.step_inputs import prepare_step
 from shared.config import KestrelConfig
 from shared.kv_layout import KVLayout
@@ -47,15 +52,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class StepLogits:
     """What one step's forward produced, before sampling.
 
-    logits: [len(rows), vocab] fp32 at the last token of each sample=True sequence, or None
-    when no sequence samples. rows: the plan indexes of those sequences, in order.
+    logits: [len(rows), vocab] fp32 at the last token of each sample=True sequence (with
+    drafts: its last num_draft + 1 tokens, `spec.step.logit_rows`), or None when no sequence
+    samples. rows: the plan indexes of those sequences, in order.
     prompt_logits: plan index -> [chunk len, vocab] fp32, for prompt chunks that want
-    prompt logprobs.
+    prompt logprobs. view: the forward as the proposer sees it (None without a proposer).
+    offsets: [num_seqs + 1] host ints, each seq's first flat token index (with a proposer or
+    drafts; else empty).
     """
 
     logits: torch.Tensor | None
     rows: list[int]
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    view: StepView | None = None
+    offsets: list[int] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -74,8 +84,11 @@ class ModelRunner:
     cfg fields used: model (HF folder), device, dtype, block_size, kv_cache_gib,
     num_threads (torch threads, resolved by the config builder: shared.cpu_budget), max_model_len
     (None: the model's default, `shared.model_spec.default_max_model_len`), seed (sampling seed of requests without one).
+    speculative_config (None: off; `spec.build_proposer`).
     Attributes a driver may replace between steps: graphs (None: eager decode) and fusion
     (the `FusionPlan`; captured graphs keep the plan of their capture).
+    The proposer's KV group (`proposer.kv_specs()`) has the target's num_blocks and
+    block_size, and the KV budget is split by the bytes of one block of both groups.
     Raises FileNotFoundError / ValueError from the loader, ValueError for an unknown
     architecture or a KV budget below one block.
     """
@@ -107,9 +120,19 @@ class ModelRunner:
                                                 self.kv_layout.head_dim):
             raise ValueError(f"the model's KV shape {(num_layers, kv_heads, head_dim)} is not its "
                              f"config's {self.kv_layout}")
-        per_block = self.kv_layout.block_bytes
         self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
         self.fusion = FusionPlan.choose(module.fusable_projections(), self.device, self.dtype)
+        self.sampler = Sampler(cfg.seed, self.spec.eos_token_ids)
+        self.proposer = build_proposer(cfg, self)  # drafter weights load here (before the KV sizing)
+        spec_cfg = cfg.speculative
+        self.num_speculative_tokens = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
+        draft_specs = self.proposer.kv_specs() if self.proposer is not None else []
+        if self.proposer is not None and self.proposer.target_layer_ids:
+            # the CausalLM contract's aux_hidden_layers (models/base.py), set once before any forward
+            setattr(module, "aux_hidden_layers", tuple(self.proposer.target_layer_ids))  # noqa: B010
+        # bytes of one block of the proposer's group, as KVCache lays it out (a meta-device block)
+        self.draft_block_bytes = KVCache(draft_specs, 1, self.block_size, self.dtype, "meta").bytes if draft_specs else 0
+        per_block = self.kv_layout.block_bytes + self.draft_block_bytes  # both groups index one block id
         self.activation_peak_bytes = 0
         if self.device.type == "cuda":  # KV sized from gpu_memory_utilization (gpu_memory.py)
             self.activation_peak_bytes, kv_budget = profile_kv_budget(self, cfg, kv_specs)
@@ -120,8 +143,14 @@ class ModelRunner:
         else:
             self.num_blocks = num_blocks_for(cfg.kv_cache_gib, per_block)
         self.kv = KVCache(kv_specs, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.draft_kv: KVCache | None = None
+        if draft_specs:
+            assert self.proposer is not None
+            self.draft_kv = KVCache(draft_specs, self.num_blocks, self.block_size, self.dtype, self.device)
+            self.proposer.bind_kv(self.draft_kv.layers)
         self.attn_layers = bind_layers(module.attention_specs(), self.kv.layers)
         self.kv_transfer = KVTransfer(self.kv, self.kv_layout)  # kvstore tier copies (kv_transfer.py)
+        self._graph_aux: dict[int, torch.Tensor] = {}  # batch size -> a graph's aux hidden output
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
             self.graphs = DecodeGraphs(self._graph_forward, cfg.max_num_seqs, self.max_model_len,
@@ -129,17 +158,21 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.use_ref_attention:
             from kernels.sampling_triton import warm_up_sampler  # compile now, not mid-serving
             warm_up_sampler(self.spec.vocab_size, cfg.max_num_seqs, self.device)
-        self.sampler = Sampler(cfg.seed, self.spec.eos_token_ids)
         self.plan_state = PlanState()  # what the engine sends once per request
         self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
-        # the last step that sampled: (its token ids on the device [rows] int64, request id ->
-        # row); a PENDING_TOKEN of the next plan is read from it (async scheduling)
+        # the proposer's token history (spec/history.py), fed here: None unless it reads the context
+        self.history = getattr(self.proposer, "history", None)
+        self.draft_probs = DraftProbs()  # q of the last proposal per request (probabilistic drafting)
+        # the last step that sampled: (the device ids of each sampled seq's last emitted token
+        # [rows] int64, request id -> row); a PENDING_TOKEN of the next plan is read from it
+        # (async scheduling)
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._last_kept: DecodeGraphs | None = None  # the graphs whose `last` holds that draw
         self.load_seconds = time.perf_counter() - t0
 
     def report(self) -> dict:
-        """Startup facts: device, dtype, weight/KV bytes, KV blocks and tokens, load seconds."""
+        """Startup facts: device, dtype, weight/KV bytes, KV blocks and tokens, load seconds,
+        the proposer (`speculative`, None when off)."""
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
@@ -152,38 +185,93 @@ class ModelRunner:
             "cuda_graph_sizes": self.graphs.sizes if self.graphs else [],
             "cuda_graph_capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0.0,
             "kv_block_bytes": self.kv_transfer.slot_bytes,
+            "speculative": proposer_report(self.proposer, self.num_speculative_tokens, self.draft_kv,
+                                           self.draft_block_bytes),
         }
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step and return its full result: one sampled token per ScheduledSeq with
-        sample=True (plan order), their logprobs where asked (`Sampler.sample`), and the
-        prompt logprobs of prefill chunks of requests with `prompt_logprobs` set. KV tier
-        copies: plan.kv_loads before the forward, plan.kv_stores after it (`kv_transfer.py`).
+        """Run one step and return its full result: the tokens of each ScheduledSeq with
+        sample=True (plan order; one each, or with drafts in the plan 1..num_draft+1 each,
+        flat, counted in `num_sampled`), their logprobs where asked (`Sampler.sample`), the
+        prompt logprobs of prefill chunks of requests with `prompt_logprobs` set, and the
+        proposer's drafts for seqs with num_propose > 0 (`draft_token_ids`). KV tier copies:
+        plan.kv_loads before the forward, plan.kv_stores after it (`kv_transfer.py`).
         Raises ValueError when a sequence's block table does not cover its tokens or its
-        length passes max_model_len, or a pending token has no draw of the last step."""
+        length passes max_model_len, a pending token has no draw of the last step, or a
+        seq's num_draft does not fit it."""
+        if plan.forget:
+            self._forget(plan.forget)
         self.plan_state.resolve(plan)  # whole block tables and sampling params (plan_state.py)
+        if self.history is not None:
+            self.history.write(plan.seqs)
         self.kv_transfer.before_step(plan)
         try:
-            fwd = self._forward(plan)
+            result = self._step(plan)
         except BaseException:
             self._last_sampled = self._last_kept = None  # a later plan's pending tokens cannot come from here
             raise
+        result.kv_store_error = self.kv_transfer.after_step(plan)
+        return result
+
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop what the runner and its proposer keep for requests that ended."""
+        self.draft_probs.drop(request_ids)
+        if self.history is not None:
+            self.history.forget(request_ids)
+        if self.proposer is not None:
+            self.proposer.forget(request_ids)
+
+    def _step(self, plan: StepPlan) -> StepResult:
+        """Forward, observe, sample or verify, propose (`execute`)."""
+        fwd = self._forward(plan)
+        if self.proposer is not None and fwd.view is not None:
+            self.proposer.observe(fwd.view)
         seqs, rows, logits = plan.seqs, fwd.rows, fwd.logits
         result = StepResult(plan.step_id, [])
         if rows and logits is not None:
-            g = self.graphs
-            kept = g if g is not None and len(rows) <= g.max_bs else None
-            out = self.sampler.sample(logits, [seqs[i] for i in rows], keep=kept.keep if kept else None)
-            result.sampled_token_ids = out.token_ids
-            result.logprobs = out.logprobs
-            assert out.token_tensor is not None  # Sampler.sample always returns the device ids
-            self._last_sampled = (out.token_tensor, {seqs[i].request_id: j for j, i in enumerate(rows)})
-            self._last_kept = kept
+            sampled = [seqs[i] for i in rows]
+            emitted: list[list[int]] | None = None
+            if logits.shape[0] != len(rows):  # some seq verifies drafts (§5.5)
+                emitted = self._verify(result, logits, sampled)
+            else:
+                g = self.graphs
+                kept = g if g is not None and len(rows) <= g.max_bs else None
+                out = self.sampler.sample(logits, sampled, keep=kept.keep if kept else None)
+                result.sampled_token_ids = out.token_ids
+                result.logprobs = out.logprobs
+                assert out.token_tensor is not None  # Sampler.sample always returns the device ids
+                self._last_sampled = (out.token_tensor, {s.request_id: j for j, s in enumerate(sampled)})
+                self._last_kept = kept
+            if self.history is not None or self.proposer is not None:
+                if emitted is None:
+                    emitted = [[t] for t in result.sampled_token_ids]
+                if self.history is not None:
+                    self.history.emit(sampled, emitted)
+                if self.proposer is not None:
+                    self._propose(result, fwd, emitted)
         for i, chunk_logits in fwd.prompt_logits.items():
             result.prompt_logprobs[seqs[i].request_id] = self.prompt_scorer.score(seqs[i], chunk_logits)
-        result.kv_store_error = self.kv_transfer.after_step(plan)
         return result
+
+    def _verify(self, result: StepResult, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[list[int]]:
+        """Verify a step with drafts (`spec.step.verify_drafts`) into `result` and keep each
+        seq's last emitted token for the pending inputs of the next plan. Returns the
+        emitted tokens per sampled seq."""
+        v = verify_drafts(self.sampler, logits, sampled, self.draft_probs)
+        v.fill(result)
+        last = torch.tensor([toks[-1] for toks in v.tokens], dtype=torch.long)
+        self._last_sampled = (last.to(logits.device), {s.request_id: j for j, s in enumerate(sampled)})
+        self._last_kept = None  # a decode graph copies it into its own buffer when it needs it
+        return v.tokens
+
+    def _propose(self, result: StepResult, fwd: StepLogits, emitted: list[list[int]]) -> None:
+        """The proposer's drafts for the seqs with num_propose > 0 (`spec.step.propose`)."""
+        assert self.proposer is not None and fwd.view is not None
+        reqs = propose_requests(fwd.view.seqs, fwd.rows, emitted, fwd.offsets)
+        if reqs:
+            result.draft_token_ids = propose(self.proposer, reqs, fwd.view, self.spec.vocab_size,
+                                             self.max_model_len, self.draft_probs)
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         """Forward a resolved plan (the KV cache written, nothing sampled); see `StepLogits`.
@@ -191,29 +279,46 @@ class ModelRunner:
         seqs = plan.seqs
         if not seqs:
             return StepLogits(None, [])
-        hidden = self._decode_graph(seqs) if self.graphs is not None else None
-        if hidden is not None:  # decode-only step replayed from a CUDA graph
-            rows = [i for i, s in enumerate(seqs) if s.sample]
-            return StepLogits(self.model.compute_logits(
+        check_drafts(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.sample]
+        graphs = self.graphs
+        hidden = self._decode_graph(seqs) if graphs is not None else None
+        if graphs is not None and hidden is not None:  # decode-only step replayed from a CUDA graph
+            logits = self.model.compute_logits(
                 hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-                if len(rows) != len(seqs) else hidden), rows)
+                if len(rows) != len(seqs) else hidden)
+            if self.proposer is None:
+                return StepLogits(logits, rows)
+            aux = self._graph_aux.get(graphs.padded_size(len(seqs)) or 0)  # the replayed graph's
+            return StepLogits(logits, rows, view=graph_view(graphs, seqs, hidden, self.max_model_len, aux),
+                              offsets=list(range(len(seqs) + 1)))
         input_ids, positions, meta = self._prepare(seqs)
         self._fill_pending(input_ids, seqs)
         hidden = self.run_model(input_ids, positions, meta)
+        drafts = any(seqs[i].num_draft for i in rows)
+        offsets: list[int] = []
+        view: StepView | None = None
+        if drafts or self.proposer is not None:
+            offsets = [0, *itertools.accumulate(len(s.token_ids) for s in seqs)]
+        if self.proposer is not None:
+            aux = getattr(self.model, "aux_hidden", None) if self.proposer.target_layer_ids else None
+            view = StepView(seqs, input_ids, positions, meta, hidden, aux)
         prompt_logits: dict[int, torch.Tensor] = {}
         for i, s in enumerate(seqs):
             if s.sampling is not None and s.sampling.prompt_logprobs is not None and s.start_pos < s.num_prompt_tokens:
                 a, b = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
                 prompt_logits[i] = self.model.compute_logits(hidden[a:b]).float()
-        rows = [i for i, s in enumerate(seqs) if s.sample]
         if not rows:
-            return StepLogits(None, rows, prompt_logits)
-        if len(rows) == len(seqs) and hidden.shape[0] == len(seqs):
+            return StepLogits(None, rows, prompt_logits, view, offsets)
+        if drafts:
+            idx = torch.tensor(logit_rows(seqs, rows, offsets), dtype=torch.long)
+            picked = hidden.index_select(0, idx.to(hidden.device, non_blocking=True))
+        elif len(rows) == len(seqs) and hidden.shape[0] == len(seqs):
             picked = hidden  # decode-only step: every row is sampled
         else:
             last = meta.cu_seqlens_q[1:].long() - 1
             picked = hidden.index_select(0, last[rows])
-        return StepLogits(self.model.compute_logits(picked), rows, prompt_logits)
+        return StepLogits(self.model.compute_logits(picked), rows, prompt_logits, view, offsets)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   layers: list[AttentionLayer] | None = None) -> torch.Tensor:
@@ -230,8 +335,14 @@ class ModelRunner:
 
     def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
-        """What a decode graph captures (`DecodeGraphs`): `run_model` on the graph's buffers."""
-        return self.run_model(input_ids, positions, meta)
+        """What a decode graph captures (`DecodeGraphs`): `run_model` on the graph's buffers.
+        The model's aux hidden output of each capture is kept by batch size (a proposer that
+        reads target layers finds a replay's there)."""
+        hidden = self.run_model(input_ids, positions, meta)
+        aux = getattr(self.model, "aux_hidden", None)
+        if aux is not None and self.proposer is not None and self.proposer.target_layer_ids:
+            self._graph_aux[input_ids.shape[0]] = aux
+        return hidden
 
     def _decode_graph(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Hidden states [b, hidden] of a decode-only step from its CUDA graph, or None when
@@ -278,11 +389,11 @@ class ModelRunner:
         dst: list[int] = []
         pending: list[str] = []
         off = 0
-        for s in seqs:
-            off += len(s.token_ids)
-            if s.token_ids[-1] == PENDING_TOKEN:
-                dst.append(off - 1)
+        for s in seqs:  # only a seq's first token may be pending (a decode, or a verify's last token)
+            if s.token_ids[0] == PENDING_TOKEN:
+                dst.append(off)
                 pending.append(s.request_id)
+            off += len(s.token_ids)
         if not dst:
             return
         src, index = self._pending_rows(pending)

@@ -88,6 +88,8 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     dec = P.decoder(P.EngineToWorker)
     report = dict(runner.report())
     report["startup_s"] = round(time.monotonic() - t0, 3)
+    if report.get("speculative"):
+        log.info("speculative decoding: %s", report["speculative"])
     push.send(enc.encode(P.WorkerReady(rank, os.getpid(), runner.num_blocks, runner.block_size,
                                        str(cfg.device), report)))
     hb = threading.Thread(target=_heartbeats, args=(ctx, cfg.worker_address, rank, stopping),

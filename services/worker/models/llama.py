@@ -183,6 +183,31 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                         fused: bool, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, plus the residual stream after each decoder layer in `layers` (before
+        the final norm), concatenated in that order: (hidden [T, hidden], aux [T, len(layers)
+        * hidden]). The unfused path's stream after a layer is its (x, residual) sum, the add
+        the next layer's fused_add_rms_norm makes (same rounding: one add in the model dtype).
+        No host sync and no data-dependent shape: it captures in a CUDA graph (aux is then a
+        tensor of the graph's pool, rewritten by each replay)."""
+        want = set(layers)
+        taps: dict[int, torch.Tensor] = {}
+        x, residual = self.embed_tokens(input_ids), None
+        if fused:
+            for i, layer in enumerate(self.decoder_layers):
+                x = layer.forward_fused(positions, x, attn)
+                if i in want:
+                    taps[i] = x
+            out = self.norm(x)
+        else:
+            for i, layer in enumerate(self.decoder_layers):
+                x, residual = layer(positions, x, residual, attn)
+                if i in want:
+                    taps[i] = x + residual
+            out, _ = self.norm(x, residual)
+        return out, torch.cat([taps[i] for i in layers], dim=-1)
+
 
 class LlamaForCausalLM(nn.Module):
     """The whole model (a `services.worker.models.base.CausalLM`). Build it under the target
@@ -211,9 +236,34 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings
 
+    # speculative decoding's target layers (CausalLM.aux_hidden_layers): none by default
+    _aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
+
+    @property
+    def aux_hidden_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose outputs each forward stores in `aux_hidden` [T, len *
+        hidden] (`services.worker.models.base.CausalLM`); () = none, and a forward then costs
+        what it did without the seam (one truth test). Setting it validates the indexes
+        (ValueError for one outside 0..num_hidden_layers-1) and clears `aux_hidden`."""
+        return self._aux_layers
+
+    @aux_hidden_layers.setter
+    def aux_hidden_layers(self, layers: tuple[int, ...] | list[int]) -> None:
+        layers = tuple(int(i) for i in layers)
+        n = self.args.num_hidden_layers
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"aux_hidden_layers {bad} outside the model's {n} layers")
+        self._aux_layers = layers
+        self.aux_hidden = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 fused: bool = False) -> torch.Tensor:
-        return self.model(input_ids, positions, attn, fused)
+        if not self._aux_layers:
+            return self.model(input_ids, positions, attn, fused)
+        hidden, self.aux_hidden = self.model.forward_with_aux(input_ids, positions, attn, fused, self._aux_layers)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -115,7 +115,7 @@ class Proposer(ABC):
         [] for a proposer without KV (n-gram)."""
         return []
 
-    def bind_kv(self, layers: list[KVHandle]) -> None:
+    def bind_kv(self, layers: list[KVHandle]) -> None:  # noqa: B027 - optional hook
         """Receive the group's caches (one handle per `kv_specs` entry), once at load."""
 
     def observe(self, view: StepView) -> None:  # noqa: B027 - optional hook

@@ -1,0 +1,89 @@
+"""The scheduler's side of speculative decoding: which drafts a step verifies, how many each
+seq asks for next, and their blocks (docs/ARCHITECTURE.md §5.5).
+
+`DraftScheduler` asks the `SpecPolicy` (services/engine/spec_policy.py) and applies the
+limits the policy does not know: the step's token budget, what a request may still emit
+(max_tokens, max_model_len), its grammar (drafts are cut at the first one it rejects,
+`RequestGrammar.draft_bitmasks`, which also gives the masks of every verified position),
+and the free blocks: blocks for the drafts and the proposal are taken without preempting
+anyone, and a seq whose blocks are short runs plain instead. After the step
+(`after_step`), the request is rolled back to the KV of its accepted positions: rejected
+drafts' KV is simply overwritten by later steps, and the trailing blocks it no longer
+needs go back (they hold no accepted KV, so they were never named in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.engine.block_manager import BlockManager
+from services.engine.request import Request
+from services.engine.spec_policy import SpecPolicy
+from services.engine.step_plan import SeqWork
+
+
+class DraftScheduler:
+    """Drafts and proposals for the scheduler's seqs (module doc).
+
+    spec: the policy. bm: the scheduler's block manager. max_model_len: tokens of one request.
+    """
+
+    def __init__(self, spec: SpecPolicy, bm: BlockManager, max_model_len: int):
+        self.spec = spec
+        self.bm = bm
+        self.max_model_len = max_model_len
+
+    def room(self, req: Request) -> int:
+        """Tokens req may still emit (max_tokens, max_model_len), counting those in flight."""
+        return min(req.sampling.max_tokens - len(req.output_token_ids) - req.inflight,
+                   self.max_model_len - req.num_tokens - req.inflight)
+
+    def propose_limit(self, req: Request, num_draft: int) -> int:
+        """The most drafts req can use after a seq verifying num_draft: the next step may
+        emit one token less than it may now, one of them not a draft; and a drafter's KV
+        (positions up to the last emitted token's + the drafts) stays below max_model_len."""
+        return min(self.room(req) - 2, self.max_model_len - req.num_tokens - req.inflight - num_draft)
+
+    def choose(self, decodes: list[Request], step_tokens: int, async_ok: bool) -> dict[str, int]:
+        """The policy's k per request id for the decodes that hold drafts, in a step of
+        about `step_tokens` tokens before drafts. async_ok: nothing else keeps the pipeline
+        from planning ahead."""
+        spec = self.spec
+        cands = [(r, min(len(r.draft_token_ids), spec.kmax, self.room(r) - 1))
+                 for r in decodes if r.draft_token_ids and not r.inflight]
+        spec.begin_step(step_tokens, len(decodes), async_ok)
+        return spec.choose(cands) if cands else {}
+
+    def decode(self, req: Request, end: int, k: int, budget: int) -> SeqWork | None:
+        """req's decode (its tokens up to `end`) with k of its drafts (fewer within
+        `budget` or its grammar) and the drafts it asks for next, blocks allocated; None
+        when it verifies and asks none, or the blocks are short: then it runs plain."""
+        drafts = req.draft_token_ids
+        n = end - req.num_computed_tokens
+        k = max(0, min(k, len(drafts), budget - n))
+        masks = None
+        if k and req.grammar is not None:
+            k, masks = req.grammar.draft_bitmasks(drafts[:k])
+        p = self.spec.num_propose(req, k, self.propose_limit(req, k))
+        if not (k or p) or not self.bm.allocate(req, end + k + p):
+            return None
+        return SeqWork(req, n, drafts[:k], p, masks if k else None)
+
+    def prefill(self, req: Request, end: int) -> int:
+        """Drafts a prefill chunk of req ending at `end` asks for: only its last chunk
+        (which samples) may ask."""
+        if end != req.num_tokens or req.sampling.max_tokens <= 0:
+            return 0
+        return self.spec.num_propose(req, 0, self.propose_limit(req, 0))
+
+    def after_step(self, req: Request, num_computed: int, num_propose: int, drafts: Sequence[int]) -> None:
+        """req's seq that verified or proposed came back and req goes on: its KV holds the
+        accepted tokens up to `num_computed` (the next seq starts at its last emitted
+        token), blocks past its tokens are trimmed (the workers' copy of its table is cut
+        by its next seq's increment), and the drafts proposed for its next seq are kept
+        (at most num_propose)."""
+        req.num_computed_tokens = num_computed
+        self.bm.trim(req, req.num_tokens)
+        req.worker_blocks = min(req.worker_blocks, len(req.block_ids))
+        if num_propose:
+            req.draft_token_ids = list(drafts[:num_propose])

@@ -1,0 +1,312 @@
+"""How many drafts each request verifies in a step, and how many it asks for next.
+
+docs/ARCHITECTURE.md §5.5. The scheduler asks, per step: `begin_step` (the step's size
+before drafts), `choose` (k per request holding drafts), `num_propose` (drafts each sampled
+seq asks the workers for, after the step); after the step, `observe_result` per seq that
+verified or proposed, and the engine core feeds the measured step durations (`cost`,
+services/engine/step_cost.py).
+
+"fixed": every request verifies min(k, its drafts) and always asks for k.
+
+"adaptive" (the default) never speculates where it does not pay:
+- Acceptance: per request, moving averages of accepted drafts and of trials (drafts
+  verified up to and including the first rejected one; a proposal that came back empty
+  counts one failed trial), so a = accepted / trials estimates the per-draft acceptance
+  rate. A new request starts from the engine-wide average. With per-draft acceptance a,
+  verifying k drafts gains sum_{i=1..k} a^i tokens on average (the bonus token comes
+  either way; Leviathan et al. 2023, arXiv 2211.17192, §3.1).
+- Cost: the step's expected duration from the measured curves: `spec_cost(N + K)` for a
+  step of N tokens plus K drafts that verifies or proposes (device time, plus the engine's
+  own time between result and plan, `overhead`, which such a step waits for), against
+  `plain_cost(N)` for the same step without drafts (plus `overhead` only where the
+  pipeline is synchronous anyway: async scheduling off, or a request with penalties or a
+  grammar running).
+- Choice: the step's output rate (tokens emitted / expected duration) is what is
+  maximised. The i-th draft of a request with acceptance a adds a^i tokens; the drafts
+  are taken in decreasing order of that gain and the best total K is kept (for a given K
+  the top-K gains are optimal, since the cost depends on K alone). Speculation goes on
+  only where that rate beats the plain step's by MARGIN; otherwise every k is 0 and the
+  step is a plain one (async scheduling again).
+- Proposals: a request asks for k drafts after its seq when it verifies drafts now, or
+  when its acceptance alone would pay for verifying at the current batch
+  (`break_even_acceptance`). A request that asks for none is probed: after PROBE_MIN of
+  its sampled seqs without speculation it asks for k once and verifies up to PROBE_DRAFTS
+  of what comes back (whatever its acceptance says); the probe's outcome replaces the
+  request's estimate (its text may have changed since), so a request whose text turns
+  repetitive starts speculating again; each probe doubles the interval to the next, up to
+  PROBE_MAX, until the request speculates again.
+Counters (`stats`): vLLM's spec_decode_num_drafts (seqs that verified drafts),
+num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, plus proposals, empty
+proposals and probes; the policy's inputs (the curves, overhead, the engine-wide
+acceptance) and its last choice.
+"""
+
+from __future__ import annotations
+
+from operator import itemgetter
+
+from services.engine.request import Request
+from services.engine.step_cost import StepCostModel
+from shared.spec_config import SpeculativeConfig
+
+MARGIN = 0.02        # speculation must beat the plain step's rate by 2%
+ALPHA = 0.3          # weight of a new verify in a request's acceptance averages
+GLOBAL_ALPHA = 0.05  # ... in the engine-wide acceptance (the prior of new requests)
+PRIOR_WEIGHT = 1.0   # trials the prior of a new request is worth
+PROBE_MIN = 16       # sampled seqs without speculation before the first probe
+PROBE_MAX = 256      # the longest probe interval
+PROBE_DRAFTS = 1     # drafts a probe verifies
+PROBE_ALPHA = 0.5    # weight of a probe's outcome (the text may have changed since the last)
+MIN_GAIN = 1e-3      # draft gains below this are never considered
+SCAN_DENSE = 32      # every K up to this is evaluated, then K grows by 25%
+
+
+def expected_accepted(a: float, k: int) -> float:
+    """sum_{i=1..k} a^i: the expected accepted drafts of k drafts at per-draft
+    acceptance a (0 <= a <= 1)."""
+    s, g = 0.0, 1.0
+    for _ in range(k):
+        g *= a
+        s += g
+    return s
+
+
+class SpecState:
+    """One request's speculation state (module doc).
+
+    accepted, trials: moving averages (acceptance = accepted / trials). idle: sampled
+    seqs since it last asked for drafts; interval: seqs between probes; probing: a probe's
+    drafts are on their way or due to be verified.
+    """
+
+    __slots__ = ("accepted", "trials", "idle", "interval", "probing")
+
+    def __init__(self, prior: float):
+        self.accepted = prior * PRIOR_WEIGHT
+        self.trials = PRIOR_WEIGHT
+        self.idle = 0
+        self.interval = PROBE_MIN
+        self.probing = False
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated per-draft acceptance rate, 0..1."""
+        return self.accepted / self.trials if self.trials > 0 else 0.0
+
+    def observe(self, accepted: int, trials: int, alpha: float = ALPHA) -> None:
+        """One verify's outcome, with weight alpha in the moving averages."""
+        self.accepted += alpha * (accepted - self.accepted)
+        self.trials += alpha * (trials - self.trials)
+
+
+class SpecPolicy:
+    """k per request and step (module doc), from `cfg` (`--speculative-config`).
+
+    async_scheduling: the engine plans ahead when it may (a plain step then hides the
+    engine's own time). cost: the measured step costs, fed by the engine core.
+    """
+
+    def __init__(self, cfg: SpeculativeConfig, async_scheduling: bool):
+        self.cfg = cfg
+        self.kmax = cfg.num_speculative_tokens
+        self.fixed = cfg.policy == "fixed"
+        self.reads_context = cfg.method == "ngram"  # its first seq carries context_token_ids
+        self.async_scheduling = async_scheduling
+        self.cost = StepCostModel()
+        self.acceptance = 0.5  # engine-wide moving average: the prior of new requests
+        # counters (cumulative)
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.kmax
+        self.k_hist = [0] * (self.kmax + 1)  # verify seqs by the k they verified
+        self.num_proposals = 0
+        self.num_empty_proposals = 0
+        self.num_probes = 0
+        # this step (begin_step)
+        self._n = 1
+        self._b = 1
+        self._base: float | None = None  # the plain step's rate, tokens/s (None: unknown)
+        self._a_star: float | None = None
+        self.last: dict = {}
+
+    def state(self, req: Request) -> SpecState:
+        """The request's state, made on first use from the engine-wide prior."""
+        st = req.spec
+        if st is None:
+            st = req.spec = SpecState(self.acceptance)
+        return st
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, num_tokens: int, num_sampled: int, async_ok: bool) -> None:
+        """A step of about `num_tokens` tokens before drafts, `num_sampled` of its seqs
+        emitting tokens, is being planned. async_ok: a plain step could be planned ahead
+        (nothing else forces the pipeline to wait)."""
+        self._n, self._b = max(1, num_tokens), max(1, num_sampled)
+        self._a_star = None
+        t = self.cost.plain_cost(self._n)
+        if t is not None and not (async_ok and self.async_scheduling):
+            t += self.cost.overhead
+        self._base = self._b / t if t else None
+
+    def _spec_rate(self, drafts: int, gain: float) -> float | None:
+        t = self.cost.spec_cost(self._n + drafts)
+        return None if t is None else (self._b + gain) / (t + self.cost.overhead)
+
+    def break_even_acceptance(self) -> float:
+        """The least per-draft acceptance at which one request verifying some k drafts
+        alone beats this step's plain rate by MARGIN (0 while the costs are unknown; 2 when
+        no acceptance would). Computed once per step."""
+        if self._a_star is None:
+            self._a_star = 0.0 if self._base is None else self._break_even(self._base)
+        return self._a_star
+
+    def _break_even(self, base: float) -> float:
+        best = 2.0
+        for k in range(1, self.kmax + 1):
+            r = self._spec_rate(k, 0.0)
+            assert r is not None  # a plain cost is known, so a spec one is too
+            # (B + E) / T1 > (1 + MARGIN) * base  <=>  E > (1 + MARGIN) * base * T1 - B
+            need = (1.0 + MARGIN) * base * (self._b / r) - self._b
+            if need <= 0:
+                return 0.0
+            if need >= k:
+                continue  # k drafts gain at most k
+            lo, hi = 0.0, 1.0
+            for _ in range(30):  # E_k(a) increases with a: bisect for E_k(a) = need
+                mid = (lo + hi) / 2
+                if expected_accepted(mid, k) > need:
+                    hi = mid
+                else:
+                    lo = mid
+            best = min(best, hi)
+        return best
+
+    def choose(self, cands: list[tuple[Request, int]]) -> dict[str, int]:
+        """k per request id for `cands` ((request, usable drafts) of this step's decodes that
+        hold drafts); requests left out verify none (module doc)."""
+        if self.fixed:
+            return {r.request_id: u for r, u in cands if u > 0}
+        ks: dict[str, int] = {}
+        forced_k, forced_gain = 0, 0.0
+        gains: list[tuple[float, str]] = []
+        for req, usable in cands:
+            if usable <= 0:
+                continue
+            st = self.state(req)
+            if st.probing:  # a probe's drafts: verified whatever the acceptance says
+                k = min(usable, PROBE_DRAFTS)
+                ks[req.request_id] = k
+                forced_k += k
+                forced_gain += expected_accepted(st.acceptance, k)
+                continue
+            a, g = st.acceptance, 1.0
+            for _ in range(usable):
+                g *= a
+                if g < MIN_GAIN:
+                    break
+                gains.append((g, req.request_id))
+        gains.sort(key=itemgetter(0), reverse=True)
+        best_k, best_rate = 0, self._base
+        if self._base is None:
+            best_k = len(gains)  # nothing measured yet: speculate, and measure it
+        elif gains:
+            ref = self._spec_rate(forced_k, forced_gain) if forced_k else self._base
+            assert ref is not None
+            need = ref if forced_k else ref * (1.0 + MARGIN)
+            best_rate = ref
+            total, k = forced_gain, 0
+            for k_next in _scan(len(gains)):
+                while k < k_next:
+                    total += gains[k][0]
+                    k += 1
+                r = self._spec_rate(forced_k + k, total)
+                assert r is not None
+                if r > need and r > best_rate:
+                    best_k, best_rate = k, r
+        for _, rid in gains[:best_k]:
+            ks[rid] = ks.get(rid, 0) + 1
+        self.last = {"tokens": self._n, "seqs": self._b, "candidates": len(cands),
+                     "drafts": forced_k + best_k, "probe_drafts": forced_k,
+                     "rate_plain": self._base, "rate_chosen": best_rate}
+        return ks
+
+    def num_propose(self, req: Request, k: int, limit: int) -> int:
+        """Drafts `req` asks for after this step's seq (which verifies k drafts); at most
+        `limit` (what it could still use). Counts the request's seqs toward its next probe."""
+        if limit <= 0:
+            return 0
+        n = min(self.kmax, limit)
+        if self.fixed:
+            return n
+        st = self.state(req)
+        if (k > 0 and not st.probing) or st.acceptance > self.break_even_acceptance():
+            st.idle, st.interval = 0, PROBE_MIN
+            return n
+        st.idle += 1
+        if st.idle >= st.interval:
+            st.idle, st.probing = 0, True
+            st.interval = min(PROBE_MAX, 2 * st.interval)
+            self.num_probes += 1
+            return n
+        return 0
+
+    # ------------------------------------------------------------------ after the step
+
+    def observe_result(self, req: Request, num_draft: int, accepted: int, num_propose: int,
+                       num_returned: int) -> None:
+        """A seq of `req` verified `num_draft` drafts of which `accepted` were accepted, and
+        asked for `num_propose` drafts of which `num_returned` came back."""
+        st = self.state(req)
+        if num_draft:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft
+            self.num_accepted_tokens += accepted
+            for i in range(accepted):
+                self.accepted_per_pos[i] += 1
+            self.k_hist[num_draft] += 1
+            trials = accepted + (accepted < num_draft)
+            st.observe(accepted, trials, PROBE_ALPHA if st.probing else ALPHA)
+            st.probing = False
+            self.acceptance += GLOBAL_ALPHA * (accepted / trials - self.acceptance)
+        if num_propose:
+            self.num_proposals += 1
+            if num_returned == 0:
+                self.num_empty_proposals += 1
+                st.observe(0, 1)
+                st.probing = False
+
+    def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
+        """A step of `tokens` tokens (drafts included) took `seconds`; speculative: a seq
+        verified or proposed."""
+        self.cost.observe(tokens, seconds, speculative)
+
+    def stats(self) -> dict:
+        """Counters, inputs and the last choice (module doc), for `EngineCore.stats`."""
+        acc_len = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {
+            "spec_method": self.cfg.method, "spec_policy": self.cfg.policy,
+            "spec_num_speculative_tokens": self.kmax,
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_mean_acceptance_length": acc_len,
+            "spec_decode_num_proposals": self.num_proposals,
+            "spec_decode_num_empty_proposals": self.num_empty_proposals,
+            "spec_decode_num_probes": self.num_probes,
+            "spec_decode_k_hist": list(self.k_hist),
+            "spec_policy_inputs": {"acceptance": self.acceptance, **self.cost.stats(),
+                                   "last_step": dict(self.last)},
+        }
+
+
+def _scan(n: int) -> list[int]:
+    """The K evaluated among n gains: 1..SCAN_DENSE, then 25% apart, and n."""
+    ks = list(range(1, min(n, SCAN_DENSE) + 1))
+    k = SCAN_DENSE
+    while k < n:
+        k = min(n, max(k + 1, int(k * 1.25)))
+        ks.append(k)
+    return ks

@@ -1,0 +1,211 @@
+"""The speculation policy (services/engine/spec_policy.py) and its step-cost model
+(services/engine/step_cost.py), docs/ARCHITECTURE.md §5.5.
+
+Unit level: the expected acceptance length against the truncated geometric distribution it
+stands for; the cost curves against the points they were fed; the policy's choice against
+hand-computed break-even points for CPU-like and GPU-like costs and batch sizes; probes.
+Engine level, on a simulated clock (the oracle worker advances it by a cost per step, so
+the "measured" durations are exact and the runs deterministic): with every draft wrong the
+policy turns speculation off and the run costs at most 5% more simulated time than without
+speculation; with every draft right it verifies k = 4 and runs faster; a request whose
+drafts turn right halfway is switched back on by a probe. Outputs always equal the plain
+run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine.request import Request
+from services.engine.spec_policy import (MARGIN, PROBE_ALPHA, PROBE_DRAFTS, PROBE_MIN, SpecPolicy,
+                                         expected_accepted)
+from services.engine.step_cost import CostCurve, bucket_of
+from shared import protocol as P
+from shared.spec_config import SpeculativeConfig
+from tests.unit.test_spec_scheduler import outputs, pair, run, spec_json
+
+
+def test_expected_accepted_is_the_mean_of_the_truncated_geometric():
+    for a in (0.0, 0.2, 0.5, 0.9, 1.0):
+        for k in range(1, 9):
+            # P(exactly j accepted) = a^j (1 - a) for j < k, a^k for j = k
+            mean = sum(j * a ** j * (1 - a) for j in range(k)) + k * a ** k
+            assert expected_accepted(a, k) == pytest.approx(mean)
+
+
+def test_cost_curve_interpolates_and_never_decreases():
+    c = CostCurve()
+    assert c.estimate(5) is None
+    c.observe(1, 0.010)
+    assert c.estimate(40) == pytest.approx(0.4)  # one point: in proportion (the pessimistic guess)
+    c.observe(9, 0.026)
+    assert c.estimate(5) == pytest.approx(0.018)
+    assert c.estimate(17) == pytest.approx(0.042)  # past the end: the last segment's slope
+    c.observe(5, 0.012)  # below the line from 1 to 9: kept, the curve stays monotone
+    assert c.estimate(3) == pytest.approx(0.011)
+    assert c.estimate(5) <= c.estimate(6) <= c.estimate(9)
+    for _ in range(10):
+        c.observe(9, 0.026)
+    c.observe(9, 10.0)  # a stall: clipped to twice the bucket's mean
+    assert c.estimate(9) <= 0.026 * 1.25
+    assert [bucket_of(n) for n in (1, 16, 17, 20, 21)] == [1, 16, 17, 18, 18]
+
+
+def _policy(k: int = 4, c0: float = 0.010, c1: float = 0.002, policy: str = "adaptive") -> SpecPolicy:
+    """A policy whose cost model saw steps of c0 + c1 * n seconds, plain and spec."""
+    sp = SpecPolicy(SpeculativeConfig("ngram", k, policy=policy), async_scheduling=True)
+    for n in (1, 2, 4, 8, 16, 64, 256, 512):
+        for spec in (False, True):
+            sp.observe_step(n, c0 + c1 * n, spec)
+    return sp
+
+
+def _req(rid: str, acceptance: float, sp: SpecPolicy) -> Request:
+    r = Request(rid, b"fe", [1, 2, 3], P.SamplingParams(max_tokens=100))
+    st = sp.state(r)
+    st.accepted, st.trials = acceptance, 1.0
+    return r
+
+
+def best_k(a: float, c0: float, c1: float, n: int = 1, b: int = 1, kmax: int = 4) -> int:
+    """Brute force: the k maximising (b + sum a^i) / (c0 + c1 (n + k)) for one request of b
+    decodes in a step of n tokens (k > 0 must beat k = 0 by MARGIN)."""
+    rates = [(b + sum(a ** i for i in range(1, k + 1))) / (c0 + c1 * (n + k)) for k in range(kmax + 1)]
+    k = max(range(1, kmax + 1), key=lambda i: rates[i])
+    return k if rates[k] > (1 + MARGIN) * rates[0] else 0
+
+
+def test_cpu_like_costs_speculate_only_on_high_acceptance():
+    sp = _policy(c0=0.010, c1=0.002)  # a draft costs a fifth of a step
+    sp.begin_step(1, 1, async_ok=True)
+    assert best_k(0.1, 0.010, 0.002) == 0 and best_k(0.95, 0.010, 0.002) == 4
+    for a in (0.1, 0.3, 0.5, 0.7, 0.95):
+        want = best_k(a, 0.010, 0.002)
+        r = _req(f"a{a}", a, sp)
+        assert sp.choose([(r, 4)]) == ({r.request_id: want} if want else {}), a
+    a_star = sp.break_even_acceptance()
+    assert 0.1 < a_star < 0.5 and best_k(a_star * 0.99, 0.010, 0.002) == 0 < best_k(a_star * 1.01, 0.010, 0.002)
+    assert sp.num_propose(_req("hi", 0.95, sp), 0, 10) == 4 and sp.num_propose(_req("lo", 0.1, sp), 0, 10) == 0
+
+
+def test_gpu_like_costs_speculate_even_on_low_acceptance_but_not_at_a_large_batch():
+    sp = _policy(c0=0.010, c1=0.00005)  # a draft costs 0.5% of a step
+    sp.begin_step(1, 1, async_ok=True)
+    r = _req("r", 0.2, sp)
+    assert best_k(0.2, 0.010, 0.00005) == 3
+    assert sp.choose([(r, 4)]) == {"r": 3}
+    assert sp.break_even_acceptance() < 0.05
+    # compute-bound at 256 tokens (c1 dominates): a draft costs about what a token earns
+    sp = _policy(c0=0.010, c1=0.001)
+    sp.begin_step(256, 256, async_ok=True)
+    reqs = [_req(f"b{i}", 0.7, sp) for i in range(256)]
+    assert sp.choose([(x, 4) for x in reqs]) == {}
+    assert sp.break_even_acceptance() > 0.95
+    sp.begin_step(1, 1, async_ok=True)  # the same costs at batch 1: speculate
+    assert sp.choose([(reqs[0], 4)]) == {"b0": 4}
+
+
+def test_the_engine_overhead_a_speculative_step_waits_for_counts_against_it():
+    sp = _policy(c0=0.010, c1=0.0001)
+    sp.begin_step(1, 1, async_ok=True)
+    r = _req("r", 0.3, sp)
+    assert sp.choose([(r, 4)])
+    for _ in range(50):
+        sp.cost.observe_overhead(0.006)  # the engine's own 6 ms per step, hidden when async
+    sp.begin_step(1, 1, async_ok=True)
+    assert sp.choose([(r, 4)]) == {}  # 0.3 + 0.09 + ... < the 60% a synchronous step costs
+    sp.begin_step(1, 1, async_ok=False)  # synchronous anyway (a grammar runs): it pays again
+    assert sp.choose([(r, 4)])
+
+
+def test_a_request_speculating_at_no_acceptance_is_probed_at_doubling_intervals():
+    sp = _policy()
+    sp.begin_step(1, 1, async_ok=True)
+    r = _req("r", 0.0, sp)
+    asks = [sp.num_propose(r, 0, 10) for _ in range(PROBE_MIN * 7)]
+    probes = [i for i, n in enumerate(asks) if n]
+    assert probes == [PROBE_MIN - 1, 3 * PROBE_MIN - 1, 7 * PROBE_MIN - 1]
+    assert all(asks[i] == 4 for i in probes)
+    # the probe's drafts are verified whatever the acceptance says, once, and its outcome
+    # is the request's new estimate
+    assert sp.state(r).probing and sp.choose([(r, 3)]) == {"r": PROBE_DRAFTS}
+    sp.observe_result(r, PROBE_DRAFTS, PROBE_DRAFTS, 0, 0)
+    assert not sp.state(r).probing and sp.state(r).acceptance == pytest.approx(PROBE_ALPHA)
+    assert sp.break_even_acceptance() < PROBE_ALPHA
+    assert sp.num_propose(r, 0, 10) == 4  # now worth it: it asks again at once
+
+
+def test_an_empty_proposal_is_a_failed_trial_and_fixed_always_asks():
+    sp = _policy()
+    r = _req("r", 0.8, sp)
+    for _ in range(10):
+        sp.observe_result(r, 0, 0, 4, 0)
+    assert sp.state(r).acceptance < 0.05
+    assert sp.num_empty_proposals == sp.num_proposals == 10
+    fixed = _policy(policy="fixed")
+    f = _req("f", 0.0, fixed)
+    fixed.begin_step(256, 256, async_ok=True)
+    assert fixed.choose([(f, 3)]) == {"f": 3} and fixed.num_propose(f, 0, 2) == 2
+
+
+def gpu_like(plan: P.StepPlan) -> float:
+    return 0.010 + 0.00005 * sum(len(s.token_ids) for s in plan.seqs)
+
+
+def cpu_like(plan: P.StepPlan) -> float:
+    return 0.010 + 0.002 * sum(len(s.token_ids) for s in plan.seqs)
+
+
+def _reqs(n: int, max_tokens: int | None = None) -> list[P.AddRequest]:
+    """n requests of 60..109 tokens (or max_tokens each)."""
+    return [P.AddRequest(f"r{i}", [3 + i, 5, 7, 11], P.SamplingParams(
+        temperature=0, max_tokens=max_tokens or 60 + (i * 37) % 50, ignore_eos=True), float(i))
+        for i in range(n)]
+
+
+def _simulate(spec, rate, step_cost, reqs, seqs: int = 1, mistake=None):
+    core, worker = pair(spec, rate, 1, step_cost=step_cost, max_model_len=400, max_num_seqs=seqs)
+    if mistake is not None:
+        worker.mistake = mistake
+    got = outputs(run(core, worker, reqs, False), reqs)
+    return got, worker.clock.t, core.stats(), worker
+
+
+@pytest.mark.parametrize("step_cost,seqs", [(cpu_like, 1), (cpu_like, 6), (gpu_like, 1), (gpu_like, 6)])
+def test_adaptive_never_loses(step_cost, seqs):
+    """A steady load (6 requests per running slot, the queue refilling it) at per-draft
+    acceptance 0, 0.3, 0.5, 0.7 and 1: never more than 3% slower than without speculation
+    in simulated time, and faster where the drafts are good."""
+    reqs = _reqs(6 * seqs)
+    plain, t_plain, _, _ = _simulate(None, 0.0, step_cost, reqs, seqs)
+    speedups = {}
+    for rate in (1.0, 0.7, 0.5, 0.3, 0.0):
+        got, t_spec, s, worker = _simulate(spec_json(4, "adaptive"), rate, step_cost, reqs, seqs)
+        assert got == plain
+        speedups[rate] = t_plain / t_spec
+        if rate == 1.0:  # verifies only while the first misses bring the estimate down, and probes
+            assert s["spec_decode_num_accepted_tokens"] == 0
+            assert s["spec_decode_num_drafts"] <= 0.1 * sum(r.sampling.max_tokens for r in reqs)
+        if rate == 0.0:
+            assert all(a == k for _, _, k, a in worker.verified)
+            assert s["spec_decode_k_hist"][4] >= 0.9 * s["spec_decode_num_drafts"]
+            assert s["spec_decode_mean_acceptance_length"] > 4.8
+    assert min(speedups.values()) >= 0.97, speedups
+    assert speedups[0.0] >= (1.4 if step_cost is cpu_like else 3.0), speedups
+    if step_cost is gpu_like:  # cheap drafts pay even at modest acceptance
+        assert speedups[0.5] >= 1.5, speedups
+
+
+def test_a_probe_switches_speculation_back_on_when_the_text_turns_repetitive():
+    reqs = _reqs(1, max_tokens=300)
+    plain, _, _, _ = _simulate(None, 0.0, cpu_like, reqs)
+    got, _, s, worker = _simulate(spec_json(4, "adaptive"), 0.0, cpu_like, reqs,
+                                  mistake=lambda rid, i: i < 100)
+    assert got == plain
+    before = [v for v in worker.verified if v[1] < 100]
+    assert len(before) <= 6  # off after the first misses, then only probes
+    first_on = min(i for _, i, _, a in worker.verified if a > 0)
+    assert 100 <= first_on < 100 + 4 * PROBE_MIN  # the next probe after the text turned
+    accepted = sum(a for _, i, _, a in worker.verified if i >= first_on)
+    assert accepted >= 0.7 * (300 - first_on)  # on again: most later tokens were drafts
+    assert s["spec_decode_num_probes"] >= 2
