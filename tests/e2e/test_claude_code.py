@@ -24,9 +24,9 @@ as the Anthropic route does and asking for greedy answers with the parts of the 
 change between runs varied (the temporary HOME's path, twice in the system prompt, and the
 date): 1.15 and 1.20 ended the answer by itself in 26 and 34 tokens in each of 5-7 variants,
 1.16-1.19 in 24-34 tokens, while 1.13 and 1.21 ran to 64 (1.0 and 1.1 loop, 1.25 and 1.3
-ramble). 1.17 is the middle of that window; eight runs of this test then each got one
+ramble). 1.17 is the middle of that window; ten runs of this test then each got one
 answer ended by the model in 27 or 24 tokens ("This document contains text formatted
-according to the format specified above. Please refer to ..."; prompts of 2614-2620 tokens,
+according to the format specified above. Please refer to ..."; prompts of 2613-2620 tokens,
 the path tokenizing differently). The test checks that Claude Code sent one request, whose
 answer the model ended ("stop") below max_tokens, that every request got a 200, and that
 Claude Code's usage equals the sum of the prompt and completion tokens the server logged.
@@ -37,8 +37,8 @@ npm is absent or the install fails for a network reason. The watchdog's timeout 
 the CPU step timeout: a 2.6k-token prefill on a busy 2-core machine takes over 30 s without
 a beat, and its stack dump would be left behind.
 
-On the 2-core dev machine at a load average of about 2-4, `claude -p` took 43-85 s (the
-whole test 68-126 s, server startup included). The test records that time
+On the 2-core dev machine at a load average of about 2-4, `claude -p` took 29-85 s (the
+whole test 43-126 s, server startup included). The test records that time
 (`claude_code_seconds`) and each answer's finish reason and completion tokens
 (`claude_code_answers`) as properties and prints them.
 """
