@@ -19,11 +19,13 @@ import argparse
 import json
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, parse_bool
+from shared.config_generation import GenerationDefaults
+from shared.config_generation import resolve as resolve_generation_defaults
 from shared.cpu_budget import resolve_num_threads
 from shared.model_spec import kv_dtype_in_use
 from shared.runtime_dir import runtime_base as runtime_dir_base
@@ -67,6 +69,8 @@ class KestrelConfig:
     tool_call_parser: str | None
     reasoning_parser: str | None
     api_key: str | None
+    generation_config: str          # auto, vllm or a folder (shared.config_generation)
+    override_generation_config: str | None  # canonical JSON (shared.config_generation); None/"": none
     frontends: int
     shutdown_timeout: float
     header_timeout: float
@@ -105,6 +109,14 @@ class KestrelConfig:
         """The parsed `speculative_config` (shared.spec_config), None when off."""
         return SpeculativeConfig.parse(self.speculative_config)
 
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults of `generation_config` and `override_generation_config`
+        for the model folder `model` (shared.config_generation; it reads the folder's
+        generation_config.json with "auto"). Raises ValueError as `resolve` does."""
+        return resolve_generation_defaults(self.generation_config, self.model,
+                                           self.override_generation_config)
+
     def source(self, name: str) -> str:
         """The source of setting `name`. Raises KeyError for an unknown name."""
         return self.sources[name]
@@ -129,8 +141,10 @@ class KestrelConfig:
     def table(self) -> str:
         """The effective settings, one per line: name, value, source (secrets masked)."""
         width = max(len(f.name) for f in FIELDS)
-        return "\n".join(f"  {k:<{width}}  {_shown(k, getattr(self, k)):<40} [{self.sources[k]}]"
-                         for k in sorted(FIELD_BY_NAME))
+        rows = [f"  {k:<{width}}  {_shown(k, getattr(self, k)):<40} [{self.sources[k]}]"
+                for k in sorted(FIELD_BY_NAME)]
+        return "\n".join(rows + [f"  {'(sampling defaults)':<{width}}  "
+                                 f"{self.generation_defaults.describe()}"])
 
 
 def _shown(name: str, value: Any) -> str:
@@ -152,7 +166,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         if f.type is parse_bool:
             kw.update(type=parse_bool, nargs="?", const=True, metavar="{true,false}")
         else:
-            kw["type"] = f.type
+            kw["type"] = f.type if f.type in (int, float, str) else _cli_type(f)
         if f.choices:
             kw["choices"] = f.choices
         parser.add_argument(flag, **kw)
@@ -161,6 +175,18 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                                 default=None, help=f"set {flag} false")
     parser.add_argument("--config-file", default=None, help="JSON file of settings")
     parser.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
+
+
+def _cli_type(f: Field) -> Callable[[str], Any]:
+    """A setting's own parser for argparse, whose ValueError message (naming the field
+    inside a JSON setting) is shown as it is, not as "invalid <parser> value"."""
+    def parse(text: str) -> Any:
+        try:
+            return f.type(text)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None = None,
@@ -225,8 +251,9 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
 
 
 def _validate(cfg: KestrelConfig) -> None:
-    """Range checks of numeric settings, and no quantized KV cache (not implemented yet).
-    Raises ValueError naming the setting."""
+    """Range checks of numeric settings, no quantized KV cache (not implemented yet),
+    speculative combinations, and sampling defaults that resolve. Raises ValueError naming
+    the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
                 "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib",
                 "header_timeout", "max_incomplete_connections")
@@ -244,6 +271,12 @@ def _validate(cfg: KestrelConfig) -> None:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # quantized KV: refused before any process starts
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
+    if cfg.generation_config != "auto" and cfg.generation_config != "vllm" and \
+            not os.path.isdir(cfg.generation_config):
+        raise ValueError(f"setting generation_config: {cfg.generation_config!r} is not 'auto', "
+                         "'vllm' or a folder")
+    # a bad generation_config.json or override: refused before any process starts
+    resolve_generation_defaults(cfg.generation_config, cfg.model, cfg.override_generation_config)
 
 
 def _convert(f: Field, v: Any) -> Any:
@@ -255,8 +288,9 @@ def _convert(f: Field, v: Any) -> Any:
         return None
     try:
         out = f.type(v) if not isinstance(v, bool) or f.type is parse_bool else v
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"setting {f.name}: {e}") from None
+    except (TypeError, ValueError) as e:  # a JSON setting's parser names itself already
+        named = str(e).startswith(f"{f.name}")
+        raise ValueError(str(e) if named else f"setting {f.name}: {e}") from None
     if f.choices and out not in f.choices:
         raise ValueError(f"setting {f.name}: {out!r} is not one of {f.choices}")
     return out

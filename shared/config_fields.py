@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shared.config_generation import normalize_override
 from shared.spec_config import normalize_setting
 
 
@@ -77,6 +78,12 @@ FIELDS: list[Field] = [
     Field("tool_call_parser", str, None, "tool call parser", ("hermes", "qwen3_coder")),
     Field("reasoning_parser", str, None, "reasoning parser", ("qwen3",)),
     Field("api_key", str, None, "require this key on API routes (Bearer or x-api-key)"),
+    Field("generation_config", str, "auto", "sampling defaults for requests that set none, as "
+          "vLLM's: auto (the model folder's generation_config.json), vllm (none) or a folder "
+          "(shared/config_generation.py)"),
+    Field("override_generation_config", normalize_override, None, "JSON object of sampling "
+          "defaults merged over --generation-config: temperature, top_p, top_k, min_p, "
+          "repetition_penalty, max_new_tokens (also a ceiling on max_tokens); null removes one"),
     # --- operations (supervision, watchdog, shutdown, profile)
     Field("frontends", int, 1, "frontend processes sharing the port (SO_REUSEPORT)"),
     Field("shutdown_timeout", float, 30.0, "seconds to drain in-flight requests on SIGTERM; "

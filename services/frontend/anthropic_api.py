@@ -39,7 +39,8 @@ else (no reasoning part, and no room for a tool call unless tool_choice forces o
 constraint then replaces the format).
 
 Sampling: a temperature below 1e-5 is sent to the engine as 0.0 (greedy, as vLLM does) and a
-top_p below 1e-6 as 1e-6 (openai_sampling's `engine_temperature` / `engine_top_p`).
+top_p below 1e-6 as 1e-6 (openai_sampling's `engine_temperature` / `engine_top_p`); the
+server's sampling defaults fill what the request does not set (anthropic_protocol.py).
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ class AnthropicServing:
         # 413 past --max-request-body-bytes (the OpenAI routes' reader and limit)
         body = await read_body(request, self.ctx.limits.max_body_bytes)
         # parsing, rendering and tokenizing scale with the body: off the event loop
-        return await asyncio.to_thread(parse_messages_request, body, count_only)
+        return await asyncio.to_thread(parse_messages_request, body, count_only,
+                                       self.ctx.defaults)
 
     def _render(self, req: MessagesRequest) -> tuple[str, list[int]]:
         if req.model != self.model_name:
@@ -200,13 +202,15 @@ class AnthropicServing:
             max_tokens = req.max_tokens
             assert max_tokens is not None  # parse_messages_request requires it here
             self._check_length(n, max_tokens)
+            if req.max_tokens_cap is not None:  # the server's ceiling (--override-generation-config)
+                max_tokens = min(max_tokens, req.max_tokens_cap)
             forced = req.tool_choice in ("any", "tool")
             # A forced call is the whole answer: output_config.format (which constrains
             # the text) has nothing to apply to then.
             sampling = SamplingParams(  # tiny temperature / top_p: as on the OpenAI routes
                 temperature=engine_temperature(req.temperature),
-                top_p=engine_top_p(req.top_p), top_k=req.top_k,
-                max_tokens=max_tokens,
+                top_p=engine_top_p(req.top_p), top_k=req.top_k, min_p=req.min_p,
+                repetition_penalty=req.repetition_penalty, max_tokens=max_tokens,
                 structured=forced_call_constraint(req.tool_schemas, req.tool_name,
                                                   req.parallel_tool_use) if forced
                 else req.output_format)
@@ -218,7 +222,7 @@ class AnthropicServing:
             gen = generate(self.engine, self.tokenizer, self.ctx.metrics, stream, ids, [],
                            tick_s=self.keepalive_s if req.stream else None)
             log.info("%s added: %d prompt tokens, max_tokens %d, stream %s", request_id, n,
-                     req.max_tokens, req.stream)
+                     max_tokens, req.stream)
             events = run_parsed(gen, parser)
             blocks = Blocks(omit_thinking=req.thinking.omit_text)
             if req.stream:

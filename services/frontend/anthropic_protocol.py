@@ -19,7 +19,11 @@ field is the same as an absent one.
 
 Sampling values go to the engine as on the OpenAI routes (anthropic_api.py, with
 openai_sampling's `engine_temperature` / `engine_top_p`): a temperature below 1e-5 is greedy
-(0.0), a top_p below 1e-6 is sent as 1e-6.
+(0.0), a top_p below 1e-6 is sent as 1e-6. The server's sampling defaults
+(`--generation-config`, `--override-generation-config`, docs/ARCHITECTURE.md §7.5) fill
+temperature, top_p and top_k where the request sets none, and give min_p and
+repetition_penalty (no Anthropic fields); max_tokens is required, so only the override's
+max_new_tokens applies to it, as a ceiling (`max_tokens_cap`).
 
 Images: the served models are text-only. An image block is decoded and checked with Pillow
 (a bad one is a 400 "invalid image"); a valid one is then rejected with a 400 saying that the
@@ -45,6 +49,7 @@ from services.frontend.anthropic_fields import (Thinking, check_known_fields,
                                                 parse_output_config, parse_thinking)
 from services.frontend.errors import InvalidRequest
 from services.frontend.strict_json import load_json
+from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 from shared.protocol import StructuredSpec
 
 IMAGE_MEDIA_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/gif": "GIF",
@@ -60,7 +65,9 @@ class MessagesRequest:
     tools: template-ready [{"type": "function", "function": {...}}]; tool_schemas: name ->
     input_schema. tool_choice: "auto" | "any" | "tool" | "none"; tool_name for "tool".
     thinking: the thinking switch and display (anthropic_fields.Thinking). output_format:
-    output_config.format as the engine's constraint (None: free text)."""
+    output_config.format as the engine's constraint (None: free text). min_p,
+    repetition_penalty: the server's defaults (no request field). max_tokens_cap: the
+    server's ceiling on max_tokens (None: none); max_tokens is the request's own."""
 
     model: str
     messages: list[dict[str, Any]]
@@ -69,6 +76,9 @@ class MessagesRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens_cap: int | None = None
     stream: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -255,9 +265,11 @@ def _tools(body: dict, req: MessagesRequest) -> None:
         _need(bool(req.tool_schemas), "tool_choice", "tool_choice requires 'tools'.")
 
 
-def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequest:
+def parse_messages_request(raw: bytes, count_only: bool = False,
+                           defaults: GenerationDefaults = NO_DEFAULTS) -> MessagesRequest:
     """Parse and validate a body (JSON bytes). count_only: the count_tokens route (no
-    max_tokens, no sampling fields). Raises InvalidRequest."""
+    max_tokens, no sampling fields). defaults: the server's sampling defaults (see the
+    module docstring). Raises InvalidRequest."""
     body = load_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest(None, "The request body must be a JSON object.")
@@ -290,13 +302,19 @@ def parse_messages_request(raw: bytes, count_only: bool = False) -> MessagesRequ
               "stop_sequences", "Input should be an array of non-empty strings.")
         req.stop_sequences = list(dict.fromkeys(stops))
     if not count_only:
-        req.temperature = _number(body, "temperature", 1.0, 0.0, 1.0)
-        req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+        d = defaults
+        req.temperature = _number(body, "temperature",
+                                  1.0 if d.temperature is None else d.temperature, 0.0, 1.0)
+        req.top_p = _number(body, "top_p", 1.0 if d.top_p is None else d.top_p, 0.0, 1.0,
+                            lo_open=True)
         top_k = body.get("top_k")
         _need(top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)
                                 and 0 <= top_k <= MAX_TOP_K),
               "top_k", f"Input should be an integer between 0 and {MAX_TOP_K}.")
-        req.top_k = top_k or 0
+        req.top_k = (d.top_k or 0) if top_k is None else top_k
+        req.min_p = 0.0 if d.min_p is None else d.min_p
+        req.repetition_penalty = 1.0 if d.repetition_penalty is None else d.repetition_penalty
+        req.max_tokens_cap = d.max_tokens_cap
         stream = body.get("stream")
         stream = False if stream is None else stream
         _need(isinstance(stream, bool), "stream", "Input should be a boolean.")

@@ -155,7 +155,7 @@ class ChatServing:
         """Parse the body and build the prompt: (request, prompt text, its token ids,
         max_tokens to send); raises APIError. CPU work that grows with the body (JSON,
         schema compile, template, tokenizer): run it off the event loop."""
-        req = parse_chat_request(raw, self.ctx.tokenizer.vocab_size)
+        req = parse_chat_request(raw, self.ctx.tokenizer.vocab_size, self.ctx.defaults)
         return (req, *self._prompt(req))
 
     def _prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int], int]:
@@ -176,7 +176,7 @@ class ChatServing:
         room = max_model_len - n
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise context_error("messages", max_model_len, n, max_tokens, "messages")
-        return prompt, prompt_ids, max_tokens if max_tokens is not None else room
+        return prompt, prompt_ids, req.sampling.max_tokens_for(room)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions (streaming and not).

@@ -9,7 +9,8 @@ says), so that its text and its prompt logprobs' tokens and text_offsets agree.
 `max_tokens: 0` with `echo` scores the prompt: no text is generated (the engine runs the
 prompt and samples nothing, so the prompt may fill max_model_len) and, with `logprobs`, the
 prompt's logprobs come back (`SamplingParams.prompt_logprobs`; the first prompt token has
-none, as in OpenAI's format). max_tokens defaults to OpenAI's 16.
+none, as in OpenAI's format). max_tokens defaults to the server's default max_tokens
+(`--generation-config`), else OpenAI's 16.
 
 Response objects are `text_completion` (non-streaming and each SSE chunk):
 {"id", "object", "created", "model", "choices": [{"index", "text", "logprobs",
@@ -88,7 +89,7 @@ class CompletionsServing:
             room = max_model_len - len(ids)
             if room < (0 if want == 0 else 1) or (want is not None and want > room):
                 raise context_error("prompt", max_model_len, len(ids), want, "prompt")
-            out.append((ids, text, want if want is not None else min(DEFAULT_MAX_TOKENS, room)))
+            out.append((ids, text, req.sampling.max_tokens_for(room, DEFAULT_MAX_TOKENS)))
         return out
 
     async def completions(self, request: Request) -> Response:
@@ -101,7 +102,7 @@ class CompletionsServing:
             raw = await read_body(request, ctx.limits.max_body_bytes)
 
             def parse() -> tuple[CompletionRequest, list[tuple[list[int], str, int]]]:
-                req = parse_completion_request(raw, ctx.tokenizer.vocab_size)
+                req = parse_completion_request(raw, ctx.tokenizer.vocab_size, ctx.defaults)
                 return req, self._prepare(req)
 
             # Off the loop: tokenizing a big prompt takes seconds (see chat_api).

@@ -3,7 +3,9 @@
 Built once at startup by `build_context` (docs/ARCHITECTURE.md §7), after the engine's
 handshake: the engine client, the tokenizer and chat template of the model the engine
 names, the chat features (tool-call and reasoning parsers), the limits, the served model
-name and the process's request metrics. Every serving object (chat_api, completions_api,
+name, the sampling defaults of `--generation-config` / `--override-generation-config`
+(resolved here once, for the model folder the engine names) and the process's request
+metrics. Every serving object (chat_api, completions_api,
 responses_api, tokenize_api, anthropic_api, info_api) is built from it once, and reads it;
 nothing in it changes while the process serves.
 """
@@ -21,6 +23,8 @@ from services.frontend.logprobs import LogprobFormatter
 from services.frontend.metrics import METRICS, RequestMetrics
 from services.frontend.tokenizer import Tokenizer
 from shared.config import KestrelConfig
+from shared.config_generation import NO_DEFAULTS, GenerationDefaults
+from shared.config_generation import resolve as resolve_generation_defaults
 
 log = logging.getLogger("kestrel.frontend")
 
@@ -49,7 +53,8 @@ class ServingContext:
     engine: the connected EngineClient. tokenizer: the model's. template: its chat template,
     None if it has none (chat requests then fail with 500). features: the tool-call and
     reasoning parsers of chat requests. model_name: the served model name (requests must
-    name it). metrics: the process's request metrics, labelled with model_name. created:
+    name it). defaults: the server's sampling defaults, for the fields a request does not
+    set (every API's parser reads them). metrics: the process's request metrics, labelled with model_name. created:
     time.time() at startup, seconds (the model card's `created`). lp: logprob formatting
     with `tokenizer`.
     """
@@ -60,6 +65,7 @@ class ServingContext:
     features: ChatFeatures
     limits: Limits
     model_name: str
+    defaults: GenerationDefaults = NO_DEFAULTS
     metrics: RequestMetrics = METRICS
     created: int = field(default_factory=lambda: int(time.time()))
     lp: LogprobFormatter = field(init=False)
@@ -76,10 +82,15 @@ async def build_context(cfg: KestrelConfig, engine: EngineClient,
     `metrics` is labelled with the served model name (cfg.served_model_name, else the
     engine's). Raises TimeoutError when the engine does not answer within
     cfg.startup_timeout_s, FileNotFoundError / ValueError when the model folder has no
-    readable tokenizer.
+    readable tokenizer, ValueError when the sampling defaults do not resolve (the config
+    builder has refused those already, unless the folder changed since).
     """
     info = await engine.connect(cfg.startup_timeout_s)
     tokenizer = Tokenizer(info.model_path)
+    defaults = resolve_generation_defaults(cfg.generation_config, info.model_path,
+                                           cfg.override_generation_config)
+    log.info("sampling defaults (generation_config %s): %s", cfg.generation_config,
+             defaults.describe())
     template = None
     try:  # --chat-template (a bundled name or a path), else the model's own
         template = load_chat_template(cfg.chat_template, tokenizer)
@@ -95,4 +106,4 @@ async def build_context(cfg: KestrelConfig, engine: EngineClient,
         features=ChatFeatures(cfg.tool_call_parser, cfg.reasoning_parser),
         limits=Limits(info.max_model_len, cfg.keepalive_s, cfg.max_request_body_bytes,
                       info.max_num_waiting),
-        model_name=name, metrics=metrics)
+        model_name=name, defaults=defaults, metrics=metrics)

@@ -29,6 +29,7 @@ from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import (MAX_TOP_LOGPROBS, SamplingRequest, get_bool,
                                                get_int, is_int, parse_sampling)
 from services.frontend.openai_tools import ToolRequest, parse_tool_calls, parse_tools
+from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -147,10 +148,12 @@ def _load(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_chat_request(raw: bytes, vocab_size: int) -> ChatCompletionRequest:
+def parse_chat_request(raw: bytes, vocab_size: int,
+                       defaults: GenerationDefaults = NO_DEFAULTS) -> ChatCompletionRequest:
     """Parse and validate a chat request body (JSON bytes).
 
-    vocab_size: token ids (logit_bias, stop_token_ids) must be below it.
+    vocab_size: token ids (logit_bias, stop_token_ids) must be below it. defaults: the
+    server's sampling defaults, for the fields the body does not set (parse_sampling).
     Raises InvalidRequest for invalid JSON, a body that is not an object, a missing model
     or messages, or any field of the wrong type or out of range (param names the field).
     """
@@ -166,7 +169,7 @@ def parse_chat_request(raw: bytes, vocab_size: int) -> ChatCompletionRequest:
         raise InvalidRequest("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
     kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     tools = parse_tools(body)
-    sampling = parse_sampling(body, vocab_size)
+    sampling = parse_sampling(body, vocab_size, defaults=defaults)
     if tools.forced:
         if sampling.structured is not None:
             raise InvalidRequest("response_format", "'response_format' cannot be combined "
@@ -211,8 +214,10 @@ def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
     return prompts
 
 
-def parse_completion_request(raw: bytes, vocab_size: int) -> CompletionRequest:
-    """Parse and validate a completions request body (JSON bytes).
+def parse_completion_request(raw: bytes, vocab_size: int,
+                             defaults: GenerationDefaults = NO_DEFAULTS) -> CompletionRequest:
+    """Parse and validate a completions request body (JSON bytes), with the server's
+    sampling `defaults` as for chat.
 
     Raises InvalidRequest as parse_chat_request does; also for `suffix` (not supported),
     `best_of` different from n, and max_tokens 0 without echo."""
@@ -220,7 +225,7 @@ def parse_completion_request(raw: bytes, vocab_size: int) -> CompletionRequest:
     prompts = _prompts(body.get("prompt"), vocab_size)
     if body.get("suffix") not in (None, ""):
         raise InvalidRequest("suffix", "'suffix' is not supported by this server.")
-    sampling = parse_sampling(body, vocab_size, min_max_tokens=0)
+    sampling = parse_sampling(body, vocab_size, min_max_tokens=0, defaults=defaults)
     best_of = get_int(body, "best_of", 1)
     if best_of is not None and best_of != sampling.n:
         raise InvalidRequest("best_of", "'best_of' must equal 'n' (or be left out).")

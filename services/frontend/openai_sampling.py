@@ -22,6 +22,12 @@ field in `param` otherwise):
 - stream, and stream_options (an object, only with stream: true) with the booleans
   include_usage (a final usage chunk) and vLLM's continuous_usage_stats (with include_usage,
   usage on every chunk too).
+
+Server-side defaults (`--generation-config`, `--override-generation-config`:
+shared/config_generation.py, docs/ARCHITECTURE.md §7.5): temperature, top_p, top_k, min_p
+and repetition_penalty take the server's default where the request does not set them (absent
+or null), and max_tokens its default max_tokens; the override's max_new_tokens also caps a
+request's own max_tokens (`SamplingRequest.max_tokens_for`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 import orjson
 
 from services.frontend.errors import InvalidRequest
+from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 from shared.grammar_errors import grammar_error_text
 from shared.protocol import SamplingParams, StructuredSpec
 
@@ -109,14 +116,19 @@ def get_bool(body: dict, name: str, default: bool, param: str | None = None) -> 
 
 @dataclass
 class SamplingRequest:
-    """The validated sampling fields of one request. max_tokens None: not given (chat then
-    uses the rest of the context, completions OpenAI's default of 16). include_usage:
+    """The validated sampling fields of one request, the server's defaults filled in where
+    the request set none. max_tokens: the request's own, None when not given (then
+    `max_tokens_for` picks the server's default max_tokens, else the API's: the rest of the
+    context for chat, OpenAI's 16 for completions). default_max_tokens, max_tokens_cap: the
+    server's default max_tokens and its ceiling (None: none). include_usage:
     stream_options.include_usage. continuous_usage: stream_options.continuous_usage_stats
     and include_usage both true (vLLM's rule): every streamed chunk carries its usage."""
 
     n: int = 1
     seed: int | None = None
     max_tokens: int | None = None
+    default_max_tokens: int | None = None
+    max_tokens_cap: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -134,6 +146,18 @@ class SamplingRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+
+    def max_tokens_for(self, room: int, fallback: int | None = None) -> int:
+        """The max_tokens to send for a prompt that leaves `room` tokens of the context:
+        the request's own max_tokens (the caller has checked it against the room), else the
+        server's default or `fallback` (the API's default; None: the whole room), at most
+        the room; then at most max_tokens_cap."""
+        if self.max_tokens is not None:
+            want = self.max_tokens
+        else:
+            default = self.default_max_tokens if self.default_max_tokens is not None else fallback
+            want = room if default is None else min(default, room)
+        return want if self.max_tokens_cap is None else min(want, self.max_tokens_cap)
 
     def to_params(self, max_tokens: int, index: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None) -> SamplingParams:
@@ -265,11 +289,17 @@ def parse_response_format(value: Any) -> StructuredSpec | None:
     return json_schema_constraint(schema, "response_format.json_schema.schema")
 
 
-def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> SamplingRequest:
+def _default(value: float | int | None, neutral: float | int) -> float:
+    return float(neutral if value is None else value)
+
+
+def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1,
+                   defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingRequest:
     """The shared sampling fields of a request body (see the module docstring).
 
     min_max_tokens: the smallest max_tokens allowed (0 for completions, for scoring).
-    Raises InvalidRequest naming the first bad field."""
+    defaults: the server's sampling defaults (the serving context's), used for the fields
+    the body does not set. Raises InvalidRequest naming the first bad field."""
     n = get_int(body, "n", 1, MAX_N)
     max_tokens = get_int(body, "max_tokens", min_max_tokens)
     max_completion = get_int(body, "max_completion_tokens", min_max_tokens)
@@ -292,18 +322,24 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1) -> Samp
                                  "stream_options.include_usage")
         continuous_usage = get_bool(stream_options, "continuous_usage_stats", False,
                                     "stream_options.continuous_usage_stats") and include_usage
+    if top_k is None:
+        top_k = defaults.top_k
+    d = defaults
     return SamplingRequest(
         n=n or 1,
         seed=get_int(body, "seed", INT64_MIN),
         max_tokens=max_tokens,
-        temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        default_max_tokens=d.max_tokens,
+        max_tokens_cap=d.max_tokens_cap,
+        temperature=get_number(body, "temperature", _default(d.temperature, 1.0), 0.0, 2.0),
+        top_p=get_number(body, "top_p", _default(d.top_p, 1.0), 0.0, 1.0, lo_open=True),
         top_k=0 if top_k is None or top_k == -1 else top_k,
-        min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=get_number(body, "min_p", _default(d.min_p, 0.0), 0.0, 1.0),
         min_tokens=min_tokens,
         presence_penalty=get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=get_number(body, "repetition_penalty", 1.0, 0.0, 2.0,
+        repetition_penalty=get_number(body, "repetition_penalty",
+                                      _default(d.repetition_penalty, 1.0), 0.0, 2.0,
                                       lo_open=True),
         logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_stop(body.get("stop")),

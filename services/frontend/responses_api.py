@@ -91,7 +91,7 @@ class ResponsesServing:
         max_tokens to send). Raises APIError. CPU work that grows with the body: run it off
         the event loop."""
         ctx = self.ctx
-        req = parse_responses_request(raw, ctx.tokenizer.vocab_size)
+        req = parse_responses_request(raw, ctx.tokenizer.vocab_size, ctx.defaults)
         if req.model != ctx.model_name:
             raise model_not_found(req.model)
         if ctx.template is None:
@@ -108,7 +108,7 @@ class ResponsesServing:
             if room >= 1:  # the prompt fits: the fault is max_output_tokens
                 err.param = "max_output_tokens"
             raise err
-        return req, prompt, ids, max_tokens if max_tokens is not None else room
+        return req, prompt, ids, req.sampling.max_tokens_for(room)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses (streaming and not); errors as the module docstring says."""

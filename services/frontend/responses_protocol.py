@@ -3,9 +3,10 @@
 Follows the OpenAI API reference (Responses, create) and the openai SDK's
 `response_create_params`. Fields:
 - `model` (required), `input` and `instructions` (responses_input.py);
-- `max_output_tokens` (>= 1; default: the rest of the context), `temperature` [0, 2],
-  `top_p` (0, 1], and vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `seed`
-  (openai_sampling's ranges);
+- `max_output_tokens` (>= 1; default: the server's default max_tokens, else the rest of
+  the context), `temperature` [0, 2], `top_p` (0, 1], and vLLM's extensions `top_k`,
+  `min_p`, `repetition_penalty`, `seed` (openai_sampling's ranges; the server's sampling
+  defaults where absent);
 - `tools`: function tools in the Responses' flat shape {"type": "function", "name",
   "description"?, "parameters"?, "strict"?}; other tool types are a 400. `tool_choice`:
   "auto" | "none" | "required" | {"type": "function", "name"}; `parallel_tool_calls`.
@@ -35,6 +36,7 @@ from services.frontend.openai_sampling import (SamplingRequest, get_bool, get_in
                                                parse_response_format, parse_sampling)
 from services.frontend.openai_tools import TOOL_CHOICES, ToolRequest, parse_tools
 from services.frontend.responses_input import input_messages
+from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -181,17 +183,20 @@ def _reasoning(body: dict[str, Any]) -> tuple[bool, Any]:
     return effort != "none", {"effort": effort, "summary": r.get("summary")}
 
 
-def parse_responses_request(raw: bytes, vocab_size: int) -> ResponsesRequest:
+def parse_responses_request(raw: bytes, vocab_size: int,
+                            defaults: GenerationDefaults = NO_DEFAULTS) -> ResponsesRequest:
     """Parse and validate a Responses request body (JSON bytes); see the module docstring.
-    vocab_size: the tokenizer's (sampling fields naming token ids). Raises InvalidRequest
-    naming the first bad field."""
+    vocab_size: the tokenizer's (sampling fields naming token ids). defaults: the server's
+    sampling defaults, for the fields the body does not set (parse_sampling). Raises
+    InvalidRequest naming the first bad field."""
     body = _load(raw)
     _unsupported(body)
     messages = input_messages(body.get("input"), body.get("instructions"))
     max_output = get_int(body, "max_output_tokens", 1)
     sub = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     sampling = parse_sampling({**sub, "max_tokens": max_output,
-                               "stream": get_bool(body, "stream", False)}, vocab_size)
+                               "stream": get_bool(body, "stream", False)}, vocab_size,
+                              defaults=defaults)
     tools, tools_echo, choice_echo = _tools(body)
     structured, text_echo = _text_format(body)
     # A forced call writes no text: its constraint wins over text.format (openai-agents

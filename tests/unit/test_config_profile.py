@@ -15,11 +15,12 @@ import typing
 import pytest
 
 from shared.config import KestrelConfig, add_cli_arguments, build_config
-from shared.spec_config import normalize_setting
 from shared.config_fields import FIELDS, parse_bool
+from shared.config_generation import normalize_override
 from shared.device import GIB, DeviceInfo
 from shared.model_size import estimate_model_size
 from shared.profiles import choose_profile
+from shared.spec_config import normalize_setting
 from shared.startup_report import format_startup_report
 
 CPU = DeviceInfo("cpu", host_memory_bytes=32 * GIB, host_available_bytes=20 * GIB, cpu_count=8)
@@ -207,7 +208,9 @@ def test_device_detection_without_a_gpu_does_not_import_torch():
 
 # ---------------------------------------------------------------- the typed config object
 
-_PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool, normalize_setting: str}
+# the JSON settings' parsers return canonical JSON text
+_PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool, normalize_setting: str,
+                normalize_override: str}
 _PROVENANCE = ("sources", "profile_detail", "threads_detail")  # KestrelConfig's fields that are not settings
 
 
