@@ -39,6 +39,7 @@ from services.worker.spec.base import StepView
 from services.worker.spec.step import (DraftProbs, check_drafts, graph_view, logit_rows, propose,
                                        propose_requests, verify_drafts)
 from services.worker.step_inputs import prepare_step
+from services.worker.verify_graphs import VerifyGraphs, replay_verify
 from shared.config import KestrelConfig
 from shared.kv_layout import KVLayout
 from shared.model_spec import model_spec_for, resolved_dtype
@@ -85,8 +86,10 @@ class ModelRunner:
     num_threads (torch threads, resolved by the config builder: shared.cpu_budget), max_model_len
     (None: the model's default, `shared.model_spec.default_max_model_len`), seed (sampling seed of requests without one).
     speculative_config (None: off; `spec.build_proposer`).
-    Attributes a driver may replace between steps: graphs (None: eager decode) and fusion
-    (the `FusionPlan`; captured graphs keep the plan of their capture).
+    Attributes a driver may replace between steps: graphs (None: eager decode), verify_graphs
+    (`VerifyGraphs` for verify steps of uniform k, captured with graphs on and speculation
+    configured; None: eager verify) and fusion (the `FusionPlan`; captured graphs keep the
+    plan of their capture).
     The proposer's KV group (`proposer.kv_specs()`) has the target's num_blocks and
     block_size, and the KV budget is split by the bytes of one block of both groups.
     Raises FileNotFoundError / ValueError from the loader, ValueError for an unknown
@@ -155,6 +158,11 @@ class ModelRunner:
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
             self.graphs = DecodeGraphs(self._graph_forward, cfg.max_num_seqs, self.max_model_len,
                                        self.block_size, self.device)
+        self.verify_graphs: VerifyGraphs | None = None  # verify steps of uniform k (verify_graphs.py)
+        if self.graphs is not None and self.num_speculative_tokens > 0:
+            self.verify_graphs = VerifyGraphs(self._verify_graph_forward, cfg.max_num_seqs,
+                                              self.num_speculative_tokens, self.max_model_len,
+                                              self.block_size, self.device)
         if self.device.type == "cuda" and not self.use_ref_attention:
             from kernels.sampling_triton import warm_up_sampler  # compile now, not mid-serving
             warm_up_sampler(self.spec.vocab_size, cfg.max_num_seqs, self.device)
@@ -172,7 +180,8 @@ class ModelRunner:
 
     def report(self) -> dict:
         """Startup facts: device, dtype, weight/KV bytes, KV blocks and tokens, load seconds,
-        the proposer (`speculative`, None when off)."""
+        the proposer (`speculative`, None when off), the verify graphs (`verify_graphs`,
+        only when captured)."""
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
@@ -187,6 +196,8 @@ class ModelRunner:
             "kv_block_bytes": self.kv_transfer.slot_bytes,
             "speculative": proposer_report(self.proposer, self.num_speculative_tokens, self.draft_kv,
                                            self.draft_block_bytes),
+            # verify steps' CUDA graphs (verify_graphs.py), only when captured
+            **({"verify_graphs": self.verify_graphs.report()} if self.verify_graphs else {}),
         }
 
     @torch.inference_mode()
@@ -292,6 +303,9 @@ class ModelRunner:
             aux = self._graph_aux.get(graphs.padded_size(len(seqs)) or 0)  # the replayed graph's
             return StepLogits(logits, rows, view=graph_view(graphs, seqs, hidden, self.max_model_len, aux),
                               offsets=list(range(len(seqs) + 1)))
+        verified = self._verify_graph(seqs) if self.verify_graphs is not None else None
+        if verified is not None:
+            return verified
         input_ids, positions, meta = self._prepare(seqs)
         self._fill_pending(input_ids, seqs)
         hidden = self.run_model(input_ids, positions, meta)
@@ -343,6 +357,31 @@ class ModelRunner:
         if aux is not None and self.proposer is not None and self.proposer.target_layer_ids:
             self._graph_aux[input_ids.shape[0]] = aux
         return hidden
+
+    def _verify_graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a verify graph captures (`VerifyGraphs`): `run_model` on the graph's buffers,
+        and the model's aux hidden output when the proposer reads target layers."""
+        hidden = self.run_model(input_ids, positions, meta)
+        want_aux = self.proposer is not None and bool(self.proposer.target_layer_ids)
+        return hidden, getattr(self.model, "aux_hidden", None) if want_aux else None
+
+    def _verify_graph(self, seqs: list[ScheduledSeq]) -> StepLogits | None:
+        """A verify step of uniform k replayed from its CUDA graph (`replay_verify`): the
+        logits of all b * (1 + k) rows (each seq's `logit_rows`), or None when the step
+        does not take a graph."""
+        vg = self.verify_graphs
+        assert vg is not None
+        out = replay_verify(vg, seqs, self.block_size)
+        if out is None:
+            return None
+        hidden, aux, k = out
+        b, n = len(seqs), hidden.shape[0]
+        view = None
+        if self.proposer is not None:  # the graph's buffers, overwritten by the next replay
+            view = StepView(seqs, vg.ids[:n], vg.pos[:n], vg.meta(b, k), hidden, aux)
+        return StepLogits(self.model.compute_logits(hidden), list(range(b)), view=view,
+                          offsets=list(range(0, n + 1, 1 + k)))
 
     def _decode_graph(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Hidden states [b, hidden] of a decode-only step from its CUDA graph, or None when
