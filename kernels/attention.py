@@ -13,7 +13,9 @@ cached prefix).
 Dispatchers `store_kv` and `paged_attention` pick the torch references on the CPU and the
 Triton kernels of `kernels.attention_triton` on CUDA tensors when Triton imports. The reference gathers each sequence's KV blocks into a contiguous tensor and calls
 torch SDPA: decodes (q_len == 1) as one batch with the query heads grouped by KV head
-(GQA without copying K/V per query head), prefill chunks one sequence at a time. The
+(GQA without copying K/V per query head), prefill chunks and verify suffixes one sequence
+at a time, as 4-D tensors (a batch of 1: torch's CPU flash kernel takes only those; 3-D
+inputs fall to its math path, ~3x slower for a 5-token suffix over 200 cached keys). The
 index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
 """
 
@@ -156,9 +158,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = k_cache.index_select(0, p.blocks).view(-1, kvh, d).transpose(0, 1)  # [kvh, S, d]
         v = v_cache.index_select(0, p.blocks).view(-1, kvh, d).transpose(0, 1)
         qp = q[p.start:p.end].transpose(0, 1)  # [h, q_len, d]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale, enable_gqa=g > 1)
-        out[p.start:p.end] = o.transpose(0, 1)
+        # 4-D (a batch of 1): torch's CPU flash kernel takes 4-D inputs only, with the mask
+        # and GQA; 3-D ones fall to the math path (~3x slower for a 5-token verify suffix)
+        o = F.scaled_dot_product_attention(qp[None], k[None], v[None], attn_mask=p.mask,
+                                           is_causal=p.mask is None, scale=scale, enable_gqa=g > 1)
+        out[p.start:p.end] = o[0].transpose(0, 1)
     return out
 
 

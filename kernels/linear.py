@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import gemv
+from kernels.cpu_linear import packed_linear
 from kernels.activation import silu_and_mul
 from kernels.device_info import num_sms
 from kernels.device_info import tile_counters as _tile_counters
@@ -119,7 +120,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `skinny_applies(x, weight)` (a SiLU-and-mul prologue then runs as its own kernel first:
     SILU_IN_KERNEL_ROWS), otherwise F.linear with the prologue and the residual add as
     separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place add), which is
-    the reference on the CPU. Callers state the math (e.g. `silu_mul=True` for an MLP's
+    the reference on the CPU; a weight packed by `kernels.cpu_linear.pack` (CPU fp32) takes
+    `packed_linear` in F.linear's place. Callers state the math (e.g. `silu_mul=True` for an MLP's
     down projection at any batch); which kernels run is decided here.
     Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
     norm_weight or residual (shape or dtype) do not fit weight.
@@ -128,6 +130,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if x.is_cuda and skinny_applies(x, weight):
             y = _one_row(x, weight, bias)
             return y if y is not None else skinny_linear_triton(x, weight, bias)
+        if weight.is_mkldnn:  # the CPU's packed fp32 weights (kernels.cpu_linear)
+            return packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)  # = linear_ref(x, weight, bias)
     _check_fused(x, weight, norm_weight, silu_mul, residual)
     if skinny_applies(x, weight):
@@ -142,7 +146,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = rms_norm(x, norm_weight, eps)
     if silu_mul:
         x = silu_and_mul(x)
-    y = F.linear(x, weight, bias)
+    y = packed_linear(x, weight, bias) if weight.is_mkldnn else F.linear(x, weight, bias)
     return y if residual is None else y.add_(residual)
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from services.worker.layers.linear import shard_rows
+from services.worker.layers.linear import shard_rows, unpack_cpu_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -117,6 +119,18 @@ def load_dummy_weights(model: nn.Module, seed: int) -> int:
         total += p.numel() * p.element_size()
     process_weights_after_loading(model)
     return total
+
+
+@contextmanager
+def dense_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, `model`'s weights are dense torch tensors (CPU fp32 linear weights
+    are packed for oneDNN after loading: `layers.linear.pack_cpu_weight`), to be changed
+    in place (tests sharpen or refill them); on exit they are processed (packed) again."""
+    unpack_cpu_weights(model)
+    try:
+        yield model
+    finally:
+        process_weights_after_loading(model)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

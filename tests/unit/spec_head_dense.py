@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_linear import dense
 from services.worker.spec.dflash import DFlashProposer
 from services.worker.spec.eagle import EagleProposer
 from tests.unit.spec_head_rig import target_features
@@ -39,9 +40,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def mlp(x: torch.Tensor, m) -> torch.Tensor:
-    gu = x @ m.gate_up_proj.weight.T
+    gu = x @ dense(m.gate_up_proj.weight).T
     gate, up = gu.chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up) @ m.down_proj.weight.T
+    return (torch.nn.functional.silu(gate) * up) @ dense(m.down_proj.weight).T
 
 
 def eagle_dense(p: EagleProposer, runner, context: list[int], drafts: list[int], temperature: float,
@@ -53,12 +54,12 @@ def eagle_dense(p: EagleProposer, runner, context: list[int], drafts: list[int],
     m = len(context) - 1
     dev = head.fc.weight.device
     feats = target_features(runner, context[:m], table)
-    g = feats @ head.fc.weight.T
+    g = feats @ dense(head.fc.weight).T
     f = torch.cat([torch.zeros(1, a.hidden_size, device=dev), g])  # the feature of each position 0..m
     emb = (head.embed_tokens or runner.model.model.embed_tokens).weight
     layer, att = head.midlayer, head.midlayer.self_attn
     eps, theta, hd = a.rms_norm_eps, a.rope_theta, a.head_dim
-    wk, wv = att.kv_proj.weight.split(att.kv_size)
+    wk, wv = dense(att.kv_proj.weight).split(att.kv_size)
 
     def pair(tok_emb, feat):
         return torch.cat([rms(tok_emb, layer.input_layernorm.weight, eps), rms(feat, layer.hidden_norm.weight, eps)], -1)
@@ -71,11 +72,11 @@ def eagle_dense(p: EagleProposer, runner, context: list[int], drafts: list[int],
     keys, vals = kv(x, torch.arange(m + 1, device=dev))
     cur_x, cur_f, qs = x[m:], f[m:], []
     for i, d in enumerate(drafts):
-        q = rope((cur_x @ att.q_proj.weight.T).view(1, a.num_attention_heads, hd), torch.tensor([m + i], device=dev), theta)
+        q = rope((cur_x @ dense(att.q_proj.weight).T).view(1, a.num_attention_heads, hd), torch.tensor([m + i], device=dev), theta)
         resid = rms(cur_f, layer.hidden_norm.weight, eps) if layer.norm_before_residual else cur_f
-        h1 = attend(q, keys, vals, None) @ att.o_proj.weight.T + resid
+        h1 = attend(q, keys, vals, None) @ dense(att.o_proj.weight).T + resid
         h2 = mlp(rms(h1, layer.post_attention_layernorm.weight, eps), layer.mlp) + h1
-        logits = rms(h2, head.norm.weight, eps) @ head.lm_head.weight.T
+        logits = rms(h2, head.norm.weight, eps) @ dense(head.lm_head.weight).T
         if head.targets is not None:
             full = torch.full((1, head.target_vocab), float("-inf"), device=dev)
             full[:, head.targets] = logits
@@ -93,7 +94,7 @@ def dflash_dense(p: DFlashProposer, runner, context: list[int], n: int, temperat
     block): z-lab/dflash's DFlashDraftModel forward over whole tensors."""
     d, a = p.drafter, p.args
     m = len(context) - 1
-    c = rms(target_features(runner, context[:m], table) @ d.fc.weight.T, d.hidden_norm.weight, a.rms_norm_eps)
+    c = rms(target_features(runner, context[:m], table) @ dense(d.fc.weight).T, d.hidden_norm.weight, a.rms_norm_eps)
     emb = runner.model.model.embed_tokens.weight
     dev = d.fc.weight.device
     x = emb[torch.tensor([context[m]] + [p.mask_token_id] * n, device=dev)]
@@ -104,16 +105,16 @@ def dflash_dense(p: DFlashProposer, runner, context: list[int], n: int, temperat
         return t if w is None else rms(t, w.weight, eps)
 
     def keys(att, src, pos):
-        wk, wv = att.kv_proj.weight.split(att.kv_size)
+        wk, wv = dense(att.kv_proj.weight).split(att.kv_size)
         return rope(norm((src @ wk.T).view(-1, kvh, hd), att.k_norm), pos, theta), (src @ wv.T).view(-1, kvh, hd)
 
     for layer in d.decoder_layers:
         att = layer.self_attn
         h = rms(x, layer.input_layernorm.weight, eps)
-        q = rope(norm((h @ att.q_proj.weight.T).view(-1, heads, hd), att.q_norm), pb, theta)
+        q = rope(norm((h @ dense(att.q_proj.weight).T).view(-1, heads, hd), att.q_norm), pb, theta)
         kb, vb = keys(att, h, pb)
         kc, vc = keys(att, c, pc)
-        x = x + attend(q, torch.cat([kc, kb]), torch.cat([vc, vb]), None) @ att.o_proj.weight.T
+        x = x + attend(q, torch.cat([kc, kb]), torch.cat([vc, vb]), None) @ dense(att.o_proj.weight).T
         x = x + mlp(rms(x, layer.post_attention_layernorm.weight, eps), layer.mlp)
-    logits = rms(x[1:], d.norm.weight, eps) @ runner.model.lm_head.weight.T
+    logits = rms(x[1:], d.norm.weight, eps) @ dense(runner.model.lm_head.weight).T
     return torch.softmax(logits / temperature, -1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.kv_cache import KVCache
+from services.worker.loader import dense_weights
 from services.worker.model_runner import ModelRunner
 from services.worker.spec.base import Proposer, ProposeRequest, StepView
 from shared.config import build_config
@@ -47,7 +48,7 @@ def tiny_runner(folder, spec_json: str | None = None, device: str = "cpu", **con
         cli["speculative_config"] = spec_json
     cfg = build_config(cli=cli, env={})
     runner = ModelRunner(cfg)
-    with torch.no_grad():
+    with torch.no_grad(), dense_weights(runner.model):
         for p in runner.model.parameters():
             if p.dim() > 1:
                 p.mul_(10.0)
@@ -58,7 +59,7 @@ def sharpen(module: torch.nn.Module, seed: int, scale: float = 15.0) -> None:
     """Scale a drafter's matrices (std 0.02 * scale) and give its norms weights around 1, so
     that its distributions are peaked and every weight matters to them."""
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    with torch.no_grad(), dense_weights(module):
         for name, p in module.named_parameters():
             if p.dim() > 1:
                 p.mul_(scale)

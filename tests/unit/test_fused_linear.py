@@ -61,8 +61,10 @@ def tiny_runner(folder: pathlib.Path, arch: str, dtype: str):
     runner = ModelRunner(build_config(cli={"model": str(folder), "device": "cpu", "dtype": dtype,
                                            "load_format": "dummy", "seed": 3, "kv_cache_gib": 0.01,
                                            "block_size": 4}, env={}))
+    from services.worker.loader import dense_weights
+
     g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
+    with torch.no_grad(), dense_weights(runner.model):
         for name, p in runner.model.named_parameters():
             if p.dim() == 1:
                 p.copy_((1 + 0.3 * torch.randn(p.shape, generator=g)) if "norm" in name
@@ -243,7 +245,7 @@ def _kernel_checks(out: dict) -> None:
 def _model_checks(out: dict, tmp: pathlib.Path) -> None:
     from kernels import linear as L
     from services.worker.fusion import FusionPlan
-    from services.worker.layers.linear import Linear
+    from services.worker.layers.linear import Linear, unpack_cpu_weights
 
     from kernels import gemv
 
@@ -266,7 +268,8 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
     gemv.TUNING.update(max_block_k=64)
     for arch, dname, one_row in itertools.product(("llama_bias", "qwen3"), DTYPES, ("skinny", "gemv")):
         runner = tiny_runner(tmp / f"{arch}_{dname}_{one_row}", arch, dname)
-        for mod in runner.model.modules():  # the kernel wants row-major weights (as on the GPU)
+        unpack_cpu_weights(runner.model)  # the kernel wants dense row-major weights (as on the GPU)
+        for mod in runner.model.modules():
             if isinstance(mod, Linear):
                 mod.weight.data = mod.weight.data.contiguous()
         unfused = run_steps(runner)

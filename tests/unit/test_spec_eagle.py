@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kernels.cpu_linear import dense
 from services.worker.spec.eagle import EagleProposer, eagle_default_layers
 from shared.protocol import SamplingParams
 from shared.spec_config import SpeculativeConfig
@@ -151,7 +152,7 @@ def test_checkpoint_round_trip(target, tmp_path, with_embed, norm_before_residua
     saved = _write_checkpoint(tmp_path, runner, with_embed, norm_before_residual=norm_before_residual)
     p = _proposer(target, "probabilistic", model=str(tmp_path))
     assert p.target_layer_ids == (1, 3, 6)  # vLLM's layer inputs 2, 4, 7 as layer outputs
-    params = dict(p.head.named_parameters())
+    params = {n: dense(w) for n, w in p.head.named_parameters()}
     stacked = {"midlayer.self_attn.kv_proj.weight": ("k_proj", "v_proj"),
                "midlayer.mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
     for name, (first, second) in stacked.items():

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.layers.linear import to_cpu_gemm_layout
+from kernels.cpu_linear import dense_linear_onednn, packed_linear
+from services.worker.layers.linear import pack_cpu_weight, to_cpu_gemm_layout
 
 
 class VocabEmbedding(nn.Module):
@@ -31,13 +32,19 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden: int, tie_to: VocabEmbedding | None = None):
         super().__init__()
+        self.tied = tie_to is not None
         if tie_to is not None:
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn or (not hidden.is_cuda and dense_linear_onednn(hidden, self.weight)):
+            return packed_linear(hidden, self.weight)
         return F.linear(hidden, self.weight).float()
 
     def process_weights_after_loading(self) -> None:
-        to_cpu_gemm_layout(self.weight)
+        if self.tied:
+            to_cpu_gemm_layout(self.weight)
+        else:
+            pack_cpu_weight(self, "weight")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_linear
 from kernels.linear import linear
 
 
@@ -49,8 +50,41 @@ class Linear(nn.Module):
                       residual=residual)
 
     def process_weights_after_loading(self) -> None:
-        """On the CPU, store W column-major (W.t() contiguous), same shape and values."""
-        to_cpu_gemm_layout(self.weight)
+        """On the CPU: an fp32 W is replaced by its oneDNN-packed form (`kernels.cpu_linear`:
+        same shape and values, fast at every row count; read it back with
+        `cpu_linear.dense`), other dtypes are stored column-major (`to_cpu_gemm_layout`)."""
+        pack_cpu_weight(self, "weight")
+
+
+def pack_cpu_weight(module: nn.Module, name: str) -> None:
+    """Replace `module.<name>` (a loaded CPU weight [out, in]) by its oneDNN-packed
+    parameter when `cpu_linear.packable`, else re-lay it (`to_cpu_gemm_layout`). The dense
+    tensor is dropped (one copy of the weights); `shard_sizes` is kept. Idempotent."""
+    w = getattr(module, name)
+    if not cpu_linear.packable(w):
+        to_cpu_gemm_layout(w)
+        return
+    p = nn.Parameter(cpu_linear.pack(w.data), requires_grad=False)
+    if hasattr(w, "shard_sizes"):
+        setattr(p, "shard_sizes", getattr(w, "shard_sizes"))  # noqa: B009, B010 (as in Linear.__init__)
+    setattr(module, name, p)
+
+
+def unpack_cpu_weights(model: nn.Module) -> int:
+    """Replace every packed weight of `model` (`pack_cpu_weight`) by a dense parameter of the
+    same values (`cpu_linear.dense`, `shard_sizes` kept), for code that writes or reads
+    weights in place after loading (tests); `loader.process_weights_after_loading` packs
+    them again. Returns how many were unpacked."""
+    n = 0
+    for m in model.modules():
+        for name, w in list(m.named_parameters(recurse=False)):
+            if w.is_mkldnn:
+                p = nn.Parameter(cpu_linear.dense(w.data), requires_grad=False)
+                if hasattr(w, "shard_sizes"):
+                    setattr(p, "shard_sizes", getattr(w, "shard_sizes"))  # noqa: B009, B010 (as in Linear.__init__)
+                setattr(m, name, p)
+                n += 1
+    return n
 
 
 def to_cpu_gemm_layout(weight: torch.Tensor) -> None:
@@ -60,7 +94,7 @@ def to_cpu_gemm_layout(weight: torch.Tensor) -> None:
     few-row matmuls of decode that kernel is faster (SmolLM2-135M fp32 on 2 cores: batch-8
     decode step 62 -> 52 ms, batch 1 unchanged). GPU weights keep the row-major layout.
     """
-    if weight.device.type == "cpu" and not weight.t().is_contiguous():
+    if weight.device.type == "cpu" and not weight.is_mkldnn and not weight.t().is_contiguous():
         weight.data = weight.data.t().contiguous().t()
 
 
