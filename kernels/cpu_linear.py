@@ -17,7 +17,8 @@ EPYC VM, fp32, medians of a shared machine):
 gains 1.2-4x, prefill (M=64..200) is equal or better. The packed tensor replaces the dense
 weight (no second copy): `dense` turns it back for a reference. Only fp32 is packed (bf16 on
 AVX2 without native bf16 dot products was not measured); other dtypes keep MKL.
-PACK_WEIGHTS = False keeps the dense weights (set it before the model loads).
+PACK_WEIGHTS = False keeps the dense weights (set it before the model loads);
+`use_packing` is the rule the model runner applies per worker.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ PACK_BATCH_HINT = 16
 # 49152x576 head, 1 thread: M=1 6.6 vs 6.8 ms, M=2 10.5 vs 17.2, M=3 16.3 vs 20.5, M=5 36.1
 # vs 26.8, M=9 34.7 vs 27.8, M=16 35.9 vs 41.0 (MKL vs oneDNN, caches flushed in between).
 DENSE_ONEDNN_ROWS = range(4, 13)
+
+
+def use_packing(num_threads: int, multi_row_steps: bool) -> bool:
+    """Whether a CPU worker packs its fp32 weights (the table above): yes with 2 or more
+    threads (faster at every row count) or when its steps run several rows per sequence
+    (speculative verify steps of 1 + k tokens); no for plain decoding on one thread, where
+    the packed layout costs ~10% at one row."""
+    return num_threads >= 2 or multi_row_steps
 
 
 def dense_linear_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import attention as attn_kernels
+from kernels import cpu_linear
 from kernels.pending_ids import encode_pending
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.fusion import FusionPlan
@@ -106,6 +107,8 @@ class ModelRunner:
         self.dtype = _DTYPES[dt]
         self.spec = model_spec_for(cfg, dtype=dt)  # the model's facts (shared.model_spec)
         self.max_model_len = self.spec.max_model_len
+        if self.device.type == "cpu":  # oneDNN-packed fp32 weights (kernels/cpu_linear.py), set before loading
+            cpu_linear.PACK_WEIGHTS = cpu_linear.use_packing(torch.get_num_threads(), cfg.speculative is not None)
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
         if cfg.load_format == "dummy":

@@ -19,6 +19,18 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 ROWS = [1, 2, 3, 5, 9, 16, 64, 200]
 
 
+@pytest.fixture(autouse=True)
+def _packing_on(monkeypatch):
+    """Packing on for these tests: a ModelRunner built earlier in the process sets the flag
+    by its own rule (`cpu_linear.use_packing`)."""
+    monkeypatch.setattr(cpu_linear, "PACK_WEIGHTS", True)
+
+
+def test_the_runner_packs_with_two_threads_or_speculation_only():
+    assert cpu_linear.use_packing(2, False) and cpu_linear.use_packing(1, True)
+    assert not cpu_linear.use_packing(1, False)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
