@@ -12,6 +12,8 @@ context.
 
 from __future__ import annotations
 
+import copy
+
 from services.frontend.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -35,6 +37,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.num_output_tokens = 0
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy in the same state (the same tokenizer object), to probe
+        what more tokens would give without advancing this one."""
+        other = copy.copy(self)
+        other._ids = list(self._ids)
+        return other
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)

@@ -13,6 +13,7 @@ string's, and logged and counted (metrics.py) as finish reason "stop", not as a 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,19 @@ class StopStringMatched(Exception):
         self.stop = stop
 
 
+def _through_stop_string(ids: list[int], lps: list[TokenLogprob], detok: IncrementalDetokenizer,
+                         matcher: StopStringMatcher) -> tuple[list[int], list[TokenLogprob]]:
+    """The leading tokens of `ids` up to the one whose text completes a stop string (all of
+    them when none does), and their logprobs (aligned when given). Probes copies of the
+    detokenizer and matcher token by token; the caller then feeds the kept tokens as usual."""
+    d, m = detok.fork(), copy.copy(matcher)
+    for i, tok in enumerate(ids[:-1]):
+        _, matched = m.feed(d.add([tok]))
+        if matched:
+            return ids[:i + 1], lps[:i + 1]
+    return ids, lps
+
+
 async def end_by_stop_string(gen: AsyncGenerator[TextDelta | None, None], stop: str) -> None:
     """End a suspended `generate` iterator because the consumer matched stop string `stop`
     in its output: the request stops in the engine and finishes as "stop" (log, metrics).
@@ -141,9 +155,15 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestM
                 yield None
                 continue
             ids = out.new_token_ids
+            lps = out.logprobs
+            if matcher is not None and len(ids) > 1:
+                # several tokens at once (speculative decoding, docs/ARCHITECTURE.md §5.5): a
+                # stop string inside them ends the output at the token that completes it, so
+                # the tokens after it are neither counted nor their logprobs returned
+                ids, lps = _through_stop_string(ids, lps, detok, matcher)
             n_out += len(ids)
             timer.tokens(len(ids))
-            pending_lps.extend(out.logprobs)
+            pending_lps.extend(lps)
             if out.prompt_logprobs:
                 prompt_lps = list(out.prompt_logprobs)
             if (out.finish_reason == FinishReason.STOP and out.stop_token_id is not None and ids
