@@ -78,7 +78,7 @@ class SpeculativeConfig:
             try:
                 data = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e.msg} at {e.pos})") from None
+                raise ValueError(f"speculative_config: not JSON ({e.msg}, character {e.pos})") from None
         else:
             data = value
         if not isinstance(data, dict):
@@ -211,3 +211,33 @@ def check_speculative(cfg: Any) -> None:
             if dv != tv:
                 raise ValueError(f"speculative_config.model: the draft's vocab_size {dv} is not the "
                                  f"target's {tv} (a draft model must share the target's tokenizer)")
+    if spec.model is not None and not any(os.path.isfile(os.path.join(spec.model, f))
+                                          for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise ValueError(f"speculative_config.model: {spec.model!r} has no model.safetensors or "
+                         "model.safetensors.index.json (the drafter's weights)")
+    target_layers = _target_layers(cfg.model)
+    if target_layers is not None:
+        bad = [i for i in spec.target_layer_ids if i >= target_layers]
+        if bad:
+            raise ValueError(f"speculative_config.target_layer_ids: {bad} past the target's {target_layers} layers")
+        if spec.draft_num_layers > target_layers:
+            raise ValueError(f"speculative_config.draft_num_layers: {spec.draft_num_layers} is deeper than the "
+                             f"target's {target_layers} layers")
+    if spec.method == "eagle" and spec.target_layer_ids and len(spec.target_layer_ids) != EAGLE_NUM_FEATURE_LAYERS:
+        raise ValueError(f"speculative_config.target_layer_ids: an EAGLE-3 head reads {EAGLE_NUM_FEATURE_LAYERS} "
+                         f"target layers (its fc fuses their features), got {list(spec.target_layer_ids)}")
+
+
+EAGLE_NUM_FEATURE_LAYERS = 3  # EAGLE-3 (arXiv 2503.01840): low, middle and high features
+
+
+def _target_layers(model: str) -> int | None:
+    """The target's decoder layers from its folder's config.json (None when it cannot tell)."""
+    import os
+
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return None
+    try:
+        return load_model_spec(model).num_layers
+    except ValueError:
+        return None

@@ -189,6 +189,7 @@ class Supervisor:
         self.restarts = {c.role: 0 for c in self.children}
         self.pending: dict[str, float] = {}  # unit -> time.monotonic() to start it at
         self.gave_up = False
+        self.config_refused = False  # gave up because the engine group refused its configuration
 
     def start_all(self) -> None:
         """Start every child (kvstore, engine group, frontends) and write the restart counts."""
@@ -236,7 +237,7 @@ class Supervisor:
                         os.path.exists(os.path.join(self.cfg.runtime_dir, CONFIG_REFUSED)):
                     log.error("the engine refused its configuration (exit code %d, see its log "
                               "above): not restarting it", EXIT_CONFIG)
-                    self.gave_up = True
+                    self.gave_up = self.config_refused = True
                     return
                 self._schedule("engine")
         now = time.monotonic()
@@ -407,7 +408,7 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
         while stop["sig"] is None:
             sup.poll()
             if sup.gave_up:
-                code = 1
+                code = EXIT_CONFIG if sup.config_refused else 1
                 break
             if ready and sup.wants_standbys() and _healthy(url):
                 sup.make_standbys()

@@ -20,7 +20,8 @@ import zmq
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.liveness import Beacon
-from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.runtime_dir import write_private_file
 from shared.shm_ring import RingClosed, ShmRingReader
 from shared.zmq_utils import make_socket, safe_decode
 
@@ -79,7 +80,18 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     from services.worker.model_runner import ModelRunner  # heavy import after the title is set
 
     t0 = time.monotonic()
-    runner = ModelRunner(cfg)
+    try:
+        runner = ModelRunner(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        # a model or drafter folder, or settings, that cannot load (a bad folder, a shape, a
+        # KV budget below one block): restarting gives the same answer, so it is refused like
+        # the engine's refusals (the supervisor reads CONFIG_REFUSED and does not restart)
+        log.error("the worker refused its configuration: %s", e)
+        try:
+            write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"worker {rank}: {e}\n")
+        except OSError as err:
+            log.warning("could not record the refused configuration: %s", err)
+        return EXIT_CONFIG
     ring = _attach_ring(cfg, rank, cfg.startup_timeout_s)
     beacon = Beacon(cfg.runtime_dir, f"worker-{rank}")  # watchdog: progress + stack dumps
     ctx = zmq.Context()

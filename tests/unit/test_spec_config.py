@@ -85,3 +85,53 @@ def test_the_cli_refuses_a_bad_speculative_config_before_any_process_starts(tmp_
     assert r.returncode == 2, r.stdout + r.stderr
     assert "num_speculative_tokens" in r.stderr, r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
+
+
+def _tiny_llama_folder(path, **over) -> str:
+    """A Llama config.json with SmolLM2's vocabulary (and no weights unless written)."""
+    conf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 128, "max_position_embeddings": 2048, "tie_word_embeddings": True, **over}
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(conf))
+    return str(path)
+
+
+def test_drafter_folders_and_layers_that_cannot_load_are_refused(tmp_path):
+    folder = _tiny_llama_folder(tmp_path / "noweights")
+    for method in ("draft_model", "eagle", "dflash"):
+        with pytest.raises(ValueError, match="model.safetensors"):
+            build_config({"model": SMOLLM2, "speculative_config": json.dumps(
+                {"method": method, "model": folder, "num_speculative_tokens": 2})}, env={})
+    with pytest.raises(ValueError, match="past the target's 30 layers"):
+        build_config({"model": SMOLLM2, "speculative_config": json.dumps(
+            {"method": "dflash", "load_format": "dummy", "num_speculative_tokens": 2,
+             "target_layer_ids": [0, 99]})}, env={})
+    with pytest.raises(ValueError, match="reads 3 target layers"):
+        build_config({"model": SMOLLM2, "speculative_config": json.dumps(
+            {"method": "eagle", "load_format": "dummy", "num_speculative_tokens": 2,
+             "target_layer_ids": [0, 5]})}, env={})
+    with pytest.raises(ValueError, match="deeper than the target's 30 layers"):
+        build_config({"model": SMOLLM2, "speculative_config": json.dumps(
+            {"method": "draft_model", "load_format": "dummy", "num_speculative_tokens": 2,
+             "draft_num_layers": 999})}, env={})
+
+
+def test_a_drafter_that_fails_to_load_stops_serve_with_exit_2_and_no_restarts(tmp_path):
+    """The worker refuses its configuration (CONFIG_REFUSED): the supervisor does not
+    restart it, and `kestrel serve` exits 2 with the reason in its log."""
+    folder = _tiny_llama_folder(tmp_path / "badweights")
+    from safetensors.torch import save_file
+    import torch
+    save_file({"model.norm.weight": torch.ones(64)}, os.path.join(folder, "model.safetensors"))
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", SMOLLM2, "--device", "cpu",
+                        "--kv-cache-gib", "0.05", "--max-model-len", "512", "--no-engine-standby",
+                        "--speculative-config", json.dumps({"method": "draft_model", "model": folder,
+                                                            "num_speculative_tokens": 2}),
+                        "--runtime-dir", str(tmp_path / "rt"), "--watchdog-dump-dir", str(tmp_path / "dumps"),
+                        "--instance-id", "spd" + uuid.uuid4().hex[:6]],
+                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    log = r.stdout + r.stderr
+    assert r.returncode == 2, log[-4000:]
+    assert "the worker refused its configuration" in log, log[-4000:]
+    assert "restarting engine" not in log.lower() and log.count("started worker-0") == 1, log[-4000:]
