@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_multi_query import MQ_DEFAULTS, fits_multi_query, multi_query_attention_triton
 from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
 from kernels.device_info import num_sms
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
@@ -36,9 +37,12 @@ _LOG2E = 1.4426950408889634
 # tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200).
 # fused_merge: the last split program of each (seq, kv_head) merges the partials itself
 # (`kernels.decode_merge._merge_if_last`) instead of a `_merge_kernel` launch after the
-# kernel; off, as in kernels.rope_decode, where it measured slower
+# kernel; off, as in kernels.rope_decode, where it measured slower.
+# multi_query: steps of 2 .. a few queries per seq (verify steps) run the split-K kernel of
+# `kernels.attention_multi_query` instead of the prefill kernel
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
-                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False}
+                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False,
+                         "multi_query": True}
 
 
 @triton.jit
@@ -241,7 +245,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     max_q_len, max_seq_len: host-side bounds of the step's query and sequence lengths (the
         model runner knows them); None reads them from the tensors (a device sync). The
-        decode kernel runs when max_q_len == 1. A larger max_seq_len than the true one is
+        decode kernel runs when max_q_len == 1, the multi-query one (`kernels.attention_multi_query`)
+        for a few queries per seq (verify steps), the prefill kernel otherwise. A larger max_seq_len than the true one is
         valid (CUDA graphs pass max_model_len): empty partitions exit at once.
     decode_config: overrides of the decode kernel's launch (keys of `DECODE_DEFAULTS`), for
         the benchmarks and tests; None = `DECODE_DEFAULTS`.
@@ -283,6 +288,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)
         return out
+    if {**DECODE_DEFAULTS, **(decode_config or {})}["multi_query"] and fits_multi_query(max_q_len, h, kvh):
+        return multi_query_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                            max_q_len, max_seq_len, num_sms(q.device),
+                                            {k: v for k, v in (decode_config or {}).items() if k in MQ_DEFAULTS})
     block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, *strides, qk_scale,

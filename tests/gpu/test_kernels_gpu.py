@@ -121,6 +121,21 @@ def test_paged_prefill_attention_matches_reference(dtype, seqs, heads):
     assert rel(got, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len", [2, 5, 9])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8)])
+def test_paged_verify_attention_matches_reference(dtype, q_len, batch, heads):
+    """Verify steps (1 + k queries a seq on a long cached context) run the split-K
+    multi-query kernel (`kernels.attention_multi_query`); one seq of one query among them."""
+    lens = torch.randint(q_len, 2100, (batch,)).tolist()
+    seqs = [(n - q_len, q_len) for n in lens]
+    if batch > 1:
+        seqs[1] = (lens[1] - 1, 1)
+    got, ref = _paged(seqs, heads[0], heads[1], 128, 16, dtype)
+    assert rel(got, ref) < TOL[dtype]
+
+
 # ---------------------------------------------------------------- sampling
 
 

@@ -38,6 +38,8 @@ KERNELS = ["rms_norm", "fused_add_rms_norm", "rms_norm_strided", "silu_and_mul",
            "rotary_store_kv_rot16", "rotary_store_kv_rot8", "apply_rotary", "store_kv",
            "attn_decode_gqa_bs16", "attn_decode_long_splitk", "attn_decode_graph_bound", "attn_decode_prefetch",
            "attn_decode_fused_merge", "attn_prefill_varlen_prefix", "attn_mixed_prefill_decode_hd24",
+           "attn_multi_query_verify", "attn_multi_query_one_split", "attn_multi_query_graph_bound",
+           "attn_multi_query_off",
            "sample_gumbel", "sample_gumbel_chunked", "skinny_linear", "gemv", "rotary_qk_norm", "rope_decode",
            "rope_decode_fused_merge", "pending_ids"]
 

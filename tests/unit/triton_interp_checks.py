@@ -168,6 +168,13 @@ def main() -> None:
                                 {"decode_config": {"prefetch": True, "block_n": 16}}),
             "prefill_varlen_prefix": ([(0, 7), (16, 20), (33, 70)], 4, 2, 16, 16, {}),
             "mixed_prefill_decode_hd24": ([(10, 1), (0, 19), (48, 5)], 6, 3, 24, 16, {}),
+            # verify steps (1 + k queries a seq): the split-K multi-query kernel, with its
+            # partitions merged by the second launch, in one split, and the prefill kernel
+            "multi_query_verify": ([(40, 5), (0, 3), (130, 5), (16, 1)], 4, 2, 16, 16, {}),
+            "multi_query_one_split": ([(40, 5), (7, 2)], 8, 2, 16, 16, {"decode_config": {"splits": 1}}),
+            "multi_query_graph_bound": ([(300, 4), (20, 4)], 4, 1, 32, 16,
+                                        {"max_q_len": 4, "max_seq_len": 512, "decode_config": {"splits": 7}}),
+            "multi_query_off": ([(40, 5), (130, 5)], 4, 2, 16, 16, {"decode_config": {"multi_query": False}}),
         }
         for cname, (seqs, h, kvh, d, bs, kw) in cases.items():
             q, kc, vc, cu, sl, bt, ref = paged_case(seqs, h, kvh, d, bs, dt, gen)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# A/B of the verify step's attention kernel on the device machine (issue 15): the GPU tests
+# of the attention kernels and of speculative decoding, then benchmarks/spec_verify_cost.py
+# (verify cost and batch-1 replay end to end) once with the varlen prefill kernel (the
+# baseline) and once with the split-K multi-query kernel, in this one call. Everything lands
+# under $OUT (default ./gpu_out): env.txt, tests.txt, svc_<config>_<kernel>.json, bench.log.
+# Run from the repo root:  bash scripts/gpu_spec_ab.sh [CONFIG ...]   (default qwen3-0.6b)
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_spec_runner_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_spec_heads_gpu.py \
+    2>&1 | tail -25 | tee "$OUT/tests.txt"
+fi
+[ $# -gt 0 ] || set -- qwen3-0.6b
+for cfg in "$@"; do
+  for kern in prefill multi_query; do
+    t0=$(date +%s)
+    # shellcheck disable=SC2086  # BENCH_ARGS: extra arguments, one word each
+    timeout "${BENCH_TIMEOUT:-170}" python3 benchmarks/spec_verify_cost.py --config "$cfg" --attention "$kern" \
+      --parts verify e2e ${BENCH_ARGS:-} --out "$OUT/svc_${cfg}_${kern}.json" --notes "scripts/gpu_spec_ab.sh" \
+      >"$OUT/.log" 2>&1
+    echo "== $cfg $kern rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.log"
+    grep -v '^ \|^{\|^}' "$OUT/.log" | tail -8 | tee -a "$OUT/bench.log"
+  done
+done
+rm -f "$OUT/.log"
+python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
+import glob, json, os, sys
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "svc_*.json"))):
+    r = json.load(open(p))
+    print(f"== {os.path.basename(p)} complete={r.get('complete')}")
+    for x in r.get("verify_cost", []):
+        if x.get("mode") == "verify":
+            print(f"  b={x['batch']} k={x['k']}: {x['wall_ms']:.3f} ms, break-even L {x['break_even_L']}")
+        else:
+            print(f"  b={x['batch']} {x.get('mode')}: {x['wall_ms']:.3f} ms")
+    e = r.get("e2e_replay")
+    if e:
+        print(f"  e2e plain {e['plain']['output_tok_per_s']} tok/s")
+        for q in e["points"]:
+            print(f"  L {q['measured_L']}: {q['output_tok_per_s']} tok/s x{q['speedup']} eff {q['efficiency']} "
+                  f"identical {q['identical']}")
+PY
