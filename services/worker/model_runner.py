@@ -88,8 +88,8 @@ class ModelRunner:
     (None: the model's default, `shared.model_spec.default_max_model_len`), seed (sampling seed of requests without one).
     speculative_config (None: off; `spec.build_proposer`).
     Attributes a driver may replace between steps: graphs (None: eager decode), verify_graphs
-    (`VerifyGraphs` for verify steps of uniform k, captured with graphs on and speculation
-    configured; None: eager verify) and fusion (the `FusionPlan`; captured graphs keep the
+    (`VerifyGraphs` for verify steps, seqs of mixed k padded to the largest, captured with
+    graphs on and speculation configured; None: eager verify) and fusion (the `FusionPlan`; captured graphs keep the
     plan of their capture).
     The proposer's KV group (`proposer.kv_specs()`) has the target's num_blocks and
     block_size, and the KV budget is split by the bytes of one block of both groups.
@@ -161,7 +161,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
             self.graphs = DecodeGraphs(self._graph_forward, cfg.max_num_seqs, self.max_model_len,
                                        self.block_size, self.device)
-        self.verify_graphs: VerifyGraphs | None = None  # verify steps of uniform k (verify_graphs.py)
+        self.verify_graphs: VerifyGraphs | None = None  # verify steps (verify_graphs.py)
         if self.graphs is not None and self.num_speculative_tokens > 0:
             self.verify_graphs = VerifyGraphs(self._verify_graph_forward, cfg.max_num_seqs,
                                               self.num_speculative_tokens, self.max_model_len,
@@ -370,21 +370,22 @@ class ModelRunner:
         return hidden, getattr(self.model, "aux_hidden", None) if want_aux else None
 
     def _verify_graph(self, seqs: list[ScheduledSeq]) -> StepLogits | None:
-        """A verify step of uniform k replayed from its CUDA graph (`replay_verify`): the
-        logits of all b * (1 + k) rows (each seq's `logit_rows`), or None when the step
-        does not take a graph."""
+        """A verify step replayed from a CUDA graph (`replay_verify`; seqs of mixed k, decodes
+        among them, padded to the largest): the logits of its real rows, as the eager step
+        keeps them (every seq's 1 + num_draft rows, `logit_rows`), the proposer's view in
+        the eager step's layout; or None when the step does not take a graph."""
         vg = self.verify_graphs
         assert vg is not None
         out = replay_verify(vg, seqs, self.block_size)
         if out is None:
             return None
-        hidden, aux, k = out
-        b, n = len(seqs), hidden.shape[0]
+        hidden, aux, lay = out
         view = None
-        if self.proposer is not None:  # the graph's buffers, overwritten by the next replay
-            view = StepView(seqs, vg.ids[:n], vg.pos[:n], vg.meta(b, k), hidden, aux)
-        return StepLogits(self.model.compute_logits(hidden), list(range(b)), view=view,
-                          offsets=list(range(0, n + 1, 1 + k)))
+        if self.proposer is not None:  # over the graph's buffers, overwritten by the next replay
+            ids, pos, meta = vg.real_inputs(lay)
+            view = StepView(seqs, ids, pos, meta, hidden, aux)
+        return StepLogits(self.model.compute_logits(hidden), list(range(len(seqs))), view=view,
+                          offsets=lay.offsets)
 
     def _decode_graph(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Hidden states [b, hidden] of a decode-only step from its CUDA graph, or None when

@@ -1,16 +1,22 @@
-"""Verify steps replayed from CUDA graphs (services/worker/verify_graphs.py, docs/ARCHITECTURE.md
-§5.5, §6.5) on CUDA, dummy weights of Qwen3-0.6B's shape (4 layers): capture at load for every
-(batch size, k); a graph's logits equal the eager verify step's (fp32 and bf16, padded and
-unpadded batches); speculative decoding through the graphs emits the tokens of plain decoding
-(fp32 greedy, right and wrong drafts); the proposer's view of a graph step is the step's
-tokens, slots and aux hidden rows; a pending token after a graph verify step replays in a
-decode graph; a (size, k) whose capture fails runs eagerly. Skipped without CUDA.
+"""Verify steps replayed from CUDA graphs (services/worker/verify_graphs.py, verify_layout.py,
+docs/ARCHITECTURE.md §5.5, §6.5) on CUDA, dummy weights of Qwen3-0.6B's shape (4 layers):
+capture at load for every (batch size, k); a graph's logits equal the eager verify step's
+(fp32 and bf16, padded and unpadded batches); a step of mixed k (decodes among verify seqs,
+padded to the largest k, and batches padded to the next size) gives the eager step's logits,
+tokens (those of plain decoding), proposer view and requests, and KV (only at its real
+slots: padding rows write none) (`tests/unit/verify_graphs_rig.check_mixed_step`);
+speculative decoding through the graphs emits the tokens of plain decoding (fp32 greedy,
+right and wrong drafts, uniform and mixed k); the proposer's view of a graph step is the
+step's tokens, slots and aux hidden rows; a pending token after a graph verify step replays
+in a decode graph; a (size, k) whose capture fails runs eagerly, and a mixed step takes only
+the graphs of its largest k. Skipped without CUDA.
 
-Tolerances: the graph and the eager step run the same attention kernel with the same grid
-per sequence, but the projections see b * (1 + k) padded rows instead of the true count
-(cuBLAS may pick another algorithm, and the skinny fused path depends on the row count), so
-logits agree to rounding, not bit for bit; greedy tokens are compared in fp32 only (bf16
-near-ties of the dummy weights may flip, see tests/gpu/test_spec_runner_gpu.py)."""
+Tolerances: the graph and the eager step run the same attention kernel, but the projections
+see b * (1 + K) padded rows instead of the true count (cuBLAS may pick another algorithm, and
+the skinny fused path depends on the row count), and the split-K attention's partitions
+follow the padded seq_len, so logits agree to rounding, not bit for bit; greedy tokens are
+compared in fp32 only (bf16 near-ties of the dummy weights may flip, see
+tests/gpu/test_spec_runner_gpu.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from shared.config import build_config  # noqa: E402
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import generate, spec_run, step_logits  # noqa: E402
 from tests.unit.spec_rig import FakeDrafter  # noqa: E402
+from tests.unit.verify_graphs_rig import check_mixed_step  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K = 3  # num_speculative_tokens of the runners
@@ -109,6 +116,37 @@ def _graph_vs_eager_logits(r: ModelRunner, prompts, tables, k: int, tag: str, st
     return graph, eager
 
 
+def _mixed_step(r: ModelRunner, prompts, tables, ks, tag: str, step: int, wrong: int | None = None,
+                exact: bool = True):
+    """Prefill `prompts` on `tables` (step `step`), then the verify seqs [the token it drew,
+    k drafts] with k = ks[i]: the drafts are plain decoding's next tokens (`generate`), seq
+    `wrong`'s second one replaced. exact: assert the prefill drew plain decoding's first
+    tokens (fp32; bf16 near-ties may flip). Returns (the verify seqs, plain decoding's
+    tokens per prompt)."""
+    ref = generate(r, prompts, 1 + max(ks))
+    res = r.execute(StepPlan(step, [ScheduledSeq(f"{tag}{i}", p, 0, t, True, GREEDY, 0)
+                                    for i, (p, t) in enumerate(zip(prompts, tables))]))
+    if exact:
+        assert res.sampled_token_ids == [x[0] for x in ref]
+    seqs = []
+    for i, (p, t, k) in enumerate(zip(prompts, tables, ks)):
+        d = list(ref[i][1:1 + k])
+        if i == wrong and k >= 2:
+            d[1] = (d[1] + 1) % 10000
+        seqs.append(ScheduledSeq(f"{tag}{i}", [res.sampled_token_ids[i], *d], len(p), t, True, GREEDY, 1,
+                                 num_draft=k, num_propose=K))
+    return seqs, ref
+
+
+def _emitted(ref, ks, wrong: int | None) -> list[int]:
+    """The tokens the mixed step must emit: plain decoding's, up to seq `wrong`'s second draft."""
+    return [t for i, k in enumerate(ks) for t in ref[i][1:(3 if i == wrong and k >= 2 else 2 + k)]]
+
+
+def _blocks(tables) -> list[int]:
+    return sorted({b for t in tables for b in t})
+
+
 def test_graphs_are_captured_for_every_size_and_k(runner):
     r, _ = runner
     vg = r.verify_graphs
@@ -142,6 +180,61 @@ def test_graph_logits_equal_eager_logits_in_bf16(model_dir, runner):
         del r
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("ks", [(3, 0, 1, 2, 0), (1, 3, 0), (0, 2)], ids=["b5-padded-to-8", "b3-padded-to-4", "b2"])
+def test_a_mixed_k_step_replays_the_graph_of_its_largest_k(runner, ks):
+    r, fake = runner
+    vg = r.verify_graphs
+    assert vg is not None
+    n = len(ks)
+    prompts = _prompts((5, 100, 17, 33, 60)[:n])
+    tables = _tables(n, 1000 + 100 * n)
+    tag = f"mx{n}_"
+    seqs, ref = _mixed_step(r, prompts, tables, ks, tag, 2000 + 10 * n, wrong=0)
+    res = check_mixed_step(r, fake, vg, seqs, 2001 + 10 * n, _blocks(tables), 2e-3)
+    assert res.sampled_token_ids == _emitted(ref, ks, 0)
+    r.execute(StepPlan(2003 + 10 * n, [], forget=[f"{tag}{i}" for i in range(n)]))
+
+
+def test_a_mixed_k_step_replays_its_graph_in_bf16(model_dir, runner):
+    r = _runner(model_dir, "bfloat16", 0.5)
+    fake = FakeDrafter.last
+    try:
+        assert r.verify_graphs is not None and r.proposer is fake
+        ks = (3, 0, 1, 2, 0)
+        prompts, tables = _prompts((5, 100, 17, 33, 60)), _tables(5, 300)
+        seqs, _ = _mixed_step(r, prompts, tables, ks, "mh", 50, exact=False)
+        check_mixed_step(r, fake, r.verify_graphs, seqs, 51, _blocks(tables), 0.05, tokens=False)
+    finally:
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_speculation_with_mixed_k_through_verify_graphs_emits_plain_tokens(runner):
+    r, fake = runner
+    vg = r.verify_graphs
+    assert vg is not None
+    prompts = _prompts((5, 100, 17, 33, 60))
+    n = 20
+    ref = generate(r, prompts, n)
+
+    def drafts(i, outs, proposed):  # 0..K drafts, differing per request and step; some wrong
+        k = (i + len(outs)) % (K + 1)
+        d = list(ref[i][len(outs):len(outs) + k])
+        if len(outs) % 3 == 1 and len(d) > 1:
+            d[1] = (d[1] + 1) % 10000
+        return d
+
+    fake.seen.clear()
+    before = vg.replays
+    run = spec_run(r, prompts, n, K, drafts=drafts)
+    assert run.tokens == ref
+    mixed = [s for s in fake.seen if len({q.num_draft for q in s["seqs"]}) > 1 and all(q.sample for q in s["seqs"])]
+    assert mixed and any(0 in {q.num_draft for q in s["seqs"]} for s in mixed)
+    assert vg.replays - before >= len(mixed), (len(mixed), vg.replays - before)
+    assert run.num_accepted > 0
 
 
 @pytest.mark.parametrize("wrong_at", [None, 1, 0], ids=["all-right", "wrong-second", "wrong-first"])
@@ -221,7 +314,7 @@ def test_a_pending_token_after_a_graph_verify_step_replays_in_a_decode_graph(run
 
 
 def test_a_bucket_whose_capture_fails_runs_eagerly(runner):
-    r, _ = runner
+    r, fake = runner
     saved = r.verify_graphs
     assert saved is not None
 
@@ -249,6 +342,18 @@ def test_a_bucket_whose_capture_fails_runs_eagerly(runner):
         want = step_logits(r, _verify_plan(912, prompts, tables, res.sampled_token_ids, 2, "y"))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the same eager step twice
         r.execute(StepPlan(913, [], forget=["y0", "y1"]))
+        # a mixed step of largest k 2 runs eagerly; one of largest k 3 replays the k = 3 graph
+        tables = _tables(2, 760)
+        seqs, ref = _mixed_step(r, prompts, tables, (2, 0), "z", 920)
+        before = vg.replays
+        res = r.execute(StepPlan(921, seqs))
+        assert vg.replays == before and res.sampled_token_ids == _emitted(ref, (2, 0), None)
+        r.execute(StepPlan(922, [], forget=["z0", "z1"]))
+        tables = _tables(2, 790)  # fresh blocks: the check finds each slot the step writes
+        seqs, ref = _mixed_step(r, prompts, tables, (1, 3), "w", 930)
+        res = check_mixed_step(r, fake, vg, seqs, 931, _blocks(tables), 2e-3)
+        assert res.sampled_token_ids == _emitted(ref, (1, 3), None)
+        r.execute(StepPlan(933, [], forget=["w0", "w1"]))
     finally:
         r.verify_graphs = saved
         del vg

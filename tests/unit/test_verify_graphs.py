@@ -1,7 +1,8 @@
-"""Which verify steps take a CUDA graph and what they stage (services/worker/verify_graphs.py),
-on the CPU: `replay_verify` against a recording stand-in for `VerifyGraphs` (capture needs
-CUDA; tests/gpu/test_verify_graphs_gpu.py replays real graphs). The staged positions and
-slots are checked against `step_inputs.prepare_step`, the eager step's inputs."""
+"""Which verify steps take a CUDA graph and what they stage (services/worker/verify_graphs.py,
+services/worker/verify_layout.py), on the CPU: `replay_verify` against a recording stand-in
+for `VerifyGraphs` (capture needs CUDA; tests/gpu/test_verify_graphs_gpu.py replays real
+graphs). The staged tokens, positions, slots and seq_lens, and the real rows of a padded
+(mixed k) step, are checked against `step_inputs.prepare_step`, the eager step's inputs."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ class _Graphs:
     def padded_size(self, b: int, k: int) -> int | None:
         return next((s for s in (1, 2, 4) if s >= b), None) if k in (1, 2) else None
 
-    def run(self, k, ids, positions, slots, seq_lens, tables):
-        self.calls.append((k, list(ids), list(positions), list(slots), list(seq_lens), tables))
-        return torch.zeros(len(ids), 2), None
+    def run(self, lay, tables):
+        self.calls.append((lay.k, list(lay.ids), list(lay.positions), list(lay.slots), list(lay.seq_lens), tables))
+        return torch.zeros(len(lay.rows), 2), None
 
 
 def _seq(rid: str, start: int, k: int, table: list[int], **kw) -> ScheduledSeq:
@@ -47,8 +48,8 @@ def test_verify_sizes_are_the_decode_sizes_up_to_32():
 def test_a_uniform_step_stages_the_eager_steps_tokens_positions_and_slots():
     g = _Graphs()
     seqs = [_seq("a", 5, 2, [7, 3, 9]), _seq("b", 0, 2, [1]), _seq("c", 10, 2, [4, 8, 2, 6])]
-    hidden, aux, k = replay_verify(g, seqs, BS)
-    assert k == 2 and hidden.shape == (9, 2) and aux is None
+    hidden, aux, lay = replay_verify(g, seqs, BS)
+    assert lay.k == 2 and lay.uniform and hidden.shape == (9, 2) and aux is None
     (kk, ids, pos, slots, lens, tables), = g.calls
     ids_e, pos_e, meta = prepare_step(seqs, BS, g.max_model_len, torch.device("cpu"), False)
     assert kk == 2 and ids == ids_e.tolist() and pos == pos_e.tolist()
@@ -60,8 +61,10 @@ def test_a_uniform_step_stages_the_eager_steps_tokens_positions_and_slots():
 def test_steps_that_are_not_uniform_verify_steps_run_eagerly():
     t = [0, 1, 2, 3]
     cases = {
-        "mixed k": [_seq("a", 5, 2, t), _seq("b", 5, 1, t)],
         "a plain decode": [ScheduledSeq("a", [5], 5, t, True, GREEDY, 1)],
+        "k without a graph beside a decode": [_seq("a", 5, 3, t), ScheduledSeq("b", [5], 5, t, True, GREEDY, 1)],
+        "a pending decode beside": [_seq("a", 5, 1, t), ScheduledSeq("b", [PENDING_TOKEN], 5, t, True, GREEDY, 1)],
+        "a sampled prefill chunk beside": [_seq("a", 5, 1, t), ScheduledSeq("b", [1, 2], 0, t, True, GREEDY)],
         "a prefill chunk beside": [_seq("a", 5, 1, t), ScheduledSeq("b", [1, 2], 0, t, False, GREEDY)],
         "pending first token": [ScheduledSeq("a", [PENDING_TOKEN, 7], 5, t, True, GREEDY, 1, num_draft=1)],
         "k without a graph": [_seq("a", 5, 3, t)],
