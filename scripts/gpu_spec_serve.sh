@@ -8,6 +8,7 @@
 #   spec_serve.json      the benchmark's JSON ("complete": false if the timeout cut it short)
 #   spec_serve.log       its progress lines (stderr) and exit code
 #   spec_serve.txt       the table: per level and prompt kind plain/spec tok/s, ratio, verdict
+#   kestrel-serve-bench-*.log   the servers' logs, only when the run failed
 # Run from the repo root:  bash scripts/gpu_spec_serve.sh [more spec_serve.py flags]
 # Limit (seconds, environment): SERVE_TIMEOUT 540 (the device allows 600 s per command; the
 # default run takes about 300 s). Uses the system python3 with PYTHONPATH=. and the carried
@@ -30,6 +31,7 @@ timeout "${SERVE_TIMEOUT:-540}" python3 benchmarks/spec_serve.py --out "$OUT/spe
   --notes "scripts/gpu_spec_serve.sh" "$@" >/dev/null 2>"$OUT/spec_serve.log"
 rc=$?
 echo "spec_serve: rc=$rc (124: timeout) in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/spec_serve.log"
+if [ "$rc" != 0 ]; then cp /tmp/kestrel-serve-bench-*.log "$OUT/" 2>/dev/null; fi  # kept only on failure
 tail -30 "$OUT/spec_serve.log"
 if [ -s "$OUT/spec_serve.json" ]; then
   python3 -c 'import json, sys; from benchmarks.spec_serve import table; print(table(json.load(open(sys.argv[1]))))' \
