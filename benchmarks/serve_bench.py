@@ -18,8 +18,9 @@ Workload: per level, max(concurrency * 2, 8) requests (--requests-per-concurrenc
 (`random.Random(seed * 1000003 + concurrency)`: every level its own prompts), max_tokens
 --output-len (128), ignore_eos, temperature 0.6, `stream: true` with
 `stream_options.include_usage`. Each level keeps `concurrency` requests in flight, from
---client-procs processes (asyncio + httpx each; auto: one per 32 streams, at most a quarter
-of the cores) so that parsing the stream never limits the server; all start at one instant.
+--client-procs processes (benchmarks/serve_client.py: asyncio + httpx each; auto: one per
+32 streams, at most a quarter of the cores) so that parsing the stream never limits the
+server; all start at one instant.
 Before the levels, and again before the offline run, --warmup-requests (8) requests of
 the same lengths (not measured) warm the server, then the in-process engine, up.
 Metrics per level (definitions in benchmarks/serve_stats.py): TTFT (sent -> first content
@@ -45,108 +46,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import multiprocessing
 import os
-import random
 import signal
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import httpx  # noqa: E402
-
 from benchmarks.common import device_name, load_runner, model_dir, offline_run  # noqa: E402
-from benchmarks.serve_process import ServeProcess  # noqa: E402
-from benchmarks.serve_stats import RequestRecord, summarize  # noqa: E402
-
-try:
-    from orjson import loads
-except ImportError:  # the stdlib parser is fine, only slower
-    from json import loads
-
-
-async def _stream(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord) -> None:
-    """Send one streamed completion; fill rec (chunk arrival times, usage, error, end)."""
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
-                return
-            async for line in r.aiter_lines():
-                now = time.monotonic()
-                if not line.startswith("data: "):
-                    continue  # blank separators, keep-alive comments
-                if line == "data: [DONE]":
-                    break
-                ev = loads(line[6:])
-                if "error" in ev:
-                    rec.error = f"error event: {ev['error'].get('message')}"
-                    return
-                if ev.get("usage") and not ev.get("choices"):
-                    rec.output_tokens = ev["usage"]["completion_tokens"]
-                if any(c.get("text") for c in ev.get("choices") or ()):
-                    rec.chunks.append(now)
-    except Exception as e:  # connection refused/reset, timeout, bad JSON: this request failed
-        rec.error = f"{type(e).__name__}: {e}"
-    finally:
-        rec.end = time.monotonic()
-    want = body["max_tokens"]
-    if rec.output_tokens is None:
-        rec.error = "stream had no usage chunk"
-    elif rec.output_tokens != want or not rec.chunks:
-        rec.error = f"{rec.output_tokens} output tokens in {len(rec.chunks)} chunks, asked {want}"
-
-
-def client_worker(url: str, body: dict, prompts: list[list[int]], concurrency: int,
-                  start_at: float, timeout: float) -> list[RequestRecord]:
-    """Stream one request per prompt (body + {"prompt": ids}) to url, keeping `concurrency`
-    in flight, starting at monotonic time start_at (seconds). Runs in a client process.
-    Returns one record per prompt, in prompt order."""
-
-    async def run() -> list[RequestRecord]:
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30.0),
-                                     trust_env=False) as client:
-            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-            records: list[RequestRecord | None] = [None] * len(prompts)
-            todo = iter(range(len(prompts)))
-
-            async def loop() -> None:
-                for i in todo:  # one shared iterator: each index is taken once
-                    rec = records[i] = RequestRecord(sent=time.monotonic())
-                    await _stream(client, url, {**body, "prompt": prompts[i]}, rec)
-
-            await asyncio.gather(*(loop() for _ in range(concurrency)))
-            return records  # type: ignore[return-value]
-
-    return asyncio.run(run())
-
-
-def _ready() -> float:
-    """A no-op task: makes the pool start its processes before any level is timed."""
-    time.sleep(0.2)
-    return time.monotonic()
-
-
-def run_level(pool: ProcessPoolExecutor, procs: int, url: str, body: dict,
-              prompts: list[list[int]], concurrency: int, timeout: float) -> list[RequestRecord]:
-    """Run one level: `concurrency` streams split over min(procs, concurrency) client
-    processes, prompts split in proportion to each process's streams. Returns the records."""
-    p = min(procs, concurrency)
-    streams = [concurrency // p + (i < concurrency % p) for i in range(p)]
-    counts = [len(prompts) * s // concurrency for s in streams]
-    for i in range(len(prompts) - sum(counts)):
-        counts[i] += 1
-    start_at = time.monotonic() + 0.2  # every process starts sending at the same instant
-    futures, k = [], 0
-    for s, n in zip(streams, counts):
-        futures.append(pool.submit(client_worker, url, body, prompts[k:k + n], s, start_at, timeout))
-        k += n
-    return [r for f in futures for r in f.result()]
+from benchmarks.serve_client import default_client_procs, make_prompts, run_level, start_pool  # noqa: E402
+from benchmarks.serve_process import ServeProcess, serve_flags  # noqa: E402
+from benchmarks.serve_stats import summarize  # noqa: E402
 
 
 def server_cpu(server: ServeProcess) -> dict[str, float]:
@@ -172,23 +82,7 @@ def server_cpu(server: ServeProcess) -> dict[str, float]:
 
 def engine_steps(server: ServeProcess) -> int:
     """The engine's step count (its `stats` utility through the frontend)."""
-    r = httpx.get(server.base_url + "/internal/stats", timeout=10.0, trust_env=False)
-    return int(r.json().get("num_steps", 0)) if r.status_code == 200 else 0
-
-
-def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    """n prompts of `length` random token ids in [0, 10000], from random.Random(seed)."""
-    rng = random.Random(seed)
-    return [[rng.randint(0, 10000) for _ in range(length)] for _ in range(n)]
-
-
-def _flags(settings: dict) -> list[str]:
-    """`kestrel serve` flags of a settings dict (None values left out)."""
-    out = []
-    for k, v in settings.items():
-        if v is not None:
-            out += ["--" + k.replace("_", "-"), str(v).lower() if isinstance(v, bool) else str(v)]
-    return out
+    return int(server.engine_stats().get("num_steps", 0))
 
 
 def _row(c, r: dict) -> str:
@@ -254,22 +148,20 @@ def main() -> int:
         "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len,
         "enforce_eager": a.enforce_eager, "gpu_memory_utilization": a.gpu_memory_utilization,
         "enable_prefix_caching": False}
-    procs = a.client_procs or max(1, min(-(-top // 32), (os.cpu_count() or 1) // 4))
+    procs = a.client_procs or default_client_procs(top)
     body = {"max_tokens": a.output_len, "temperature": a.temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     prompts = {c: make_prompts(max(c * a.requests_per_concurrency, a.min_requests), a.prompt_len,
                                a.seed * 1000003 + c) for c in a.concurrency}
     # Shutdown drains in-flight requests; only a failed run has any, and it needs no drain.
-    server = ServeProcess([*_flags(settings), "--max-num-waiting", str(max(256, top)),
+    server = ServeProcess([*serve_flags(settings), "--max-num-waiting", str(max(256, top)),
                            "--shutdown-timeout", "5", "--frontends", str(a.frontends),
                            *a.server_args.split()])
     # The same warm-up, not measured, before the levels and before the offline run.
     warm = make_prompts(a.warmup_requests, a.prompt_len, a.seed * 1000003 - 1)
     levels = []
-    pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+    pool = start_pool(procs)
     try:
-        for f in [pool.submit(_ready) for _ in range(procs)]:
-            f.result()
         server.start(a.startup_timeout)
         body["model"] = server.model_name()
         url = server.base_url + "/v1/completions"

@@ -6,6 +6,9 @@ installed: the GPU machine runs from a checkout with PYTHONPATH=.), on a free po
 (the supervisor drains and stops its children, which also die with it: PR_SET_PDEATHSIG),
 then SIGKILL of its process group, so nothing it started outlives the benchmark.
 tests/e2e/server.py does the same for the tests, through the console script and psutil.
+A running server answers the benchmarks' reads: its model name, the engine's stats (GET
+/internal/stats) and the spec_decode counters (GET /metrics, benchmarks/spec_stats.py).
+`serve_flags` spells a settings dict as the server's flags.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tempfile
 import time
 
 import httpx
+
+from benchmarks import spec_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +42,16 @@ def server_env(environ: dict[str, str]) -> dict[str, str]:
     paths = [ROOT] + [os.path.abspath(p) for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
+
+
+def serve_flags(settings: dict) -> list[str]:
+    """`kestrel serve` flags of a settings dict: --key-with-dashes value, booleans as
+    true/false, None values left out."""
+    out = []
+    for k, v in settings.items():
+        if v is not None:
+            out += ["--" + k.replace("_", "-"), str(v).lower() if isinstance(v, bool) else str(v)]
+    return out
 
 
 class ServeProcess:
@@ -78,6 +93,23 @@ class ServeProcess:
         r = httpx.get(self.base_url + "/v1/models", timeout=10.0, trust_env=False)
         r.raise_for_status()
         return r.json()["data"][0]["id"]
+
+    def engine_stats(self) -> dict:
+        """The engine's stats utility (GET /internal/stats: num_steps, num_blocks, the
+        spec_decode_* counters ...), {} when it does not answer 200."""
+        r = httpx.get(self.base_url + "/internal/stats", timeout=10.0, trust_env=False)
+        return r.json() if r.status_code == 200 else {}
+
+    def spec_counters(self) -> tuple[dict | None, str]:
+        """The server's spec_decode counters now (benchmarks/spec_stats.py
+        `parse_spec_metrics`), and where they came from ("metrics": GET /metrics,
+        "engine_stats": GET /internal/stats, "none": the server does not speculate)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10.0, trust_env=False).text
+        c = spec_stats.parse_spec_metrics(text)
+        if c is not None:
+            return c, "metrics"
+        c = spec_stats.spec_counters_from_stats(self.engine_stats())
+        return (c, "engine_stats") if c is not None else (None, "none")
 
     def log_tail(self, n: int = 40) -> str:
         """The last n lines of the server's log."""

@@ -88,24 +88,6 @@ def chat(base_url: str, model: str, prompt: str, max_tokens: int, timeout: float
     return st.Timed(sent, first if first is not None else end, end, tokens, "".join(parts), reason)
 
 
-def spec_counters(server: ServeProcess) -> tuple[dict | None, str]:
-    """The speculative server's spec_decode counters now, and where they came from
-    ("metrics": GET /metrics, "engine_stats": GET /internal/stats, "none")."""
-    text = httpx.get(server.base_url + "/metrics", timeout=10.0, trust_env=False).text
-    c = st.parse_spec_metrics(text)
-    if c is not None:
-        return c, "metrics"
-    stats = engine_stats(server)
-    c = st.spec_counters_from_stats(stats)
-    return (c, "engine_stats") if c is not None else (None, "none")
-
-
-def engine_stats(server: ServeProcess) -> dict:
-    """The engine's stats utility (GET /internal/stats), {} when it does not answer."""
-    r = httpx.get(server.base_url + "/internal/stats", timeout=10.0, trust_env=False)
-    return r.json() if r.status_code == 200 else {}
-
-
 def set_result(name: str, off: list[st.Timed], on: list[st.Timed], counters: list[dict],
                mismatches: list[dict]) -> dict:
     """One prompt set's results (module doc)."""
@@ -188,10 +170,10 @@ def main() -> int:
                     flip = not flip
                     got: dict[str, st.Timed] = {}
                     for side in (("off", "on") if flip else ("on", "off")):
-                        before = spec_counters(servers["on"])[0] if side == "on" else None
+                        before = servers["on"].spec_counters()[0] if side == "on" else None
                         got[side] = chat(servers[side].base_url, model, prompt, a.max_tokens, a.request_timeout)
                         if side == "on":
-                            after, source = spec_counters(servers["on"])
+                            after, source = servers["on"].spec_counters()
                             if before is not None and after is not None:
                                 counters[n].append(st.counters_delta(after, before))
                         runs[n][side].append(got[side])
@@ -205,7 +187,7 @@ def main() -> int:
                     print(f"rep {rep} {n}[{i}]: off {got['off'].tokens} tok {got['off'].end - got['off'].sent:.2f} s, "
                           f"on {got['on'].tokens} tok {got['on'].end - got['on'].sent:.2f} s"
                           f"{'' if at is None else f', DIFFERS at char {at}'}", file=sys.stderr, flush=True)
-        final_stats = {k: v for k, v in engine_stats(servers["on"]).items() if k.startswith("spec")}
+        final_stats = {k: v for k, v in servers["on"].engine_stats().items() if k.startswith("spec")}
     except BaseException:
         for side, s in servers.items():
             if s.proc is not None:

@@ -5,9 +5,14 @@ small edit (a rename, a changed value, a fixed typo), so most of the answer is a
 the context and n-gram prompt lookup can draft it. "nocopy": open questions and short
 stories, where nothing in the prompt is worth copying; speculation should not pay there and
 the adaptive policy should switch it off. The texts are written for this benchmark.
+`hashed_token_ids` turns a text into token ids without a tokenizer, for servers of a
+config-only folder (benchmarks/spec_serve.py with dummy weights).
 """
 
 from __future__ import annotations
+
+import re
+import zlib
 
 _PY = '''def moving_average(values, window):
     """Return the moving averages of values over a sliding window."""
@@ -170,3 +175,17 @@ NOCOPY_PROMPTS: list[str] = [
 ]
 
 SETS: dict[str, list[str]] = {"copy": COPY_PROMPTS, "nocopy": NOCOPY_PROMPTS}
+
+
+_PIECE = re.compile(r"\w+|[^\w\s]|\n")
+
+
+def hashed_token_ids(text: str, vocab_size: int, low: int = 100, high: int = 30000) -> list[int]:
+    """text as token ids without a tokenizer: each word (\\w+), punctuation mark and line
+    break is one token, its id low + crc32(piece) mod (min(high, vocab_size) - low). Equal
+    pieces get equal ids, so the repeats of a text (what n-gram prompt lookup matches) stay
+    repeats; distinct pieces may collide. Raises ValueError when vocab_size <= low."""
+    span = min(high, vocab_size) - low
+    if span <= 0:
+        raise ValueError(f"vocab_size {vocab_size} leaves no ids above {low}")
+    return [low + zlib.crc32(p.encode()) % span for p in _PIECE.findall(text)]

@@ -1,7 +1,8 @@
 """Pure helpers of the speculative-decoding benchmarks (benchmarks/spec_decode.py,
-benchmarks/spec_verify_cost.py): the spec_decode counters from a server's /metrics text or
-its engine stats, acceptance length, the per-set speed summary of batch-1 requests, the
-comparison of outputs with and without speculation.
+spec_serve.py, spec_verify_cost.py): the spec_decode counters from a server's /metrics text
+or its engine stats, acceptance length, the per-set speed summary of batch-1 requests, the
+comparison of outputs with and without speculation, and the plain-against-spec rows and
+verdict of concurrent serving (spec_serve.py).
 
 Definitions (docs/ARCHITECTURE.md §5.5, vLLM's names):
 - drafts (`spec_decode_num_drafts`): verify seqs that carried at least one draft token;
@@ -159,3 +160,86 @@ def first_mismatch(a: str, b: str) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# Concurrent serving, plain against speculative (benchmarks/spec_serve.py): one level and
+# prompt kind ran `repeats` times on each server; each run summarised by
+# benchmarks/serve_stats.py `summarize`.
+
+def _median(values: list, digits: int = 3) -> float | None:
+    """The median of the values that are not None, rounded to `digits` places; None when
+    there are none."""
+    vs = [v for v in values if v is not None]
+    return round(statistics.median(vs), digits) if vs else None
+
+
+def side_summary(runs: list[dict]) -> dict:
+    """The repeats of one side (serve_stats `summarize` results): requests and errors
+    (summed), up to 3 error examples, and the median over repeats of output tok/s, of the
+    TTFT p50 and of the TPOT p50 (ms); output tok/s of every repeat in run order."""
+    errors = [e for r in runs for e in r["error_examples"]]
+    return {"requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs),
+            "error_examples": list(dict.fromkeys(errors))[:3],
+            "output_tok_per_s": _median([r["output_tok_per_s"] for r in runs], 1),
+            "ttft_p50_ms": _median([r["ttft_ms"]["p50"] for r in runs]),
+            "tpot_p50_ms": _median([r["tpot_ms"]["p50"] for r in runs]),
+            "output_tok_per_s_all": [r["output_tok_per_s"] for r in runs]}
+
+
+def stats_delta(after: dict, before: dict, keys: tuple[str, ...]) -> dict:
+    """after - before of the engine stats `keys` present in after: numbers subtracted, lists
+    position by position (the shorter padded with zeros)."""
+    out: dict = {}
+    for k in keys:
+        if k not in after:
+            continue
+        a, b = after[k], before.get(k, 0 if not isinstance(after[k], list) else [])
+        if isinstance(a, list):
+            n = max(len(a), len(b))
+            out[k] = [(a[i] if i < len(a) else 0) - (b[i] if i < len(b) else 0) for i in range(n)]
+        else:
+            out[k] = a - b
+    return out
+
+
+def stats_sum(deltas: list[dict]) -> dict:
+    """The sum of `stats_delta` results (lists position by position), with tokens_per_step
+    = num_generated_tokens / num_steps where both are present and steps > 0."""
+    out: dict = {}
+    for d in deltas:
+        for k, v in d.items():
+            if isinstance(v, list):
+                acc = out.get(k, [])
+                n = max(len(acc), len(v))
+                out[k] = [(acc[i] if i < len(acc) else 0) + (v[i] if i < len(v) else 0) for i in range(n)]
+            else:
+                out[k] = out.get(k, 0) + v
+    if out.get("num_steps") and "num_generated_tokens" in out:
+        out["tokens_per_step"] = round(out["num_generated_tokens"] / out["num_steps"], 2)
+    return out
+
+
+def serve_row(plain: list[dict], spec: list[dict], counters: list[dict], threshold: float) -> dict:
+    """One level and prompt kind: plain and spec `side_summary`, the ratio spec / plain of
+    output tok/s (the median of the per-repeat ratios: each repeat ran the two sides back to
+    back, so that slow drift of a shared machine cancels within a pair), the per-repeat
+    ratios, the ratio of the two medians, meets (ratio >= threshold; False without a ratio)
+    and the acceptance of the spec runs' counter deltas (`acceptance_summary`; None without
+    counters). plain[i] and spec[i] are the i-th repeat of each side."""
+    pairs = [ratio(s["output_tok_per_s"], p["output_tok_per_s"]) for p, s in zip(plain, spec)]
+    r = _median(pairs)
+    sp, ss = side_summary(plain), side_summary(spec)
+    return {"plain": sp, "spec": ss, "ratio": r,
+            "pair_ratios": pairs, "ratio_of_medians": ratio(ss["output_tok_per_s"], sp["output_tok_per_s"]),
+            "threshold": threshold, f"meets_{threshold}": r is not None and r >= threshold,
+            "acceptance": acceptance_summary(counters_sum(counters)) if counters else None}
+
+
+def verdict(rows: dict, levels: list[int], threshold: float) -> dict:
+    """Whether every row (rows[level][kind] from `serve_row`) of the given levels meets the
+    threshold: {levels: those checked that ran, meets: True / False (None when no level
+    ran), failing: ["<level>/<kind>", ...]}."""
+    checked = [c for c in levels if c in rows]
+    failing = [f"{c}/{k}" for c in checked for k, row in rows[c].items() if not row[f"meets_{threshold}"]]
+    return {"levels": checked, "threshold": threshold, "meets": not failing if checked else None,
+            "failing": failing}
