@@ -25,6 +25,8 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
    target as its own draft: acceptance 100% up to numerics) and 2 layers, k = --e2e-k,
    fixed policy, at batch 1 and 32 (--dm-batches) through `run_core`, against plain runs
    of the same runner. tok/s, speedup, measured L, identical outputs.
+4. `--parts profile` (CUDA only): per-kernel device time of batch-1 decode and verify steps
+   (`profile_steps`), to see where a verify step's time goes.
 Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
 JSON (settings, device, runner report, the three parts) to --out and stdout.
 
@@ -135,6 +137,39 @@ def verify_cost(runner, batches: list[int], ks: list[int], context: int, reps: i
         runner.execute(StepPlan(step + 1, [], forget=ids))
         step += 2
     return rows
+
+
+def profile_steps(runner, k: int, context: int, steps: int = 5, top: int = 14) -> dict:
+    """Part 4 (--parts profile): per-kernel device time (torch.profiler) of `steps` batch-1
+    decode steps (the runner's CUDA graph) and of `steps` verify steps of k drafts (its
+    verify graph when one serves), at `context` tokens: the top kernels of each in us a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(3)
+    need = -(-(context + k + 2) // runner.block_size)
+    table = list(range(need))
+    prompt = torch.randint(3, 10000, (context,), generator=g).tolist()
+    res = runner.execute(StepPlan(9000, [ScheduledSeq("prof", prompt, 0, table, True, GREEDY)]))
+    seqs = [("prof", res.sampled_token_ids[0], torch.randint(3, 10000, (k,), generator=g).tolist(), table)]
+    out: dict = {"k": k, "context": context, "steps": steps}
+    for name, kk in (("decode", 0), ("verify", k)):
+        for i in range(3):  # warm-up
+            runner.execute(verify_plan(9001 + i, seqs, context, kk))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                runner.execute(verify_plan(9010 + i, seqs, context, kk))
+            torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us:
+                rows.append((us / steps, ev.count // steps, ev.key[:90]))
+        rows.sort(reverse=True)
+        out[name] = {"total_us": round(sum(r[0] for r in rows), 1),
+                     "top": [{"us": round(u, 1), "calls": c, "kernel": n} for u, c, n in rows[:top]]}
+    runner.execute(StepPlan(9100, [], forget=["prof"]))
+    return out
 
 
 def _one_run(runner, prompts: list[list[int]], n: int, prefix: str, spec: str | None,
@@ -248,17 +283,23 @@ def main() -> None:
     ap.add_argument("--e2e-reps", type=int, default=None)
     ap.add_argument("--dm-batches", type=int, nargs="+", default=None)
     ap.add_argument("--dm-reps", type=int, default=1, help="timed runs per draft-model point (after a warm-up)")
-    ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model"],
+    ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model", "profile"],
                     default=["verify", "e2e", "draft_model"])
     ap.add_argument("--attention", choices=["multi_query", "prefill"], default="multi_query",
                     help="the kernel of verify steps' attention: the split-K multi-query kernel "
                          "(kernels/attention_multi_query.py, the default) or the varlen prefill kernel")
+    ap.add_argument("--gemv-rows", type=int, default=None,
+                    help="kernels.gemv.MAX_ROWS: rows up to which projections take the multi-row gemv "
+                         "kernel (1: one-row decode only, the skinny kernel above)")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.attention == "prefill":
         from kernels import attention_triton
         attention_triton.DECODE_DEFAULTS["multi_query"] = False
+    if a.gemv_rows is not None:  # before the runner is built (its FusionPlan reads it)
+        from kernels import gemv
+        gemv.MAX_ROWS = a.gemv_rows
     tiny = a.tiny
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \
@@ -283,13 +324,17 @@ def main() -> None:
             with open(a.out, "w") as fh:
                 json.dump({**res, "complete": False}, fh, indent=1)
 
-    if "verify" in a.parts or "e2e" in a.parts:
+    if "verify" in a.parts or "e2e" in a.parts or "profile" in a.parts:
         with registered():
             runner, startup = load_runner({**cli, "speculative_config": spec_json(max(max(a.ks), a.e2e_k))})
         res.update(runner=runner.report(), startup_seconds=round(startup, 2))
         if "verify" in a.parts:
             with without_proposer(runner):
                 res["verify_cost"] = verify_cost(runner, a.batches, a.ks, a.context, a.reps, cuda)
+            save_partial()
+        if "profile" in a.parts and cuda:
+            with without_proposer(runner):
+                res["profile"] = profile_steps(runner, a.e2e_k, a.context)
             save_partial()
         if "e2e" in a.parts:
             res["e2e_replay"] = e2e_replay(runner, a.e2e_k, a.e2e_lengths, a.e2e_prompt_len, a.e2e_tokens,
