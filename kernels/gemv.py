@@ -1,5 +1,4 @@
-"""Matrix-vector product of decode batch 1 (and of a few rows: a verify step's 1 + k tokens):
-y [M, N] = x [M, K] @ W [N, K].T (+ bias), M <= MAX_ROWS, with the
+"""Matrix-vector product of decode batch 1: y [1, N] = x [1, K] @ W [N, K].T (+ bias), with the
 SiLU-and-mul of the MLP or the RMSNorm before the projection optionally applied to x as it is
 loaded, and the residual add optionally applied to y.
 
@@ -44,11 +43,7 @@ from kernels.device_info import num_sms, tile_counters
 from kernels.linear_ref import linear_ref
 from kernels.pdl import launch_args, use_pdl
 
-ENABLED = True  # the `linear` dispatcher takes this kernel for CUDA inputs of 1..MAX_ROWS rows
-# rows of x up to which `linear` (and the fused layer path, services/worker/fusion.py) takes
-# this kernel: a verify step of 1 + k tokens at batch 1, or a small decode batch, reads W once
-# for all its rows (the skinny kernel's tensor-core tiles cost ~4x the one-row kernel there)
-MAX_ROWS = 8
+ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inputs
 # heuristic plan: at most tile_elems W elements per program (registers), K ranges of at
 # most max_block_k, and at least programs_per_sm programs per SM (narrower row tiles first)
 TUNING: dict = {"tile_elems": 8192, "max_block_k": 4096, "programs_per_sm": 2, "num_warps": 4}
@@ -88,15 +83,13 @@ if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, N, K, sw_n, sx_m, sy_m, sr_m,
-                     k_per_split, eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
-                     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ROW_K: tl.constexpr, ROWS: tl.constexpr):
-        # x: [ROWS, K] ([ROWS, 2K] = gate | up with SILU; row stride sx_m), W: [N, K] (row
-        # stride sw_n), y: [ROWS, N] (row stride sy_m); ws: [SPLIT programs, ROWS, N] fp32
-        # partials and cnt: int32 per row tile (SPLIT only); nw: [K] norm weight (NORM); r:
-        # [ROWS, N] residual (HAS_RES, row stride sr_m); ROW_K: K rounded up to a power of two
-        # (NORM). The W tile is loaded once and multiplied by each of the ROWS rows of x.
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, N, K, sw_n, k_per_split, eps,
+                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROW_K: tl.constexpr):
+        # x: [K] ([2K] = gate | up with SILU), W: [N, K] (row stride sw_n), y: [N]; ws: [SPLIT
+        # programs, N] fp32 partials and cnt: int32 per row tile (SPLIT only); nw: [K] norm
+        # weight (NORM); r: [N] residual (HAS_RES); ROW_K: K rounded up to a power of two (NORM)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,36 +105,31 @@ if triton is not None:
             nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
-        for m in tl.static_range(ROWS):
-            x_row = x_ptr + m * sx_m
-            x = tl.load(x_row + rk, mask=kmask, other=0.0)
-            if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
-                u = tl.load(x_row + K + rk, mask=kmask, other=0.0)
-                gf = x.to(tl.float32)
-                x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
-            if NORM:  # as rms_norm_ref: rstd over the whole row, x * rstd rounded, times the weight rounded
-                rowk = tl.arange(0, ROW_K)
-                xr = tl.load(x_row + rowk, mask=rowk < K, other=0.0).to(tl.float32)
-                rstd = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
-                xn = (x.to(tl.float32) * rstd).to(x.dtype)
-                x = (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
-            acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-            if SPLIT:
-                tl.store(ws_ptr + (pid_k * ROWS + m) * N + rn, acc, mask=nmask)
-            else:
-                _store_y(acc, b_ptr, r_ptr + m * sr_m, y_ptr + m * sy_m, rn, nmask, HAS_BIAS, HAS_RES)
+        x = tl.load(x_ptr + rk, mask=kmask, other=0.0)
+        if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
+            u = tl.load(x_ptr + K + rk, mask=kmask, other=0.0)
+            gf = x.to(tl.float32)
+            x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        if NORM:  # as rms_norm_ref: rstd over the whole row, x * rstd rounded, times the weight rounded
+            rowk = tl.arange(0, ROW_K)
+            xr = tl.load(x_ptr + rowk, mask=rowk < K, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
+            xn = (x.to(tl.float32) * rstd).to(x.dtype)
+            x = (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if SPLIT:
-            tl.debug_barrier()  # every thread's partials are stored before the release below
+            tl.store(ws_ptr + pid_k * N + rn, acc, mask=nmask)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
             n_splits = tl.num_programs(1)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
-                for m in tl.static_range(ROWS):
-                    tot = tl.zeros([BLOCK_N], tl.float32)
-                    for s in range(0, n_splits):  # split order: deterministic
-                        tot += tl.load(ws_ptr + (s * ROWS + m) * N + rn, mask=nmask, other=0.0,
-                                       cache_modifier=".cg")
-                    _store_y(tot, b_ptr, r_ptr + m * sr_m, y_ptr + m * sy_m, rn, nmask, HAS_BIAS, HAS_RES)
+                tot = tl.zeros([BLOCK_N], tl.float32)
+                for s in range(0, n_splits):  # split order: deterministic
+                    tot += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
+                _store_y(tot, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS, HAS_RES)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        else:
+            _store_y(acc, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _store_y(acc, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
@@ -159,29 +147,27 @@ if triton is not None:
                     residual: torch.Tensor | None = None, block_n: int | None = None,
                     split: int | None = None, num_warps: int | None = None,
                     pdl: bool | None = None) -> torch.Tensor | None:
-        """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for M <=
-        MAX_ROWS rows: x [M, K] ([M, 2K] = cat(gate, up) with silu_mul; unit column stride,
-        any row stride), weight [N, K] (unit stride along K), bias [N] or None, norm_weight
-        [K] or None (the RMSNorm of each row of x, computed by every program over the whole
-        row), residual [M, N] or None (added after the rounding, in fp32, rounded again);
-        one half dtype (bf16/fp16; fp32 works too); norm_weight and silu_mul not both
-        (`linear` checks the arguments). Each W tile is read once for all M rows.
-        Returns y [M, N] in x's dtype, or None when the plan splits K and the split
+        """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for one row:
+        x [1, K] ([1, 2K] = cat(gate, up) with silu_mul; unit column stride), weight [N, K]
+        (unit stride along K), bias [N] or None, norm_weight [K] or None (the RMSNorm of x,
+        computed by every program over the whole row), residual [1, N] or None (added
+        after the rounding, in fp32, rounded again); one half dtype (bf16/fp16; fp32 works
+        too); norm_weight and silu_mul not both (`linear` checks the arguments).
+        Returns y [1, N] in x's dtype, or None when the plan splits K and the split
         counters would have to be allocated inside CUDA-graph capture (the caller then uses
         another kernel).
         block_n / split / num_warps override `gemv_plan` (the sweep benchmark); pdl
         overrides `kernels.pdl.use_pdl`.
-        Raises ValueError for no row or more than MAX_ROWS rows, x's width not K (2K with
-        silu_mul) or a strided K dimension.
+        Raises ValueError for more than one row, x's width not K (2K with silu_mul) or a
+        strided K dimension.
         """
         n, k = weight.shape
-        m = x.shape[0] if x.dim() == 2 else 0
-        if (not 1 <= m <= max(1, MAX_ROWS) or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1
+        if (x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1
                 or weight.stride(1) != 1):
             raise ValueError(f"gemv: x {tuple(x.shape)} stride {tuple(x.stride())}, weight "
-                             f"{tuple(weight.shape)} stride {tuple(weight.stride())}: want 1..{max(1, MAX_ROWS)} "
-                             f"rows of {'2K' if silu_mul else 'K'} columns and unit stride along K")
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+                             f"{tuple(weight.shape)} stride {tuple(weight.stride())}: want one row of "
+                             f"{'2K' if silu_mul else 'K'} columns and unit stride along K")
+        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
             # degenerate shapes: no kernel
             return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
@@ -194,16 +180,15 @@ if triton is not None:
         counters = tile_counters(x.device, n_tiles) if sp > 1 else y
         if counters is None:
             return None
-        ws = torch.empty((sp, m, n), dtype=torch.float32, device=x.device) if sp > 1 else y
+        ws = torch.empty((sp, n), dtype=torch.float32, device=x.device) if sp > 1 else y
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         pdl = use_pdl(x.device) if pdl is None else pdl
         _gemv_kernel[(n_tiles, sp)](x, weight, y if bias is None else bias, y, ws, counters,
                                     x if norm_weight is None else norm_weight,
-                                    y if residual is None else residual, n, k, weight.stride(0), x.stride(0),
-                                    y.stride(0), 0 if residual is None else residual.stride(0), k_per, eps,
+                                    y if residual is None else residual, n, k, weight.stride(0), k_per, eps,
                                     HAS_BIAS=bias is not None, SILU=silu_mul, NORM=norm_weight is not None,
                                     HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, BLOCK_N=bn,
                                     BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
-                                    ROWS=m, num_warps=num_warps or warps, **launch_args(pdl))
+                                    num_warps=num_warps or warps, **launch_args(pdl))
         return y

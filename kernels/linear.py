@@ -104,10 +104,10 @@ def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **fused) -> torch.Tensor | None:
-    """`kernels.gemv` for an x of 1..gemv.MAX_ROWS rows that `skinny_applies` to
-    (gemv.ENABLED), with the fused steps (norm_weight, eps, silu_mul, residual) in the
-    kernel; else None (more rows, or gemv declined: the caller takes the skinny kernel)."""
-    if not 1 <= x.shape[0] <= max(1, gemv.MAX_ROWS) or not gemv.ENABLED:
+    """`kernels.gemv` for a one-row x that `skinny_applies` to (gemv.ENABLED), with the fused
+    steps (norm_weight, eps, silu_mul, residual) in the kernel; else None (more rows, or gemv
+    declined: the caller takes the skinny kernel)."""
+    if x.shape[0] != 1 or not gemv.ENABLED:
         return None
     return gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, **fused)
 

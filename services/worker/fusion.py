@@ -53,8 +53,8 @@ class FusionPlan:
                one_row: bool | None = None, small_batches: bool | None = None) -> FusionPlan:
         """The plan of a model whose decoder layers' projection weights are `projections`
         (one layer's: every layer has the same shapes), on `device` in `dtype`: a step of T
-        tokens is fused when T <= `kernels.gemv.MAX_ROWS` (at least 1) with one_row (default
-        FUSE_ONE_ROW) and the gemv kernel on (`kernels.gemv.ENABLED`), or 1 <= T <= SKINNY_MAX_ROWS with small_batches (default
+        tokens is fused when T == 1 with one_row (default FUSE_ONE_ROW) and the gemv kernel on
+        (`kernels.gemv.ENABLED`), or 1 <= T <= SKINNY_MAX_ROWS with small_batches (default
         FUSE_SMALL_BATCHES), and `kernels.linear.skinny_applies` takes every projection at
         T rows (CUDA, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Never on the CPU.
         Read the module flags and gemv.ENABLED now: set them before the runner is built."""
@@ -64,8 +64,7 @@ class FusionPlan:
             return cls(frozenset())
         rows = set()
         for t in range(1, linear_kernels.SKINNY_MAX_ROWS + 1):
-            if not ((t <= max(1, linear_kernels.gemv.MAX_ROWS) and one_row and linear_kernels.gemv.ENABLED)
-                    or small_batches):
+            if not ((t == 1 and one_row and linear_kernels.gemv.ENABLED) or small_batches):
                 continue
             x = torch.empty((t, 1), dtype=dtype, device=device)  # skinny_applies reads rows, device, dtype
             if all(linear_kernels.skinny_applies(x, w) for w in projections):
