@@ -44,14 +44,18 @@ class DraftScheduler:
         (positions up to the last emitted token's + the drafts) stays below max_model_len."""
         return min(self.room(req) - 2, self.max_model_len - req.num_tokens - req.inflight - num_draft)
 
-    def choose(self, decodes: list[Request], step_tokens: int, async_ok: bool) -> dict[str, int]:
+    def choose(self, decodes: list[Request], step_tokens: int, async_ok: bool,
+               budget: int | None = None) -> dict[str, int]:
         """The policy's k per request id for the decodes that hold drafts, in a step of
         about `step_tokens` tokens before drafts. async_ok: nothing else keeps the pipeline
-        from planning ahead."""
+        from planning ahead. budget: the step's token budget (None: unbounded); the drafts
+        chosen fit in what the step leaves of it (drafts past it would displace decodes or
+        prefill tokens, which the policy's gains do not count)."""
         spec = self.spec
         cands = [(r, min(len(r.draft_token_ids), spec.kmax, self.room(r) - 1))
                  for r in decodes if r.draft_token_ids and not r.inflight]
-        spec.begin_step(step_tokens, len(decodes), async_ok)
+        spec.begin_step(step_tokens, len(decodes), async_ok,
+                        None if budget is None else max(0, budget - step_tokens))
         return spec.choose(cands) if cands else {}
 
     def decode(self, req: Request, end: int, k: int, budget: int) -> SeqWork | None:

@@ -283,7 +283,7 @@ class Scheduler:
         left = self.budget - len(decodes)
         cap = min(left, self.prefill_cap_with_decodes) if decodes else left
         async_ok = not any(r.has_penalty or r.grammar is not None for r in self.running)
-        return drafts.choose(decodes, len(decodes) + max(0, min(demand, cap)), async_ok)
+        return drafts.choose(decodes, len(decodes) + max(0, min(demand, cap)), async_ok, self.budget)
 
     def _add_transfers(self, plan: StepPlan) -> None:
         """Put the connector's copies for this step into `plan`."""

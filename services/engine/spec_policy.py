@@ -24,17 +24,26 @@ services/engine/step_cost.py).
 - Choice: the step's output rate (tokens emitted / expected duration) is what is
   maximised. The i-th draft of a request with acceptance a adds a^i tokens; the drafts
   are taken in decreasing order of that gain and the best total K is kept (for a given K
-  the top-K gains are optimal, since the cost depends on K alone). Speculation goes on
+  the top-K gains are optimal, since the cost depends on K alone), K at most what the
+  step's token budget leaves (drafts past it would push decodes or prefill tokens out of
+  the step, a loss their gains do not count). Speculation goes on
   only where that rate beats the plain step's by MARGIN; otherwise every k is 0 and the
   step is a plain one (async scheduling again).
 - Proposals: a request asks for k drafts after its seq when it verifies drafts now, or
   when its acceptance alone would pay for verifying at the current batch
-  (`break_even_acceptance`). A request that asks for none is probed: after PROBE_MIN of
-  its sampled seqs without speculation it asks for k once and verifies up to PROBE_DRAFTS
-  of what comes back (whatever its acceptance says); the probe's outcome replaces the
-  request's estimate (its text may have changed since), so a request whose text turns
-  repetitive starts speculating again; each probe doubles the interval to the next, up to
-  PROBE_MAX, until the request speculates again.
+  (`break_even_acceptance`). The others are probed together, in probe steps: after
+  PROBE_MIN steps without one, every sampled seq that asks for none asks for k once and
+  verifies up to PROBE_DRAFTS of what comes back in its next seq (whatever its acceptance
+  says); a probe's outcome weighs PROBE_ALPHA in the request's estimate (its text may have
+  changed since), so a request whose text turns repetitive starts speculating again. Each
+  probe step doubles the interval to the next, up to PROBE_MAX steps; a step that
+  speculates on its merits sets it back to PROBE_MIN. A step only probes where
+  speculation could pay at all: every sampled seq verifying k drafts, all accepted, beats
+  the plain step by MARGIN on the measured curves (at a large batch, or where verify steps
+  run eagerly, it does not, and nothing is probed). Probing all requests in one step pays
+  the synchronous steps (a proposal, then a verify) once per interval: probes of requests
+  one by one, each on its own clock, made almost every step at 256 concurrent requests
+  synchronous (H200, spec_serve.py: 0.54-0.64x of plain).
 Counters (`stats`): vLLM's spec_decode_num_drafts (seqs that verified drafts),
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, plus proposals, empty
 proposals and probes; the policy's inputs (the curves, overhead, the engine-wide
@@ -72,18 +81,15 @@ def expected_accepted(a: float, k: int) -> float:
 class SpecState:
     """One request's speculation state (module doc).
 
-    accepted, trials: moving averages (acceptance = accepted / trials). idle: sampled
-    seqs since it last asked for drafts; interval: seqs between probes; probing: a probe's
+    accepted, trials: moving averages (acceptance = accepted / trials). probing: a probe's
     drafts are on their way or due to be verified.
     """
 
-    __slots__ = ("accepted", "trials", "idle", "interval", "probing")
+    __slots__ = ("accepted", "trials", "probing")
 
     def __init__(self, prior: float):
         self.accepted = prior * PRIOR_WEIGHT
         self.trials = PRIOR_WEIGHT
-        self.idle = 0
-        self.interval = PROBE_MIN
         self.probing = False
 
     @property
@@ -120,12 +126,16 @@ class SpecPolicy:
         self.k_hist = [0] * (self.kmax + 1)  # verify seqs by the k they verified
         self.num_proposals = 0
         self.num_empty_proposals = 0
-        self.num_probes = 0
+        self.num_probes = 0  # probe steps
+        self._since_probe = 0  # steps since the last probe step
+        self._probe_interval = PROBE_MIN
+        self._probe_step = False  # this step probes (begin_step)
         # this step (begin_step)
         self._n = 1
         self._b = 1
         self._base: float | None = None  # the plain step's rate, tokens/s (None: unknown)
         self._a_star: float | None = None
+        self._room: int | None = None
         self.last: dict = {}
 
     def state(self, req: Request) -> SpecState:
@@ -137,16 +147,38 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ per step
 
-    def begin_step(self, num_tokens: int, num_sampled: int, async_ok: bool) -> None:
+    def begin_step(self, num_tokens: int, num_sampled: int, async_ok: bool, room: int | None = None) -> None:
         """A step of about `num_tokens` tokens before drafts, `num_sampled` of its seqs
         emitting tokens, is being planned. async_ok: a plain step could be planned ahead
-        (nothing else forces the pipeline to wait)."""
+        (nothing else forces the pipeline to wait). room: the drafts its token budget
+        leaves room for (None: no bound); the adaptive choice stays within it (drafts past
+        it would displace decodes or prefill tokens, which their gains do not count)."""
         self._n, self._b = max(1, num_tokens), max(1, num_sampled)
+        self._room = room
         self._a_star = None
         t = self.cost.plain_cost(self._n)
         if t is not None and not (async_ok and self.async_scheduling):
             t += self.cost.overhead
         self._base = self._b / t if t else None
+        self._probe_step = False
+        if not self.fixed:
+            self._since_probe += 1
+            if self._since_probe >= self._probe_interval and self._could_pay():
+                self._probe_step, self._since_probe = True, 0
+                self._probe_interval = min(PROBE_MAX, 2 * self._probe_interval)
+                self.num_probes += 1
+
+    def _could_pay(self) -> bool:
+        """Whether speculation could pay in this step at all: every sampled seq verifying
+        kmax drafts, all of them accepted, beats the plain rate by MARGIN (True while the
+        costs are unknown)."""
+        if self._base is None:
+            return True
+        d = self._b * self.kmax if self._room is None else min(self._room, self._b * self.kmax)
+        if d <= 0:
+            return False
+        r = self._spec_rate(d, float(d))
+        return r is not None and r > self._base * (1.0 + MARGIN)
 
     def _spec_rate(self, drafts: int, gain: float) -> float | None:
         t = self.cost.spec_cost(self._n + drafts)
@@ -184,6 +216,7 @@ class SpecPolicy:
     def choose(self, cands: list[tuple[Request, int]]) -> dict[str, int]:
         """k per request id for `cands` ((request, usable drafts) of this step's decodes that
         hold drafts); requests left out verify none (module doc)."""
+        room = self._room
         if self.fixed:
             return {r.request_id: u for r, u in cands if u > 0}
         ks: dict[str, int] = {}
@@ -194,7 +227,9 @@ class SpecPolicy:
                 continue
             st = self.state(req)
             if st.probing:  # a probe's drafts: verified whatever the acceptance says
-                k = min(usable, PROBE_DRAFTS)
+                k = min(usable, PROBE_DRAFTS, room - forced_k if room is not None else PROBE_DRAFTS)
+                if k <= 0:
+                    continue
                 ks[req.request_id] = k
                 forced_k += k
                 forced_gain += expected_accepted(st.acceptance, k)
@@ -206,6 +241,8 @@ class SpecPolicy:
                     break
                 gains.append((g, req.request_id))
         gains.sort(key=itemgetter(0), reverse=True)
+        if room is not None:
+            del gains[max(0, room - forced_k):]
         best_k, best_rate = 0, self._base
         if self._base is None:
             best_k = len(gains)  # nothing measured yet: speculate, and measure it
@@ -225,6 +262,8 @@ class SpecPolicy:
                     best_k, best_rate = k, r
         for _, rid in gains[:best_k]:
             ks[rid] = ks.get(rid, 0) + 1
+        if best_k:  # speculation pays on its merits here: probe the others often again
+            self._probe_interval = PROBE_MIN
         self.last = {"tokens": self._n, "seqs": self._b, "candidates": len(cands),
                      "drafts": forced_k + best_k, "probe_drafts": forced_k,
                      "rate_plain": self._base, "rate_chosen": best_rate}
@@ -233,8 +272,7 @@ class SpecPolicy:
     def num_propose(self, req: Request, k: int, limit: int, declined: bool = False) -> int:
         """Drafts `req` asks for after this step's seq (which verifies k drafts); at most
         `limit` (what it could still use). declined: it held drafts and `choose` took none
-        (then it asks only when a probe is due). Counts the request's seqs toward its next
-        probe."""
+        (then it asks only in a probe step)."""
         if limit <= 0:
             return 0
         n = min(self.kmax, limit)
@@ -243,13 +281,9 @@ class SpecPolicy:
         st = self.state(req)
         if (k > 0 and not st.probing) or (
                 not declined and st.acceptance > self.break_even_acceptance()):
-            st.idle, st.interval = 0, PROBE_MIN
             return n
-        st.idle += 1
-        if st.idle >= st.interval:
-            st.idle, st.probing = 0, True
-            st.interval = min(PROBE_MAX, 2 * st.interval)
-            self.num_probes += 1
+        if self._probe_step and not st.probing:
+            st.probing = True
             return n
         return 0
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.request import Request
-from services.engine.spec_policy import (MARGIN, PROBE_ALPHA, PROBE_DRAFTS, PROBE_MIN, SpecPolicy,
+from services.engine.spec_policy import (MARGIN, PROBE_ALPHA, PROBE_DRAFTS, PROBE_MAX, PROBE_MIN, SpecPolicy,
                                          expected_accepted)
 from services.engine.step_cost import CostCurve, bucket_of
 from shared import protocol as P
@@ -118,21 +118,45 @@ def test_the_engine_overhead_a_speculative_step_waits_for_counts_against_it():
     assert sp.choose([(r, 4)])
 
 
-def test_a_request_speculating_at_no_acceptance_is_probed_at_doubling_intervals():
+def test_requests_speculating_at_no_acceptance_are_probed_together_at_doubling_intervals():
     sp = _policy()
-    sp.begin_step(1, 1, async_ok=True)
-    r = _req("r", 0.0, sp)
-    asks = [sp.num_propose(r, 0, 10) for _ in range(PROBE_MIN * 7)]
-    probes = [i for i, n in enumerate(asks) if n]
-    assert probes == [PROBE_MIN - 1, 3 * PROBE_MIN - 1, 7 * PROBE_MIN - 1]
-    assert all(asks[i] == 4 for i in probes)
+    reqs = [_req(f"r{i}", 0.0, sp) for i in range(3)]
+    asks = []
+    for _ in range(PROBE_MIN * 7):  # one step each: all three seqs sample
+        sp.begin_step(3, 3, async_ok=True)
+        asks.append([sp.num_propose(r, 0, 10) for r in reqs])
+        for r, n in zip(reqs, asks[-1]):
+            if n:  # the proposals came back empty (no n-gram match): a failed trial each
+                sp.observe_result(r, 0, 0, n, 0)
+    probes = [i for i, n in enumerate(asks) if any(n)]
+    assert probes == [PROBE_MIN - 1, 3 * PROBE_MIN - 1, 7 * PROBE_MIN - 1]  # the same steps for all
+    assert all(asks[i] == [4, 4, 4] for i in probes) and sp.num_probes == 3
     # the probe's drafts are verified whatever the acceptance says, once, and its outcome
-    # is the request's new estimate
+    # weighs PROBE_ALPHA in the request's estimate
+    r = _req("r", 0.0, sp)
+    for _ in range(PROBE_MAX):
+        sp.begin_step(1, 1, async_ok=True)
+        if sp.num_propose(r, 0, 10):
+            break
     assert sp.state(r).probing and sp.choose([(r, 3)]) == {"r": PROBE_DRAFTS}
     sp.observe_result(r, PROBE_DRAFTS, PROBE_DRAFTS, 0, 0)
     assert not sp.state(r).probing and sp.state(r).acceptance == pytest.approx(PROBE_ALPHA)
     assert sp.break_even_acceptance() < PROBE_ALPHA
     assert sp.num_propose(r, 0, 10) == 4  # now worth it: it asks again at once
+
+
+def test_no_probe_where_even_perfect_drafts_would_not_pay():
+    """At 256 sampled seqs on compute-bound costs, every seq verifying 4 drafts, all
+    accepted, is no faster than the plain step: nobody is probed (each probe would cost a
+    synchronous proposal step and a verify step); the same policy at batch 1 probes."""
+    sp = _policy(c0=0.002, c1=0.001)
+    reqs = [_req(f"b{i}", 0.0, sp) for i in range(256)]
+    for _ in range(PROBE_MAX * 2):
+        sp.begin_step(256, 256, async_ok=True)
+        assert not any(sp.num_propose(r, 0, 10) for r in reqs[:4])
+    assert sp.num_probes == 0
+    sp.begin_step(1, 1, async_ok=True)  # the interval is long over: this step probes
+    assert sp.num_probes == 1 and sp.num_propose(reqs[0], 0, 10) == 4
 
 
 def test_an_empty_proposal_is_a_failed_trial_and_fixed_always_asks():
@@ -209,3 +233,33 @@ def test_a_probe_switches_speculation_back_on_when_the_text_turns_repetitive():
     accepted = sum(a for _, i, _, a in worker.verified if i >= first_on)
     assert accepted >= 0.7 * (300 - first_on)  # on again: most later tokens were drafts
     assert s["spec_decode_num_probes"] >= 2
+
+
+def sync_penalty(plan: P.StepPlan) -> float:
+    """GPU-like costs where a step that verifies or proposes pays 5 ms more (the engine's
+    round trip a synchronous step waits for, or a verify step without a CUDA graph)."""
+    spec = any(s.num_draft or s.num_propose for s in plan.seqs)
+    return gpu_like(plan) + (0.005 if spec else 0.0)
+
+
+def _sim_budget(spec, rate, reqs, seqs: int, budget: int):
+    core, worker = pair(spec, rate, 1, step_cost=sync_penalty, max_model_len=400, max_num_seqs=seqs,
+                        budget=budget)
+    return outputs(run(core, worker, reqs, False), reqs), worker.clock.t, core.stats()
+
+
+@pytest.mark.parametrize("budget", [512, 32])
+def test_many_requests_with_costly_speculative_steps_never_lose(budget):
+    """32 running requests (a queue of 128), every speculative step 5 ms dearer: with every
+    draft wrong the run is at most 3% slower than without speculation (probes come in
+    steps of their own, once an interval, not one request at a time); with every draft
+    right it speculates and runs faster, unless the token budget is full with decodes
+    alone (budget 32): then drafts would push decodes out, and it does not lose either."""
+    reqs = [P.AddRequest(f"r{i}", [3 + i % 40, 5 + i // 40, 7, 11], P.SamplingParams(
+        temperature=0, max_tokens=60 + (i * 37) % 50, ignore_eos=True), float(i)) for i in range(128)]
+    plain, t_plain, _ = _sim_budget(None, 0.0, reqs, 32, budget)
+    wrong, t_wrong, s_wrong = _sim_budget(spec_json(4, "adaptive"), 1.0, reqs, 32, budget)
+    right, t_right, _ = _sim_budget(spec_json(4, "adaptive"), 0.0, reqs, 32, budget)
+    assert wrong == plain and right == plain
+    assert t_plain / t_wrong >= 0.97, (t_plain / t_wrong, s_wrong["spec_decode_num_probes"])
+    assert t_plain / t_right >= (1.5 if budget > 32 * 5 else 0.97), t_plain / t_right
