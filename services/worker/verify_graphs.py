@@ -48,6 +48,13 @@ from shared.protocol import ScheduledSeq
 
 log = logging.getLogger("kestrel.worker")
 
+# Steps of mixed k (seqs padded to 1 + max k rows, `verify_layout`) replay a graph only with
+# MIXED_K; off: they run eagerly. Off by default: on the H200 (2026-12-01) two of the GPU
+# tests of mixed steps against the eager step failed (layouts k = (1, 3, 0) padded to 4
+# seqs and (0, 2)), and a capture-failure test after them; not yet diagnosed. The CPU
+# stand-in tests (tests/unit/test_verify_graphs_padded.py) turn it on.
+MIXED_K = False
+
 VERIFY_MAX_BATCH = 32  # largest batch size captured for verify steps (bounds the capture time)
 
 # forward(input_ids [T], positions [T], meta) -> (hidden [T, hidden], aux_hidden [T, ...] or None)
@@ -274,7 +281,7 @@ def replay_verify(graphs: VerifyGraphs, seqs: list[ScheduledSeq],
     if graphs.padded_size(len(seqs), k) is None:
         return None
     lay = verify_layout(seqs, block_size, graphs.max_model_len, graphs.max_blocks)
-    if lay is None:
+    if lay is None or not (lay.uniform or MIXED_K):
         return None
     hidden, aux = graphs.run(lay, [s.block_table for s in seqs])
     return hidden, aux, lay

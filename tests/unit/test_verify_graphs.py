@@ -6,6 +6,8 @@ graphs). The staged tokens, positions, slots and seq_lens, and the real rows of 
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from services.worker.step_inputs import prepare_step
@@ -14,6 +16,13 @@ from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq
 
 BS = 4  # block size
 GREEDY = SamplingParams(temperature=0.0)
+
+@pytest.fixture(autouse=True)
+def _mixed_k_on(monkeypatch):
+    """Mixed-k steps replay the graph path here (verify_graphs.MIXED_K is off by default)."""
+    from services.worker import verify_graphs
+    monkeypatch.setattr(verify_graphs, "MIXED_K", True)
+
 
 
 class _Graphs:

@@ -26,6 +26,13 @@ from tests.unit.verify_graphs_rig import EagerReplayGraphs, check_mixed_step
 K = 4
 GREEDY = SamplingParams(temperature=0.0)
 
+@pytest.fixture(autouse=True)
+def _mixed_k_on(monkeypatch):
+    """Mixed-k steps replay the graph path here (verify_graphs.MIXED_K is off by default)."""
+    from services.worker import verify_graphs
+    monkeypatch.setattr(verify_graphs, "MIXED_K", True)
+
+
 
 @pytest.fixture(scope="module")
 def rig():
@@ -98,3 +105,27 @@ def test_speculation_with_mixed_k_through_the_graph_path_emits_plain_tokens(rig)
     assert mixed and vg.replays - n0 >= len(mixed), (len(mixed), vg.replays - n0)
     assert any(0 in {q.num_draft for q in s["seqs"]} for s in mixed)  # decodes padded beside verify seqs
     assert run.num_accepted > 0
+
+
+def test_with_mixed_k_off_mixed_steps_run_eagerly_and_uniform_ones_replay(rig, monkeypatch):
+    """verify_graphs.MIXED_K off (the default): a step of mixed k takes no graph, one of
+    uniform k does; the tokens are plain decoding's either way."""
+    from services.worker import verify_graphs
+    monkeypatch.setattr(verify_graphs, "MIXED_K", False)
+    r, fake, vg = rig
+    prompts = _prompts((7, 30, 12))
+    n = 12
+    ref = generate(r, prompts, n)
+    r.verify_graphs, n0 = vg, vg.replays
+    fake.seen.clear()
+    try:
+        mixed = spec_run(r, prompts, n, K, drafts=lambda i, outs, p: list(ref[i][len(outs):len(outs) + 1 + i % 2]))
+        mid = vg.replays
+        steps = [s for s in fake.seen if all(q.sample for q in s["seqs"]) and any(q.num_draft for q in s["seqs"])]
+        n_mixed = sum(len({q.num_draft for q in s["seqs"]}) > 1 for s in steps)
+        uniform = spec_run(r, prompts, n, K, drafts=lambda i, outs, p: list(ref[i][len(outs):len(outs) + 2]))
+    finally:
+        r.verify_graphs = None
+    assert mixed.tokens == ref and uniform.tokens == ref
+    assert n_mixed > 0 and mid - n0 <= len(steps) - n_mixed  # no mixed step replayed
+    assert vg.replays > mid
