@@ -13,12 +13,22 @@ EPYC VM, fp32, medians of a shared machine):
     MKL F.linear (W.t() contiguous)  27+5  42+10 81+34 80+35 105+46 |     35+6  74+34 80+37
     oneDNN packed (hint 16)          30+7  35+8  47+12 61+14  90+21 |     29+6  35+7  52+11
 
-(layers + head). One thread at one row pays ~10% for the packed layout; every other case
-gains 1.2-4x, prefill (M=64..200) is equal or better. The packed tensor replaces the dense
-weight (no second copy): `dense` turns it back for a reference. Only fp32 is packed (bf16 on
-AVX2 without native bf16 dot products was not measured); other dtypes keep MKL.
-PACK_WEIGHTS = False keeps the dense weights (set it before the model loads);
+(layers + head). One thread at one row pays ~10% for the packed layout (a loaded machine:
+30-40%; much of it is oneDNN's per-call cost, ~25-90 us against MKL's ~4 us, over the 120
+products of a step); every other case gains 1.2-4x, prefill (M=64..200) is equal or better.
+The packed tensor replaces the dense weight: `dense` turns it back for a reference. Only fp32
+is packed (bf16 on AVX2 without native bf16 dot products was not measured); other dtypes
+keep MKL. PACK_WEIGHTS = False keeps the dense weights (set it before the model loads);
 `use_packing` is the rule the model runner applies per worker.
+
+One row on one thread: a worker that packs only because of speculation (one thread) would run
+its plain decode steps (batch 1, one row, k = 0 whenever the policy turns speculation off)
+~10-40% slower than a worker without speculation, which keeps MKL. With KEEP_DENSE_ONE_ROW
+(`keep_dense_one_row`: one thread and speculation) the dense column-major weight is kept
+beside the packed one and one-row products take it (`Linear`, an untied `LMHead`): the
+plain steps run exactly the plain worker's path, verify steps the packed one. Cost: a second
+copy of the linear weights in memory (SmolLM2-135M: +425 MB); at 2+ threads the packed layout
+is the faster one at every row count and no copy is kept.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from __future__ import annotations
 import torch
 
 PACK_WEIGHTS = True
+# with PACK_WEIGHTS: keep the dense column-major weight too, for one-row products (module doc)
+KEEP_DENSE_ONE_ROW = False
 # the row count oneDNN is told to expect when it picks the blocked layout; one layout serves
 # every row count (measured: hints 5 and 16 within noise of each other at 1..16 rows)
 PACK_BATCH_HINT = 16
@@ -42,6 +54,14 @@ def use_packing(num_threads: int, multi_row_steps: bool) -> bool:
     (speculative verify steps of 1 + k tokens); no for plain decoding on one thread, where
     the packed layout costs ~10% at one row."""
     return num_threads >= 2 or multi_row_steps
+
+
+def keep_dense_one_row(num_threads: int, multi_row_steps: bool) -> bool:
+    """Whether a packing CPU worker also keeps its dense weights for one-row products (module
+    doc): where it packs only for its multi-row (speculative verify) steps, on one thread,
+    where the packed layout costs ~10% or more at one row; its plain decode steps then run
+    MKL's path, as a worker without speculation does."""
+    return num_threads < 2 and multi_row_steps
 
 
 def dense_linear_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

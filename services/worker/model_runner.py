@@ -30,6 +30,7 @@ from services.worker.gpu_memory import profile_kv_budget
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionLayer, AttentionMetadata, bind_layers, select_backend
+from services.worker.layers.linear import dense_copy_bytes
 from services.worker.loader import load_dummy_weights, load_weights
 from services.worker.models import model_class
 from services.worker.models.base import CausalLM
@@ -108,7 +109,9 @@ class ModelRunner:
         self.spec = model_spec_for(cfg, dtype=dt)  # the model's facts (shared.model_spec)
         self.max_model_len = self.spec.max_model_len
         if self.device.type == "cpu":  # oneDNN-packed fp32 weights (kernels/cpu_linear.py), set before loading
-            cpu_linear.PACK_WEIGHTS = cpu_linear.use_packing(torch.get_num_threads(), cfg.speculative is not None)
+            threads, multi_row = torch.get_num_threads(), cfg.speculative is not None
+            cpu_linear.PACK_WEIGHTS = cpu_linear.use_packing(threads, multi_row)
+            cpu_linear.KEEP_DENSE_ONE_ROW = cpu_linear.keep_dense_one_row(threads, multi_row)
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
         if cfg.load_format == "dummy":
@@ -116,6 +119,7 @@ class ModelRunner:
         else:
             self.weight_bytes = load_weights(module, cfg.model)
         module.eval()
+        self.one_row_weight_bytes = dense_copy_bytes(module)  # the target's (kernels/cpu_linear.py)
         assert isinstance(module, CausalLM)
         self.model = module
         kv_specs = module.kv_specs()
@@ -182,7 +186,8 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
     def report(self) -> dict:
-        """Startup facts: device, dtype, weight/KV bytes, KV blocks and tokens, load seconds,
+        """Startup facts: device, dtype, weight/KV bytes (and `cpu_one_row_weight_bytes`, the
+        dense copies kept beside packed CPU weights, kernels/cpu_linear.py), KV blocks and tokens, load seconds,
         the proposer (`speculative`, None when off), the verify graphs (`verify_graphs`,
         only when captured)."""
         return {
@@ -190,6 +195,8 @@ class ModelRunner:
             "threads": torch.get_num_threads(),
             "attention": "torch reference" if self.use_ref_attention else "triton",
             "weight_bytes": self.weight_bytes, "kv_bytes": self.kv.bytes,
+            # the dense weights a one-thread speculative CPU worker keeps beside the packed ones
+            "cpu_one_row_weight_bytes": self.one_row_weight_bytes,
             "num_blocks": self.num_blocks, "block_size": self.block_size,
             "kv_tokens": self.num_blocks * self.block_size,
             "max_model_len": self.max_model_len, "load_seconds": round(self.load_seconds, 3),

@@ -12,7 +12,7 @@ from kernels import cpu_linear
 from kernels.linear import linear
 from kernels.linear_ref import linear_ref
 from services.worker.layers.embedding import LMHead, VocabEmbedding
-from services.worker.layers.linear import Linear, unpack_cpu_weights
+from services.worker.layers.linear import Linear, dense_copy_bytes, unpack_cpu_weights
 from services.worker.loader import dense_weights, process_weights_after_loading
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -21,9 +21,10 @@ ROWS = [1, 2, 3, 5, 9, 16, 64, 200]
 
 @pytest.fixture(autouse=True)
 def _packing_on(monkeypatch):
-    """Packing on for these tests: a ModelRunner built earlier in the process sets the flag
-    by its own rule (`cpu_linear.use_packing`)."""
+    """Packing on, no dense copy, for these tests: a ModelRunner built earlier in the process
+    sets the flags by its own rules (`cpu_linear.use_packing`, `keep_dense_one_row`)."""
     monkeypatch.setattr(cpu_linear, "PACK_WEIGHTS", True)
+    monkeypatch.setattr(cpu_linear, "KEEP_DENSE_ONE_ROW", False)
 
 
 def test_the_runner_packs_with_two_threads_or_speculation_only():
@@ -134,3 +135,70 @@ def test_lm_head_logits_equal_f_linear_at_every_row_count(tied):
         _close(out, F.linear(h, w))
     ids = torch.tensor([0, 7, 199])
     assert torch.equal(emb(ids), emb.weight.detach()[ids])
+
+
+def test_the_dense_copy_is_kept_only_for_one_thread_with_speculation():
+    assert cpu_linear.keep_dense_one_row(1, True)
+    assert not cpu_linear.keep_dense_one_row(2, True) and not cpu_linear.keep_dense_one_row(1, False)
+
+
+def _processed(seed: int, pack: bool, keep: bool, monkeypatch) -> Linear:
+    monkeypatch.setattr(cpu_linear, "PACK_WEIGHTS", pack)
+    monkeypatch.setattr(cpu_linear, "KEEP_DENSE_ONE_ROW", keep)
+    lin, _ = _filled_linear(seed)
+    lin.process_weights_after_loading()
+    return lin
+
+
+@pytest.mark.parametrize("step", ["plain", "norm", "silu", "residual"])
+def test_one_row_takes_the_plain_workers_path_and_more_rows_the_packed_one(step, monkeypatch):
+    """With the dense copy kept, one row gives bit for bit what an unpacked layer (a worker
+    without speculation) gives, several rows what a packed-only layer gives."""
+    both = _processed(5, True, True, monkeypatch)
+    plain = _processed(5, False, False, monkeypatch)
+    packed = _processed(5, True, False, monkeypatch)
+    assert both.weight.is_mkldnn and both.weight_dense is not None and both.weight_dense.t().is_contiguous()
+    assert plain.weight_dense is None and packed.weight_dense is None
+    g = torch.Generator().manual_seed(11)
+    for m in (1, 2, 5):
+        cols = 2 * 24 if step == "silu" else 24
+        x = torch.randn(m, cols, generator=g)
+        kw: dict = {}
+        if step == "norm":
+            kw = {"norm_weight": 1 + 0.2 * torch.randn(24, generator=g), "eps": 1e-5}
+        elif step == "silu":
+            kw = {"silu_mul": True}
+        elif step == "residual":
+            kw = {"residual": torch.randn(m, 24, generator=g)}
+        outs = {name: layer(x, **{k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()})
+                for name, layer in (("both", both), ("plain", plain), ("packed", packed))}
+        assert torch.equal(outs["both"], outs["plain" if m == 1 else "packed"])
+        _close(outs["both"], linear_ref(x, cpu_linear.dense(packed.weight), packed.bias, **kw))
+
+
+def test_the_dense_copy_follows_in_place_writes(monkeypatch):
+    lin = _processed(6, True, True, monkeypatch)
+    w = cpu_linear.dense(lin.weight).clone()
+    assert unpack_cpu_weights(lin) == 1 and lin.weight_dense is None
+    with torch.no_grad():
+        lin.weight.mul_(3.0)
+    lin.process_weights_after_loading()
+    assert lin.weight.is_mkldnn and torch.equal(lin.weight_dense, 3.0 * w)
+    x = torch.randn(1, 24)
+    _close(lin(x), F.linear(x, 3.0 * w, lin.bias))
+
+
+def test_untied_lm_head_one_row_takes_the_dense_copy(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "KEEP_DENSE_ONE_ROW", True)
+    head = LMHead(200, 32)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(200, 32, generator=g))
+    w = head.weight.detach().t().contiguous().t()  # the plain worker's layout
+    process_weights_after_loading(head)
+    assert head.weight.is_mkldnn and head.weight_dense is not None
+    assert dense_copy_bytes(head) == 200 * 32 * 4
+    h = torch.randn(1, 32, generator=g)
+    assert torch.equal(head(h), F.linear(h, w).float())
+    h5 = torch.randn(5, 32, generator=g)
+    _close(head(h5), F.linear(h5, w))

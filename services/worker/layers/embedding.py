@@ -27,7 +27,9 @@ class LMHead(nn.Module):
     tie_to: an embedding whose weight this head shares (tied embeddings), or None for a
     weight of its own. Call it only on the positions to be sampled. On the CPU the weight
     is re-laid column-major after loading (see `to_cpu_gemm_layout`); a tied embedding then
-    looks rows up with a strided gather, which costs little next to the matmuls.
+    looks rows up with a strided gather, which costs little next to the matmuls. An untied
+    fp32 weight is packed like `Linear`'s, with its dense copy `weight_dense` for one-row
+    products where `kernels.cpu_linear.KEEP_DENSE_ONE_ROW` keeps one (else None).
     """
 
     def __init__(self, vocab_size: int, hidden: int, tie_to: VocabEmbedding | None = None):
@@ -37,8 +39,11 @@ class LMHead(nn.Module):
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+        self.weight_dense: torch.Tensor | None = None  # one-row copy beside a packed weight (`Linear`'s)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.weight_dense is not None and hidden.shape[0] == 1:
+            return F.linear(hidden, self.weight_dense).float()
         if self.weight.is_mkldnn or (not hidden.is_cuda and dense_linear_onednn(hidden, self.weight)):
             return packed_linear(hidden, self.weight)
         return F.linear(hidden, self.weight).float()

@@ -25,6 +25,8 @@ class Linear(nn.Module):
     forward's keyword arguments fuse a step before or after the matmul (see
     `kernels.linear.linear`): norm_weight / eps an RMSNorm of x, silu_mul a SiLU-and-mul of
     x [num_tokens, 2 * in_features], residual [num_tokens, out] an add to the output.
+    weight_dense: on the CPU, the dense column-major weight kept beside a packed `weight` for
+    one-row products (`kernels.cpu_linear.KEEP_DENSE_ONE_ROW`), else None.
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False):
@@ -37,6 +39,7 @@ class Linear(nn.Module):
             weight = torch.empty(in_features, sum(sizes)).t()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
+        self.weight_dense: torch.Tensor | None = None  # set by pack_cpu_weight
         if stacked:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -44,22 +47,25 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                 silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight if self.weight_dense is None or x.shape[0] != 1 else self.weight_dense
         if norm_weight is None and residual is None and not silu_mul:
-            return linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
-                      residual=residual)
+            return linear(x, w, self.bias)
+        return linear(x, w, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
 
     def process_weights_after_loading(self) -> None:
         """On the CPU: an fp32 W is replaced by its oneDNN-packed form (`kernels.cpu_linear`:
         same shape and values, fast at every row count; read it back with
-        `cpu_linear.dense`), other dtypes are stored column-major (`to_cpu_gemm_layout`)."""
+        `cpu_linear.dense`), other dtypes are stored column-major (`to_cpu_gemm_layout`);
+        with `cpu_linear.KEEP_DENSE_ONE_ROW` the dense weight stays too (`weight_dense`)."""
         pack_cpu_weight(self, "weight")
 
 
 def pack_cpu_weight(module: nn.Module, name: str) -> None:
     """Replace `module.<name>` (a loaded CPU weight [out, in]) by its oneDNN-packed
     parameter when `cpu_linear.packable`, else re-lay it (`to_cpu_gemm_layout`). The dense
-    tensor is dropped (one copy of the weights); `shard_sizes` is kept. Idempotent."""
+    tensor is dropped (one copy of the weights), unless `cpu_linear.KEEP_DENSE_ONE_ROW`:
+    then it stays, column-major, as the plain tensor `module.<name>_dense` for one-row
+    products. `shard_sizes` is kept. Idempotent."""
     w = getattr(module, name)
     if not cpu_linear.packable(w):
         to_cpu_gemm_layout(w)
@@ -67,7 +73,17 @@ def pack_cpu_weight(module: nn.Module, name: str) -> None:
     p = nn.Parameter(cpu_linear.pack(w.data), requires_grad=False)
     if hasattr(w, "shard_sizes"):
         setattr(p, "shard_sizes", getattr(w, "shard_sizes"))  # noqa: B009, B010 (as in Linear.__init__)
+    if cpu_linear.KEEP_DENSE_ONE_ROW:
+        to_cpu_gemm_layout(w)  # (a Linear's weight is born so: no copy)
+        setattr(module, f"{name}_dense", w.data)
     setattr(module, name, p)
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the dense weights kept beside packed ones for one-row products
+    (`pack_cpu_weight` with `cpu_linear.KEEP_DENSE_ONE_ROW`); 0 when none is kept."""
+    return sum(t.numel() * t.element_size() for m in model.modules()
+               for k, t in vars(m).items() if k.endswith("_dense") and isinstance(t, torch.Tensor))
 
 
 def unpack_cpu_weights(model: nn.Module) -> int:
@@ -83,6 +99,8 @@ def unpack_cpu_weights(model: nn.Module) -> int:
                 if hasattr(w, "shard_sizes"):
                     setattr(p, "shard_sizes", getattr(w, "shard_sizes"))  # noqa: B009, B010 (as in Linear.__init__)
                 setattr(m, name, p)
+                if getattr(m, f"{name}_dense", None) is not None:  # the copy would go stale: packing remakes it
+                    setattr(m, f"{name}_dense", None)
                 n += 1
     return n
 
