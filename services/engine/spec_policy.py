@@ -31,10 +31,14 @@ services/engine/step_cost.py).
   step is a plain one (async scheduling again).
 - Proposals: a request asks for k drafts after its seq when it verifies drafts now, or
   when its acceptance alone would pay for verifying at the current batch
-  (`break_even_acceptance`). The others are probed together, in probe steps: after
+  (`break_even_acceptance`) and its last EMPTY_RUN proposals did not all come back empty
+  (every asking seq is synchronous, and with cheap-looking drafts the estimate, which an
+  empty proposal only scales by 1 - ALPHA, stays above a near-zero break-even for long:
+  n-gram with nothing to copy). The others are probed together, in probe steps: after
   PROBE_MIN steps without one, every sampled seq that asks for none asks for k once and
   verifies up to PROBE_DRAFTS of what comes back in its next seq (whatever its acceptance
-  says); a probe's outcome weighs PROBE_ALPHA in the request's estimate (its text may have
+  says), asking again in that seq (synchronous anyway), so a probe that hits resumes
+  speculation at once; a probe's outcome weighs PROBE_ALPHA in the request's estimate (its text may have
   changed since), so a request whose text turns repetitive starts speculating again. Each
   probe step doubles the interval to the next, up to PROBE_MAX steps; a step that
   speculates on its merits sets it back to PROBE_MIN. A step only probes where
@@ -66,6 +70,7 @@ PROBE_MIN = 16       # sampled seqs without speculation before the first probe
 PROBE_MAX = 256      # the longest probe interval
 PROBE_DRAFTS = 1     # drafts a probe verifies
 PROBE_ALPHA = 0.5    # weight of a probe's outcome (the text may have changed since the last)
+EMPTY_RUN = 4        # empty proposals in a row after which a request stops asking (until a probe)
 MIN_GAIN = 1e-3      # draft gains below this are never considered
 SCAN_DENSE = 32      # every K up to this is evaluated, then K grows by 25%
 
@@ -82,15 +87,17 @@ class SpecState:
     """One request's speculation state (module doc).
 
     accepted, trials: moving averages (acceptance = accepted / trials). probing: a probe's
-    drafts are on their way or due to be verified.
+    drafts are on their way or due to be verified. empty: its proposals in a row that came
+    back empty.
     """
 
-    __slots__ = ("accepted", "trials", "probing")
+    __slots__ = ("accepted", "trials", "probing", "empty")
 
     def __init__(self, prior: float):
         self.accepted = prior * PRIOR_WEIGHT
         self.trials = PRIOR_WEIGHT
         self.probing = False
+        self.empty = 0
 
     @property
     def acceptance(self) -> float:
@@ -279,9 +286,8 @@ class SpecPolicy:
         if self.fixed:
             return n
         st = self.state(req)
-        if (k > 0 and not st.probing) or (
-                not declined and st.acceptance > self.break_even_acceptance()):
-            return n
+        if k > 0 or (not declined and st.empty < EMPTY_RUN and st.acceptance > self.break_even_acceptance()):
+            return n  # (a probe's verify seq asks again: it is synchronous anyway)
         if self._probe_step and not st.probing:
             st.probing = True
             return n
@@ -311,7 +317,10 @@ class SpecPolicy:
                 self.num_empty_proposals += 1
                 st.observe(0, 1, PROBE_ALPHA if st.probing else ALPHA)
                 st.probing = False
+                st.empty += 1
                 self.acceptance -= GLOBAL_ALPHA * self.acceptance
+            else:
+                st.empty = 0
 
     def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
         """A step of `tokens` tokens (drafts included) took `seconds`; speculative: a seq

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 
 from services.engine.request import Request
-from services.engine.spec_policy import (MARGIN, PROBE_ALPHA, PROBE_DRAFTS, PROBE_MAX, PROBE_MIN, SpecPolicy,
+from services.engine.spec_policy import (EMPTY_RUN, MARGIN, PROBE_ALPHA, PROBE_DRAFTS, PROBE_MAX, PROBE_MIN,
+                                         SpecPolicy,
                                          expected_accepted)
 from services.engine.step_cost import CostCurve, bucket_of
 from shared import protocol as P
@@ -263,3 +264,60 @@ def test_many_requests_with_costly_speculative_steps_never_lose(budget):
     assert wrong == plain and right == plain
     assert t_plain / t_wrong >= 0.97, (t_plain / t_wrong, s_wrong["spec_decode_num_probes"])
     assert t_plain / t_right >= (1.5 if budget > 32 * 5 else 0.97), t_plain / t_right
+
+
+def test_a_request_whose_proposals_come_back_empty_stops_asking_until_a_probe_step():
+    """Drafts that look free (flat step costs: the break-even acceptance is near 0) and a
+    request whose estimate is high: it asks EMPTY_RUN times, then only in probe steps,
+    though its estimate still clears the break-even; a probe that comes back is verified
+    and its verify seq asks again."""
+    sp = _policy(c0=0.010, c1=0.0)
+    r = _req("r", 0.9, sp)
+    asks = []
+    for i in range(100):
+        sp.begin_step(1, 1, async_ok=True)
+        if i == EMPTY_RUN:  # the estimate alone would go on asking
+            assert sp.state(r).acceptance > 3 * sp.break_even_acceptance()
+        if sp.num_propose(r, 0, 10):
+            asks.append(i)
+            sp.observe_result(r, 0, 0, 4, 0)  # came back empty
+    assert asks[:EMPTY_RUN] == list(range(EMPTY_RUN))
+    assert len(asks) == EMPTY_RUN + sp.num_probes and sp.num_probes <= 3  # probe steps only
+    while True:  # the next probe step: its proposal comes back
+        sp.begin_step(1, 1, async_ok=True)
+        if sp.num_propose(r, 0, 10):
+            break
+    sp.observe_result(r, 0, 0, 4, 3)
+    assert sp.state(r).empty == 0
+    sp.begin_step(1, 1, async_ok=True)
+    assert sp.choose([(r, 3)]) == {"r": PROBE_DRAFTS} and sp.num_propose(r, PROBE_DRAFTS, 10) == 4
+    sp.observe_result(r, PROBE_DRAFTS, PROBE_DRAFTS, 4, 4)
+    sp.begin_step(1, 1, async_ok=True)
+    assert sp.choose([(r, 4)]) == {"r": 4} and sp.num_propose(r, 4, 10) == 4
+
+
+def flat(plan: P.StepPlan) -> float:
+    """Step seconds that do not grow with tokens: verifying looks free, the break-even
+    acceptance is near 0."""
+    return 0.010
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_empty_proposals_stop_the_asking_and_a_copy_that_starts_late_is_found(async_scheduling):
+    """Proposals empty for the first 60 outputs (nothing to copy), then right: few seqs ask
+    (each is synchronous) during the empty stretch, decodes are planned ahead there, and a
+    probe step turns speculation on after the stretch ends. Outputs equal the plain run's."""
+    reqs = _reqs(1, max_tokens=200)
+    plain, _, _, _ = _simulate(None, 0.0, flat, reqs)
+    core, worker = pair(spec_json(4, "adaptive"), 0.0, 1, step_cost=flat, max_model_len=400, max_num_seqs=1,
+                        async_scheduling=async_scheduling, worker_kw={"short": lambda rid, i: 0 if i < 60 else 4})
+    got = outputs(run(core, worker, reqs, async_scheduling), reqs)
+    assert got == plain
+    early = [p for p in worker.proposals if p[1] < 60]
+    assert len(early) <= EMPTY_RUN + 3, early  # the run, then probe steps 16, 32, 64 apart
+    if async_scheduling:
+        assert worker.pending_fed >= 60 - 2 * len(early)
+    first_on = min(i for _, i, _, a in worker.verified if a > 0)
+    assert 60 <= first_on < 60 + 2 * PROBE_MAX // 4
+    accepted = sum(a for _, i, _, a in worker.verified if i >= first_on)
+    assert accepted >= 0.7 * (200 - first_on)
