@@ -288,18 +288,12 @@ def main() -> None:
     ap.add_argument("--attention", choices=["multi_query", "prefill"], default="multi_query",
                     help="the kernel of verify steps' attention: the split-K multi-query kernel "
                          "(kernels/attention_multi_query.py, the default) or the varlen prefill kernel")
-    ap.add_argument("--gemv-rows", type=int, default=None,
-                    help="kernels.gemv.MAX_ROWS: rows up to which projections take the multi-row gemv "
-                         "kernel (1: one-row decode only, the skinny kernel above)")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.attention == "prefill":
         from kernels import attention_triton
         attention_triton.DECODE_DEFAULTS["multi_query"] = False
-    if a.gemv_rows is not None:  # before the runner is built (its FusionPlan reads it)
-        from kernels import gemv
-        gemv.MAX_ROWS = a.gemv_rows
     tiny = a.tiny
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \

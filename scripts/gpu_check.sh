@@ -5,17 +5,8 @@
 # Uses the system python3 with PYTHONPATH=. (the project venv does not travel); installs
 # carried wheels from .whl/ (msgspec) into /tmp/site when present.
 set -u
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-} 2>&1 | tee "$OUT/env.txt"
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
 t0=$(date +%s)
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/tests_gpu.txt"
 echo "tests/gpu took $(( $(date +%s) - t0 )) s"

@@ -6,18 +6,10 @@
 # baseline against the split-K multi-query kernel). Everything lands under $OUT (default
 # ./gpu_out): env.txt, tests.txt, svc_<config>_<variant>.json, bench.log, summary.txt.
 # Run from the repo root:  bash scripts/gpu_spec_ab.sh [CONFIG ...]   (default qwen3-0.6b)
-#   VARIANTS="rows1=--gemv-rows,1 rows8=--gemv-rows,8" bash scripts/gpu_spec_ab.sh
+#   VARIANTS="base=--attention,multi_query p=--attention,prefill" BENCH_ARGS="--parts verify profile" bash scripts/gpu_spec_ab.sh
 set -u
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-} 2>&1 | tee "$OUT/env.txt"
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
     tests/gpu/test_spec_runner_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_spec_heads_gpu.py tests/gpu/test_fused_linear_gpu.py tests/gpu/test_decode_path_gpu.py \

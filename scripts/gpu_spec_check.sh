@@ -16,18 +16,8 @@
 # (msgspec, ...) into /tmp/site when present, as scripts/gpu_check.sh does.
 set -u
 PART=${1:-all}
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  git log -1 --format='commit %H %s' 2>/dev/null || true
-} 2>&1 | tee "$OUT/env.txt"
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   t0=$(date +%s)
   tests=$(ls tests/gpu/test_spec*_gpu.py tests/gpu/test_rejection*_gpu.py 2>/dev/null)

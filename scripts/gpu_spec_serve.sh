@@ -14,18 +14,8 @@
 # default run takes about 300 s). Uses the system python3 with PYTHONPATH=. and the carried
 # wheels from .whl/ installed into /tmp/site, as scripts/gpu_spec_check.sh does.
 set -u
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  git log -1 --format='commit %H %s' 2>/dev/null || true
-} 2>&1 | tee "$OUT/env.txt"
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
 t0=$(date +%s)
 timeout "${SERVE_TIMEOUT:-540}" python3 benchmarks/spec_serve.py --out "$OUT/spec_serve.json" \
   --notes "scripts/gpu_spec_serve.sh" "$@" >/dev/null 2>"$OUT/spec_serve.log"

@@ -27,6 +27,7 @@ import bisect
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kernels.pending_ids import resolve_pending_ids
@@ -38,6 +39,22 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = {1, 2, 4, 8, *range(16, 33, 8), *range(48, 129, 16), *range(160, max_num_seqs + 1, 32)}
     return sorted(s for s in sizes | {max_num_seqs} if s <= max_num_seqs)
 
+
+
+def stage_tables(host: np.ndarray, staged: list[tuple[list[int] | None, int]], tables: list[list[int]]) -> None:
+    """Copy each block table into row i of a graph's pinned host table buffer `host`
+    [max_bs, width], only what changed since the last step: a list passed again (the same
+    object, entries unchanged, possibly longer) copies just its new tail. staged[i] keeps
+    (the list, its length) of row i; updated here."""
+    for i, t in enumerate(tables):
+        had, n = staged[i]
+        if had is t:
+            if n == len(t):
+                continue
+            host[i, n:len(t)] = t[n:]
+        else:
+            host[i, :len(t)] = t
+        staged[i] = (t, len(t))
 
 class DecodeGraphs:
     """Captured decode forwards with persistent inputs.
@@ -136,15 +153,6 @@ class DecodeGraphs:
             hdr[3, b:bs] = 0
         # entries past a table's end are stale and never read (attention reads only blocks
         # below seq_len)
-        ht, staged = self._host_tables, self._staged
-        for i, t in enumerate(tables):
-            had, n = staged[i]
-            if had is t:
-                if n == len(t):
-                    continue
-                ht[i, n:len(t)] = t[n:]
-            else:
-                ht[i, :len(t)] = t
-            staged[i] = (t, len(t))
+        stage_tables(self._host_tables, self._staged, tables)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.worker.cuda_graphs import capture_sizes
+from services.worker.cuda_graphs import capture_sizes, stage_tables
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.verify_layout import VerifyLayout, graph_k, verify_layout
 from shared.protocol import ScheduledSeq
@@ -232,16 +232,7 @@ class VerifyGraphs:
             lens[b:bs] = 0
         # entries past a table's end are stale block ids (or 0) of earlier steps: the kernels
         # read those of a padded seq's last K keys, never a -1 (module doc)
-        ht, staged = self._h_tables, self._staged
-        for i, tb in enumerate(tables):
-            had, m = staged[i]
-            if had is tb:
-                if m == len(tb):
-                    continue
-                ht[i, m:len(tb)] = tb[m:]
-            else:
-                ht[i, :len(tb)] = tb
-            staged[i] = (tb, len(tb))
+        stage_tables(self._h_tables, self._staged, tables)
         self.graphs[(bs, k)].replay()
         self.replays += 1
         hidden, aux = self.outputs[(bs, k)]
