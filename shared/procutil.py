@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 from typing import NoReturn
 
@@ -55,7 +56,9 @@ def supervisor_pid() -> int | None:
 
 
 def ignore_sigint_if_supervised() -> None:
-    """Under a supervisor, ignore SIGINT from now on (also across exec).
+    """Under a supervisor, ignore SIGINT from now on (also across exec), then unblock it
+    (spawn_supervised starts children with it blocked; a Ctrl-C that came meanwhile is
+    pending, and an ignored pending signal is discarded).
 
     A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the supervisor
     alone reacts (an orderly drain: frontends, then engine, then workers, each by SIGTERM).
@@ -64,6 +67,21 @@ def ignore_sigint_if_supervised() -> None:
     """
     if supervisor_pid() is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def spawn_supervised(argv: list[str], **popen_kw) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **popen_kw)` for a child of the supervisor, started with
+    SIGINT blocked: the blocked mask survives fork and exec, so a Ctrl-C to the process
+    group while the child's interpreter still starts up (before its
+    ignore_sigint_if_supervised) stays pending instead of raising KeyboardInterrupt in
+    it. The caller's thread has SIGINT blocked only for the call; one that arrived
+    meanwhile is delivered to it right after."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return subprocess.Popen(argv, **popen_kw)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def on_stop_signals(handler) -> None:

@@ -69,7 +69,8 @@ from services.supervisor.standby import STANDBY_DELAY_S, Standby
 from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
 from shared.config import KestrelConfig
 from shared.model_spec import ModelFolderError, model_spec_for
-from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging
+from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging,
+                             spawn_supervised)
 from shared.restart_counts import write_restart_counts
 from shared.runtime_dir import (private_dir, remove_if_empty, sweep_dead_runtime_dirs,
                                 write_owner, write_private_file)
@@ -94,7 +95,7 @@ class Child:
         """Start (or start again) the process, from its standby when one is ready; the
         previous handle is dropped."""
         spare = self.standby.take() if self.standby is not None else None
-        self.proc = spare or subprocess.Popen(self.argv, env=self.env)
+        self.proc = spare or spawn_supervised(self.argv, env=self.env)
         log.info("started %s (pid %d%s)", self.role, self.proc.pid,
                  ", its standby" if spare else "")
 

@@ -20,6 +20,8 @@ import logging
 import signal
 import subprocess
 
+from shared.procutil import spawn_supervised
+
 log = logging.getLogger("kestrel.supervisor")
 
 STANDBY_DELAY_S = 10.0  # the group serves this long before its spares are made
@@ -42,7 +44,7 @@ class Standby:
 
     def spawn(self) -> None:
         """Start the spare (it imports, then waits for activation)."""
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE)
+        self.proc = spawn_supervised(self.argv, env=self.env, stdin=subprocess.PIPE)
         log.info("standby for %s started (pid %d)", self.role, self.proc.pid)
 
     def take(self) -> subprocess.Popen | None:

@@ -210,6 +210,30 @@ def _close_rings():
         _RINGS.pop().close()
 
 
+def test_a_child_spawned_by_the_supervisor_survives_ctrl_c_while_its_interpreter_starts():
+    # SIGINT at once, while the child's interpreter is still starting (its first line sleeps
+    # before ignore_sigint_if_supervised, as a slow import would): it must stay pending and
+    # be discarded, not raise KeyboardInterrupt (a Ctrl-C as a standby was being spawned).
+    from shared.procutil import spawn_supervised
+
+    code = ("import time; time.sleep(1.0); from shared.procutil import ignore_sigint_if_supervised;"
+            "ignore_sigint_if_supervised(); time.sleep(0.2); print('alive', flush=True)")
+    env = dict(os.environ, KESTREL_SUPERVISOR_PID=str(os.getpid()))
+    p = spawn_supervised([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        assert (p.returncode, out.strip()) == (0, b"alive"), err.decode()
+        assert b"KeyboardInterrupt" not in err
+    finally:
+        p.kill()
+        p.wait()
+    # the caller's thread got its mask back: SIGINT is not left blocked here
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
 def test_children_of_a_supervisor_ignore_sigint_but_a_lone_process_stops():
     code = ("import os, signal, time; from shared.procutil import on_stop_signals;"
             "on_stop_signals(lambda s, f: os._exit(7)); print('ready', flush=True);"
