@@ -6,7 +6,8 @@ One sequence: a 1024-token random prompt is prefilled, then `--steps` tokens are
 forward, logits, sampling, the copy of the token back), with CUDA graphs and eager on
 the same runner; also the median GPU time (CUDA events) of the forward + logits alone.
 Roofline: bytes per token = every parameter once (a tied embedding once, read whole by the
-lm_head) + the KV cache read at the context length; time = bytes / copy bandwidth, the
+lm_head; a MoE's expert weights at the share num_experts_per_tok / num_experts that one token
+reads) + the KV cache read at the context length; time = bytes / copy bandwidth, the
 bandwidth measured in this run (device-to-device copy of 2 GiB, read + write bytes).
 Writes JSON to --out and stdout.
 
@@ -60,6 +61,13 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(times)
+
+
+def active_expert_share(hf_config) -> float:
+    """num_experts_per_tok / num_experts of a MoE config.json (the share of its expert
+    weights one token reads), 1.0 for a dense model."""
+    e = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    return int(hf_config.get("num_experts_per_tok", e)) / e if e > 1 else 1.0
 
 
 def decode_steps(runner, prompt, table, steps) -> tuple[list[float], list[float]]:
@@ -126,7 +134,10 @@ def main() -> None:
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
            "pdl": a.pdl, "gemv": a.gemv, "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once + KV of the context (K and V, every layer)
-    params = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
+    # (a MoE's stacked experts count k / E: one token reads the weights of its k experts)
+    active = active_expert_share(runner.spec.hf_config)
+    params = {p.data_ptr(): p.numel() * p.element_size() * (active if hasattr(p, "num_experts") else 1)
+              for p in runner.model.parameters()}
     per_tok = runner.kv_layout.block_bytes // runner.kv_layout.block_size
     kv_bytes = per_tok * (a.context + a.steps // 2)
     bytes_per_token = sum(params.values()) + kv_bytes

@@ -1,4 +1,4 @@
-"""RMSNorm, alone and fused with the residual add.
+"""RMSNorm, alone, fused with the residual add, and gated (`rms_norm_gated`, gated DeltaNet).
 
 Dispatchers `rms_norm` and `fused_add_rms_norm` pick the torch references (`*_ref`) on the
 CPU and `*_triton` (bottom of this file) on CUDA tensors when Triton imports.
@@ -40,6 +40,23 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """
     residual = x + residual
     return rms_norm_ref(residual, weight, eps), residual
+
+
+def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm (gated DeltaNet's output norm): rms_norm(x) * silu(gate), norm first.
+
+    x, gate: [..., dim], same dtype; weight: [dim]. Returns [..., dim] in x's dtype. Order as
+    Hugging Face's Qwen3NextRMSNormGated: x normalised in fp32 and cast back, times the weight
+    in the dtype, times silu(gate) in fp32, cast once at the end.
+    """
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Dispatcher for `rms_norm_gated_ref` (see there): the reference on every device for now."""
+    return rms_norm_gated_ref(x, gate, weight, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, 
 from shared.config_generation import GenerationDefaults
 from shared.config_generation import resolve as resolve_generation_defaults
 from shared.cpu_budget import resolve_num_threads
-from shared.model_spec import kv_dtype_in_use
+from shared.model_spec import kv_dtype_in_use, load_model_spec
 from shared.runtime_dir import runtime_base as runtime_dir_base
 from shared.spec_config import SpeculativeConfig, check_speculative
 
@@ -271,6 +271,7 @@ def _validate(cfg: KestrelConfig) -> None:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # quantized KV: refused before any process starts
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
+    check_recurrent_state(cfg)
     if cfg.generation_config != "auto" and cfg.generation_config != "vllm" and \
             not os.path.isdir(cfg.generation_config):
         raise ValueError(f"setting generation_config: {cfg.generation_config!r} is not 'auto', "
@@ -334,12 +335,56 @@ def _derive(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, s
         put("worker_timeout_s", 30.0 if cuda else 10.0)
     if values["step_timeout_s"] is None:
         put("step_timeout_s", 180.0 if cuda else 600.0)
+    if _has_recurrent_state(values["model"]):  # a hybrid model (docs/ARCHITECTURE.md §4.7)
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if sources[name] == "default" or sources[name].startswith("profile:"):
+                put(name, name == "enforce_eager")
     detail = ""
     if not values["num_threads"]:  # 0 or unset: from the CPUs this process may use
         choice = resolve_num_threads(values["num_threads"], "cuda" if cuda else "cpu")
         put("num_threads", choice.threads)
         detail = choice.reason
     return detail
+
+
+def _has_recurrent_state(model: str) -> bool:
+    """Whether the model folder's config.json names recurrent layers (`ModelSpec.
+    has_recurrent_state`); False when the folder cannot be read (its own check reports it)."""
+    try:
+        return load_model_spec(model).has_recurrent_state
+    except (OSError, ValueError):
+        return False
+
+
+# What a model with recurrent layers cannot run yet (its state is not checkpointed per block,
+# not kept per draft position, not captured in CUDA graphs): setting -> why, when it is on.
+RECURRENT_STATE_REFUSALS = {
+    "enable_prefix_caching": "a prefix-cache hit would skip the recurrent layers' state of the prefix "
+                             "(state checkpoints per block are not built yet)",
+    "speculative_config": "a verify step would need the recurrent state of every draft position",
+    "kv_offload_cpu_gib": "the kvstore tiers store paged KV only, not the recurrent state",
+    "enforce_eager": "the CUDA graphs do not capture the recurrent state's slots yet; run eagerly",
+}
+
+
+def check_recurrent_state(cfg: KestrelConfig) -> None:
+    """Refuse settings a hybrid model (recurrent layers) cannot run with: prefix caching,
+    speculative decoding, the kvstore tiers, CUDA graphs (`RECURRENT_STATE_REFUSALS`; the
+    derived defaults already turn prefix caching off and enforce_eager on). Raises
+    ValueError naming the setting."""
+    if not _has_recurrent_state(cfg.model):
+        return
+    on = {"enable_prefix_caching": cfg.enable_prefix_caching,
+          "speculative_config": bool(cfg.speculative_config),
+          "kv_offload_cpu_gib": (cfg.kv_offload_cpu_gib or 0) > 0,
+          "enforce_eager": cfg.device == "cuda" and not cfg.enforce_eager}
+    for name, why in RECURRENT_STATE_REFUSALS.items():
+        if on[name]:
+            fix = {"enable_prefix_caching": "--enable-prefix-caching false", "speculative_config":
+                   "no --speculative-config", "kv_offload_cpu_gib": "--kv-offload-cpu-gib 0",
+                   "enforce_eager": "--enforce-eager true"}[name]
+            raise ValueError(f"setting {name}: not supported with {os.path.basename(cfg.model)!r}, a model "
+                             f"with recurrent (linear-attention) layers: {why}; use {fix}")
 
 
 def ring_name(instance_id: str, ring: str) -> str:

@@ -84,7 +84,7 @@ class KVLayout:
         if spec.num_kv_heads % parallel.tp_size:
             raise ValueError(f"{spec.num_kv_heads} KV heads do not split over "
                              f"{parallel.tp_size} tensor-parallel ranks")
-        return cls(block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_dtype,
+        return cls(block_size, len(spec.attention_layer_ids), spec.num_kv_heads, spec.head_dim, spec.kv_dtype,
                    dtype_bytes(spec.kv_dtype),
                    model_identity(spec.path, spec.dtype, spec.kv_dtype, block_size, parallel),
                    parallel)

@@ -30,6 +30,23 @@ DTYPE_BYTES: Mapping[str, int] = MappingProxyType(
 # full 128k context of a large model would not fit the default budgets)
 MAX_MODEL_LEN_CAP = 8192
 DEFAULT_MAX_POSITIONS = 2048  # max_position_embeddings when config.json has none (HF's default)
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"  # config.json layer_types
+
+
+def _layer_types(text: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """`ModelSpec.layer_types` from a (text) config. Raises ValueError for a list of the
+    wrong length or an unknown kind."""
+    kinds = text.get("layer_types")
+    if kinds is None and text.get("full_attention_interval"):
+        every = int(text["full_attention_interval"])
+        kinds = [FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    if not kinds:
+        return ()
+    kinds = [str(k) for k in kinds]
+    if len(kinds) != num_layers or not set(kinds) <= {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise ValueError(f"layer_types must name {num_layers} layers, each {FULL_ATTENTION!r} "
+                         f"or {LINEAR_ATTENTION!r}: {kinds}")
+    return tuple(kinds)
 
 
 class ModelFolderError(ValueError):
@@ -86,6 +103,10 @@ class ModelSpec:
     dtype: weights and activations ("float32", "bfloat16", "float16"). kv_dtype: the KV cache
     dtype in use (`kv_dtype_in_use`). max_model_len: prompt + output tokens of one request.
     hf_config: the config.json object, read-only (for a model class's own fields, e.g. rope).
+    layer_types: each decoder layer's kind, "full_attention" (paged KV) or "linear_attention"
+    (a recurrent state: gated DeltaNet), from config.json `layer_types` or, without it,
+    `full_attention_interval` (every interval-th layer is attention, as Qwen3-Next's config
+    defines it); () when the file has neither: every layer is attention.
     """
 
     path: str
@@ -108,6 +129,19 @@ class ModelSpec:
     kv_dtype: str
     max_model_len: int
     hf_config: Mapping[str, Any] = field(compare=False, repr=False)
+    layer_types: tuple[str, ...] = ()
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """The decoder layers with paged KV, in order (every layer without layer_types)."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some layer keeps a per-request recurrent state (a hybrid model)."""
+        return any(t != FULL_ATTENTION for t in self.layer_types)
 
 
 def _ids(v: Any) -> list[int]:
@@ -185,6 +219,7 @@ def load_model_spec(path: str, *, dtype: str = "float32", kv_cache_dtype: str = 
             kv_dtype=kv_dtype,
             max_model_len=max_model_len or default_max_model_len(max_pos),
             hf_config=MappingProxyType(hf),
+            layer_types=_layer_types(text, int(text["num_hidden_layers"])),
         )
     except KeyError as e:
         raise ModelFolderError(f"malformed config.json in {path!r}: no field {e}") from None

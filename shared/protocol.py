@@ -271,6 +271,11 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     # 0) carries the tokens [0, start_pos) the workers never ran (a prefix-cache hit or a
     # tier load), so the worker's token history (services/worker/spec/history.py) is whole.
     context_token_ids: list[int] = []
+    # A model with recurrent layers (gated DeltaNet; docs/ARCHITECTURE.md §4.7): the
+    # request's state slot (services/engine/state_slots.py), -1 for a model without. The
+    # seq continues from the slot's state when start_pos > 0; at start_pos 0 (a new or
+    # preempted request) the workers start it from zeros.
+    state_slot: int = -1
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True):

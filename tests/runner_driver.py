@@ -41,11 +41,17 @@ def generate(runner: ModelRunner, prompts: list[list[int]], n: int,
     at most `chunk` tokens (None = whole prompt); a sequence decodes as soon as its prefill
     is done, so chunked runs mix prefill chunks and decodes in one step. pending: decodes
     feed PENDING_TOKEN (the runner's own copy of the last draw, as under async scheduling)
-    instead of the token that came back.
+    instead of the token that came back. A hybrid model's prompt i runs on state slot i
+    (the runner's state cache, docs/ARCHITECTURE.md §4.7).
     Raises ValueError when the KV cache is too small.
     """
     sampling = sampling or SamplingParams(temperature=0.0)
     bs = runner.block_size
+    has_state = getattr(runner, "state_cache", None) is not None
+
+    def slot(i: int) -> int:
+        return i if has_state else -1
+
     tables, nxt = [], 0
     for p in prompts:
         need = -(-(len(p) + n) // bs)
@@ -62,14 +68,15 @@ def generate(runner: ModelRunner, prompts: list[list[int]], n: int,
             if done[i] < len(p):
                 m = min(chunk or len(p), len(p) - done[i])
                 last = done[i] + m == len(p)
-                seqs.append(ScheduledSeq(f"r{i}", p[done[i]:done[i] + m], done[i], tables[i], last, sampling, 0))
+                seqs.append(ScheduledSeq(f"r{i}", p[done[i]:done[i] + m], done[i], tables[i], last, sampling, 0,
+                                         state_slot=slot(i)))
                 done[i] += m
                 if last:
                     who.append(i)
             elif len(outs[i]) < n:
                 o = outs[i]
                 seqs.append(ScheduledSeq(f"r{i}", [PENDING_TOKEN if pending else o[-1]], len(p) + len(o) - 1,
-                                         tables[i], True, sampling, len(o)))
+                                         tables[i], True, sampling, len(o), state_slot=slot(i)))
                 who.append(i)
         for i, tok in zip(who, runner.execute(StepPlan(step, seqs)).sampled_token_ids):
             outs[i].append(tok)

@@ -42,6 +42,7 @@ from services.engine.outputs import Emitted, emitted_for, refusal, request_outpu
 from services.engine.request import Request
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.spec_policy import SpecPolicy
+from services.engine.state_slots import StateSlots
 from services.engine.structured import GrammarError, RequestGrammar
 from shared import protocol as P
 from shared.config import KestrelConfig
@@ -95,8 +96,10 @@ class EngineCore:
                           enable_prefix_caching=cfg.enable_prefix_caching, root_hash=root_hash)
         spec_cfg = cfg.speculative
         self.spec = SpecPolicy(spec_cfg, bool(cfg.async_scheduling)) if spec_cfg is not None else None
+        slots = StateSlots(cfg.max_num_seqs) if info.has_recurrent_state else None  # §4.7
         self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.max_model_len, list(info.eos_token_ids), spec=self.spec)
+                                   self.max_model_len, list(info.eos_token_ids), spec=self.spec,
+                                   state_slots=slots)
         if connector is not None:
             self.scheduler.attach_connector(connector)
         self.grammars = grammars if grammars is not None else GrammarJobs(info)

@@ -66,7 +66,8 @@ class Request:
                  "stop_token_id", "num_preemptions", "first_scheduled", "sent_tokens",
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
-                 "worker_blocks", "inflight", "epoch", "draft_token_ids", "spec_inflight", "spec")
+                 "worker_blocks", "inflight", "epoch", "draft_token_ids", "spec_inflight", "spec",
+                 "state_slot")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -97,6 +98,7 @@ class Request:
         self.draft_token_ids: list[int] = []  # drafts for the next seq (§5.5)
         self.spec_inflight = False  # a seq that verified or proposed is in flight
         self.spec: SpecState | None = None  # the speculation policy's state (spec_policy.py)
+        self.state_slot = -1  # a hybrid model's recurrent-state slot while running (state_slots.py)
 
     @property
     def has_penalty(self) -> bool:

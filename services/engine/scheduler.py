@@ -53,6 +53,7 @@ from services.engine.draft_schedule import DraftScheduler
 from services.engine.kv_connector import KVConnector
 from services.engine.request import Request, RequestStatus
 from services.engine.spec_policy import SpecPolicy
+from services.engine.state_slots import StateSlots
 from services.engine.stop_conditions import stop_reason
 from services.engine.step_plan import SeqWork, build_plan, sampled_counts
 from shared.protocol import FinishReason, StepPlan, TokenLogprob
@@ -85,11 +86,17 @@ class Scheduler:
     max_model_len: prompt + output tokens of one request. eos_token_ids: ids that end a
     request (unless ignore_eos). connector: the KV tiers (module doc), or None.
     spec: the speculative decoding policy (module doc), or None (off).
+    state_slots: the recurrent-state slots of a hybrid model (`state_slots.py`; at least
+    max_num_seqs of them), or None: a running request holds one (`Request.state_slot`).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
-                 connector: KVConnector | None = None, spec: SpecPolicy | None = None):
+                 connector: KVConnector | None = None, spec: SpecPolicy | None = None,
+                 state_slots: StateSlots | None = None):
+        if state_slots is not None and state_slots.num_slots < max_num_seqs:
+            raise ValueError(f"{state_slots.num_slots} state slots for max_num_seqs {max_num_seqs}")
+        self.slots = state_slots
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -136,6 +143,7 @@ class Scheduler:
             self.worker_forget.append(request.request_id)
             request.worker_blocks = 0
         self.bm.free(request)
+        self._give_back_slot(request)
         if self.connector is not None:
             self.connector.release(request)
         if request in self.running:
@@ -249,6 +257,8 @@ class Scheduler:
                 req.num_cached_tokens = computed
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if self.slots is not None:
+                req.state_slot = self.slots.take()
             if req.first_scheduled is None:
                 req.first_scheduled = time.time()
             self.running.append(req)
@@ -347,6 +357,7 @@ class Scheduler:
         """Free the victim's blocks and put it first in line to recompute from token 0."""
         self.running.remove(victim)
         self.bm.free(victim)
+        self._give_back_slot(victim)  # it recomputes from token 0 into the slot it gets next
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
         victim.draft_token_ids = []  # they follow a position it no longer holds
         victim.num_computed_tokens = 0
@@ -355,6 +366,11 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+
+    def _give_back_slot(self, req: Request) -> None:
+        if req.state_slot >= 0 and self.slots is not None:
+            self.slots.give_back(req.state_slot)
+        req.state_slot = -1
 
     # ------------------------------------------------------------------ after the step
 

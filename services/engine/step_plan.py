@@ -80,6 +80,7 @@ def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str],
             table_start=known,
             num_draft=len(drafts),
             num_propose=work.num_propose if sample else 0,
+            state_slot=req.state_slot,
         )
         if send_context and not known and start > 0:
             seq.context_token_ids = req.token_slice(0, start)

@@ -16,6 +16,7 @@ import torch
 
 from services.worker.kv_cache import KVCache, PagedKVSpec
 from services.worker.layers.attention import bind_layers
+from services.worker.state_cache import StepState
 from shared.protocol import SamplingParams, ScheduledSeq
 
 log = logging.getLogger("kestrel.worker")
@@ -50,6 +51,11 @@ def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, in
     for i, (n, nb) in enumerate(zip(lens, blocks)):
         seqs.append(ScheduledSeq(f"profile{i}", [1] * n, 0, list(range(nxt, nxt + nb)), True, greedy))
         nxt += nb
+    state = getattr(runner, "state_cache", None)  # a hybrid model's recurrent layers run too
+    if state is not None:
+        for i, s in enumerate(seqs):
+            s.state_slot = i % state.num_slots
+        runner._step_state = StepState.for_seqs(state, seqs, dev)
     ids, pos, meta = runner._prepare(seqs)
     hidden = runner.run_model(ids, pos, meta, layers)
     rows = hidden[:1].expand(cfg.max_num_seqs, -1).contiguous()
@@ -58,6 +64,10 @@ def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, in
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del tmp, layers, hidden, rows, logits
+    if state is not None:
+        runner._step_state = None
+        for t in (t for layer in state.layers for t in layer):
+            t.zero_()  # the profile's states are no request's
     torch.cuda.empty_cache()
     budget = int(total * cfg.gpu_memory_utilization) - used_before - peak - MARGIN_BYTES
     log.info("gpu memory: total %.2f GiB, in use before KV %.2f GiB, activation peak %.2f GiB, "

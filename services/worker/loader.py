@@ -3,7 +3,9 @@
 Files: every shard listed in `model.safetensors.index.json` (paths relative to the folder,
 subfolders included), else `model.safetensors`. Each checkpoint tensor goes to one
 parameter, or to one shard of a stacked parameter (the model's `packed_modules`, e.g.
-q_proj -> shard 0 of qkv_proj). Loading fails loudly:
+q_proj -> shard 0 of qkv_proj), or to one expert's shard of a stacked expert parameter
+(`mlp.experts.3.up_proj.weight` -> expert 3, shard 1 of `mlp.experts.w13_weight`:
+`services.worker.layers.moe`). Loading fails loudly:
 - FileNotFoundError naming the file when a listed shard (or the only file) is missing;
 - ValueError naming the tensor and file on a shape mismatch, on a checkpoint tensor that no
   parameter takes, and naming the parameters that stay unloaded (a tied lm_head excepted).
@@ -22,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.worker.layers.linear import shard_rows, unpack_cpu_weights
+from services.worker.layers.moe import EXPERT_PARAMS, expert_shard
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,14 +51,33 @@ def checkpoint_files(path: str) -> list[str]:
     return [single]
 
 
-def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
-    """Checkpoint tensor name -> (parameter name, shard index or None)."""
+# A shard of a parameter: None (the whole tensor), a shard index of its rows, or
+# (expert, shard index or None) of a stacked expert parameter.
+Shard = int | tuple[int, int | None] | None
+
+
+def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, Shard]:
+    """Checkpoint tensor name -> (parameter name, shard). An expert's tensor
+    (`<prefix>.experts.<e>.<proj>.weight`, <proj> in `layers.moe.EXPERT_PARAMS`) goes to
+    the stacked parameter `<prefix>.experts.<ours>` as (e, shard)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
+        if (part == "experts" and i + 3 == len(parts) - 1 and parts[i + 1].isdigit()
+                and parts[i + 2] in EXPERT_PARAMS and parts[-1] == "weight"):
+            ours, shard = EXPERT_PARAMS[parts[i + 2]]
+            return ".".join(parts[:i + 1] + [ours]), (int(parts[i + 1]), shard)
         if part in packed:
             stacked, shard = packed[part]
             return ".".join(parts[:i] + [stacked] + parts[i + 1:]), shard
     return name, None
+
+
+def _destination(param: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The view of `param` that one checkpoint tensor fills. Raises IndexError for a shard
+    or expert the parameter does not have."""
+    if isinstance(shard, tuple):
+        return expert_shard(param, *shard)
+    return shard_rows(param, shard)
 
 
 def load_weights(model: nn.Module, path: str) -> int:
@@ -68,19 +90,24 @@ def load_weights(model: nn.Module, path: str) -> int:
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     packed = getattr(model, "packed_modules", {})
     ignored = getattr(model, "ignored_tensors", ())
+    ignored_prefixes = getattr(model, "ignored_prefixes", ())  # e.g. an MTP head not loaded
     tied = getattr(model, "tied_lm_head", False)
-    loaded: set[tuple[str, int | None]] = set()
+    loaded: set[tuple[str, Shard]] = set()
     unused: list[str] = []
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.endswith(ignored) or (tied and name == "lm_head.weight"):
+                if name.endswith(ignored) or name.startswith(ignored_prefixes) or \
+                        (tied and name == "lm_head.weight"):
                     continue
                 pname, shard = _target(name, packed)
                 if pname not in params:
                     unused.append(f"{name} ({os.path.relpath(file, path)})")
                     continue
-                dst = shard_rows(params[pname], shard)
+                try:
+                    dst = _destination(params[pname], shard)
+                except IndexError as e:
+                    raise ValueError(f"tensor {name} in {file}: {e} of parameter {pname}") from None
                 src = f.get_tensor(name)
                 if src.shape != dst.shape:
                     raise ValueError(f"tensor {name} in {file}: shape {tuple(src.shape)}, "
@@ -91,6 +118,8 @@ def load_weights(model: nn.Module, path: str) -> int:
         raise ValueError(f"checkpoint tensors not used by {type(model).__name__}: {unused}")
     missing = [n if s is None else f"{n}[shard {s}]" for n, p in params.items()
                for s in _shards(p) if (n, s) not in loaded]
+    if len(missing) > 20:
+        missing = missing[:20] + [f"... {len(missing) - 20} more"]
     if missing:
         raise ValueError(f"parameters not loaded from {path!r}: {missing}")
     process_weights_after_loading(model)
@@ -141,6 +170,11 @@ def process_weights_after_loading(model: nn.Module) -> None:
             hook()
 
 
-def _shards(p: torch.Tensor) -> list[int | None]:
+def _shards(p: torch.Tensor) -> list[Shard]:
+    """Every shard a checkpoint must fill for parameter p (see `Shard`)."""
     sizes = getattr(p, "shard_sizes", None)
-    return [None] if sizes is None else list(range(len(sizes)))
+    rows: list[int | None] = [None] if sizes is None else list(range(len(sizes)))
+    experts = getattr(p, "num_experts", None)
+    if experts is None:
+        return list(rows)
+    return [(e, r) for e in range(experts) for r in rows]

@@ -30,6 +30,7 @@ from services.worker.gpu_memory import profile_kv_budget
 from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionLayer, AttentionMetadata, bind_layers, select_backend
+from services.worker.state_cache import StateCache, StepState
 from services.worker.layers.linear import dense_copy_bytes
 from services.worker.loader import load_dummy_weights, load_weights
 from services.worker.models import model_class
@@ -143,6 +144,11 @@ class ModelRunner:
         # bytes of one block of the proposer's group, as KVCache lays it out (a meta-device block)
         self.draft_block_bytes = KVCache(draft_specs, 1, self.block_size, self.dtype, "meta").bytes if draft_specs else 0
         per_block = self.kv_layout.block_bytes + self.draft_block_bytes  # both groups index one block id
+        # a hybrid model's recurrent-state group (state_cache.py): one slot per running request,
+        # allocated before the KV sizing (which then counts it as used memory)
+        state_specs = module.state_specs()
+        self.state_cache = StateCache(state_specs, cfg.max_num_seqs, self.device) if state_specs else None
+        self._step_state: StepState | None = None  # the current step's view (run_model gives it on)
         self.activation_peak_bytes = 0
         if self.device.type == "cuda":  # KV sized from gpu_memory_utilization (gpu_memory.py)
             self.activation_peak_bytes, kv_budget = profile_kv_budget(self, cfg, kv_specs)
@@ -162,7 +168,8 @@ class ModelRunner:
         self.kv_transfer = KVTransfer(self.kv, self.kv_layout)  # kvstore tier copies (kv_transfer.py)
         self._graph_aux: dict[int, torch.Tensor] = {}  # batch size -> a graph's aux hidden output
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
+        if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention \
+                and self.state_cache is None:  # graphs do not capture state slots yet (shared/config.py)
             self.graphs = DecodeGraphs(self._graph_forward, cfg.max_num_seqs, self.max_model_len,
                                        self.block_size, self.device)
         self.verify_graphs: VerifyGraphs | None = None  # verify steps (verify_graphs.py)
@@ -204,6 +211,9 @@ class ModelRunner:
             "cuda_graph_sizes": self.graphs.sizes if self.graphs else [],
             "cuda_graph_capture_seconds": round(self.graphs.capture_seconds, 3) if self.graphs else 0.0,
             "kv_block_bytes": self.kv_transfer.slot_bytes,
+            # the recurrent-state group of a hybrid model (state_cache.py): 0 / 0 without one
+            "state_bytes": self.state_cache.bytes if self.state_cache else 0,
+            "state_slots": self.state_cache.num_slots if self.state_cache else 0,
             "speculative": proposer_report(self.proposer, self.num_speculative_tokens, self.draft_kv,
                                            self.draft_block_bytes),
             # verify steps' CUDA graphs (verify_graphs.py), only when captured
@@ -318,6 +328,8 @@ class ModelRunner:
             return verified
         input_ids, positions, meta = self._prepare(seqs)
         self._fill_pending(input_ids, seqs)
+        if self.state_cache is not None:
+            self._step_state = StepState.for_seqs(self.state_cache, seqs, self.device)
         hidden = self.run_model(input_ids, positions, meta)
         drafts = any(seqs[i].num_draft for i in rows)
         offsets: list[int] = []
@@ -351,6 +363,7 @@ class ModelRunner:
         layers: the attention layers to run on (default the runner's own; the KV sizing
         runs on a temporary cache)."""
         attn = select_backend(self.attn_layers if layers is None else layers, meta, self.use_ref_attention)
+        attn.state = self._step_state  # the recurrent layers' slots (hybrid models), set by the caller
         return self.model(input_ids, positions, attn, self.fusion.fused(input_ids.shape[0]))
 
     def _prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -29,6 +29,7 @@ from kernels.attention import RefAttentionPlan, paged_attention, paged_attention
 from kernels.rope_decode import rope_paged_decode
 from kernels.rotary import rotary_and_store_kv
 from services.worker.kv_cache import KVHandle, PagedKVSpec
+from services.worker.state_cache import StepState
 
 
 @dataclass
@@ -118,10 +119,13 @@ class AttentionBackend:
     and v are in the layer's cache afterwards.
     """
 
-    __slots__ = ("layers", "meta")
+    __slots__ = ("layers", "meta", "state")
 
     def __init__(self, layers: Sequence[AttentionLayer], meta: AttentionMetadata):
         self.layers, self.meta = layers, meta
+        # a hybrid model's recurrent-state view of the step (services/worker/state_cache.py
+        # `StepState`), set by the runner; None for a model without recurrent layers
+        self.state: StepState | None = None
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:

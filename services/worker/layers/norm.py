@@ -24,3 +24,24 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint stores weight - 1 (zero-centred; Qwen3-Next's norms:
+    rms_norm(x) * (1 + w)). The loaded parameter `weight` stays as the checkpoint has it;
+    `process_weights_after_loading` (run by the loader, again after any reload) sets the
+    scale 1 + weight that forward and the attention backend (q/k norms) use, `scale`
+    [hidden] in the parameter's dtype. In fp32 this equals the checkpoint model's
+    (x_norm * (1 + w)); in bf16 it rounds 1 + w once, at load."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__(hidden, eps)
+        self.scale = torch.empty(hidden)
+
+    def process_weights_after_loading(self) -> None:
+        self.scale = (1.0 + self.weight.detach().float()).to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.scale, self.eps)
+        return fused_add_rms_norm(x, residual, self.scale, self.eps)

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.qwen3 import Qwen3ForCausalLM
+from services.worker.models.qwen3_moe import Qwen3MoeForCausalLM
+from services.worker.models.qwen3_next import Qwen3NextForCausalLM
 from shared.model_spec import ModelSpec
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 # model_type -> architecture, for config files whose `architectures` is missing or null
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 def model_class(spec: ModelSpec) -> type:

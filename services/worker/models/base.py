@@ -15,6 +15,7 @@ import torch
 
 from services.worker.kv_cache import PagedKVSpec
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
+from services.worker.state_cache import StateSpec
 
 
 @runtime_checkable
@@ -22,7 +23,8 @@ class CausalLM(Protocol):
     """A causal language model the runner can serve (`services.worker.models.llama` is one).
 
     packed_modules: checkpoint module name -> (our stacked module, shard index), for the loader.
-    ignored_tensors: suffixes of checkpoint tensors skipped on purpose (e.g. rotary_emb.inv_freq).
+    ignored_tensors: suffixes of checkpoint tensors skipped on purpose (e.g. rotary_emb.inv_freq);
+    a model may also name `ignored_prefixes` (e.g. "mtp." for a head it does not load).
     tied_lm_head: whether the lm_head shares the embedding's weight (the loader expects no
     lm_head tensor then).
     """
@@ -55,6 +57,11 @@ class CausalLM(Protocol):
 
     def kv_specs(self) -> list[PagedKVSpec]:
         """What each layer caches, layer order (sizes the KV cache)."""
+        ...
+
+    def state_specs(self) -> list[StateSpec]:
+        """What each recurrent layer keeps per request, in layer order (§4.7; [] for a model
+        without recurrent layers: no state cache)."""
         ...
 
     def fusable_projections(self) -> list[torch.Tensor]:

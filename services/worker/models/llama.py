@@ -22,6 +22,7 @@ Two layer paths, chosen by the runner per step (`services.worker.fusion.FusionPl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,12 +138,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, layer_idx: int):
+    """One decoder layer: attention, then the MLP (`mlp`: a LlamaMLP by default; a family
+    may give another module with forward(x [T, hidden]) -> [T, hidden], e.g. a MoE block,
+    which then runs on the unfused path only)."""
+
+    def __init__(self, a: LlamaArgs, layer_idx: int, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = LlamaAttention(a, layer_idx)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = LlamaMLP(a)
+        self.mlp = mlp if mlp is not None else LlamaMLP(a)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,16 +163,22 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The fused path (module docstring): residual stream h [T, hidden] -> the next h."""
         h = self.self_attn(positions, h, attn, norm=self.input_layernorm, residual=h)
-        return self.mlp.forward_fused(h, self.post_attention_layernorm)
+        mlp = self.mlp
+        assert isinstance(mlp, LlamaMLP), "the fused path runs dense MLPs only (fusable_projections)"
+        return mlp.forward_fused(h, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArgs, max_positions: int):
+    """The decoder stack. mlp_for_layer(i): layer i's MLP module, None for a LlamaMLP."""
+
+    def __init__(self, a: LlamaArgs, max_positions: int,
+                 mlp_for_layer: Callable[[int], nn.Module | None] | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
         self.rotary = RotaryEmbedding(a.head_dim, a.rope_theta, max_positions, a.rope_scaling)
         # a plain list to iterate (typed, and cheaper per step than the ModuleList's iterator)
-        self.decoder_layers = [LlamaDecoderLayer(a, i) for i in range(a.num_hidden_layers)]
+        self.decoder_layers = [LlamaDecoderLayer(a, i, mlp_for_layer(i) if mlp_for_layer else None)
+                               for i in range(a.num_hidden_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -232,9 +243,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int | None = None):
         super().__init__()
         a = self.args = LlamaArgs.from_spec(spec, qk_norm=self.qk_norm)
-        self.model = LlamaModel(a, max(max_positions or 0, a.max_position_embeddings))
+        self.model = LlamaModel(a, max(max_positions or 0, a.max_position_embeddings),
+                                lambda i: self.mlp_for_layer(spec, a, i))
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings
+
+    def mlp_for_layer(self, spec: ModelSpec, a: LlamaArgs, layer_idx: int) -> nn.Module | None:
+        """Layer `layer_idx`'s MLP module; None = the dense LlamaMLP. A family with other
+        MLPs (Qwen3-MoE's expert layers) overrides it; built under the target device and
+        dtype like the rest of the model."""
+        return None
 
     # speculative decoding's target layers (CausalLM.aux_hidden_layers): none by default
     _aux_layers: tuple[int, ...] = ()
@@ -278,6 +296,10 @@ class LlamaForCausalLM(nn.Module):
         """What each layer caches: paged K/V of (num_kv_heads, head_dim)."""
         return [PagedKVSpec(self.args.num_key_value_heads, self.args.head_dim)] * self.args.num_hidden_layers
 
+    def state_specs(self) -> list:
+        """[]: no recurrent layers (services.worker.state_cache)."""
+        return []
+
     def fusable_projections(self) -> list[torch.Tensor]:
         """The projection weights of one decoder layer (all have the same shapes), for the
         runner's `FusionPlan`: the fused path needs the kernels to take each of them."""
@@ -285,4 +307,6 @@ class LlamaForCausalLM(nn.Module):
         if not layers:
             return []
         a, m = layers[0].self_attn, layers[0].mlp
+        if not all(isinstance(layer.mlp, LlamaMLP) for layer in layers) or not isinstance(m, LlamaMLP):
+            return []  # another family's MLP (mlp_for_layer) has no fused path
         return [p.weight for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]

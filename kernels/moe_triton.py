@@ -1,0 +1,180 @@
+"""Triton path of `kernels.moe`: one grouped GEMM kernel over expert-sorted (token, slot)
+pairs, launched twice.
+
+Input: the alignment of `kernels.moe.moe_align` (sorted_ids [P]: pair ids grouped by
+expert, each group padded with the sentinel T*k to whole BLOCK_M tiles; expert_of_block
+[P / BLOCK_M]: each tile's expert, -1 past the last group). The design is MegaBlocks' (Gale
+et al. 2022, arXiv 2211.15841) grouped GEMM as vLLM's fused_moe kernel runs it: a program
+per (M tile of sorted pairs, N tile); it reads its tile's expert (and returns at -1), gathers
+its pairs' rows of A, and runs a K loop of tl.dot against that expert's weight tile with an
+fp32 accumulator. Padding rows (the sentinel) load zeros and store nothing.
+
+- Launch 1 (gate_up, GATED): A = x, row of pair p = p // k (its token); the weight is
+  w13[e] [2I, H]; each program owns output columns n..n+BLOCK_N of both halves, so it keeps
+  two accumulators (gate rows n, up rows I + n) over the same x tiles, and its epilogue
+  stores act = silu(gate) * up (rounded as `kernels.moe.fused_moe_ref` rounds: gate and up
+  to x's dtype, silu to x's dtype, the product to x's dtype) into act [T*k, I], row p.
+- Launch 2 (down, WEIGHTED): A = act, row p; the weight is w2[e] [H, I]; the epilogue
+  rounds y to x's dtype, multiplies by topk_weights[p] in fp32 and stores [T*k, H] fp32
+  partials (`FP32_PARTIALS`; x's dtype when False, half the memory, one more rounding).
+Then out = partials.view(T, k, H).sum(1) cast to x's dtype (torch).
+
+Program order: a 1-D grid with the grouped ordering of the Triton matmul tutorial (GROUP_M
+M tiles walk the N tiles together), so that tiles of one expert and one set of rows are
+resident in L2 together.
+
+Launch configs: `pick_config(T, E, k, N, K, dtype_bytes)` -> {BLOCK_M, BLOCK_N, BLOCK_K,
+GROUP_M, num_warps, num_stages}, one config for both launches (they share the alignment,
+hence BLOCK_M). It looks up `TUNED_CONFIGS[(m_bucket(T), N, K)]` (N = 2I and K = H: w13's
+per-expert [N, K] shape; bf16/fp16 only) and falls back to `default_config`.
+TUNED_CONFIGS is empty here, so every shape takes the default: a tuning script is to fill
+it (sweeping the configs on the GPU for a model's (N, K) at each of M_BUCKETS, timing the
+whole `fused_moe_triton`, since the launches share BLOCK_M).
+tl.dot needs BLOCK_M, BLOCK_N and BLOCK_K >= 16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# (m_bucket, N, K) -> config dict (keys of `default_config`); filled by a tuning script
+TUNED_CONFIGS: dict[tuple[int, int, int], dict[str, Any]] = {}
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+FP32_PARTIALS = True  # the down launch's weighted outputs in fp32 (False: x's dtype)
+
+
+def m_bucket(num_tokens: int) -> int:
+    """The smallest of M_BUCKETS >= num_tokens (the largest for more tokens)."""
+    for b in M_BUCKETS:
+        if num_tokens <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int, dtype_bytes: int = 2) -> dict[str, Any]:
+    """The untuned launch config, by the mean pairs per expert (T*k/E): at decode sizes
+    (<= 16, most experts hold one pair or none) a 16-row tile and a long K tile (the time
+    is the weight read); 32-row tiles up to 64 pairs an expert; 64 x 128 tiles above.
+    dtype_bytes 4 (fp32) takes 2 pipeline stages in place of 3, to keep the gated launch's
+    buffers (an A tile and two weight tiles a stage) within the H200's 227 KB of shared
+    memory a block. Keys: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    stages = 2 if dtype_bytes > 2 else 3
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": stages}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": stages}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": stages}
+
+
+def pick_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int,
+                dtype_bytes: int = 2) -> dict[str, Any]:
+    """The launch config of `kernels.moe.fused_moe_triton` for T = num_tokens tokens and
+    w13's per-expert shape [n, k] = [2I, H]: TUNED_CONFIGS[(m_bucket(T), n, k)] for 2-byte
+    dtypes (the tuned ones), else `default_config` (fp32, a debugging path on the GPU,
+    always takes the default)."""
+    tuned = TUNED_CONFIGS.get((m_bucket(num_tokens), n, k)) if dtype_bytes <= 2 else None
+    return tuned or default_config(num_tokens, num_experts, top_k, dtype_bytes)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, tw_ptr, num_pairs, num_m_blocks, N, K,
+                     stride_am, stride_we, stride_wn, stride_om, up_offset,
+                     A_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    # out[p, n] for the pairs p of one M tile: A [rows, K] (row p // A_DIV), W [E, *, K]
+    # (row n of expert e at e * stride_we + n * stride_wn; with GATED the up row n at
+    # + up_offset), out [num_pairs, N]. Grid: num_m_blocks * cdiv(N, BLOCK_N) programs.
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n_blocks
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    expert = tl.load(expert_ptr + pid_m)
+    if expert < 0:  # a tile past the last expert's group
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    mvalid = pairs < num_pairs
+    rows = tl.where(mvalid, pairs // A_DIV, 0).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    a_rows = a_ptr + rows[:, None] * stride_am
+    # [BLOCK_K, BLOCK_N] tiles of W^T: element (k, n) at n * stride_wn + k
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        a = tl.load(a_rows + rk[None, :], mask=mvalid[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]
+        w = tl.load(w_cols + rk[:, None], mask=wmask, other=0.0)
+        acc = tl.dot(a, w, acc)
+        if GATED:
+            wu = tl.load(w_cols + up_offset + rk[:, None], mask=wmask, other=0.0)
+            acc_up = tl.dot(a, wu, acc_up)
+    dt = a_ptr.dtype.element_ty
+    if GATED:  # as fused_moe_ref: gate and up rounded, silu rounded, the product rounded
+        g = acc.to(dt).to(tl.float32)
+        u = acc_up.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        res = s * u
+    else:
+        res = acc.to(dt).to(tl.float32)
+    if WEIGHTED:
+        res = res * tl.load(tw_ptr + pairs, mask=mvalid, other=0.0).to(tl.float32)[:, None]
+    optrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(optrs, res.to(out_ptr.dtype.element_ty), mask=mvalid[:, None] & nmask[None, :])
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+            expert_of_block: torch.Tensor, tw: torch.Tensor, n: int, a_div: int, gated: bool,
+            cfg: dict[str, Any]) -> None:
+    """One grouped GEMM launch (module doc) writing out [T*k, n]."""
+    num_m_blocks = sorted_ids.shape[0] // cfg["BLOCK_M"]
+    grid = (num_m_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, w, out, sorted_ids, expert_of_block, tw, out.shape[0], num_m_blocks, n, w.shape[2],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), n * w.stride(1) if gated else 0,
+        A_DIV=a_div, GATED=gated, WEIGHTED=not gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
+def fused_moe_aligned(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      sorted_ids: torch.Tensor, expert_of_block: torch.Tensor, top_k: int,
+                      cfg: dict[str, Any]) -> torch.Tensor:
+    """The two launches and the sum over k (module doc) for T >= 1 tokens.
+
+    x [T, H], w13 [E, 2I, H], w2 [E, H, I] (one float dtype; w13 and w2 with unit last
+    stride), topk_weights [T, top_k] float, sorted_ids / expert_of_block from
+    `kernels.moe.moe_align(topk_ids, E, cfg["BLOCK_M"])`, cfg a `pick_config` dict.
+    Returns [T, H] in x's dtype. Shapes are not checked here (`kernels.moe` does).
+    Raises ValueError for a block size under 16 (tl.dot's minimum) or weights whose last
+    stride is not 1.
+    """
+    if min(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) < 16 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError(f"fused_moe_triton: config {cfg} (blocks >= 16), w13 strides {w13.stride()}, "
+                         f"w2 strides {w2.stride()} (unit last stride)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    t, h = x.shape
+    inter = w2.shape[2]
+    pairs = t * top_k
+    tw = topk_weights.reshape(-1)
+    if tw.stride(0) != 1:
+        tw = tw.contiguous()
+    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _launch(x, w13, act, sorted_ids, expert_of_block, tw, inter, top_k, True, cfg)
+    part = torch.empty((pairs, h), dtype=torch.float32 if FP32_PARTIALS else x.dtype, device=x.device)
+    _launch(act, w2, part, sorted_ids, expert_of_block, tw, h, 1, False, cfg)
+    if top_k == 1:
+        return part.to(x.dtype)
+    return part.view(t, top_k, h).sum(1).to(x.dtype)

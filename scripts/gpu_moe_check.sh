@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# MoE and gated DeltaNet on the device machine (issue 16, "Benchmark on the H200"): their
+# GPU tests, the fused MoE kernel against a per-expert cuBLAS loop (benchmarks/moe_kernel.py)
+# and batch-1 decode of the Qwen3-30B-A3B shape against its roofline
+# (benchmarks/decode_latency.py --config qwen3-30b-a3b; dummy bf16 weights, 61 GB).
+# One device call; everything lands under $OUT (default ./gpu_out):
+#   env.txt               GPU, driver, torch and triton versions
+#   tests_moe_gpu.txt     pytest tail of the MoE and GDN GPU tests
+#   moe_kernel.json       the kernel benchmark's JSON
+#   decode_qwen3-30b-a3b.json  TPOT and roofline
+#   bench.log             the benchmarks' output tails and exit codes
+# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode]
+# Limits (seconds, environment): TEST_TIMEOUT 150, KERNEL_TIMEOUT 120, DECODE_TIMEOUT 300.
+set -u
+PART=${1:-all}
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+  tests=$(ls tests/gpu/test_*moe*_gpu.py tests/gpu/test_*delta*_gpu.py 2>/dev/null)
+  echo "tests: $tests" | tee "$OUT/tests_moe_gpu.txt"
+  # shellcheck disable=SC2086  # one argument per test file
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q $tests -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/tests_moe_gpu.txt"
+fi
+run() {  # run NAME TIMEOUT CMD...
+  local name=$1 limit=$2 t0 rc; shift 2; t0=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/.$name.log" 2>&1
+  rc=$?
+  { echo "== $name: rc=$rc (124: timeout) in $(( $(date +%s) - t0 )) s"; tail -30 "$OUT/.$name.log"; } | tee -a "$OUT/bench.log"
+  rm -f "$OUT/.$name.log"
+}
+if [ "$PART" = all ] || [ "$PART" = kernel ]; then
+  run moe_kernel "${KERNEL_TIMEOUT:-120}" python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json"
+fi
+if [ "$PART" = all ] || [ "$PART" = decode ]; then
+  run decode_qwen3-30b-a3b "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
+    --steps 64 --out "$OUT/decode_qwen3-30b-a3b.json"
+fi

@@ -1,0 +1,188 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next (and, in another projection
+layout, of Qwen3.5), with the checkpoint's parameter names.
+
+Algorithm: Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks" (arXiv 2412.06464), in the
+form of Hugging Face transformers' `Qwen3NextGatedDeltaNet` (transformers 5.24), whose math
+and names this layer follows: in_proj_qkvz and in_proj_ba project the hidden state; q, k, v
+go through a short depthwise causal convolution (conv1d, SiLU); beta = sigmoid(b), the log
+decay g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule runs with L2-normalised
+q and k (`kernels.gated_delta_rule`); its output is RMS-normalised per value head and gated
+by silu(z) (norm), then out_proj.
+
+Each sequence carries two states between steps (what a state-slot cache group allocates,
+`state_shapes`): the convolution's last W-1 inputs [C, W-1] in the model dtype and the
+recurrent state [Hv, K, V] in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.gated_delta_rule import (
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+)
+from kernels.norm import rms_norm_gated
+from services.worker.layers.linear import Linear
+from services.worker.state_cache import StepState
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """One per-sequence state tensor of a recurrent layer: its shape (without the sequence
+    dimension) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one sequence's state."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _ConvWeight(nn.Module):
+    """Holds the checkpoint's `conv1d.weight` [C, 1, W] (a depthwise nn.Conv1d's layout)."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width), requires_grad=False)
+
+
+class RMSNormGated(nn.Module):
+    """Per-head gated RMSNorm with weight [head_v_dim] (`kernels.norm.rms_norm_gated_ref`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return rms_norm_gated(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear-attention layer over a varlen batch, carrying per-sequence state.
+
+    hidden_size H; num_k_heads Hk and num_v_heads Hv (Hv a multiple of Hk: each key head
+    serves Hv/Hk consecutive value heads); head_k_dim K, head_v_dim V; conv_kernel W (the
+    short convolution's width); eps: the gated norm's epsilon; activation: the convolution's
+    ("silu"). Parameters (uninitialised until loaded), named as in the checkpoint:
+    in_proj_qkvz.weight [2*Hk*K + 2*Hv*V, H] (rows grouped per key head: q [K], k [K],
+    v [r*V], z [r*V] with r = Hv/Hk), in_proj_ba.weight [2*Hv, H] (per key head: b [r],
+    a [r]), conv1d.weight [C, 1, W] with C = 2*Hk*K + Hv*V (channels q, k, v, each flat),
+    dt_bias [Hv], A_log [Hv], norm.weight [V], out_proj.weight [H, Hv*V].
+
+    forward(x [T, H], cu_seqlens [N+1] int32, conv_state [N, C, W-1], ssm_state
+    [N, Hv, K, V] fp32, has_initial_state [N] bool or None) -> [T, H] in x's dtype.
+    T tokens of N sequences back to back, each sequence at least one token; sequence i
+    continues from conv_state[i] / ssm_state[i], or from zeros where has_initial_state[i] is
+    False (whatever the slot holds, NaN included; None: every sequence continues). Both states
+    are updated in place to the states after the sequence's last token. A step of one token
+    a sequence (T == N) takes the decode kernels, any other the chunked prefill.
+    Raises ValueError from `from_hf_config` on a config without the linear-attention fields.
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel: int, eps: float, activation: str = "silu"):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
+        self.hidden_size = hidden_size
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.conv_kernel = conv_kernel
+        self.activation = activation
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        r = num_v_heads // num_k_heads
+        self._qkvz_split = [head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim]
+        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim)
+        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads)
+        self.conv1d = _ConvWeight(self.conv_dim, conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
+        self.norm = RMSNormGated(head_v_dim, eps)
+        self.out_proj = Linear(self.value_dim, hidden_size)
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> GatedDeltaNet:
+        """Build from a Qwen3-Next config.json mapping (linear_num_key_heads,
+        linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
+        linear_conv_kernel_dim, hidden_size, rms_norm_eps, hidden_act). Raises ValueError
+        naming a missing field."""
+        need = ("hidden_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel_dim")
+        missing = [f for f in need if f not in cfg]
+        if missing:
+            raise ValueError(f"config lacks gated DeltaNet fields: {missing}")
+        return cls(cfg["hidden_size"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
+                   cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"],
+                   cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"))
+
+    def forward_step(self, x: torch.Tensor, state: StepState, index: int) -> torch.Tensor:
+        """`forward` over one runner step: the step's seqs' states of this layer (the
+        `index`-th recurrent layer of the model) gathered from their state slots, run, and
+        written back (services/worker/state_cache.py). x [T, H] -> [T, H]."""
+        conv, ssm = state.gather(index)
+        out = self.forward(x, state.cu_seqlens, conv, ssm, state.has_initial)
+        state.scatter(index, (conv, ssm))
+        return out
+
+    def state_shapes(self) -> tuple[StateShape, StateShape]:
+        """The per-sequence states: (conv [C, W-1] in the model dtype, ssm [Hv, K, V] fp32)."""
+        return (StateShape((self.conv_dim, self.conv_kernel - 1), self.dt_bias.dtype),
+                StateShape((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32))
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """The per-key-head groups of the two projections -> q, k [T, Hk, K], v, z [T, Hv, V],
+        b, a [T, Hv]."""
+        t = qkvz.shape[0]
+        q, k, v, z = torch.split(qkvz.view(t, self.num_k_heads, -1), self._qkvz_split, dim=-1)
+        b, a = torch.split(ba.view(t, self.num_k_heads, -1), self.num_v_heads // self.num_k_heads, dim=-1)
+        v, z = v.reshape(t, self.num_v_heads, self.head_v_dim), z.reshape(t, self.num_v_heads, self.head_v_dim)
+        return q, k, v, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
+        t, n = x.shape[0], cu_seqlens.numel() - 1
+        if has_initial_state is not None:  # fresh sequences start from zeros, whatever the slot holds
+            fresh = ~has_initial_state.to(device=x.device, dtype=torch.bool)
+            conv_state.masked_fill_(fresh[:, None, None], 0)
+            ssm_state.masked_fill_(fresh[:, None, None, None], 0)
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, C]
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        decode = t == n  # every sequence has one token
+        if decode:
+            mixed, new_conv = causal_conv1d_update(mixed, conv_state, weight, None, self.activation)
+        else:
+            mixed, new_conv = causal_conv1d(mixed, weight, None, conv_state, cu_seqlens, self.activation)
+        conv_state.copy_(new_conv)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
+        if decode:  # N sequences of one token: [N, 1, heads, dim]
+            o, final = gated_delta_rule_decode(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                               initial_state=ssm_state, use_qk_l2norm=True)
+        else:  # one varlen row: [1, T, heads, dim]
+            o, final = gated_delta_rule_prefill(q[None], k[None], v[None], g[None], beta[None],
+                                                initial_state=ssm_state, use_qk_l2norm=True,
+                                                cu_seqlens=cu_seqlens)
+        ssm_state.copy_(final)
+        o = self.norm(o.reshape(t, self.num_v_heads, self.head_v_dim), z)
+        return self.out_proj(o.reshape(t, self.value_dim))

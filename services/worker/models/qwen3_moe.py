@@ -1,0 +1,53 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention (GQA, RoPE, per-head q/k RMSNorm)
+with mixture-of-experts MLPs: a softmax top-k router over `num_experts` SwiGLU experts of
+width `moe_intermediate_size`, `num_experts_per_tok` of them per token, their weights
+renormalised when `norm_topk_prob`. Layer i is a MoE layer when num_experts > 0, i is not in
+`mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; the others have a dense MLP of
+`intermediate_size`. No shared expert.
+
+Source of the architecture: Qwen team, "Qwen3 Technical Report" (2025, arXiv 2505.09388),
+and Hugging Face's `modeling_qwen3_moe.py` / `Qwen3MoeConfig` (transformers 5.24; parameter
+names follow its checkpoints: `mlp.gate.weight`, `mlp.experts.<e>.{gate,up,down}_proj.weight`).
+The MoE layers are `services.worker.layers.moe`; they run on the unfused layer path.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from services.worker.layers.moe import SparseMoeBlock
+from services.worker.models.llama import LlamaArgs
+from services.worker.models.qwen3 import Qwen3ForCausalLM
+from shared.model_spec import ModelSpec
+
+
+def num_experts(hf_config) -> int:
+    """Routed experts per MoE layer: config.json `num_experts` (the published files) or
+    `num_local_experts` (what transformers 5 writes for the same field); 0 when neither."""
+    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+
+
+def is_moe_layer(hf_config, layer_idx: int) -> bool:
+    """Whether decoder layer `layer_idx` of a Qwen3-MoE config.json has experts (module
+    docstring's rule; defaults as Qwen3MoeConfig: decoder_sparse_step 1, no mlp_only_layers)."""
+    step = int(hf_config.get("decoder_sparse_step", 1) or 1)
+    return (num_experts(hf_config) > 0
+            and layer_idx not in (hf_config.get("mlp_only_layers") or [])
+            and (layer_idx + 1) % step == 0)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """The whole Qwen3-MoE model; interface as `LlamaForCausalLM` (a `CausalLM`), without
+    the fused layer path. Raises ValueError for an unsupported config (sliding window,
+    an activation other than SiLU, num_experts_per_tok outside 1..num_experts)."""
+
+    def mlp_for_layer(self, spec: ModelSpec, a: LlamaArgs, layer_idx: int) -> nn.Module | None:
+        c = spec.hf_config
+        if not is_moe_layer(c, layer_idx):
+            return None
+        return SparseMoeBlock(num_experts(c), int(c.get("num_experts_per_tok", 8)), a.hidden_size,
+                              spec.moe_intermediate_size, bool(c.get("norm_topk_prob", False)))
+
+    def fusable_projections(self) -> list:
+        """[]: the MoE layers have no fused path (`services.worker.fusion`)."""
+        return []

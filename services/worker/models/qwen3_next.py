@@ -1,0 +1,205 @@
+"""Qwen3-Next (Qwen3NextForCausalLM): a hybrid of gated-DeltaNet linear-attention layers and
+gated full-attention layers (`layer_types`: e.g. three linear then one full), each followed
+by a MoE MLP with a shared expert (or a dense MLP per `decoder_sparse_step` /
+`mlp_only_layers`, as Qwen3-MoE).
+
+Source of the architecture: Qwen team, "Qwen3-Next" (2025 release), and Hugging Face's
+`modeling_qwen3_next.py` / `Qwen3NextConfig` (transformers 5.24); parameter names follow
+its checkpoints. What differs from Qwen3-MoE:
+- full attention: q_proj also yields an output gate (per head, q then gate), the output is
+  attn * sigmoid(gate) before o_proj; partial rotary (the first head_dim *
+  partial_rotary_factor dims of each head); zero-centred q/k RMSNorms;
+- linear attention: `services.worker.layers.gated_deltanet.GatedDeltaNet`, its per-request
+  state in the runner's state cache (docs/ARCHITECTURE.md §4.7);
+- every RMSNorm is zero-centred (scale 1 + weight: `ZeroCenteredRMSNorm`);
+- the MoE block adds a shared expert (a SwiGLU MLP of shared_expert_intermediate_size)
+  times sigmoid(shared_expert_gate(x)).
+The checkpoint's multi-token-prediction head (`mtp.*`) is not loaded (ignored_prefixes).
+The model has no fused layer path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from services.worker.kv_cache import PagedKVSpec
+from services.worker.layers.attention import AttentionBackend, AttentionSpec
+from services.worker.layers.embedding import LMHead, VocabEmbedding
+from services.worker.layers.gated_deltanet import GatedDeltaNet
+from services.worker.layers.linear import Linear
+from services.worker.layers.moe import SparseMoeBlock
+from services.worker.layers.norm import ZeroCenteredRMSNorm
+from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.models.llama import LlamaArgs, LlamaMLP
+from services.worker.models.qwen3_moe import is_moe_layer, num_experts
+from services.worker.state_cache import StateSpec
+from shared.model_spec import FULL_ATTENTION, ModelSpec
+
+
+def partial_rotary_factor(hf_config) -> float:
+    """The rotated share of each head: config.json `partial_rotary_factor` (published
+    files) or `rope_parameters.partial_rotary_factor` (transformers 5); 1.0 when absent."""
+    rope = hf_config.get("rope_parameters") or {}
+    return float(hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next's full attention of the kv_index-th attention layer: qkv_proj stacks q_proj
+    [2 * heads * head_dim] (per head: q then its gate), k_proj and v_proj; zero-centred q/k
+    norms for the backend; output attn * sigmoid(gate) through o_proj. x [T, H] -> [T, H]."""
+
+    def __init__(self, a: LlamaArgs, kv_index: int):
+        super().__init__()
+        self.kv_index = kv_index
+        self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = Linear(a.hidden_size, [2 * self.q_size, self.kv_size, self.kv_size], a.attention_bias)
+        self.o_proj = Linear(self.q_size, a.hidden_size, a.attention_bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(t, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim].contiguous(), qg[..., self.head_dim:]
+        o = attn.forward(self.kv_index, q, k.view(t, self.kv_heads, self.head_dim),
+                         v.view(t, self.kv_heads, self.head_dim), positions)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(t, self.q_size)))
+
+    def spec(self, cos_sin: torch.Tensor) -> AttentionSpec:
+        """This layer's attention for the backend (after loading: the norms' scales)."""
+        return AttentionSpec(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, cos_sin,
+                             self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """`SparseMoeBlock` plus a shared expert: out = moe(x) + sigmoid(shared_expert_gate(x)) *
+    shared_expert(x), the shared expert a SwiGLU MLP (`mlp.shared_expert.*`, gate
+    `mlp.shared_expert_gate.weight` [1, H])."""
+
+    def __init__(self, a: LlamaArgs, hf_config, moe_intermediate_size: int):
+        super().__init__(num_experts(hf_config), int(hf_config.get("num_experts_per_tok", 10)), a.hidden_size,
+                         moe_intermediate_size, bool(hf_config.get("norm_topk_prob", True)))
+        shared = int(hf_config.get("shared_expert_intermediate_size") or 0)
+        self.shared_expert = LlamaMLP(dataclasses.replace(a, intermediate_size=shared)) if shared else None
+        self.shared_expert_gate = Linear(a.hidden_size, 1, False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """One layer: zero-centred norm, token mixer (`self_attn` or `linear_attn`), residual,
+    zero-centred norm, MLP, residual. x [T, H] -> [T, H]."""
+
+    def __init__(self, a: LlamaArgs, spec: ModelSpec, layer_idx: int, kv_index: int, state_index: int):
+        super().__init__()
+        c = spec.hf_config
+        self.is_attention = spec.layer_types[layer_idx] == FULL_ATTENTION
+        self.state_index = state_index  # this layer's place in the state cache (linear layers)
+        self.input_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = GatedAttention(a, kv_index) if self.is_attention else None
+        self.linear_attn = None if self.is_attention else GatedDeltaNet.from_hf_config(c)
+        self.mlp: nn.Module = (SharedExpertMoeBlock(a, c, spec.moe_intermediate_size) if is_moe_layer(c, layer_idx)
+                               else LlamaMLP(a))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.self_attn is not None:
+            h = self.self_attn(positions, h, attn)
+        else:
+            assert self.linear_attn is not None and attn.state is not None, "a linear layer needs the step's state"
+            h = self.linear_attn.forward_step(h, attn.state, self.state_index)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextModel(nn.Module):
+    """The decoder stack (checkpoint prefix `model.`): embedding, partial rotary table,
+    layers, final zero-centred norm. forward(input_ids [T], positions [T], attn) -> [T, H]."""
+
+    def __init__(self, a: LlamaArgs, spec: ModelSpec, max_positions: int):
+        super().__init__()
+        rot = int(a.head_dim * partial_rotary_factor(spec.hf_config))
+        self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
+        self.rotary = RotaryEmbedding(rot, a.rope_theta, max_positions, a.rope_scaling)
+        layers, kv, st = [], 0, 0
+        for i, kind in enumerate(spec.layer_types):
+            layers.append(Qwen3NextDecoderLayer(a, spec, i, kv, st))
+            kv, st = (kv + 1, st) if kind == FULL_ATTENTION else (kv, st + 1)
+        self.decoder_layers = layers  # a plain list to iterate (as LlamaModel)
+        self.layers = nn.ModuleList(layers)
+        self.norm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.decoder_layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """The whole Qwen3-Next model (a `services.worker.models.base.CausalLM`). Build it under
+    the target device and default dtype; the loader fills its parameters.
+
+    spec: the model's facts (`ModelSpec`, with `layer_types`). forward(input_ids [T] int64,
+    positions [T] int64, attn, fused) -> hidden [T, hidden]; the backend's `state` holds the
+    step's state slots. compute_logits(hidden [n, hidden]) -> [n, vocab] fp32.
+    Raises ValueError for a config without layer_types / full_attention_interval or without
+    the gated-DeltaNet fields, and from `LlamaArgs.from_spec`.
+    """
+
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    ignored_prefixes: tuple[str, ...] = ("mtp.",)  # the MTP head, not used for decoding here
+
+    def __init__(self, spec: ModelSpec, max_positions: int | None = None):
+        super().__init__()
+        if not spec.layer_types:
+            raise ValueError("Qwen3-Next needs layer_types or full_attention_interval in config.json")
+        a = self.args = LlamaArgs.from_spec(spec, qk_norm=True)
+        self.model = Qwen3NextModel(a, spec, max(max_positions or 0, a.max_position_embeddings))
+        self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
+        self.tied_lm_head = a.tie_word_embeddings
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                fused: bool = False) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """The full-attention layers' specs, in order (after loading)."""
+        table = self.model.rotary.cos_sin
+        return [layer.self_attn.spec(table) for layer in self.model.decoder_layers if layer.self_attn is not None]
+
+    def kv_specs(self) -> list[PagedKVSpec]:
+        """Paged K/V of the full-attention layers only."""
+        a = self.args
+        return [PagedKVSpec(a.num_key_value_heads, a.head_dim) for layer in self.model.decoder_layers
+                if layer.is_attention]
+
+    def state_specs(self) -> list[StateSpec]:
+        """Each gated-DeltaNet layer's per-request state (conv window, recurrent state)."""
+        out = []
+        for layer in self.model.decoder_layers:
+            if layer.linear_attn is not None:
+                shapes = layer.linear_attn.state_shapes()
+                out.append(StateSpec(tuple(s.shape for s in shapes), tuple(s.dtype for s in shapes)))
+        return out
+
+    def fusable_projections(self) -> list[torch.Tensor]:
+        """[]: no fused layer path."""
+        return []

@@ -1,0 +1,119 @@
+"""The recurrent-state cache group of a hybrid model (docs/ARCHITECTURE.md §4.7).
+
+A recurrent layer (gated DeltaNet) keeps a fixed-size state per request instead of paged KV:
+its short-conv window and its recurrent matrix. The model says what each such layer keeps
+(`CausalLM.state_specs`: a `StateSpec` per recurrent layer, in layer order); the runner
+allocates `StateCache(specs, num_slots)`: per layer and per tensor of its spec, one
+[num_slots, *shape] tensor. The engine hands out the slots (services/engine/state_slots.py)
+and every `ScheduledSeq` carries its request's `state_slot`; per step the runner builds a
+`StepState` (the step's slots, which seqs continue from their slot's state, their token
+offsets) and gives it to the attention backend (`AttentionBackend.state`), through which the
+recurrent layers read and write their slots (models never touch a cache tensor).
+
+A seq continues from its slot's state when start_pos > 0; at start_pos 0 (a new request, or
+one preempted and recomputed) it starts from zeros. Nothing else resets a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.protocol import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one recurrent layer keeps per request: tensors of `shapes` (per slot, without
+    the slot dimension) in `dtypes` (same length), e.g. a gated DeltaNet's conv window
+    (conv_dim, kernel - 1) in the model dtype and its state (value heads, key dim, value dim)
+    in fp32."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.dtypes) or not self.shapes:
+            raise ValueError(f"StateSpec: {len(self.shapes)} shapes, {len(self.dtypes)} dtypes")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one request's state in this layer."""
+        total = 0
+        for shape, dt in zip(self.shapes, self.dtypes):
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty((), dtype=dt).element_size()
+        return total
+
+
+class StateCache:
+    """Per recurrent layer, its tensors [num_slots, *shape] (zeros). layers[i]: the list of
+    layer i's tensors in its spec's order (i counts recurrent layers only). bytes: total."""
+
+    def __init__(self, specs: Sequence[StateSpec], num_slots: int, device: torch.device | str):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self.layers: list[list[torch.Tensor]] = [
+            [torch.zeros((num_slots, *shape), dtype=dt, device=device) for shape, dt in zip(s.shapes, s.dtypes)]
+            for s in specs]
+        self.bytes = sum(s.slot_bytes for s in specs) * num_slots
+
+    @staticmethod
+    def bytes_for(specs: Sequence[StateSpec], num_slots: int) -> int:
+        """Bytes a cache of `specs` and `num_slots` takes (without allocating it)."""
+        return sum(s.slot_bytes for s in specs) * num_slots
+
+
+@dataclass
+class StepState:
+    """One step's view of the state cache, for the recurrent layers.
+
+    cache: the runner's `StateCache`. slots: [N] int64 on the device, the state slot of
+    each of the step's N seqs (plan order). has_initial: [N] bool on the device, whether
+    the seq continues from its slot (start_pos > 0) or starts from zeros. cu_seqlens: [N+1]
+    int32 on the device, the seqs' token offsets in the flattened batch. seq_lens_host:
+    the seqs' token counts (host ints, for the CPU references' per-seq loops).
+    """
+
+    cache: StateCache
+    slots: torch.Tensor
+    has_initial: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens_host: list[int]
+
+    @classmethod
+    def for_seqs(cls, cache: StateCache, seqs: Sequence[ScheduledSeq], device: torch.device) -> StepState:
+        """The state view of a step of `seqs`. Raises ValueError for a seq without a slot
+        or with one outside the cache."""
+        bad = [s.request_id for s in seqs if not 0 <= s.state_slot < cache.num_slots]
+        if bad:
+            raise ValueError(f"seqs without a state slot in 0..{cache.num_slots - 1}: {bad}")
+        lens = [len(s.token_ids) for s in seqs]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        return cls(cache,
+                   torch.tensor([s.state_slot for s in seqs], dtype=torch.int64).to(device),
+                   torch.tensor([s.start_pos > 0 for s in seqs], dtype=torch.bool).to(device),
+                   torch.tensor(cu, dtype=torch.int32).to(device), lens)
+
+    def gather(self, layer: int) -> list[torch.Tensor]:
+        """Layer `layer`'s state of the step's seqs: one [N, *shape] copy per tensor, zeros
+        where a seq starts from zeros."""
+        out = []
+        for t in self.cache.layers[layer]:
+            g = t.index_select(0, self.slots)
+            out.append(torch.where(self.has_initial.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros((), dtype=g.dtype,
+                                                                                                   device=g.device)))
+        return out
+
+    def scatter(self, layer: int, states: Sequence[torch.Tensor]) -> None:
+        """Write the step's updated states of layer `layer` (as `gather` returned them, then
+        updated) back to their slots."""
+        for t, s in zip(self.cache.layers[layer], states):
+            t.index_copy_(0, self.slots, s.to(t.dtype))

@@ -1,0 +1,113 @@
+"""A hybrid model served through the HTTP API (issue 16): a tiny random Qwen3-Next (gated
+DeltaNet and gated attention layers, MoE with a shared expert) with SmolLM2's tokenizer,
+written with transformers' save_pretrained, under a real `kestrel serve` on the CPU.
+
+Shown against independent truths:
+- greedy completions of token-id prompts, one at a time, equal transformers' greedy
+  `generate` token for token (the engine's state slots, the worker's state cache and the
+  GDN layers over chunked prefills and decodes);
+- the same 8 prompts at once, with a KV cache small enough that the scheduler preempts
+  (checked in /internal/stats), give the same tokens: a preempted request restarts from
+  token 0 into a fresh state slot, and no request reads another's state;
+- prefix caching is off for the model (derived: its state has no checkpoints yet), and an
+  explicit `--enable-prefix-caching true` is refused before anything starts, naming it;
+- every block comes back at the end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import shutil
+import subprocess
+
+import httpx
+import pytest
+import torch
+
+from tests.e2e.server import KESTREL, KestrelServer
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 24
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def hybrid(smollm2_dir, tmp_path_factory):
+    """(folder, transformers model) of a seeded tiny Qwen3-Next with SmolLM2's tokenizer."""
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, architectures=["Qwen3NextForCausalLM"])
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5) if "linear_attn.norm" in name else p.uniform_(-0.5, 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.uniform_(-1.0, 1.0)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.2)
+    path = tmp_path_factory.mktemp("tiny-qwen3-next")
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / f, path / f)
+    return path, model
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 31, 12, 45, 3, 26, 18, 40)]
+
+
+def _complete(client: httpx.Client, prompt: list[int]) -> list[int]:
+    r = client.post("/v1/completions", json={"model": "tiny-qwen3-next", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                            "temperature": 0, "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    return choice["logprobs"]["tokens"], r.json()["usage"]["completion_tokens"]
+
+
+def test_a_hybrid_model_serves_transformers_greedy_output_alone_and_8_at_once_under_preemption(hybrid):
+    path, hf = hybrid
+    srv = KestrelServer(str(path), "--served-model-name", "tiny-qwen3-next", "--kv-cache-gib", "0.00016",
+                        "--block-size", "16", "--max-model-len", "128", "--max-num-seqs", "8",
+                        "--max-num-batched-tokens", "32").start(timeout=300)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=300) as client:
+            alone = [_complete(client, p) for p in _prompts()]
+            with cf.ThreadPoolExecutor(8) as pool:
+                together = list(pool.map(lambda p: _complete(client, p), _prompts()))
+            stats = client.get("/internal/stats").json()
+    finally:
+        srv.stop()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    for prompt, (tokens, n) in zip(_prompts(), alone):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert n == MAX_TOKENS
+        assert tokens == [tok.decode([t]) for t in want], prompt
+    assert together == alone
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+def test_prefix_caching_is_off_for_a_hybrid_model_and_refused_when_asked_for(hybrid):
+    path, _ = hybrid
+    out = subprocess.run([KESTREL, "serve", "--model", str(path), "--enable-prefix-caching", "true",
+                          "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "enable_prefix_caching" in out.stderr and "recurrent" in out.stderr, out.stderr
+    from shared.config import build_config
+
+    cfg = build_config(cli={"model": str(path), "device": "cpu"}, env={})
+    assert cfg.enable_prefix_caching is False and cfg.sources["enable_prefix_caching"] == "derived"

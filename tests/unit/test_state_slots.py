@@ -1,0 +1,188 @@
+"""State slots of a hybrid model's recurrent layers (services/engine/state_slots.py, the
+scheduler's part, services/worker/state_cache.py; docs/ARCHITECTURE.md §4.7).
+
+The truth is tests/unit/test_scheduler.py's: the same requests one at a time with ample
+memory. Here the toy worker keeps its state per state slot, not per request, as a recurrent
+layer does: a running hash of every token it was given. It starts a slot from zeros at
+start_pos 0 and otherwise continues from whatever the slot holds, so two running requests on
+one slot, a slot continued by the wrong request, or a slot handed out again without a reset
+change outputs (and the slot's token count no longer matches start_pos)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.scheduler import Scheduler
+from services.engine.state_slots import StateSlots
+from services.worker.state_cache import StateCache, StateSpec, StepState
+from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq
+from tests.unit.test_scheduler import EOS, VOCAB, make_requests, reference
+
+
+class RecurrentToy:
+    """A worker whose only memory is a fixed state per slot: (tokens seen, running hash)."""
+
+    def __init__(self, num_slots: int):
+        self.slots: list[tuple[int, int]] = [(0, 0)] * num_slots
+        self.last: dict[str, int] = {}
+
+    def execute(self, plan) -> list[int]:
+        out, drawn = [], {}
+        running = [s.state_slot for s in plan.seqs]
+        assert len(running) == len(set(running)), f"two seqs of one step share a slot: {running}"
+        for s in plan.seqs:
+            assert s.state_slot >= 0, "a seq without a state slot"
+            n, h = (0, 0) if s.start_pos == 0 else self.slots[s.state_slot]
+            assert n == s.start_pos, f"{s.request_id}: slot {s.state_slot} holds {n} tokens, start_pos {s.start_pos}"
+            for t in s.token_ids:
+                t = self.last[s.request_id] if t == PENDING_TOKEN else t
+                n, h = n + 1, (h * 31 + t + 7) % 1000003
+            self.slots[s.state_slot] = (n, h)
+            if s.sample:
+                out.append(1 + h % (VOCAB - 1) if n % 13 else EOS)
+                drawn[s.request_id] = out[-1]
+        if out:
+            self.last = drawn
+        return out
+
+
+def run_with_slots(requests, num_blocks, budget=16, max_num_seqs=8, block_size=4, overlap=False):
+    """test_scheduler.run's loop over the recurrent toy, slots from a StateSlots."""
+    slots = StateSlots(max_num_seqs)
+    sched = Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=False), max_num_seqs,
+                      budget, 200, [EOS], state_slots=slots)
+    model = RecurrentToy(max_num_seqs)
+    for r in requests:
+        sched.add(r)
+    inflight, steps = None, 0
+    while sched.has_work() or inflight:
+        out = None
+        if inflight is None or (overlap and sched.can_schedule_ahead()):
+            out = sched.schedule()
+            assert out is not None or inflight, "scheduler stalled with work left"
+        result = model.execute(out.plan) if out is not None else None
+        if inflight is not None:
+            sched.update(*inflight)
+        inflight = None
+        if out is not None:
+            if overlap:
+                inflight = (out, result)
+            else:
+                sched.update(out, result)
+        held = [r.state_slot for r in sched.running]
+        assert -1 not in held and len(held) == len(set(held)), held
+        assert slots.num_free + len(held) == max_num_seqs, "a slot leaked"
+        steps += 1
+        assert steps < 10000
+    assert slots.num_free == max_num_seqs
+    return {r.request_id: (r.output_token_ids, r.finish_reason) for r in requests}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outputs_through_per_slot_state_equal_one_at_a_time(seed, overlap):
+    assert run_with_slots(make_requests(seed, n=12), num_blocks=1000, max_num_seqs=4,
+                          overlap=overlap) == reference_n(seed, 12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preempted_requests_restart_from_zeros_in_their_next_slot(seed, overlap):
+    reqs = make_requests(seed, ignore_eos=True)
+    got = run_with_slots(reqs, num_blocks=20, overlap=overlap)
+    assert any(r.num_preemptions for r in reqs), "test did not exercise preemption"
+    assert got == reference(seed, ignore_eos=True)
+
+
+def reference_n(seed: int, n: int):
+    from tests.unit.test_scheduler import run
+
+    out = {}
+    for r in make_requests(seed, n=n):
+        out.update(run([r], num_blocks=1000, budget=1000))
+    return out
+
+
+def test_state_slots_refuse_double_free_and_exhaustion():
+    s = StateSlots(2)
+    a, b = s.take(), s.take()
+    assert {a, b} == {0, 1} and s.num_free == 0
+    with pytest.raises(RuntimeError):
+        s.take()
+    s.give_back(a)
+    with pytest.raises(ValueError):
+        s.give_back(a)
+    with pytest.raises(ValueError):
+        s.give_back(5)
+    with pytest.raises(ValueError):
+        Scheduler(BlockManager(10, 4), 4, 16, 100, [EOS], state_slots=StateSlots(2))
+
+
+def test_step_state_gathers_zeros_at_start_pos_0_and_scatters_back():
+    spec = StateSpec(((3, 2), (2,)), (torch.float32, torch.float16))
+    cache = StateCache([spec, spec], num_slots=4, device="cpu")
+    assert cache.bytes == 2 * 4 * (6 * 4 + 2 * 2)
+    for t in cache.layers[1]:
+        t.fill_(5.0)
+    g = SamplingParams(temperature=0)
+    seqs = [ScheduledSeq("a", [1, 2], 0, [0], True, g, state_slot=2),
+            ScheduledSeq("b", [3], 7, [1], True, g, state_slot=0)]
+    step = StepState.for_seqs(cache, seqs, torch.device("cpu"))
+    assert step.cu_seqlens.tolist() == [0, 2, 3] and step.seq_lens_host == [2, 1]
+    conv, ssm = step.gather(1)
+    assert conv.shape == (2, 3, 2) and ssm.dtype == torch.float16
+    assert conv[0].eq(0).all() and conv[1].eq(5).all()  # a: new (zeros); b continues slot 0
+    step.scatter(1, [conv + 1, ssm + 1])
+    assert cache.layers[1][0][2].eq(1).all() and cache.layers[1][0][0].eq(6).all()
+    assert cache.layers[1][0][1].eq(5).all() and cache.layers[0][0].eq(0).all()  # others untouched
+    with pytest.raises(ValueError, match="state slot"):
+        StepState.for_seqs(cache, [ScheduledSeq("c", [1], 0, [0], True, g)], torch.device("cpu"))
+
+
+def _hybrid_folder(tmp_path, layer_types=("linear_attention", "full_attention")):
+    import json
+
+    cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
+           "num_attention_heads": 4, "num_hidden_layers": len(layer_types), "vocab_size": 100,
+           "layer_types": list(layer_types)}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_a_hybrid_model_turns_prefix_caching_off_and_refuses_what_its_state_cannot_run(tmp_path):
+    from shared.config import build_config
+    from shared.model_spec import load_model_spec
+
+    model = _hybrid_folder(tmp_path)
+    spec = load_model_spec(model)
+    assert spec.has_recurrent_state and spec.attention_layer_ids == (1,)
+    cfg = build_config(cli={"model": model, "device": "cpu"}, env={})
+    assert cfg.enable_prefix_caching is False and cfg.sources["enable_prefix_caching"] == "derived"
+    assert cfg.enforce_eager is True
+    for extra, setting in (({"enable_prefix_caching": "true"}, "enable_prefix_caching"),
+                           ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
+                            "speculative_config"),
+                           ({"kv_offload_cpu_gib": "1"}, "kv_offload_cpu_gib"),
+                           ({"device": "cuda", "enforce_eager": "false"}, "enforce_eager")):
+        with pytest.raises(ValueError, match=f"setting {setting}: not supported .* recurrent"):
+            build_config(cli={"model": model, "device": "cpu", **extra}, env={})
+
+
+def test_layer_types_from_full_attention_interval_and_bad_lists(tmp_path):
+    import json
+
+    from shared.model_spec import ModelFolderError, load_model_spec
+
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 8, "vocab_size": 100,
+           "full_attention_interval": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_model_spec(str(tmp_path))
+    assert spec.attention_layer_ids == (3, 7) and spec.layer_types[0] == "linear_attention"
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"layer_types": ["full_attention"] * 7}))
+    with pytest.raises(ModelFolderError, match="layer_types"):
+        load_model_spec(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "full_attention_interval"}))
+    spec = load_model_spec(str(tmp_path))
+    assert not spec.has_recurrent_state and spec.attention_layer_ids == tuple(range(8))
