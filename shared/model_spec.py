@@ -132,6 +132,13 @@ class ModelSpec:
     layer_types: tuple[str, ...] = ()
 
     @property
+    def text_config(self) -> Mapping[str, Any]:
+        """The text model's part of config.json: its `text_config` object for a multimodal
+        folder that nests it (the fields above come from there), else the whole file."""
+        nested = self.hf_config.get("text_config")
+        return nested if isinstance(nested, Mapping) and "hidden_size" not in self.hf_config else self.hf_config
+
+    @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         """The decoder layers with paged KV, in order (every layer without layer_types)."""
         if not self.layer_types:

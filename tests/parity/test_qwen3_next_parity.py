@@ -1,8 +1,10 @@
-"""Kestrel's Qwen3-Next (hybrid gated DeltaNet + gated attention, MoE with a shared expert)
-against Hugging Face transformers' Qwen3NextForCausalLM (5.24), on the CPU in fp32.
+"""Kestrel's hybrid models (gated DeltaNet + gated attention, MoE with a shared expert)
+against Hugging Face transformers 5.24: Qwen3NextForCausalLM and the text model of
+Qwen3.5-MoE (Qwen3_5MoeForCausalLM), on the CPU in fp32.
 
-A tiny seeded random checkpoint written with save_pretrained: linear and full attention
-layers interleaved, a dense layer among the MoE ones, partial rotary, zero-centred norms.
+Tiny seeded random checkpoints written with save_pretrained: linear and full attention
+layers interleaved, partial rotary, zero-centred norms; Qwen3-Next with a dense layer among
+the MoE ones, Qwen3.5 with its own gated-DeltaNet projections (in_proj_qkv / z / b / a).
 Shown:
 - logits of 3 prompts at every prompt position and over 4 decode steps within 1e-4 of
   transformers', for a whole prefill and for chunked ones (the recurrent state carried
@@ -31,20 +33,32 @@ GREEDY = SamplingParams(temperature=0.0)
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-@pytest.fixture(scope="module")
-def tiny_next(tmp_path_factory):
-    """(folder, transformers model) of a seeded random tiny Qwen3-Next."""
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=len(LAYERS),
-        layer_types=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
-        shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True,
-        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=len(LAYERS), layer_types=LAYERS,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+    shared_expert_intermediate_size=32, norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _build(arch: str):
+    """A transformers model of `arch`: Qwen3-Next (a dense layer among the MoE ones) or the
+    text model of Qwen3.5-MoE (every layer MoE, Qwen3.5's gated-DeltaNet projections)."""
+    if arch == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[2],
+                                           **COMMON)
+        return transformers.Qwen3NextForCausalLM(cfg)
+    cfg = transformers.Qwen3_5MoeTextConfig(**COMMON)
+    return transformers.Qwen3_5MoeForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def tiny_next(request, tmp_path_factory):
+    """(folder, transformers model) of a seeded random tiny hybrid of each architecture."""
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    model = _build(request.param).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # zero-centred norms: scales 1 + w in 0.5..1.5 (the gated norm: w)
@@ -53,7 +67,7 @@ def tiny_next(tmp_path_factory):
                 p.uniform_(-1.0, 1.0)
             elif p.dim() >= 2:
                 p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp("qwen3_next")
+    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return path, model
 
@@ -111,3 +125,23 @@ def test_8_requests_together_equal_each_alone_and_a_reused_slot_starts_from_zero
     together = generate(runner, prompts, 12, chunk=9)
     alone = [generate(runner, [p], 12)[0] for p in prompts]  # each on slot 0, used before
     assert together == alone
+
+
+def test_dummy_weights_of_the_qwen3_next_80b_shape_give_finite_seeded_logits(tmp_path):
+    import json
+    import pathlib
+
+    cfg = json.loads((pathlib.Path(__file__).resolve().parents[2]
+                      / "benchmarks/configs/qwen3-next-80b-a3b.json").read_text())
+    assert cfg["full_attention_interval"] == 4 and "layer_types" not in cfg
+    # the published shape cut to CI size: one period of 3 linear + 1 full layer, 16 experts (10 a token)
+    cfg.update(num_hidden_layers=4, vocab_size=1000, num_experts=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    outs = []
+    for _ in range(2):
+        runner = _runner(tmp_path, load_format="dummy", seed=7, kv_cache_gib=0.01, max_num_seqs=2)
+        assert len(runner.kv.k) == 1 and len(runner.state_cache.layers) == 3
+        seq = ScheduledSeq("r", list(range(1, 40)), 0, list(range(3)), True, GREEDY, state_slot=1)
+        outs.append(step_logits(runner, StepPlan(0, [seq]))[0])
+    assert torch.isfinite(outs[0]).all() and outs[0].std() > 0
+    assert torch.equal(outs[0], outs[1])

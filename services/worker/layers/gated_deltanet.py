@@ -82,7 +82,10 @@ class GatedDeltaNet(nn.Module):
     in_proj_qkvz.weight [2*Hk*K + 2*Hv*V, H] (rows grouped per key head: q [K], k [K],
     v [r*V], z [r*V] with r = Hv/Hk), in_proj_ba.weight [2*Hv, H] (per key head: b [r],
     a [r]), conv1d.weight [C, 1, W] with C = 2*Hk*K + Hv*V (channels q, k, v, each flat),
-    dt_bias [Hv], A_log [Hv], norm.weight [V], out_proj.weight [H, Hv*V].
+    dt_bias [Hv], A_log [Hv], norm.weight [V], out_proj.weight [H, Hv*V]. layout "qwen3_5"
+    (Qwen3.5's checkpoints): in_proj_qkv [2*Hk*K + Hv*V, H] (q, k, v flat, the conv's channel
+    order) and in_proj_z [Hv*V, H] stacked as in_proj_qkvz's two shards, in_proj_b and
+    in_proj_a [Hv, H] as in_proj_ba's (`QWEN3_5_PACKED` for the model's packed_modules).
 
     forward(x [T, H], cu_seqlens [N+1] int32, conv_state [N, C, W-1], ssm_state
     [N, Hv, K, V] fp32, has_initial_state [N] bool or None) -> [T, H] in x's dtype.
@@ -94,9 +97,15 @@ class GatedDeltaNet(nn.Module):
     Raises ValueError from `from_hf_config` on a config without the linear-attention fields.
     """
 
+    LAYOUTS = ("qwen3_next", "qwen3_5")
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, conv_kernel: int, eps: float, activation: str = "silu"):
+                 head_v_dim: int, conv_kernel: int, eps: float, activation: str = "silu",
+                 layout: str = "qwen3_next"):
         super().__init__()
+        if layout not in self.LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {self.LAYOUTS}")
+        self.layout = layout
         if num_v_heads % num_k_heads:
             raise ValueError(f"num_v_heads {num_v_heads} is not a multiple of num_k_heads {num_k_heads}")
         self.hidden_size = hidden_size
@@ -108,16 +117,27 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         r = num_v_heads // num_k_heads
         self._qkvz_split = [head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim]
-        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim)
-        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads)
+        if layout == "qwen3_next":
+            self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads)
+        else:  # Qwen3.5: flat q, k, v (the conv's channel order), z, b, a; stacked here as shards
+            self.in_proj_qkvz = Linear(hidden_size, [2 * self.key_dim + self.value_dim, self.value_dim])
+            self.in_proj_ba = Linear(hidden_size, [num_v_heads, num_v_heads])
         self.conv1d = _ConvWeight(self.conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
         self.norm = RMSNormGated(head_v_dim, eps)
         self.out_proj = Linear(self.value_dim, hidden_size)
 
+    # the Qwen3.5 checkpoints' projections -> (our stacked projection, shard), for a model's
+    # packed_modules (layout "qwen3_5")
+    QWEN3_5_PACKED: dict[str, tuple[str, int]] = {
+        "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+        "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1),
+    }
+
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> GatedDeltaNet:
+    def from_hf_config(cls, cfg: Mapping[str, Any], layout: str = "qwen3_next") -> GatedDeltaNet:
         """Build from a Qwen3-Next config.json mapping (linear_num_key_heads,
         linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
         linear_conv_kernel_dim, hidden_size, rms_norm_eps, hidden_act). Raises ValueError
@@ -129,7 +149,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"config lacks gated DeltaNet fields: {missing}")
         return cls(cfg["hidden_size"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                    cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"],
-                   cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"))
+                   cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"), layout)
 
     def forward_step(self, x: torch.Tensor, state: StepState, index: int) -> torch.Tensor:
         """`forward` over one runner step: the step's seqs' states of this layer (the
@@ -149,6 +169,12 @@ class GatedDeltaNet(nn.Module):
         """The per-key-head groups of the two projections -> q, k [T, Hk, K], v, z [T, Hv, V],
         b, a [T, Hv]."""
         t = qkvz.shape[0]
+        if self.layout == "qwen3_5":  # flat: [q | k | v | z], [b | a]
+            q, k, v, z = torch.split(qkvz, [self.key_dim, self.key_dim, self.value_dim, self.value_dim], dim=-1)
+            b, a = torch.split(ba, self.num_v_heads, dim=-1)
+            return (q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
+                    v.reshape(t, self.num_v_heads, self.head_v_dim), z.reshape(t, self.num_v_heads, self.head_v_dim),
+                    b, a)
         q, k, v, z = torch.split(qkvz.view(t, self.num_k_heads, -1), self._qkvz_split, dim=-1)
         b, a = torch.split(ba.view(t, self.num_k_heads, -1), self.num_v_heads // self.num_k_heads, dim=-1)
         v, z = v.reshape(t, self.num_v_heads, self.head_v_dim), z.reshape(t, self.num_v_heads, self.head_v_dim)

@@ -65,7 +65,7 @@ class LlamaArgs:
         `rope_parameters` (transformers >= 5) or `rope_theta` / `rope_scaling` (older files),
         rms_norm_eps, attention_bias, mlp_bias. qk_norm: the architecture's q/k norm flag
         (not a config.json field). Raises ValueError for an activation other than SiLU."""
-        c = spec.hf_config
+        c = spec.text_config
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (silu only)")
         rope = dict(c.get("rope_parameters") or {})

@@ -42,7 +42,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     an activation other than SiLU, num_experts_per_tok outside 1..num_experts)."""
 
     def mlp_for_layer(self, spec: ModelSpec, a: LlamaArgs, layer_idx: int) -> nn.Module | None:
-        c = spec.hf_config
+        c = spec.text_config
         if not is_moe_layer(c, layer_idx):
             return None
         return SparseMoeBlock(num_experts(c), int(c.get("num_experts_per_tok", 8)), a.hidden_size,

@@ -99,15 +99,16 @@ class Qwen3NextDecoderLayer(nn.Module):
     """One layer: zero-centred norm, token mixer (`self_attn` or `linear_attn`), residual,
     zero-centred norm, MLP, residual. x [T, H] -> [T, H]."""
 
-    def __init__(self, a: LlamaArgs, spec: ModelSpec, layer_idx: int, kv_index: int, state_index: int):
+    def __init__(self, a: LlamaArgs, spec: ModelSpec, layer_idx: int, kv_index: int, state_index: int,
+                 gdn_layout: str = "qwen3_next"):
         super().__init__()
-        c = spec.hf_config
+        c = spec.text_config
         self.is_attention = spec.layer_types[layer_idx] == FULL_ATTENTION
         self.state_index = state_index  # this layer's place in the state cache (linear layers)
         self.input_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = GatedAttention(a, kv_index) if self.is_attention else None
-        self.linear_attn = None if self.is_attention else GatedDeltaNet.from_hf_config(c)
+        self.linear_attn = None if self.is_attention else GatedDeltaNet.from_hf_config(c, gdn_layout)
         self.mlp: nn.Module = (SharedExpertMoeBlock(a, c, spec.moe_intermediate_size) if is_moe_layer(c, layer_idx)
                                else LlamaMLP(a))
 
@@ -126,14 +127,14 @@ class Qwen3NextModel(nn.Module):
     """The decoder stack (checkpoint prefix `model.`): embedding, partial rotary table,
     layers, final zero-centred norm. forward(input_ids [T], positions [T], attn) -> [T, H]."""
 
-    def __init__(self, a: LlamaArgs, spec: ModelSpec, max_positions: int):
+    def __init__(self, a: LlamaArgs, spec: ModelSpec, max_positions: int, gdn_layout: str = "qwen3_next"):
         super().__init__()
-        rot = int(a.head_dim * partial_rotary_factor(spec.hf_config))
+        rot = int(a.head_dim * partial_rotary_factor(spec.text_config))
         self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
         self.rotary = RotaryEmbedding(rot, a.rope_theta, max_positions, a.rope_scaling)
         layers, kv, st = [], 0, 0
         for i, kind in enumerate(spec.layer_types):
-            layers.append(Qwen3NextDecoderLayer(a, spec, i, kv, st))
+            layers.append(Qwen3NextDecoderLayer(a, spec, i, kv, st, gdn_layout))
             kv, st = (kv + 1, st) if kind == FULL_ATTENTION else (kv, st + 1)
         self.decoder_layers = layers  # a plain list to iterate (as LlamaModel)
         self.layers = nn.ModuleList(layers)
@@ -163,13 +164,14 @@ class Qwen3NextForCausalLM(nn.Module):
     }
     ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)
     ignored_prefixes: tuple[str, ...] = ("mtp.",)  # the MTP head, not used for decoding here
+    gdn_layout = "qwen3_next"  # the linear layers' projection layout (layers/gated_deltanet.py)
 
     def __init__(self, spec: ModelSpec, max_positions: int | None = None):
         super().__init__()
         if not spec.layer_types:
             raise ValueError("Qwen3-Next needs layer_types or full_attention_interval in config.json")
         a = self.args = LlamaArgs.from_spec(spec, qk_norm=True)
-        self.model = Qwen3NextModel(a, spec, max(max_positions or 0, a.max_position_embeddings))
+        self.model = Qwen3NextModel(a, spec, max(max_positions or 0, a.max_position_embeddings), self.gdn_layout)
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings
 
@@ -203,3 +205,16 @@ class Qwen3NextForCausalLM(nn.Module):
     def fusable_projections(self) -> list[torch.Tensor]:
         """[]: no fused layer path."""
         return []
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """The text model of Qwen3.5-MoE (Qwen3_5MoeForCausalLM; transformers 5.24's
+    `modeling_qwen3_5_moe.py`): Qwen3-Next's hybrid with every layer's MLP a MoE block with a
+    shared expert, and gated-DeltaNet layers in Qwen3.5's projection layout (in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a). Its multimodal rotary reduces to the partial rotary
+    for text positions (all three position grids equal). The vision tower and MTP head of a
+    checkpoint are skipped. Interface as `Qwen3NextForCausalLM`."""
+
+    packed_modules = {**Qwen3NextForCausalLM.packed_modules, **GatedDeltaNet.QWEN3_5_PACKED}
+    ignored_prefixes = ("mtp.", "model.visual.")
+    gdn_layout = "qwen3_5"
