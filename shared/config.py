@@ -361,21 +361,38 @@ def _has_recurrent_state(model: str) -> bool:
 RECURRENT_STATE_REFUSALS = {
     "enable_prefix_caching": "a prefix-cache hit would skip the recurrent layers' state of the prefix "
                              "(state checkpoints per block are not built yet)",
-    "speculative_config": "a verify step would need the recurrent state of every draft position",
+    "speculative_config": "EAGLE and DFlash heads read the target's hidden states, which this model does not "
+                          "tap, and a draft model with recurrent layers would need a state cache of its own; "
+                          "use method 'ngram' or a draft_model without recurrent layers",
     "kv_offload_cpu_gib": "the kvstore tiers store paged KV only, not the recurrent state",
     "enforce_eager": "the CUDA graphs do not capture the recurrent state's slots yet; run eagerly",
 }
 
 
+def _spec_needs_what_state_lacks(cfg: KestrelConfig) -> bool:
+    """Whether speculative decoding is on with a method a hybrid target cannot serve yet:
+    an EAGLE or DFlash head (they read target layers' hidden states), or a draft model that
+    has recurrent layers itself. n-gram and a dense draft model work: the target's
+    recurrent layers keep their state after each verified token and roll back to the
+    accepted drafts (docs/ARCHITECTURE.md §4.7)."""
+    spec = cfg.speculative
+    if spec is None:
+        return False
+    if spec.method in ("eagle", "dflash"):
+        return True
+    # a dummy draft (no folder) takes the target's architecture: recurrent layers too
+    return spec.method == "draft_model" and (spec.model is None or _has_recurrent_state(spec.model))
+
+
 def check_recurrent_state(cfg: KestrelConfig) -> None:
     """Refuse settings a hybrid model (recurrent layers) cannot run with: prefix caching,
-    speculative decoding, the kvstore tiers, CUDA graphs (`RECURRENT_STATE_REFUSALS`; the
-    derived defaults already turn prefix caching off and enforce_eager on). Raises
-    ValueError naming the setting."""
+    speculative decoding with an EAGLE / DFlash head or a hybrid draft, the kvstore tiers,
+    CUDA graphs (`RECURRENT_STATE_REFUSALS`; the derived defaults already turn prefix caching
+    off and enforce_eager on). Raises ValueError naming the setting."""
     if not _has_recurrent_state(cfg.model):
         return
     on = {"enable_prefix_caching": cfg.enable_prefix_caching,
-          "speculative_config": bool(cfg.speculative_config),
+          "speculative_config": _spec_needs_what_state_lacks(cfg),
           "kv_offload_cpu_gib": (cfg.kv_offload_cpu_gib or 0) > 0,
           "enforce_eager": cfg.device == "cuda" and not cfg.enforce_eager}
     for name, why in RECURRENT_STATE_REFUSALS.items():

@@ -129,11 +129,12 @@ def spec_run(runner: ModelRunner, prompts: list[list[int]], n: int, k: int,
     n tokens. Tokens emitted past n are dropped; finished requests are named in the next
     plan's `forget`. Prefill in chunks of at most `chunk` tokens (None: whole prompts),
     each prompt on its own blocks (0, 1, ... in prompt order). With k = 0 and no `drafts`,
-    this is plain decoding. Raises ValueError when the KV cache is too small, and for a
-    step result with an error.
+    this is plain decoding. A hybrid model's prompt i runs on state slot i. Raises
+    ValueError when the KV cache is too small, and for a step result with an error.
     """
     sampling = sampling or SamplingParams(temperature=0.0)
     bs = runner.block_size
+    slot = -1 if getattr(runner, "state_cache", None) is None else 0
     tables, nxt = [], 0
     for p in prompts:
         need = -(-(len(p) + n + k + 1) // bs)
@@ -156,12 +157,13 @@ def spec_run(runner: ModelRunner, prompts: list[list[int]], n: int, k: int,
                 m = min(chunk or len(p), len(p) - done[i])
                 last = done[i] + m == len(p)
                 seqs.append(ScheduledSeq(f"r{i}", p[done[i]:done[i] + m], done[i], tables[i], last, sampling, 0,
-                                         num_propose=k if last else 0))
+                                         num_propose=k if last else 0, state_slot=slot + i if slot >= 0 else -1))
                 done[i] += m
             else:
                 d = pending_drafts[i][:max(0, min(k, n - len(o) - 1))]
                 seqs.append(ScheduledSeq(f"r{i}", [o[-1], *d], len(p) + len(o) - 1, tables[i], True, sampling,
-                                         len(o), num_draft=len(d), num_propose=k))
+                                         len(o), num_draft=len(d), num_propose=k,
+                                         state_slot=slot + i if slot >= 0 else -1))
                 run.num_drafts += bool(d)
                 run.num_draft_tokens += len(d)
             if seqs[-1].sample:

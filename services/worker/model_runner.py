@@ -265,6 +265,9 @@ class ModelRunner:
             emitted: list[list[int]] | None = None
             if logits.shape[0] != len(rows):  # some seq verifies drafts (§5.5)
                 emitted = self._verify(result, logits, sampled)
+                st = self._step_state
+                if st is not None and st.track:  # recurrent layers roll back to the accepted drafts (§4.7)
+                    st.commit({i: len(toks) for i, toks in zip(rows, emitted)})
             else:
                 g = self.graphs
                 kept = g if g is not None and len(rows) <= g.max_bs else None

@@ -17,7 +17,7 @@ one preempted and recomputed) it starts from zeros. Nothing else resets a slot.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,11 +85,16 @@ class StepState:
     has_initial: torch.Tensor
     cu_seqlens: torch.Tensor
     seq_lens_host: list[int]
+    # Speculative decoding (docs/ARCHITECTURE.md §4.7): per seq, 1 + its drafts for a verify
+    # seq (the layers keep its state after each of its tokens), 0 for the others; and the
+    # kept states, (layer, seq) -> one list per position of the layer's state tensors [1, *shape]
+    track: list[int] = field(default_factory=list)
+    positions: dict[tuple[int, int], list[list[torch.Tensor]]] = field(default_factory=dict)
 
     @classmethod
     def for_seqs(cls, cache: StateCache, seqs: Sequence[ScheduledSeq], device: torch.device) -> StepState:
-        """The state view of a step of `seqs`. Raises ValueError for a seq without a slot
-        or with one outside the cache."""
+        """The state view of a step of `seqs` (verify seqs tracked: `track`). Raises
+        ValueError for a seq without a slot or with one outside the cache."""
         bad = [s.request_id for s in seqs if not 0 <= s.state_slot < cache.num_slots]
         if bad:
             raise ValueError(f"seqs without a state slot in 0..{cache.num_slots - 1}: {bad}")
@@ -97,10 +102,11 @@ class StepState:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
+        track = [len(s.token_ids) if s.sample and s.num_draft else 0 for s in seqs]
         return cls(cache,
                    torch.tensor([s.state_slot for s in seqs], dtype=torch.int64).to(device),
                    torch.tensor([s.start_pos > 0 for s in seqs], dtype=torch.bool).to(device),
-                   torch.tensor(cu, dtype=torch.int32).to(device), lens)
+                   torch.tensor(cu, dtype=torch.int32).to(device), lens, track if any(track) else [])
 
     def gather(self, layer: int) -> list[torch.Tensor]:
         """Layer `layer`'s state of the step's seqs: one [N, *shape] copy per tensor, zeros
@@ -117,3 +123,23 @@ class StepState:
         updated) back to their slots."""
         for t, s in zip(self.cache.layers[layer], states):
             t.index_copy_(0, self.slots, s.to(t.dtype))
+
+    def keep(self, layer: int, seq: int, states: list[list[torch.Tensor]]) -> None:
+        """Record layer `layer`'s states of tracked seq `seq` after each of its tokens (one
+        list of the layer's tensors [1, *shape] per token), for `commit`."""
+        self.positions[(layer, seq)] = states
+
+    def commit(self, kept_tokens: dict[int, int]) -> None:
+        """After verification: seq i (a tracked seq, by plan index) keeps its first
+        kept_tokens[i] tokens (its last token and the accepted drafts); write each recurrent
+        layer's state after that token to the seq's slot, over the state after all of them
+        that `scatter` wrote. Raises ValueError for a count outside 1..len(tokens)."""
+        for (layer, seq), states in self.positions.items():
+            n = kept_tokens.get(seq)
+            if n is None:
+                continue
+            if not 1 <= n <= len(states):
+                raise ValueError(f"seq {seq} keeps {n} of its {len(states)} tokens")
+            slot = self.slots[seq:seq + 1]
+            for t, s in zip(self.cache.layers[layer], states[n - 1]):
+                t.index_copy_(0, slot, s.to(t.dtype))

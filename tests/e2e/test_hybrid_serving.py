@@ -11,6 +11,7 @@ Shown against independent truths:
   token 0 into a fresh state slot, and no request reads another's state;
 - prefix caching is off for the model (derived: its state has no checkpoints yet), and an
   explicit `--enable-prefix-caching true` is refused before anything starts, naming it;
+- n-gram speculation (every decode verifying drafts) gives the same outputs;
 - every block comes back at the end.
 """
 
@@ -54,6 +55,12 @@ def hybrid(smollm2_dir, tmp_path_factory):
                 p.uniform_(-1.0, 1.0)
             elif p.dim() >= 2:
                 p.normal_(0, 0.2)
+        # outputs drawn from 64 tokens (the head's other rows are zero: logit 0, below the max
+        # of 64 random logits), so they repeat and n-gram lookup finds drafts in them
+        head = model.lm_head.weight
+        keep = torch.zeros(head.shape[0], dtype=torch.bool)
+        keep[100:164] = True
+        head[~keep] = 0
     path = tmp_path_factory.mktemp("tiny-qwen3-next")
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -62,8 +69,11 @@ def hybrid(smollm2_dir, tmp_path_factory):
 
 
 def _prompts() -> list[list[int]]:
+    """8 token-id prompts of 3..45 tokens, each a random run repeated (n-gram lookup finds
+    its continuations in the prompt)."""
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 31, 12, 45, 3, 26, 18, 40)]
+    runs = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (4, 15, 6, 22, 3, 13, 9, 20)]
+    return [(r * 3)[:max(3, 2 * len(r) + 1)] for r in runs]
 
 
 def _complete(client: httpx.Client, prompt: list[int]) -> list[int]:
@@ -75,11 +85,13 @@ def _complete(client: httpx.Client, prompt: list[int]) -> list[int]:
     return choice["logprobs"]["tokens"], r.json()["usage"]["completion_tokens"]
 
 
-def test_a_hybrid_model_serves_transformers_greedy_output_alone_and_8_at_once_under_preemption(hybrid):
-    path, hf = hybrid
-    srv = KestrelServer(str(path), "--served-model-name", "tiny-qwen3-next", "--kv-cache-gib", "0.00016",
-                        "--block-size", "16", "--max-model-len", "128", "--max-num-seqs", "8",
-                        "--max-num-batched-tokens", "32").start(timeout=300)
+SERVE = ("--served-model-name", "tiny-qwen3-next", "--kv-cache-gib", "0.00016", "--block-size", "16",
+         "--max-model-len", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "32")
+
+
+def _serve_and_run(path, *extra) -> tuple[list, list, dict]:
+    """(each prompt alone, the 8 at once, the engine's stats after) from one server."""
+    srv = KestrelServer(str(path), *SERVE, *extra).start(timeout=300)
     try:
         with httpx.Client(base_url=srv.base_url, timeout=300) as client:
             alone = [_complete(client, p) for p in _prompts()]
@@ -88,6 +100,17 @@ def test_a_hybrid_model_serves_transformers_greedy_output_alone_and_8_at_once_un
             stats = client.get("/internal/stats").json()
     finally:
         srv.stop()
+    return alone, together, stats
+
+
+@pytest.fixture(scope="module")
+def plain_run(hybrid):
+    return _serve_and_run(hybrid[0])
+
+
+def test_a_hybrid_model_serves_transformers_greedy_output_alone_and_8_at_once_under_preemption(hybrid, plain_run):
+    path, hf = hybrid
+    alone, together, stats = plain_run
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
     for prompt, (tokens, n) in zip(_prompts(), alone):
         with torch.no_grad():
@@ -111,3 +134,16 @@ def test_prefix_caching_is_off_for_a_hybrid_model_and_refused_when_asked_for(hyb
 
     cfg = build_config(cli={"model": str(path), "device": "cpu"}, env={})
     assert cfg.enable_prefix_caching is False and cfg.sources["enable_prefix_caching"] == "derived"
+
+
+def test_ngram_speculation_on_a_hybrid_model_gives_the_same_output(hybrid, plain_run):
+    """Every decode verifies drafts (policy fixed); random prompts give few accepted ones,
+    so most verify steps roll the recurrent state back."""
+    import json
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed", "prompt_lookup_min": 1}
+    alone, together, stats = _serve_and_run(hybrid[0], "--speculative-config", json.dumps(spec))
+    assert (alone, together) == plain_run[:2]
+    # drafts were verified and some rejected: the recurrent state rolled back
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats

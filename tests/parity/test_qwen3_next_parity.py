@@ -12,7 +12,10 @@ Shown:
 - greedy 32 tokens equal to transformers' `generate` (its own recurrent cache);
 - 8 requests run together (mixed chunks and decodes, each on its own state slot) equal to
   each alone, and a slot reused by a new request (start_pos 0) starts from zeros;
-- the startup report names the state cache's bytes and slots.
+- the startup report names the state cache's bytes and slots;
+- speculative decoding (n-gram, and a dense draft model) gives the plain greedy output, with
+  drafts partly rejected: the recurrent layers keep their state after each verified token
+  and roll back to the accepted drafts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
-from tests.runner_driver import generate, step_logits  # noqa: E402
+from tests.runner_driver import generate, spec_run, step_logits  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 101
@@ -145,3 +148,38 @@ def test_dummy_weights_of_the_qwen3_next_80b_shape_give_finite_seeded_logits(tmp
         outs.append(step_logits(runner, StepPlan(0, [seq]))[0])
     assert torch.isfinite(outs[0]).all() and outs[0].std() > 0
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.fixture(scope="module")
+def dense_draft(tmp_path_factory):
+    """A tiny random Qwen3 dense model with the hybrids' vocabulary (a draft model)."""
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=True,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("dense_draft")
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_a_hybrid_gives_the_plain_greedy_output(tiny_next, dense_draft, method):
+    import json
+
+    path, _ = tiny_next
+    prompts, n, k = _prompts(3), 16, 3
+    plain = generate(_runner(path, block_size=8), prompts, n)
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        spec["model"] = str(dense_draft)
+    runner = _runner(path, block_size=8, max_model_len=256, speculative_config=json.dumps(spec))
+    assert spec_run(runner, prompts, n, k, chunk=9).tokens == plain  # the proposer's drafts
+
+    def half_right(i, outputs, proposed):  # the truth's next k tokens, the 2nd one wrong
+        truth = plain[i][len(outputs):len(outputs) + k]
+        return [t if j != 1 else (t + 1) % VOCAB for j, t in enumerate(truth)]
+
+    forced = spec_run(runner, prompts, n, k, chunk=9, drafts=half_right)
+    assert forced.tokens == plain
+    assert 0 < forced.num_accepted < forced.num_draft_tokens

@@ -161,9 +161,13 @@ def test_a_hybrid_model_turns_prefix_caching_off_and_refuses_what_its_state_cann
     cfg = build_config(cli={"model": model, "device": "cpu"}, env={})
     assert cfg.enable_prefix_caching is False and cfg.sources["enable_prefix_caching"] == "derived"
     assert cfg.enforce_eager is True
+    ngram = '{"method": "ngram", "num_speculative_tokens": 2}'  # works: the state rolls back (§4.7)
+    assert build_config(cli={"model": model, "device": "cpu", "speculative_config": ngram}, env={}).speculative
     for extra, setting in (({"enable_prefix_caching": "true"}, "enable_prefix_caching"),
-                           ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
-                            "speculative_config"),
+                           ({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2, '
+                                                   '"load_format": "dummy"}'}, "speculative_config"),
+                           ({"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2, '
+                                                   '"load_format": "dummy"}'}, "speculative_config"),
                            ({"kv_offload_cpu_gib": "1"}, "kv_offload_cpu_gib"),
                            ({"device": "cuda", "enforce_eager": "false"}, "enforce_eager")):
         with pytest.raises(ValueError, match=f"setting {setting}: not supported .* recurrent"):

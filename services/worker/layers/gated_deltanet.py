@@ -156,8 +156,46 @@ class GatedDeltaNet(nn.Module):
         `index`-th recurrent layer of the model) gathered from their state slots, run, and
         written back (services/worker/state_cache.py). x [T, H] -> [T, H]."""
         conv, ssm = state.gather(index)
-        out = self.forward(x, state.cu_seqlens, conv, ssm, state.has_initial)
+        if not state.track:
+            out = self.forward(x, state.cu_seqlens, conv, ssm, state.has_initial)
+        else:
+            out = self._forward_tracked(x, state, index, conv, ssm)
         state.scatter(index, (conv, ssm))
+        return out
+
+    def _forward_tracked(self, x: torch.Tensor, state: StepState, index: int, conv: torch.Tensor,
+                         ssm: torch.Tensor) -> torch.Tensor:
+        """A step with verify seqs (state.track): the other seqs as one varlen batch; each
+        tracked seq token by token through the decode path (the same math as plain decoding),
+        its state after every token kept (`StepState.keep`) for the rollback to the accepted
+        drafts (`StepState.commit`). conv, ssm: the step's gathered states, updated in place."""
+        cu = state.cu_seqlens.tolist()
+        out = torch.empty_like(x)
+        plain = [i for i, n in enumerate(state.track) if n == 0]
+        if plain:
+            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in plain]).to(x.device)
+            sub_cu = [0]
+            for i in plain:
+                sub_cu.append(sub_cu[-1] + cu[i + 1] - cu[i])
+            pick = torch.tensor(plain, device=x.device)
+            c, s = conv.index_select(0, pick), ssm.index_select(0, pick)
+            out[rows] = self.forward(x.index_select(0, rows), torch.tensor(sub_cu, dtype=torch.int32, device=x.device),
+                                     c, s, state.has_initial.index_select(0, pick))
+            conv.index_copy_(0, pick, c)
+            ssm.index_copy_(0, pick, s)
+        one = torch.tensor([0, 1], dtype=torch.int32, device=x.device)
+        for i, n in enumerate(state.track):
+            if n == 0:
+                continue
+            c, s = conv[i:i + 1].clone(), ssm[i:i + 1].clone()
+            fresh = state.has_initial[i:i + 1]
+            kept = []
+            for t in range(cu[i], cu[i + 1]):
+                out[t:t + 1] = self.forward(x[t:t + 1], one, c, s, fresh)
+                fresh = torch.ones_like(fresh)
+                kept.append([c.clone(), s.clone()])
+            state.keep(index, i, kept)
+            conv[i:i + 1], ssm[i:i + 1] = c, s
         return out
 
     def state_shapes(self) -> tuple[StateShape, StateShape]:
