@@ -27,22 +27,52 @@ Launch configs: `pick_config(T, E, k, N, K, dtype_bytes)` -> {BLOCK_M, BLOCK_N, 
 GROUP_M, num_warps, num_stages}, one config for both launches (they share the alignment,
 hence BLOCK_M). It looks up `TUNED_CONFIGS[(m_bucket(T), N, K)]` (N = 2I and K = H: w13's
 per-expert [N, K] shape; bf16/fp16 only) and falls back to `default_config`.
-TUNED_CONFIGS is empty here, so every shape takes the default: a tuning script is to fill
-it (sweeping the configs on the GPU for a model's (N, K) at each of M_BUCKETS, timing the
-whole `fused_moe_triton`, since the launches share BLOCK_M).
+TUNED_CONFIGS holds what benchmarks/moe_tune.py measured on the device and wrote to
+kernels/moe_configs/ (it sweeps the configs for a model's (N, K) at each of M_BUCKETS, timing
+the whole `fused_moe_triton`, since the launches share BLOCK_M); a shape without a file
+takes the default.
 tl.dot needs BLOCK_M, BLOCK_N and BLOCK_K >= 16.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-# (m_bucket, N, K) -> config dict (keys of `default_config`); filled by a tuning script
+# (m_bucket, N, K) -> config dict (keys of `default_config`), from the JSON files that
+# benchmarks/moe_tune.py writes into kernels/moe_configs/ (read once, at import)
 TUNED_CONFIGS: dict[tuple[int, int, int], dict[str, Any]] = {}
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_configs")
+
+
+def load_tuned_configs(folder: str = CONFIG_DIR) -> dict[tuple[int, int, int], dict[str, Any]]:
+    """The tuned launch configs of every `*.json` in `folder`: each file is {"N": 2I, "K": H,
+    "device": ..., "configs": {"<m_bucket>": {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    num_warps, num_stages}, ...}} (benchmarks/moe_tune.py). A missing folder gives {};
+    a malformed file raises ValueError naming it."""
+    out: dict[tuple[int, int, int], dict[str, Any]] = {}
+    if not os.path.isdir(folder):
+        return out
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+            for bucket, cfg in data["configs"].items():
+                out[(int(bucket), int(data["N"]), int(data["K"]))] = dict(cfg)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"tuned MoE config {path}: {e}") from None
+    return out
+
+
+TUNED_CONFIGS.update(load_tuned_configs())
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FP32_PARTIALS = True  # the down launch's weighted outputs in fp32 (False: x's dtype)
 

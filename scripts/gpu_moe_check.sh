@@ -9,7 +9,9 @@
 #   moe_kernel.json       the kernel benchmark's JSON
 #   decode_qwen3-30b-a3b.json  TPOT and roofline
 #   bench.log             the benchmarks' output tails and exit codes
-# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode]
+#   moe_tune/*.json       with part "tune" only: benchmarks/moe_tune.py's tuned configs (copy them
+#                         into kernels/moe_configs/ to use them)
+# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|tune]
 # Limits (seconds, environment): TEST_TIMEOUT 150, KERNEL_TIMEOUT 120, DECODE_TIMEOUT 300.
 set -u
 PART=${1:-all}
@@ -34,4 +36,8 @@ fi
 if [ "$PART" = all ] || [ "$PART" = decode ]; then
   run decode_qwen3-30b-a3b "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
     --steps 64 --out "$OUT/decode_qwen3-30b-a3b.json"
+fi
+if [ "$PART" = tune ]; then
+  mkdir -p "$OUT/moe_tune"
+  run moe_tune "${TUNE_TIMEOUT:-500}" python3 benchmarks/moe_tune.py --out "$OUT/moe_tune/qwen3-30b-a3b.json"
 fi
