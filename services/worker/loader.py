@@ -72,6 +72,15 @@ def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, Shard]:
     return name, None
 
 
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """`name` with the first matching checkpoint prefix replaced by ours (a model's
+    `checkpoint_renames`), else unchanged."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def _destination(param: torch.Tensor, shard: Shard) -> torch.Tensor:
     """The view of `param` that one checkpoint tensor fills. Raises IndexError for a shard
     or expert the parameter does not have."""
@@ -91,6 +100,7 @@ def load_weights(model: nn.Module, path: str) -> int:
     packed = getattr(model, "packed_modules", {})
     ignored = getattr(model, "ignored_tensors", ())
     ignored_prefixes = getattr(model, "ignored_prefixes", ())  # e.g. an MTP head not loaded
+    renames = getattr(model, "checkpoint_renames", ())  # (checkpoint prefix, ours), e.g. a multimodal wrapper's
     tied = getattr(model, "tied_lm_head", False)
     loaded: set[tuple[str, Shard]] = set()
     unused: list[str] = []
@@ -100,7 +110,7 @@ def load_weights(model: nn.Module, path: str) -> int:
                 if name.endswith(ignored) or name.startswith(ignored_prefixes) or \
                         (tied and name == "lm_head.weight"):
                     continue
-                pname, shard = _target(name, packed)
+                pname, shard = _target(_renamed(name, renames), packed)
                 if pname not in params:
                     unused.append(f"{name} ({os.path.relpath(file, path)})")
                     continue

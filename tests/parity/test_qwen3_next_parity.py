@@ -183,3 +183,29 @@ def test_speculative_decoding_on_a_hybrid_gives_the_plain_greedy_output(tiny_nex
     forced = spec_run(runner, prompts, n, k, chunk=9, drafts=half_right)
     assert forced.tokens == plain
     assert 0 < forced.num_accepted < forced.num_draft_tokens
+
+
+def test_a_published_style_qwen3_5_checkpoint_loads_its_text_model(tiny_next, tmp_path):
+    """Qwen3_5MoeForConditionalGeneration's layout (config with text_config, the language
+    model under model.language_model., a vision tower and an MTP head beside it) serves the
+    same logits as the text-only checkpoint it was made from."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path, hf = tiny_next
+    text_cfg = json.loads((path / "config.json").read_text())
+    if text_cfg["architectures"] != ["Qwen3_5MoeForCausalLM"]:
+        pytest.skip("the Qwen3.5 variant only")
+    tensors = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+               for k, v in load_file(str(path / "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": {k: v for k, v in text_cfg.items() if k != "architectures"}, "vision_config": {"depth": 1}}))
+    seq = ScheduledSeq("r", _prompts(1, (21,))[0], 0, list(range(8)), True, GREEDY, state_slot=0)
+    want = step_logits(_runner(path), StepPlan(0, [seq]))[0]
+    got = step_logits(_runner(tmp_path), StepPlan(0, [seq]))[0]
+    assert torch.equal(got, want)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.qwen3 import Qwen3ForCausalLM
 from services.worker.models.qwen3_moe import Qwen3MoeForCausalLM
-from services.worker.models.qwen3_next import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from services.worker.models.qwen3_next import (Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
+                                               Qwen3NextForCausalLM)
 from shared.model_spec import ModelSpec
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -18,12 +19,13 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 # model_type -> architecture, for config files whose `architectures` is missing or null
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
 def model_class(spec: ModelSpec) -> type:

@@ -218,3 +218,13 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     packed_modules = {**Qwen3NextForCausalLM.packed_modules, **GatedDeltaNet.QWEN3_5_PACKED}
     ignored_prefixes = ("mtp.", "model.visual.")
     gdn_layout = "qwen3_5"
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The published Qwen3.5-MoE checkpoints (Qwen3_5MoeForConditionalGeneration: the text
+    model under `model.language_model.`, a vision tower under `model.visual.`, config.json
+    with a nested `text_config`), served as their text model: the language model's tensors
+    load as `Qwen3_5MoeForCausalLM`'s, the vision tower and the MTP head are skipped (images
+    come with a later issue). Interface as `Qwen3NextForCausalLM`."""
+
+    checkpoint_renames = (("model.language_model.", "model."),)
