@@ -336,15 +336,21 @@ def _derive(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, s
     if values["step_timeout_s"] is None:
         put("step_timeout_s", 180.0 if cuda else 600.0)
     if _has_recurrent_state(values["model"]):  # a hybrid model (docs/ARCHITECTURE.md §4.7)
-        for name in ("enable_prefix_caching", "enforce_eager"):
-            if sources[name] == "default" or sources[name].startswith("profile:"):
-                put(name, name == "enforce_eager")
+        if sources["enforce_eager"] == "default" or sources["enforce_eager"].startswith("profile:"):
+            put("enforce_eager", True)
     detail = ""
     if not values["num_threads"]:  # 0 or unset: from the CPUs this process may use
         choice = resolve_num_threads(values["num_threads"], "cuda" if cuda else "cpu")
         put("num_threads", choice.threads)
         detail = choice.reason
     return detail
+
+
+def state_checkpoint_slots(cfg: KestrelConfig) -> int:
+    """State checkpoint slots of a hybrid model's prefix cache (services/engine/state_slots.py),
+    beyond its max_num_seqs request slots: max_num_seqs of them with the prefix cache on, else
+    0. The engine and the workers both size from this."""
+    return cfg.max_num_seqs if cfg.enable_prefix_caching else 0
 
 
 def _has_recurrent_state(model: str) -> bool:
@@ -359,12 +365,10 @@ def _has_recurrent_state(model: str) -> bool:
 # What a model with recurrent layers cannot run yet (its state is not checkpointed per block,
 # not kept per draft position, not captured in CUDA graphs): setting -> why, when it is on.
 RECURRENT_STATE_REFUSALS = {
-    "enable_prefix_caching": "a prefix-cache hit would skip the recurrent layers' state of the prefix "
-                             "(state checkpoints per block are not built yet)",
     "speculative_config": "EAGLE and DFlash heads read the target's hidden states, which this model does not "
                           "tap, and a draft model with recurrent layers would need a state cache of its own; "
                           "use method 'ngram' or a draft_model without recurrent layers",
-    "kv_offload_cpu_gib": "the kvstore tiers store paged KV only, not the recurrent state",
+    "kv_offload_cpu_gib": "the kvstore tiers store paged KV only, not the recurrent state's checkpoints",
     "enforce_eager": "the CUDA graphs do not capture the recurrent state's slots yet; run eagerly",
 }
 
@@ -385,19 +389,18 @@ def _spec_needs_what_state_lacks(cfg: KestrelConfig) -> bool:
 
 
 def check_recurrent_state(cfg: KestrelConfig) -> None:
-    """Refuse settings a hybrid model (recurrent layers) cannot run with: prefix caching,
-    speculative decoding with an EAGLE / DFlash head or a hybrid draft, the kvstore tiers,
-    CUDA graphs (`RECURRENT_STATE_REFUSALS`; the derived defaults already turn prefix caching
-    off and enforce_eager on). Raises ValueError naming the setting."""
+    """Refuse settings a hybrid model (recurrent layers) cannot run with: speculative
+    decoding with an EAGLE / DFlash head or a hybrid draft, the kvstore tiers, CUDA graphs
+    (`RECURRENT_STATE_REFUSALS`; the derived default turns enforce_eager on). Raises
+    ValueError naming the setting."""
     if not _has_recurrent_state(cfg.model):
         return
-    on = {"enable_prefix_caching": cfg.enable_prefix_caching,
-          "speculative_config": _spec_needs_what_state_lacks(cfg),
+    on = {"speculative_config": _spec_needs_what_state_lacks(cfg),
           "kv_offload_cpu_gib": (cfg.kv_offload_cpu_gib or 0) > 0,
           "enforce_eager": cfg.device == "cuda" and not cfg.enforce_eager}
     for name, why in RECURRENT_STATE_REFUSALS.items():
         if on[name]:
-            fix = {"enable_prefix_caching": "--enable-prefix-caching false", "speculative_config":
+            fix = {"speculative_config":
                    "no --speculative-config", "kv_offload_cpu_gib": "--kv-offload-cpu-gib 0",
                    "enforce_eager": "--enforce-eager true"}[name]
             raise ValueError(f"setting {name}: not supported with {os.path.basename(cfg.model)!r}, a model "

@@ -276,6 +276,12 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     # seq continues from the slot's state when start_pos > 0; at start_pos 0 (a new or
     # preempted request) the workers start it from zeros.
     state_slot: int = -1
+    # Prefix caching of a hybrid model (services/engine/state_slots.py): a checkpoint slot
+    # whose state the workers copy into state_slot before running this seq (a prefix hit
+    # resumes from it), and one they copy state_slot's state into after it (the seq ends at
+    # its prompt's last full-block boundary); -1 for none.
+    state_restore: int = -1
+    state_save: int = -1
 
 
 class StepPlan(msgspec.Struct, tag="step", array_like=True):

@@ -45,7 +45,7 @@ from services.engine.spec_policy import SpecPolicy
 from services.engine.state_slots import StateSlots
 from services.engine.structured import GrammarError, RequestGrammar
 from shared import protocol as P
-from shared.config import KestrelConfig
+from shared.config import KestrelConfig, state_checkpoint_slots
 from shared.model_spec import ModelSpec
 
 log = logging.getLogger("kestrel.engine")
@@ -96,7 +96,7 @@ class EngineCore:
                           enable_prefix_caching=cfg.enable_prefix_caching, root_hash=root_hash)
         spec_cfg = cfg.speculative
         self.spec = SpecPolicy(spec_cfg, bool(cfg.async_scheduling)) if spec_cfg is not None else None
-        slots = StateSlots(cfg.max_num_seqs) if info.has_recurrent_state else None  # §4.7
+        slots = StateSlots(cfg.max_num_seqs, state_checkpoint_slots(cfg)) if info.has_recurrent_state else None
         self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    self.max_model_len, list(info.eos_token_ids), spec=self.spec,
                                    state_slots=slots)

@@ -208,13 +208,14 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or prefill_budget <= 0:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, prefill_budget)
+            n, save = self._checkpoint_cut(req, req.num_computed_tokens, n)
             end = req.num_computed_tokens + n
             p = drafts.prefill(req, end) if drafts else 0
             if not (p and self.bm.allocate(req, end + p)):
                 p = 0
                 if not self._allocate_or_preempt(req, end, taken, preempted):
                     continue
-            scheduled.append(SeqWork(req, n, num_propose=p))
+            scheduled.append(SeqWork(req, n, num_propose=p, state_save=self._checkpoint_slot(save)))
             taken.add(req.request_id)
             prefill_budget -= n
 
@@ -233,6 +234,10 @@ class Scheduler:
                     self.connector.release(req)
             else:
                 hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
+                restore = -1
+                if hit_blocks and self.slots is not None:  # a hybrid resumes from a state checkpoint
+                    hit_blocks, restore = self._checkpointed_hit(req, hit_blocks)
+                    hit_tokens = len(hit_blocks) * self.bm.block_size
                 if connector is not None:
                     answer = connector.lookup(req, len(hit_blocks))
                     if answer is None:  # asked: it waits off the step for the answer
@@ -243,6 +248,7 @@ class Scheduler:
                     num_load = answer
             computed = hit_tokens + num_load * self.bm.block_size
             n = min(req.num_tokens - computed, prefill_budget)
+            n, save = self._checkpoint_cut(req, computed, n)
             p = drafts.prefill(req, computed + n) if drafts else 0
             # Two phases: the hit blocks are referenced first, then blocks for load + chunk.
             if not (p and self.bm.allocate(req, computed + n + p, computed_blocks=hit_blocks)):
@@ -262,7 +268,8 @@ class Scheduler:
             if req.first_scheduled is None:
                 req.first_scheduled = time.time()
             self.running.append(req)
-            scheduled.append(SeqWork(req, n, num_propose=p))
+            scheduled.append(SeqWork(req, n, num_propose=p, state_restore=restore if hit_tokens else -1,
+                                     state_save=self._checkpoint_slot(save)))
             prefill_budget -= n
 
         if not scheduled:
@@ -366,6 +373,41 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+
+    # ------------------------------------------------------------------ state checkpoints
+
+    def _checkpointed_hit(self, req: Request, hit_blocks: list[int]) -> tuple[list[int], int]:
+        """A hybrid model's prefix hit: the longest head of `hit_blocks` whose last block has
+        a state checkpoint, and that checkpoint's slot (([], -1) without one)."""
+        assert self.slots is not None
+        for j in range(len(hit_blocks), 0, -1):
+            slot = self.slots.checkpoint_of(req.block_hashes[j - 1])
+            if slot is not None:
+                return hit_blocks[:j], slot
+        return [], -1
+
+    def _checkpoint_cut(self, req: Request, start: int, n: int) -> tuple[int, bytes | None]:
+        """For a hybrid model with the prefix cache: a prefill chunk [start, start + n) that
+        passes the prompt's last full-block boundary B ends there instead, and a chunk ending
+        at B names the block whose checkpoint it saves (state_slots.py). Returns (n, the
+        block name or None)."""
+        if self.slots is None or not self.slots.num_checkpoints or not self.bm.enable_prefix_caching:
+            return n, None
+        bs = self.bm.block_size
+        boundary = (req.num_prompt_tokens - 1) // bs * bs
+        if boundary <= start or start + n < boundary:
+            return n, None
+        n = boundary - start
+        self.bm._ensure_block_hashes(req, boundary // bs)
+        return n, req.block_hashes[boundary // bs - 1]
+
+    def _checkpoint_slot(self, name: bytes | None) -> int:
+        """The checkpoint slot a chunk saves into for block `name` (-1: none, or the block
+        has a checkpoint already)."""
+        if name is None or self.slots is None:
+            return -1
+        slot = self.slots.new_checkpoint(name)
+        return -1 if slot is None else slot
 
     def _give_back_slot(self, req: Request) -> None:
         if req.state_slot >= 0 and self.slots is not None:

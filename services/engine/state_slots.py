@@ -10,22 +10,69 @@ slot from zeros, so a slot handed out again needs no cleaning, and a preempted r
 recomputes from token 0 into whichever slot it gets next.
 
 Slots never run short: the scheduler runs at most max_num_seqs requests, and there are that
-many slots. Plans made ahead (async scheduling) stay correct: the workers run plans in
+many slots.
+
+Prefix caching (checkpoints): a recurrent layer's state cannot be rebuilt from cached KV, so
+a prefix hit must also restore the state after the hit's last token. The scheduler makes a
+prompt's prefill chunk end at the prompt's last full-block boundary B = (P - 1) // block_size
+* block_size (the longest hit a later identical or extended prompt can use) and asks the
+workers to save the slot's state there into a checkpoint slot (`ScheduledSeq.state_save`),
+keyed by the chain hash of the block ending at B. A hit is trimmed to the longest prefix whose
+last block has a checkpoint, which the workers copy into the request's slot before its first
+step (`ScheduledSeq.state_restore`). Checkpoint slots are evicted least recently used; a plan
+restoring one is sent before any later plan that could reuse it, and the workers run plans in
+order. Plans made ahead (async scheduling) stay correct: the workers run plans in
 order, so a slot given to a new request is zeroed by that request's first step, after every
 step of its previous owner.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 
 class StateSlots:
-    """A free list of `num_slots` state slots (ids 0 .. num_slots - 1). Pure bookkeeping."""
+    """A free list of `num_slots` state slots (ids 0 .. num_slots - 1), and, for the prefix
+    cache, `num_checkpoints` checkpoint slots after them (ids num_slots ..): each holds the
+    state after the last token of one cached block chain, keyed by that block's name (its
+    chain hash), least recently used evicted first. Pure bookkeeping."""
 
-    def __init__(self, num_slots: int):
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be positive, got {num_slots}")
+    def __init__(self, num_slots: int, num_checkpoints: int = 0):
+        if num_slots < 1 or num_checkpoints < 0:
+            raise ValueError(f"bad state slots: {num_slots} slots, {num_checkpoints} checkpoints")
         self.num_slots = num_slots
+        self.num_checkpoints = num_checkpoints
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block name -> slot; LRU first
+        self._free_checkpoints = list(range(num_slots + num_checkpoints - 1, num_slots - 1, -1))
+        self.num_checkpoint_evictions = 0
+
+    def checkpoint_of(self, name: bytes) -> int | None:
+        """The checkpoint slot holding the state after block `name`'s chain (marked used),
+        or None."""
+        slot = self._checkpoints.get(name)
+        if slot is not None:
+            self._checkpoints.move_to_end(name)
+        return slot
+
+    def new_checkpoint(self, name: bytes) -> int | None:
+        """A checkpoint slot to save the state after block `name`'s chain into (a free one,
+        else the least recently used one, evicted), now keyed by `name`; None when there are
+        no checkpoint slots or `name` has one already."""
+        if self.num_checkpoints == 0 or name in self._checkpoints:
+            return None
+        if self._free_checkpoints:
+            slot = self._free_checkpoints.pop()
+        else:
+            _, slot = self._checkpoints.popitem(last=False)
+            self.num_checkpoint_evictions += 1
+        self._checkpoints[name] = slot
+        return slot
+
+    def forget_checkpoints(self) -> None:
+        """Drop every checkpoint (the prefix cache was reset)."""
+        self._free_checkpoints.extend(self._checkpoints.values())
+        self._checkpoints.clear()
 
     @property
     def num_free(self) -> int:

@@ -36,6 +36,8 @@ class SeqWork(NamedTuple):
     drafts excluded. drafts: the draft tokens verified after them (num_draft = len).
     num_propose: drafts the workers propose after the step (sampled seqs only). bitmask: the
     len(drafts) + 1 grammar masks of a verify seq (None: the request's one mask, if any).
+    state_restore, state_save: checkpoint slots of a hybrid model's prefix cache
+    (services/engine/state_slots.py), -1 for none.
     """
 
     request: Request
@@ -43,6 +45,8 @@ class SeqWork(NamedTuple):
     drafts: Sequence[int] = ()
     num_propose: int = 0
     bitmask: bytes | None = None
+    state_restore: int = -1  # a hybrid's prefix hit: the checkpoint slot to resume from
+    state_save: int = -1  # the checkpoint slot to save the state into after this chunk
 
 
 def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str],
@@ -81,6 +85,8 @@ def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str],
             num_draft=len(drafts),
             num_propose=work.num_propose if sample else 0,
             state_slot=req.state_slot,
+            state_restore=work.state_restore,
+            state_save=work.state_save,
         )
         if send_context and not known and start > 0:
             seq.context_token_ids = req.token_slice(0, start)

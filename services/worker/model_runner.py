@@ -43,7 +43,7 @@ from services.worker.spec.step import (DraftProbs, check_drafts, graph_view, log
                                        propose_requests, verify_drafts)
 from services.worker.step_inputs import prepare_step
 from services.worker.verify_graphs import VerifyGraphs, replay_verify
-from shared.config import KestrelConfig
+from shared.config import KestrelConfig, state_checkpoint_slots
 from shared.kv_layout import KVLayout
 from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
@@ -147,7 +147,8 @@ class ModelRunner:
         # a hybrid model's recurrent-state group (state_cache.py): one slot per running request,
         # allocated before the KV sizing (which then counts it as used memory)
         state_specs = module.state_specs()
-        self.state_cache = StateCache(state_specs, cfg.max_num_seqs, self.device) if state_specs else None
+        self.state_cache = StateCache(state_specs, cfg.max_num_seqs + state_checkpoint_slots(cfg),
+                                      self.device) if state_specs else None
         self._step_state: StepState | None = None  # the current step's view (run_model gives it on)
         self.activation_peak_bytes = 0
         if self.device.type == "cuda":  # KV sized from gpu_memory_utilization (gpu_memory.py)
@@ -286,6 +287,8 @@ class ModelRunner:
                     self._propose(result, fwd, emitted)
         for i, chunk_logits in fwd.prompt_logits.items():
             result.prompt_logprobs[seqs[i].request_id] = self.prompt_scorer.score(seqs[i], chunk_logits)
+        if self.state_cache is not None:  # prefix-cache checkpoints of the recurrent state (§4.7)
+            self.state_cache.save_checkpoints(seqs)
         return result
 
     def _verify(self, result: StepResult, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[list[int]]:

@@ -63,6 +63,21 @@ class StateCache:
             for s in specs]
         self.bytes = sum(s.slot_bytes for s in specs) * num_slots
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Every layer's state of slot `src` into slot `dst` (a checkpoint saved or restored).
+        Raises ValueError for a slot outside the cache."""
+        if not (0 <= src < self.num_slots and 0 <= dst < self.num_slots):
+            raise ValueError(f"state slots {src} -> {dst} outside 0..{self.num_slots - 1}")
+        for layer in self.layers:
+            for t in layer:
+                t[dst].copy_(t[src])
+
+    def save_checkpoints(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """After a step: each seq with `state_save` >= 0 copies its slot's state there."""
+        for s in seqs:
+            if s.state_save >= 0:
+                self.copy_slot(s.state_slot, s.state_save)
+
     @staticmethod
     def bytes_for(specs: Sequence[StateSpec], num_slots: int) -> int:
         """Bytes a cache of `specs` and `num_slots` takes (without allocating it)."""
@@ -102,6 +117,9 @@ class StepState:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
+        for s in seqs:  # a prefix hit resumes from its checkpoint (services/engine/state_slots.py)
+            if s.state_restore >= 0:
+                cache.copy_slot(s.state_restore, s.state_slot)
         track = [len(s.token_ids) if s.sample and s.num_draft else 0 for s in seqs]
         return cls(cache,
                    torch.tensor([s.state_slot for s in seqs], dtype=torch.int64).to(device),

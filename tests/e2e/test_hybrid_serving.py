@@ -9,8 +9,8 @@ Shown against independent truths:
 - the same 8 prompts at once, with a KV cache small enough that the scheduler preempts
   (checked in /internal/stats), give the same tokens: a preempted request restarts from
   token 0 into a fresh state slot, and no request reads another's state;
-- prefix caching is off for the model (derived: its state has no checkpoints yet), and an
-  explicit `--enable-prefix-caching true` is refused before anything starts, naming it;
+- prefix-cache hits (blocks plus the recurrent state's checkpoint at the prompt's last full
+  block) give the cold run's output, for prompts on a block boundary, one past it and mid-block;
 - n-gram speculation (every decode verifying drafts) gives the same outputs;
 - every block comes back at the end.
 """
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import shutil
-import subprocess
 
 import httpx
 import pytest
 import torch
 
-from tests.e2e.server import KESTREL, KestrelServer
+from tests.e2e.server import KestrelServer
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,16 +123,38 @@ def test_a_hybrid_model_serves_transformers_greedy_output_alone_and_8_at_once_un
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
 
 
-def test_prefix_caching_is_off_for_a_hybrid_model_and_refused_when_asked_for(hybrid):
+def test_prefix_cache_hits_on_a_hybrid_resume_from_state_checkpoints_and_equal_cold_runs(hybrid):
+    """Prompts ending on a block boundary (32 tokens), one past it (33) and mid-block (40),
+    each sent twice: the second hits the prefix cache (its blocks and the recurrent state's
+    checkpoint at the last full-block boundary) and gives the cold run's tokens; a prompt
+    extending an earlier one (a chat's next turn) hits its prefix too."""
     path, _ = hybrid
-    out = subprocess.run([KESTREL, "serve", "--model", str(path), "--enable-prefix-caching", "true",
-                          "--port", "1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert "enable_prefix_caching" in out.stderr and "recurrent" in out.stderr, out.stderr
-    from shared.config import build_config
+    g = torch.Generator().manual_seed(9)
+    bases = [torch.randint(100, 40000, (60,), generator=g).tolist() for _ in range(3)]
+    prompts = [bases[0][:32], bases[1][:33], bases[2][:40]]  # unrelated: each first run is cold
+    srv = KestrelServer(str(path), "--served-model-name", "tiny-qwen3-next", "--block-size", "16",
+                        "--max-model-len", "128").start(timeout=300)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=300) as client:
+            def hits() -> int:
+                return client.get("/internal/stats").json()["prefix_cache_hits"]
 
-    cfg = build_config(cli={"model": str(path), "device": "cpu"}, env={})
-    assert cfg.enable_prefix_caching is False and cfg.sources["enable_prefix_caching"] == "derived"
+            got = []
+            for p in prompts:
+                h0 = hits()
+                cold = _complete(client, p)
+                h1 = hits()
+                warm = _complete(client, p)
+                got.append((h1 - h0, hits() - h1, warm == cold))
+            h0 = hits()
+            turn = _complete(client, bases[2][:57])  # the next turn of the 40-token prompt
+            turn_hit = hits() - h0
+    finally:
+        srv.stop()
+    # a hit stops at P - 1 rounded down to a block: 32 tokens -> 16; 33 and 40 -> 32, where
+    # the first run saved the state (its prefill chunk ended at that boundary)
+    assert got == [(0, 16, True), (0, 32, True), (0, 32, True)], got
+    assert turn_hit == 32 and turn[1] == MAX_TOKENS, turn_hit
 
 
 def test_ngram_speculation_on_a_hybrid_model_gives_the_same_output(hybrid, plain_run):

@@ -27,6 +27,7 @@ class RecurrentToy:
     def __init__(self, num_slots: int):
         self.slots: list[tuple[int, int]] = [(0, 0)] * num_slots
         self.last: dict[str, int] = {}
+        self.restores = 0
 
     def execute(self, plan) -> list[int]:
         out, drawn = [], {}
@@ -34,12 +35,18 @@ class RecurrentToy:
         assert len(running) == len(set(running)), f"two seqs of one step share a slot: {running}"
         for s in plan.seqs:
             assert s.state_slot >= 0, "a seq without a state slot"
+            if s.state_restore >= 0:  # a prefix hit resumes from its checkpoint
+                self.slots[s.state_slot] = self.slots[s.state_restore]
+                self.restores += 1
             n, h = (0, 0) if s.start_pos == 0 else self.slots[s.state_slot]
             assert n == s.start_pos, f"{s.request_id}: slot {s.state_slot} holds {n} tokens, start_pos {s.start_pos}"
             for t in s.token_ids:
                 t = self.last[s.request_id] if t == PENDING_TOKEN else t
                 n, h = n + 1, (h * 31 + t + 7) % 1000003
             self.slots[s.state_slot] = (n, h)
+            if s.state_save >= 0:
+                assert s.state_save >= len(self.slots) // 2, "a checkpoint saved into a request slot"
+                self.slots[s.state_save] = (n, h)
             if s.sample:
                 out.append(1 + h % (VOCAB - 1) if n % 13 else EOS)
                 drawn[s.request_id] = out[-1]
@@ -48,12 +55,14 @@ class RecurrentToy:
         return out
 
 
-def run_with_slots(requests, num_blocks, budget=16, max_num_seqs=8, block_size=4, overlap=False):
-    """test_scheduler.run's loop over the recurrent toy, slots from a StateSlots."""
-    slots = StateSlots(max_num_seqs)
-    sched = Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=False), max_num_seqs,
-                      budget, 200, [EOS], state_slots=slots)
-    model = RecurrentToy(max_num_seqs)
+def run_with_slots(requests, num_blocks, budget=16, max_num_seqs=8, block_size=4, overlap=False,
+                   prefix_caching=False, stats=None):
+    """test_scheduler.run's loop over the recurrent toy, slots from a StateSlots (and as many
+    checkpoint slots with the prefix cache on)."""
+    slots = StateSlots(max_num_seqs, max_num_seqs if prefix_caching else 0)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(bm, max_num_seqs, budget, 200, [EOS], state_slots=slots)
+    model = RecurrentToy(2 * max_num_seqs)
     for r in requests:
         sched.add(r)
     inflight, steps = None, 0
@@ -77,6 +86,8 @@ def run_with_slots(requests, num_blocks, budget=16, max_num_seqs=8, block_size=4
         steps += 1
         assert steps < 10000
     assert slots.num_free == max_num_seqs
+    if stats is not None:
+        stats.update(bm.stats(), restores=model.restores, checkpoint_evictions=slots.num_checkpoint_evictions)
     return {r.request_id: (r.output_token_ids, r.finish_reason) for r in requests}
 
 
@@ -94,6 +105,49 @@ def test_preempted_requests_restart_from_zeros_in_their_next_slot(seed, overlap)
     got = run_with_slots(reqs, num_blocks=20, overlap=overlap)
     assert any(r.num_preemptions for r in reqs), "test did not exercise preemption"
     assert got == reference(seed, ignore_eos=True)
+
+
+def _shared_prefix_requests(seed: int):
+    """Requests whose prompts repeat and extend each other (a chat's turns), with prompt
+    lengths on a block boundary, one past it and mid-block, twice each."""
+    import random
+
+    from services.engine.request import Request
+
+    rng = random.Random(seed)
+    base = [rng.randrange(1, VOCAB) for _ in range(40)]
+    prompts = [base[:n] for n in (8, 9, 14, 24, 25, 30)] * 2
+    rng.shuffle(prompts)
+    return [Request(f"p{i}", b"fe", p, SamplingParams(temperature=0, max_tokens=rng.randrange(2, 12), ignore_eos=True),
+                    arrival_time=float(i)) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_hits_resume_from_state_checkpoints_and_equal_cold_runs(seed, overlap):
+    from tests.unit.test_scheduler import run
+
+    cold = {}
+    for r in _shared_prefix_requests(seed):
+        cold.update(run([r], num_blocks=1000, budget=1000))
+    stats: dict = {}
+    # one at a time (a budget that never batches two prefills) so later requests hit earlier ones
+    got = run_with_slots(_shared_prefix_requests(seed), num_blocks=200, budget=16, max_num_seqs=1,
+                         overlap=overlap, prefix_caching=True, stats=stats)
+    assert got == cold
+    assert stats["prefix_cache_hits"] > 0 and stats["restores"] > 0, stats
+
+
+def test_a_hit_without_a_checkpoint_is_no_hit_and_checkpoints_evict_lru():
+    s = StateSlots(2, 2)
+    assert s.new_checkpoint(b"a") == 2 and s.new_checkpoint(b"b") == 3
+    assert s.new_checkpoint(b"a") is None  # already checkpointed
+    assert s.checkpoint_of(b"a") == 2  # a is now the most recent
+    assert s.new_checkpoint(b"c") == 3 and s.checkpoint_of(b"b") is None  # b evicted
+    assert s.num_checkpoint_evictions == 1
+    assert StateSlots(2).new_checkpoint(b"a") is None  # no checkpoint slots
+    s.forget_checkpoints()
+    assert s.checkpoint_of(b"a") is None and s.new_checkpoint(b"d") in (2, 3)
 
 
 def reference_n(seed: int, n: int):
@@ -151,7 +205,7 @@ def _hybrid_folder(tmp_path, layer_types=("linear_attention", "full_attention"))
     return str(tmp_path)
 
 
-def test_a_hybrid_model_turns_prefix_caching_off_and_refuses_what_its_state_cannot_run(tmp_path):
+def test_a_hybrid_model_runs_eagerly_and_refuses_what_its_state_cannot_run(tmp_path):
     from shared.config import build_config
     from shared.model_spec import load_model_spec
 
@@ -159,12 +213,11 @@ def test_a_hybrid_model_turns_prefix_caching_off_and_refuses_what_its_state_cann
     spec = load_model_spec(model)
     assert spec.has_recurrent_state and spec.attention_layer_ids == (1,)
     cfg = build_config(cli={"model": model, "device": "cpu"}, env={})
-    assert cfg.enable_prefix_caching is False and cfg.sources["enable_prefix_caching"] == "derived"
-    assert cfg.enforce_eager is True
+    assert cfg.enable_prefix_caching is True  # with state checkpoints
+    assert cfg.enforce_eager is True and cfg.sources["enforce_eager"] == "derived"
     ngram = '{"method": "ngram", "num_speculative_tokens": 2}'  # works: the state rolls back (§4.7)
     assert build_config(cli={"model": model, "device": "cpu", "speculative_config": ngram}, env={}).speculative
-    for extra, setting in (({"enable_prefix_caching": "true"}, "enable_prefix_caching"),
-                           ({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2, '
+    for extra, setting in (({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2, '
                                                    '"load_format": "dummy"}'}, "speculative_config"),
                            ({"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2, '
                                                    '"load_format": "dummy"}'}, "speculative_config"),
