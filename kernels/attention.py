@@ -17,6 +17,9 @@ torch SDPA: decodes (q_len == 1) as one batch with the query heads grouped by KV
 at a time, as 4-D tensors (a batch of 1: torch's CPU flash kernel takes only those; 3-D
 inputs fall to its math path, ~3x slower for a 5-token suffix over 200 cached keys). The
 index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
+A quantized KV cache (fp8_e4m3, int8: `kernels.kv_quant`, the layer's scales passed as
+k_scale / v_scale) is written and read by the references only: blocks are dequantized to
+fp32 as they are gathered and the attention runs in fp32.
 """
 
 from __future__ import annotations
