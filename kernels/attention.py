@@ -17,6 +17,9 @@ torch SDPA: decodes (q_len == 1) as one batch with the query heads grouped by KV
 at a time, as 4-D tensors (a batch of 1: torch's CPU flash kernel takes only those; 3-D
 inputs fall to its math path, ~3x slower for a 5-token suffix over 200 cached keys). The
 index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
+A quantized KV cache (fp8_e4m3, int8: `kernels.kv_quant`, the layer's scales passed as
+k_scale / v_scale) is written and read by the references only: blocks are dequantized to
+fp32 as they are gathered and the attention runs in fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import gather_dequantized, store_quantized
+
 store_kv_triton: Callable[..., None] | None  # store_kv_ref's signature
 paged_attention_triton: Callable[..., torch.Tensor] | None  # paged_attention_ref's, `plan` -> max_q_len, max_seq_len
 try:  # the Triton kernels (CUDA); CPU-only installs keep the references
@@ -36,23 +41,32 @@ except ImportError:
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     """Write new keys and values into the cache, in place.
 
-    k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
+    k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype (any float dtype for a
+        quantized cache).
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
     slot_mapping: [num_tokens] int64, every slot in [0, num_blocks * block_size).
+    k_scale, v_scale: the layer's scales of a quantized cache (float8_e4m3fn or int8 k_cache;
+        `kernels.kv_quant.store_quantized` quantizes, and writes int8's per-token scales);
+        None for a cache in the model dtype.
     """
+    if k_scale is not None and v_scale is not None:
+        store_quantized(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
     kvh, d = k_cache.shape[-2:]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Dispatcher for `store_kv_ref` (see there for shapes)."""
-    if k.is_cuda and store_kv_triton is not None:
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Dispatcher for `store_kv_ref` (see there for shapes); a quantized cache (scales
+    given) always takes the reference (the Triton kernels do not write those formats)."""
+    if k.is_cuda and store_kv_triton is not None and k_scale is None:
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @dataclass
@@ -125,12 +139,15 @@ def build_ref_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                         block_tables: torch.Tensor, scale: float,
-                        plan: RefAttentionPlan | None = None) -> torch.Tensor:
+                        plan: RefAttentionPlan | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a step's query tokens over their sequences' paged KV.
 
     q: [num_tokens, num_heads, head_dim] (fp32/bf16/fp16).
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, already
-        holding this step's keys and values.
+        holding this step's keys and values; or a quantized cache (float8_e4m3fn or int8)
+        with its k_scale, v_scale (`kernels.kv_quant`): the gathered blocks are dequantized
+        to fp32 and the attention runs in fp32 (q cast up, the output cast back to q's dtype).
     cu_seqlens_q, seq_lens, block_tables: see `build_ref_plan`.
     scale: softmax scale (usually head_dim ** -0.5).
     plan: the step's `build_ref_plan` result; built here when None.
@@ -144,36 +161,52 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     g = h // kvh
     if plan is None:
         plan = build_ref_plan(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    if k_scale is not None and v_scale is not None:
+        def gather_k(blocks: torch.Tensor) -> torch.Tensor:
+            return gather_dequantized(k_cache, k_scale, blocks)
+
+        def gather_v(blocks: torch.Tensor) -> torch.Tensor:
+            return gather_dequantized(v_cache, v_scale, blocks)
+        q_in, q = q, q.float()
+    else:
+        def gather_k(blocks: torch.Tensor) -> torch.Tensor:
+            return k_cache.index_select(0, blocks)
+
+        def gather_v(blocks: torch.Tensor) -> torch.Tensor:
+            return v_cache.index_select(0, blocks)
+        q_in = q
     if plan.dec_blocks is not None and plan.dec_tokens is None and not plan.prefills:
-        return _decode(q, k_cache, v_cache, plan, g, scale)  # decode-only step: no scatter
+        return _decode(q, gather_k, gather_v, plan, g, scale).to(q_in.dtype)  # decode-only step: no scatter
     out = torch.empty_like(q)
     if plan.dec_blocks is not None:
         qd = q.index_select(0, plan.dec_tokens) if plan.dec_tokens is not None else q
-        od = _decode(qd, k_cache, v_cache, plan, g, scale)
+        od = _decode(qd, gather_k, gather_v, plan, g, scale)
         if plan.dec_tokens is None:
             out.copy_(od)
         else:
             out.index_copy_(0, plan.dec_tokens, od)
     for p in plan.prefills:
-        k = k_cache.index_select(0, p.blocks).view(-1, kvh, d).transpose(0, 1)  # [kvh, S, d]
-        v = v_cache.index_select(0, p.blocks).view(-1, kvh, d).transpose(0, 1)
+        k = gather_k(p.blocks).view(-1, kvh, d).transpose(0, 1)  # [kvh, S, d]
+        v = gather_v(p.blocks).view(-1, kvh, d).transpose(0, 1)
         qp = q[p.start:p.end].transpose(0, 1)  # [h, q_len, d]
         # 4-D (a batch of 1): torch's CPU flash kernel takes 4-D inputs only, with the mask
         # and GQA; 3-D ones fall to the math path (~3x slower for a 5-token verify suffix)
         o = F.scaled_dot_product_attention(qp[None], k[None], v[None], attn_mask=p.mask,
                                            is_causal=p.mask is None, scale=scale, enable_gqa=g > 1)
         out[p.start:p.end] = o[0].transpose(0, 1)
-    return out
+    return out if out.dtype == q_in.dtype else out.to(q_in.dtype)
 
 
-def _decode(q, k_cache, v_cache, plan: RefAttentionPlan, g: int, scale: float) -> torch.Tensor:
-    """One query per sequence; query heads grouped by KV head: [b, kvh, g, d] x [b, kvh, S, d]."""
+def _decode(q, gather_k: Callable[[torch.Tensor], torch.Tensor], gather_v: Callable[[torch.Tensor], torch.Tensor],
+            plan: RefAttentionPlan, g: int, scale: float) -> torch.Tensor:
+    """One query per sequence; query heads grouped by KV head: [b, kvh, g, d] x [b, kvh, S, d].
+    gather_k, gather_v: block ids [n] -> [n, block_size, kvh, d] in q's dtype."""
     b, h, d = q.shape
     kvh = h // g
     assert plan.dec_blocks is not None  # the plan has decodes
     blocks = plan.dec_blocks.reshape(-1)
-    k = k_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+    k = gather_k(blocks).view(b, -1, kvh, d).transpose(1, 2)
+    v = gather_v(blocks).view(b, -1, kvh, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.view(b, kvh, g, d), k, v, attn_mask=plan.dec_mask,
                                        scale=scale)
     return o.reshape(b, h, d)
@@ -181,11 +214,13 @@ def _decode(q, k_cache, v_cache, plan: RefAttentionPlan, g: int, scale: float) -
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     plan: RefAttentionPlan | None = None, max_q_len: int | None = None,
-                    max_seq_len: int | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `paged_attention_ref` (see there for shapes). max_q_len, max_seq_len:
-    host-side bounds for the Triton kernel (None: read from the tensors, a device sync)."""
-    if q.is_cuda and paged_attention_triton is not None and plan is None:
+    host-side bounds for the Triton kernel (None: read from the tensors, a device sync).
+    A quantized cache (scales given) always takes the reference."""
+    if q.is_cuda and paged_attention_triton is not None and plan is None and k_scale is None:
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
                                       block_tables, scale, max_q_len, max_seq_len)
     return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                               scale, plan)
+                               scale, plan, k_scale, v_scale)

@@ -93,8 +93,10 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                            eps: float = 1e-6) -> None:
-    """Rotate q and k in place by their tokens' angles, then store k and v in the KV cache.
+                            eps: float = 1e-6, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> None:
+    """Rotate q and k in place by their tokens' angles, then store k and v in the KV cache
+    (quantized there when k_scale, v_scale are the scales of a quantized cache: `store_kv_ref`).
 
     q_norm, k_norm: optional [head_dim] weights of an RMSNorm over each head of q and of k
     applied first (Qwen3's q_norm / k_norm, `kernels.norm.rms_norm_ref` with eps); both or
@@ -121,16 +123,18 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         q.copy_(apply_rotary_ref(q, cs))
         k.copy_(apply_rotary_ref(k, cs))
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                        q_norm=None, k_norm=None, eps: float = 1e-6) -> None:
-    """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes)."""
-    if q.is_cuda and rotary_and_store_kv_triton is not None:
+                        q_norm=None, k_norm=None, eps: float = 1e-6, k_scale=None, v_scale=None) -> None:
+    """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes); a quantized cache
+    (scales given) always takes the reference."""
+    if q.is_cuda and rotary_and_store_kv_triton is not None and k_scale is None:
         return rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                           q_norm, k_norm, eps)
-    rotary_and_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+    rotary_and_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps,
+                            k_scale, v_scale)
 
 
 # ---------------------------------------------------------------- Triton (CUDA)

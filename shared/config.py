@@ -251,7 +251,8 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
 
 
 def _validate(cfg: KestrelConfig) -> None:
-    """Range checks of numeric settings, no quantized KV cache (not implemented yet),
+    """Range checks of numeric settings, no quantized KV cache on CUDA (its kernels do not
+    read one yet),
     speculative combinations, and sampling defaults that resolve. Raises ValueError naming
     the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
@@ -269,7 +270,8 @@ def _validate(cfg: KestrelConfig) -> None:
         raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
-    kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # quantized KV: refused before any process starts
+    # a quantized KV cache on CUDA (no kernel reads it yet): refused before any process starts
+    kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
     check_recurrent_state(cfg)
     if cfg.generation_config != "auto" and cfg.generation_config != "vllm" and \

@@ -117,8 +117,9 @@ FIELDS: list[Field] = [
     Field("async_scheduling", parse_bool, True,
           "plan step N+1 while step N runs (decodes feed the workers' own pending token)"),
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
-    Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3 and int8 "
-          "are refused until quantized KV is implemented)", ("auto", "fp8_e4m3", "int8")),
+    Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3: per-layer "
+          "scales, from the checkpoint or 1.0; int8: per token and head scales; the quantized ones on "
+          "the CPU only for now)", ("auto", "fp8_e4m3", "int8")),
     Field("speculative_config", normalize_setting, None, "speculative decoding, JSON as vLLM's "
           "--speculative-config: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|\"dflash\", "
           "\"num_speculative_tokens\": k, ...} (shared/spec_config.py; default off)"),

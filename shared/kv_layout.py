@@ -2,7 +2,10 @@
 
 A KV block holds `block_size` tokens of every layer that keeps paged KV. On one worker
 (tensor-parallel rank) a layer's share of a block is K then V, each a C-contiguous
-[block_size, num_kv_heads / tp_size, head_dim] array of the KV dtype: `layer_block_bytes`.
+[block_size, num_kv_heads / tp_size, head_dim] array of the KV dtype, and for an int8 KV
+cache then the K scales and the V scales, each a [block_size, num_kv_heads / tp_size] fp32
+array (one per token and head, kernels/kv_quant.py): `layer_block_bytes`. An fp8_e4m3
+cache's per-layer scales are constants of the model, not part of a block.
 A worker spends `block_bytes` (all layers) per block of its cache. A kvstore slot holds a
 whole block as the workers lay it out (services/worker/kv_transfer.py): layer-major, K then
 V, rank r's share at [r * block_bytes, (r + 1) * block_bytes) of the slot's `slot_bytes`
@@ -28,6 +31,10 @@ from shared.model_spec import ModelSpec, dtype_bytes, kv_dtype_in_use, model_spe
 
 if TYPE_CHECKING:  # no import at run time: shared.config imports shared.model_spec
     from shared.config import KestrelConfig
+
+
+# bytes of the scale of one token and head per KV dtype with per-token scales (int8: fp32)
+TOKEN_SCALE_BYTES = {"int8": 4}
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class KVLayout:
     the whole model (each rank holds num_kv_heads // tp_size). head_dim: elements.
     kv_dtype: the KV dtype name in use; elem_bytes: its bytes per element.
     model_identity: 32 bytes, the prefix-cache root (`model_identity`). parallel: the split.
+    token_scale_bytes: bytes of the scale of one token and head, for K and for V each (4
+    for int8's fp32 scales, 0 for a KV dtype without per-token scales).
     Sizes (bytes) are properties: layer_block_bytes, block_bytes, slot_bytes.
     """
 
@@ -72,6 +81,7 @@ class KVLayout:
     elem_bytes: int
     model_identity: bytes
     parallel: ParallelLayout = ParallelLayout()
+    token_scale_bytes: int = 0
 
     @classmethod
     def for_model(cls, spec: ModelSpec, block_size: int,
@@ -87,7 +97,7 @@ class KVLayout:
         return cls(block_size, len(spec.attention_layer_ids), spec.num_kv_heads, spec.head_dim, spec.kv_dtype,
                    dtype_bytes(spec.kv_dtype),
                    model_identity(spec.path, spec.dtype, spec.kv_dtype, block_size, parallel),
-                   parallel)
+                   parallel, TOKEN_SCALE_BYTES.get(spec.kv_dtype, 0))
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -96,9 +106,10 @@ class KVLayout:
 
     @property
     def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer on one rank, K and V:
-        2 * block_size * kv_heads_per_rank * head_dim * elem_bytes."""
-        return 2 * self.block_size * self.kv_heads_per_rank * self.head_dim * self.elem_bytes
+        """Bytes of one block of one layer on one rank, K and V and their per-token scales:
+        2 * block_size * kv_heads_per_rank * (head_dim * elem_bytes + token_scale_bytes)."""
+        return 2 * self.block_size * self.kv_heads_per_rank * (self.head_dim * self.elem_bytes
+                                                               + self.token_scale_bytes)
 
     @property
     def block_bytes(self) -> int:
@@ -121,14 +132,14 @@ def kv_layout_for(cfg: KestrelConfig, *, dtype: str | None = None,
                   parallel: ParallelLayout = ParallelLayout()) -> KVLayout:
     """The layout for a config (model, dtype, kv_cache_dtype, max_model_len, block_size).
     dtype: overrides cfg.dtype (see `shared.model_spec.model_spec_for`). Raises
-    ModelFolderError, KVDtypeNotImplemented, ValueError as `load_model_spec` and `for_model`."""
+    ModelFolderError, ValueError as `load_model_spec` and `for_model`."""
     return KVLayout.for_model(model_spec_for(cfg, dtype=dtype), cfg.block_size, parallel)
 
 
 def identity_for(cfg: KestrelConfig, parallel: ParallelLayout = ParallelLayout()) -> bytes:
     """The model identity of a config without reading the model folder (the kvstore, which
     may be bound to a folder it never reads; equal to `kv_layout_for(cfg).model_identity`).
-    Raises KVDtypeNotImplemented for a quantized kv_cache_dtype."""
+    Raises KVDtypeNotImplemented for a quantized kv_cache_dtype on CUDA."""
     dtype = resolved_dtype(cfg.dtype, cfg.device)
-    return model_identity(cfg.model, dtype, kv_dtype_in_use(dtype, cfg.kv_cache_dtype),
+    return model_identity(cfg.model, dtype, kv_dtype_in_use(dtype, cfg.kv_cache_dtype, cfg.device),
                           cfg.block_size, parallel)

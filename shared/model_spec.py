@@ -55,7 +55,8 @@ class ModelFolderError(ValueError):
 
 
 class KVDtypeNotImplemented(ValueError):
-    """A kv_cache_dtype setting other than "auto" (quantized KV is not implemented yet)."""
+    """A quantized kv_cache_dtype (fp8_e4m3, int8) on a device whose attention kernels do
+    not read it yet (CUDA: the Triton kernels read the model dtype only)."""
 
 
 def default_max_model_len(max_position_embeddings: int) -> int:
@@ -72,19 +73,29 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}") from None
 
 
-def kv_dtype_in_use(dtype: str, kv_cache_dtype: str) -> str:
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8")  # kernels/kv_quant.py; docs/ARCHITECTURE.md §4.6
+
+
+def kv_dtype_in_use(dtype: str, kv_cache_dtype: str, device: str = "cpu") -> str:
     """The KV cache dtype the workers actually use for a `kv_cache_dtype` setting.
 
-    "auto" is the model dtype. Quantized KV caches (fp8_e4m3, int8) are not implemented:
-    raises `KVDtypeNotImplemented` for them, so that no process starts with a setting the
-    worker would ignore (the kvstore's identity and slot size would disagree with the cache).
+    "auto" is the model dtype; "fp8_e4m3" and "int8" are quantized caches, read by the
+    torch references of the CPU path (kernels/kv_quant.py). device: the resolved device
+    setting ("cpu", "cuda"). Raises `KVDtypeNotImplemented` for a quantized dtype on
+    "cuda" (its Triton kernels do not read them yet), so that no process starts with it,
+    and ValueError for an unknown name.
     """
     if kv_cache_dtype == "auto":
         return dtype
-    raise KVDtypeNotImplemented(
-        f"setting kv_cache_dtype: {kv_cache_dtype!r} is not implemented yet (a quantized KV "
-        "cache needs its kernels and a KV handle with scales); use --kv-cache-dtype auto, "
-        "which stores KV in the model dtype")
+    if kv_cache_dtype not in QUANTIZED_KV_DTYPES:
+        raise ValueError(f"setting kv_cache_dtype: {kv_cache_dtype!r} is not one of "
+                         f"{('auto', *QUANTIZED_KV_DTYPES)}")
+    if device == "cuda":
+        raise KVDtypeNotImplemented(
+            f"setting kv_cache_dtype: {kv_cache_dtype!r} is not implemented on CUDA yet (the "
+            "Triton attention kernels read KV in the model dtype only); use --kv-cache-dtype "
+            "auto on CUDA, or serve a quantized KV cache on the CPU (--device cpu)")
+    return kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -183,8 +194,8 @@ def load_model_spec(path: str, *, dtype: str = "float32", kv_cache_dtype: str = 
     setting (see `kv_dtype_in_use`). max_model_len: the setting, None for
     `default_max_model_len`.
     Raises ModelFolderError for a folder without a readable, well-formed config.json (the
-    message says how to fetch the default model), KVDtypeNotImplemented for a quantized
-    kv_cache_dtype, ValueError for an unknown dtype.
+    message says how to fetch the default model), ValueError for an unknown dtype or
+    kv_cache_dtype (the device check of a quantized one is the config's, `kv_dtype_in_use`).
     """
     dtype_bytes(dtype)
     kv_dtype = kv_dtype_in_use(dtype, kv_cache_dtype)

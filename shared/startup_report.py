@@ -24,7 +24,7 @@ def _secs(v: Any) -> str:
 _KNOWN = {"device", "dtype", "threads", "attention", "kernels", "weight_bytes", "kv_bytes",
           "num_blocks", "block_size", "kv_tokens", "max_model_len", "load_seconds",
           "kv_alloc_seconds", "startup_s", "graph_sizes", "cuda_graph_sizes",
-          "gpu_memory_bytes", "device_name", "rank", "pid"}
+          "gpu_memory_bytes", "device_name", "rank", "pid", "kv_cache_dtype", "kv_scales"}
 
 
 def format_startup_report(report: dict[str, Any]) -> list[str]:
@@ -37,7 +37,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
     worker's thread count was chosen) and the phase `ready`. Worker phases (load, kv alloc, worker startup) are
     seconds since the worker started; engine phases since the engine started; `ready`
     (added by the supervisor) since the supervisor started the processes.
-    Lines: device and memory, kernels, weight and KV memory, KV blocks and tokens, graph
+    Lines: device and memory, kernels, weight and KV memory (with the KV dtype and its
+    scales' source when the worker reports them), KV blocks and tokens, graph
     sizes, time per phase, then any other worker facts.
     """
     lines = []
@@ -58,8 +59,11 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
         else:
             ktxt = f"attention {w.get('attention', '?')}" + (f", {kernels}" if kernels else "")
         lines.append(f"{tag} kernels: {ktxt}")
+        kv_fmt = ""
+        if w.get("kv_cache_dtype"):  # the KV dtype in use and where its scales come from (§4.6)
+            kv_fmt = f" ({w['kv_cache_dtype']}" + (f", scales {w['kv_scales']})" if w.get("kv_scales") else ")")
         lines.append(f"{tag} memory: weights {_gib(w.get('weight_bytes'))}, "
-                     f"KV cache {_gib(w.get('kv_bytes'))}")
+                     f"KV cache {_gib(w.get('kv_bytes'))}{kv_fmt}")
         graphs = w.get("graph_sizes", w.get("cuda_graph_sizes"))
         gtxt = (", ".join(str(g) for g in graphs) if graphs else
                 "none (eager)" if graphs is not None or w.get("device", "cpu") != "cpu"

@@ -13,7 +13,11 @@ KV cache dtype::
 
 i.e. a [L, 2, block_size, num_kv_heads, head_dim] array, 2 * L * block_size *
 num_kv_heads * head_dim * element_size bytes: `shared.kv_layout.KVLayout.slot_bytes`. The block's tokens are in position
-order, as in `services.worker.kv_cache`.
+order, as in `services.worker.kv_cache`. An int8 KV cache moves its per-token-and-head
+scales with the block: each layer's share is K, V, K scales, V scales (the scales
+[block_size, num_kv_heads] fp32 each), so a block loaded from a tier reads back exactly
+as it was written. An fp8_e4m3 cache's per-layer scales are the model's, not the block's.
+The copies move bytes (uint8 views of every part), so any element size works.
 
 On a CUDA device the pool is registered as pinned host memory (cudaHostRegister through
 torch.cuda.cudart()) when that works, so each slot is copied by DMA straight to or from the
@@ -38,20 +42,28 @@ log = logging.getLogger("kestrel.worker")
 class KVTransfer:
     """The block copier of one worker.
 
-    kv: the worker's `KVCache` (lists k and v of [num_blocks, block_size, heads, head_dim]).
-    layout: the model's KV layout (one rank of one). Attribute slot_bytes: bytes of one block
-    in a slot (the layout in the module doc). Raises ValueError when the cache's tensors are
-    not laid out as `layout` says.
+    kv: the worker's `KVCache` (lists k and v of [num_blocks, block_size, heads, head_dim],
+    and k_scale and v_scale: an int8 cache's [num_blocks, block_size, heads] scales, moved
+    with the block; 0-d per-layer scales and Nones are not). layout: the model's KV layout
+    (one rank of one). Attribute slot_bytes: bytes of one block in a slot (the layout in
+    the module doc). Raises ValueError when the cache's tensors are not laid out as
+    `layout` says.
     """
 
     def __init__(self, kv: KVCache, layout: KVLayout):
         self.kv = kv
         k0 = kv.k[0]
         self.dtype, self.device = k0.dtype, k0.device
-        self.block_shape = tuple(k0.shape[1:])
         self.num_layers = len(kv.k)
         self.slot_bytes = layout.slot_bytes
-        if 2 * self.num_layers * k0[0].numel() * k0.element_size() != self.slot_bytes:
+        scales = [getattr(kv, "k_scale", [None] * self.num_layers), getattr(kv, "v_scale", [None] * self.num_layers)]
+        # each block's parts in slot order, as uint8 [num_blocks, bytes of one block's part]
+        self.parts: list[torch.Tensor] = []
+        for layer in range(self.num_layers):
+            tensors = [kv.k[layer], kv.v[layer]] + [s[layer] for s in scales
+                                                    if s[layer] is not None and s[layer].dim() > 0]
+            self.parts += [t.view(t.shape[0], -1).view(torch.uint8) for t in tensors]
+        if sum(p.shape[1] for p in self.parts) != self.slot_bytes:
             raise ValueError(f"a KV cache of {self.num_layers} layers of {tuple(k0.shape)} "
                              f"{self.dtype} blocks is not laid out as {layout}")
         self.pool: KVPool | None = None
@@ -101,12 +113,11 @@ class KVTransfer:
             self.pool = None
 
     def _slot(self, slot: int) -> torch.Tensor:
-        """Slot `slot` as a [L, 2, block_size, heads, head_dim] tensor of the KV dtype."""
+        """Slot `slot` as a [slot_bytes] uint8 tensor (the layout in the module doc)."""
         pool, mem = self.pool, self._mem
         assert pool is not None and mem is not None  # copies attach first
         off = pool.offset(slot)
-        return mem[off:off + self.slot_bytes].view(self.dtype).view(
-            self.num_layers, 2, *self.block_shape)
+        return mem[off:off + self.slot_bytes]
 
     # ------------------------------------------------------------ copies
     def load(self, name: str, pid: int, pairs: list[tuple[int, int]]) -> None:
@@ -116,18 +127,19 @@ class KVTransfer:
             return
         self._attach(name, pid)
         if self._registered:  # DMA straight from each pinned slot into one device staging
-            src = torch.empty((len(pairs), self.num_layers, 2, *self.block_shape), dtype=self.dtype,
-                              device=self.device)
+            src = torch.empty((len(pairs), self.slot_bytes), dtype=torch.uint8, device=self.device)
             for i, (s, _) in enumerate(pairs):
                 src[i].copy_(self._slot(s), non_blocking=True)
         else:
-            src = torch.stack([self._slot(s) for s, _ in pairs])      # [n, L, 2, ...]
+            src = torch.stack([self._slot(s) for s, _ in pairs])      # [n, slot_bytes]
             if self.device.type != "cpu":
                 src = src.to(self.device)
         idx = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
-        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
-            k.index_copy_(0, idx, src[:, layer, 0])
-            v.index_copy_(0, idx, src[:, layer, 1])
+        off = 0
+        for part in self.parts:
+            n = part.shape[1]
+            part.index_copy_(0, idx, src[:, off:off + n])
+            off += n
 
     def store(self, name: str, pid: int, pairs: list[tuple[int, int]]) -> None:
         """Copy (block, slot) pairs from the KV cache into the pool; returns when the bytes
@@ -136,8 +148,7 @@ class KVTransfer:
             return
         self._attach(name, pid)
         idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=self.device)
-        data = torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1)
-                            for k, v in zip(self.kv.k, self.kv.v)], dim=1)  # [n, L, 2, ...]
+        data = torch.cat([p.index_select(0, idx) for p in self.parts], dim=1)  # [n, slot_bytes]
         if self._registered:  # DMA straight into each pinned slot, then wait for them
             for i, (_, slot) in enumerate(pairs):
                 self._slot(slot).copy_(data[i], non_blocking=True)

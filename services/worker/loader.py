@@ -10,12 +10,15 @@ q_proj -> shard 0 of qkv_proj), or to one expert's shard of a stacked expert par
 - ValueError naming the tensor and file on a shape mismatch, on a checkpoint tensor that no
   parameter takes, and naming the parameters that stay unloaded (a tied lm_head excepted).
 After loading, each module's `process_weights_after_loading()` runs, if it has one.
+Per-layer KV cache scales of FP8 checkpoints are not parameters: `read_kv_scales`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -89,6 +92,40 @@ def _destination(param: torch.Tensor, shard: Shard) -> torch.Tensor:
     return shard_rows(param, shard)
 
 
+# Per-layer KV cache scales of FP8 checkpoints (a 1-element tensor each; real value =
+# stored value * scale), in the names their writers use: `self_attn.k_scale` / `v_scale`
+# (llm-compressor, compressed-tensors), `self_attn.k_proj.k_scale` / `v_proj.v_scale`
+# (NVIDIA ModelOpt), `self_attn.k_proj.output_scale` / `v_proj.output_scale` (older
+# compressed-tensors) and `self_attn.kv_scale` (one scale for both, an older form).
+# They are no model parameter: `load_weights` skips them, `read_kv_scales` reads them.
+_KV_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.k_scale|"
+                       r"v_proj\.v_scale|k_proj\.output_scale|v_proj\.output_scale)$")
+
+
+def read_kv_scales(path: str) -> dict[int, dict[str, float]]:
+    """The per-layer KV scales a checkpoint carries (see `_KV_SCALE` for the names).
+
+    Returns {decoder layer index: {"k": scale, "v": scale}} with only the scales found
+    (a `kv_scale` gives both); {} for a checkpoint without any. Raises FileNotFoundError as
+    `checkpoint_files`, ValueError for a scale that is not one positive finite number."""
+    found: dict[int, dict[str, float]] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                m = _KV_SCALE.search(name)
+                if m is None:
+                    continue
+                t = f.get_tensor(name)
+                if t.numel() != 1 or not (math.isfinite(x := float(t.float().reshape(()))) and x > 0):
+                    raise ValueError(f"KV scale {name} in {file}: one positive finite number expected, "
+                                     f"got shape {tuple(t.shape)}")
+                which = m.group(2)
+                keys = ("k", "v") if which == "kv_scale" else (which[0],)
+                for key in keys:
+                    found.setdefault(int(m.group(1)), {})[key] = x
+    return found
+
+
 def load_weights(model: nn.Module, path: str) -> int:
     """Fill every parameter of `model` from the folder's safetensors files.
 
@@ -108,7 +145,7 @@ def load_weights(model: nn.Module, path: str) -> int:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.endswith(ignored) or name.startswith(ignored_prefixes) or \
-                        (tied and name == "lm_head.weight"):
+                        (tied and name == "lm_head.weight") or _KV_SCALE.search(name):
                     continue
                 pname, shard = _target(_renamed(name, renames), packed)
                 if pname not in params:

@@ -32,7 +32,7 @@ from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionLayer, AttentionMetadata, bind_layers, select_backend
 from services.worker.state_cache import StateCache, StepState
 from services.worker.layers.linear import dense_copy_bytes
-from services.worker.loader import load_dummy_weights, load_weights
+from services.worker.loader import load_dummy_weights, load_weights, read_kv_scales
 from services.worker.models import model_class
 from services.worker.models.base import CausalLM
 from services.worker.prompt_logprobs import PromptScorer
@@ -50,6 +50,7 @@ from shared.plan_state import PlanState
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_QUANT_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}  # kernels/kv_quant.py
 
 
 @dataclass
@@ -132,6 +133,11 @@ class ModelRunner:
             raise ValueError(f"the model's KV shape {(num_layers, kv_heads, head_dim)} is not its "
                              f"config's {self.kv_layout}")
         self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
+        self.kv_dtype = _QUANT_KV_DTYPES.get(self.spec.kv_dtype, self.dtype)
+        if self.kv_dtype != self.dtype and not self.use_ref_attention:  # shared/config.py refuses it first
+            raise ValueError(f"kv_cache_dtype {self.spec.kv_dtype!r}: only the torch reference attention "
+                             "reads a quantized KV cache (the CPU path)")
+        fp8_scales, self.kv_scales = self._kv_scales(cfg)
         self.fusion = FusionPlan.choose(module.fusable_projections(), self.device, self.dtype)
         self.sampler = Sampler(cfg.seed, self.spec.eos_token_ids)
         self.proposer = build_proposer(cfg, self)  # drafter weights load here (before the KV sizing)
@@ -159,7 +165,7 @@ class ModelRunner:
                                  f"{kv_budget} bytes, less than one KV block of {per_block}")
         else:
             self.num_blocks = num_blocks_for(cfg.kv_cache_gib, per_block)
-        self.kv = KVCache(kv_specs, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(kv_specs, self.num_blocks, self.block_size, self.kv_dtype, self.device, fp8_scales)
         self.draft_kv: KVCache | None = None
         if draft_specs:
             assert self.proposer is not None
@@ -193,6 +199,24 @@ class ModelRunner:
         self._last_kept: DecodeGraphs | None = None  # the graphs whose `last` holds that draw
         self.load_seconds = time.perf_counter() - t0
 
+    def _kv_scales(self, cfg: KestrelConfig) -> tuple[list[tuple[float, float]] | None, str]:
+        """The fp8_e4m3 cache's per-layer (k, v) scales (None for another KV dtype) and
+        where the scales come from, for the startup report: fp8 takes the checkpoint's
+        (`loader.read_kv_scales`), 1.0 where a layer has none; int8 computes a scale per
+        token and head at each write."""
+        kind = self.spec.kv_dtype
+        if kind == "int8":
+            return None, "per token and head (computed at write)"
+        if kind != "fp8_e4m3":
+            return None, ""
+        found = read_kv_scales(cfg.model) if cfg.load_format != "dummy" else {}
+        ids = self.spec.attention_layer_ids
+        pairs = [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in ids]
+        n = sum(1 for i in ids if i in found)
+        if not n:
+            return pairs, "1.0 per layer (none in the checkpoint)"
+        return pairs, f"per layer from the checkpoint ({n} of {len(ids)} layers, others 1.0)"
+
     def report(self) -> dict:
         """Startup facts: device, dtype, weight/KV bytes (and `cpu_one_row_weight_bytes`, the
         dense copies kept beside packed CPU weights, kernels/cpu_linear.py), KV blocks and tokens, load seconds,
@@ -203,6 +227,8 @@ class ModelRunner:
             "threads": torch.get_num_threads(),
             "attention": "torch reference" if self.use_ref_attention else "triton",
             "weight_bytes": self.weight_bytes, "kv_bytes": self.kv.bytes,
+            # the KV dtype in use and its scales' source (docs/ARCHITECTURE.md §4.6)
+            "kv_cache_dtype": self.spec.kv_dtype, "kv_scales": self.kv_scales,
             # the dense weights a one-thread speculative CPU worker keeps beside the packed ones
             "cpu_one_row_weight_bytes": self.one_row_weight_bytes,
             "num_blocks": self.num_blocks, "block_size": self.block_size,

@@ -199,3 +199,26 @@ def test_concurrent_shared_prefix_with_preemption_equals_sequential(smollm2_dir)
         assert s["kv_tier_hits_cpu"] > 0 and s["num_preemptions"] > 0
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_kv_tier_hits_equal_the_cold_run(smollm2_dir, kv):
+    # int8 blocks move with their per-token scales (services/worker/kv_transfer.py); fp8's
+    # per-layer scales are the model's. Block bytes: 1 byte an element (+ 4 per token and
+    # head for int8's two scales), the identity names the KV dtype.
+    srv = KestrelServer(str(smollm2_dir), "--kv-cache-dtype", kv, "--kv-offload-cpu-gib", "0.01",
+                        "--max-model-len", "1024").start()
+    try:
+        a = Api(srv)
+        a.wait(lambda s: s.get("kv_tier_connected"), "the kvstore connection")
+        for p in (P_EXACT, P_PLUS1):
+            cold = a.complete(p, max_tokens=8)
+            assert a.complete(p, max_tokens=8) == cold                  # GPU-local hit
+            a.wait(lambda s: s.get("kv_tier_pending_stores") == 0, "stores to finish")  # no disk tier
+            a.reset()
+            s0 = a.stats()
+            assert a.complete(p, max_tokens=8) == cold                  # CPU-tier hit
+            s1 = a.stats()
+            assert s1["kv_tier_hits_cpu"] - s0["kv_tier_hits_cpu"] == (len(p) - 1) // BS * BS
+    finally:
+        srv.stop()

@@ -20,7 +20,7 @@ from services.worker.kv_transfer import KVTransfer
 from shared.config import build_config
 from shared.hashing import model_identity_hash
 from shared.kv_layout import KVLayout, ParallelLayout, identity_for, kv_layout_for
-from shared.model_spec import (DTYPE_BYTES, KVDtypeNotImplemented, ModelFolderError,
+from shared.model_spec import (DTYPE_BYTES, KVDtypeNotImplemented, ModelFolderError, kv_dtype_in_use,
                                load_model_spec, model_spec_for)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -109,9 +109,13 @@ def test_a_bad_model_folder_is_a_typed_error_naming_the_folder(tmp_path, content
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
-def test_a_quantized_kv_cache_dtype_is_refused_when_the_spec_is_resolved(tmp_path, kv):
-    with pytest.raises(KVDtypeNotImplemented, match="not implemented"):
-        load_model_spec(_folder(tmp_path, LLAMA), kv_cache_dtype=kv)
+def test_a_quantized_kv_cache_dtype_is_the_specs_kv_dtype_and_an_unknown_one_is_refused(tmp_path, kv):
+    d = _folder(tmp_path, LLAMA)
+    assert load_model_spec(d, kv_cache_dtype=kv).kv_dtype == kv
+    with pytest.raises(KVDtypeNotImplemented, match="not implemented on CUDA"):
+        kv_dtype_in_use("bfloat16", kv, "cuda")
+    with pytest.raises(ValueError, match="is not one of"):
+        load_model_spec(d, kv_cache_dtype="fp4")
 
 
 def test_dtype_sizes_are_torchs():
@@ -186,15 +190,16 @@ def test_the_worker_resolves_auto_dtype_as_the_config_does(tmp_path):
 
 @pytest.mark.parametrize("command", ["serve", "engine", "kvstore"])
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
-def test_the_cli_refuses_a_quantized_kv_cache_before_any_process_starts(tmp_path, command, kv):
+def test_the_cli_refuses_a_quantized_kv_cache_on_cuda_before_any_process_starts(tmp_path, command, kv):
     runtime = tmp_path / "rt"
     r = subprocess.run([sys.executable, "-m", "services.cli", command, "--model",
                         str(SMOLLM2), "--kv-cache-dtype", kv, "--runtime-dir", str(runtime),
-                        "--instance-id", "kvq" + uuid.uuid4().hex[:6], "--device", "cpu",
+                        "--instance-id", "kvq" + uuid.uuid4().hex[:6], "--device", "cuda",
                         "--kv-offload-cpu-gib", "0.01"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "kv_cache_dtype" in r.stderr and "not implemented yet" in r.stderr, r.stderr
+    assert "kv_cache_dtype" in r.stderr and "not implemented on CUDA" in r.stderr, r.stderr
+    assert "--device cpu" in r.stderr, r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
 
 

@@ -89,14 +89,16 @@ class AttentionSpec:
 class AttentionLayer:
     """One layer's attention bound to its KV cache: what a backend's call reads, flat.
 
-    spec: the layer's `AttentionSpec`; kv: its `KVHandle` (shape spec.kv).
+    spec: the layer's `AttentionSpec`; kv: its `KVHandle` (shape spec.kv). k_scale, v_scale:
+    the handle's scales (None unless the KV dtype is quantized).
     """
 
-    __slots__ = ("cos_sin", "eps", "k", "k_norm", "kv", "q_norm", "scale", "v")
+    __slots__ = ("cos_sin", "eps", "k", "k_norm", "k_scale", "kv", "q_norm", "scale", "v", "v_scale")
 
     def __init__(self, spec: AttentionSpec, kv: KVHandle):
         self.kv = kv
         self.k, self.v = kv.k, kv.v
+        self.k_scale, self.v_scale = kv.k_scale, kv.v_scale
         self.cos_sin, self.scale = spec.cos_sin, spec.scale
         self.q_norm, self.k_norm, self.eps = spec.q_norm, spec.k_norm, spec.eps
 
@@ -161,16 +163,18 @@ class PagedAttention(AttentionBackend):
 class ReferenceAttention(AttentionBackend):
     """Every step on the CPU (or without Triton): the rotary dispatcher (its torch reference
     there) and the torch reference of paged attention with meta.ref_plan's gathers (built
-    per layer when it is None)."""
+    per layer when it is None). The only backend that reads a quantized KV cache
+    (fp8_e4m3, int8: the layer's scales go to the write and the read, `kernels.kv_quant`)."""
 
     __slots__ = ()
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         a, m = self.layers[layer], self.meta
-        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps)
+        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps,
+                            a.k_scale, a.v_scale)
         return paged_attention_ref(q, a.k, a.v, m.cu_seqlens_q, m.seq_lens, m.block_tables, a.scale,
-                                   m.ref_plan).reshape(q.shape[0], -1)
+                                   m.ref_plan, a.k_scale, a.v_scale).reshape(q.shape[0], -1)
 
 
 def select_backend(layers: Sequence[AttentionLayer], meta: AttentionMetadata, reference: bool) -> AttentionBackend:

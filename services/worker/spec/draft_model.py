@@ -85,8 +85,8 @@ def draft_noise_seed(seed: int, output_index: int) -> int:
 
 
 def draft_model_spec(cfg: KestrelConfig, spec: SpeculativeConfig, target: ModelSpec) -> ModelSpec:
-    """The draft's `ModelSpec`: its folder's (`spec.model`, in the target's dtype, KV dtype
-    and max_model_len), or without a folder (load_format dummy) the target's with
+    """The draft's `ModelSpec`: its folder's (`spec.model`, in the target's dtype and
+    max_model_len; its KV in the model dtype, whatever the target's KV dtype), or without a folder (load_format dummy) the target's with
     `spec.draft_num_layers` layers (0: the target's depth). Raises ValueError without a
     folder outside dummy loading, `ModelFolderError` for a bad folder, and ValueError when
     the draft's vocab_size is not the target's."""
@@ -96,9 +96,9 @@ def draft_model_spec(cfg: KestrelConfig, spec: SpeculativeConfig, target: ModelS
         n = spec.draft_num_layers or target.num_layers
         hf = dict(target.hf_config)
         hf["num_hidden_layers"] = n
-        return dataclasses.replace(target, num_layers=n, hf_config=MappingProxyType(hf))
-    draft = load_model_spec(spec.model, dtype=target.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                            max_model_len=target.max_model_len)
+        return dataclasses.replace(target, num_layers=n, hf_config=MappingProxyType(hf), kv_dtype=target.dtype)
+    # the draft's own KV group stays in the model dtype (a quantized target KV is the target's)
+    draft = load_model_spec(spec.model, dtype=target.dtype, max_model_len=target.max_model_len)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocab_size {draft.vocab_size} is not the "
                          f"target's {target.vocab_size} (a draft model must share the target's tokenizer)")
@@ -118,7 +118,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 class DraftModelProposer(Proposer):
     """`speculative_config.method` "draft_model" (module doc).
 
-    cfg: the worker's `KestrelConfig` (load_format, seed, kv_cache_dtype); spec: the parsed
+    cfg: the worker's `KestrelConfig` (load_format, seed); spec: the parsed
     `SpeculativeConfig`; runner: the target's `ModelRunner` (device, dtype, spec,
     block_size, max_model_len, use_ref_attention are read once here).
     Attributes: model (the draft `CausalLM`), draft_spec (its `ModelSpec`), weight_bytes.
