@@ -89,6 +89,17 @@ def test_prefill_chunk_on_cached_prefix_matches_dense():
     _run_paged([(16, 5), (7, 9), (32, 16)], heads=6, kv_heads=2, head_dim=16, block_size=16)
 
 
+@pytest.mark.parametrize("seqs", [[(37, 70)], [(200, 130), (0, 65), (16, 64)], [(5, 64), (63, 1), (100, 99)]])
+def test_long_chunks_after_a_prefix_take_the_split_path_and_match_dense(seqs):
+    """Chunks of >= SPLIT_MIN_Q queries after a cached prefix run as prefix + causal parts
+    merged by log-sum-exp (kernels.attention._prefix_then_causal); awkward prefix lengths,
+    GQA, a chunk at position 0 and a decode in the same step."""
+    from kernels import attention
+
+    assert attention._FLASH_CPU is not None and attention.SPLIT_MIN_Q <= 64
+    _run_paged(seqs, heads=6, kv_heads=2, head_dim=16, block_size=16)
+
+
 def test_decode_batch_of_unequal_lengths_matches_dense():
     _run_paged([(0, 1), (15, 1), (16, 1), (47, 1), (3, 1)], heads=4, kv_heads=2, head_dim=8, block_size=4)
 
