@@ -28,6 +28,8 @@ transformers = pytest.importorskip("transformers")
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from tests.parity.hf_checks import (assert_greedy_matches_generate, assert_logits_match,  # noqa: E402
+                                    assert_speculation_is_lossless, assert_together_equals_alone)
 from tests.runner_driver import generate, spec_run, step_logits  # noqa: E402
 
 ATOL = 1e-4
@@ -87,45 +89,17 @@ def test_the_checkpoint_has_per_expert_tensors_and_both_layer_kinds(tiny_moe):
 
 def test_logits_of_3_prompts_match_transformers_whole_and_chunked_prefill_and_decode(tiny_moe):
     path, hf = tiny_moe
-    runner = _runner(path, block_size=4)
-    for p, prompt in enumerate(_prompts(3, (23, 9, 31))):
-        table = list(range(12))
-        for cuts in ([len(prompt)], [4, 7, len(prompt)]):
-            ours, start, toks = {}, 0, []
-            for end in cuts:
-                plan = StepPlan(0, [ScheduledSeq("r", prompt[start:end], start, table, True, GREEDY)])
-                ours[end - 1] = step_logits(runner, plan)[0]
-                start = end
-            for i in range(4):
-                toks.append(int(ours[max(ours)].argmax()))
-                pos = len(prompt) + i
-                seq = ScheduledSeq("r", [toks[-1]], pos, table, True, GREEDY, i + 1)
-                ours[pos] = step_logits(runner, StepPlan(0, [seq]))[0]
-            with torch.no_grad():
-                ref = hf(torch.tensor([prompt + toks])).logits[0].float()
-            for pos, logits in ours.items():
-                diff = (logits - ref[pos]).abs().max().item()
-                assert diff < ATOL, f"prompt {p}, cuts {cuts}, position {pos}: max abs diff {diff}"
+    assert_logits_match(_runner(path, block_size=4), hf, _prompts(3, (23, 9, 31)), [[], [4, 7]], ATOL)
 
 
 def test_greedy_32_tokens_equal_transformers_generate(tiny_moe):
     path, hf = tiny_moe
-    runner = _runner(path, block_size=16)
-    for prompt, got in zip(_prompts(3), generate(runner, _prompts(3), 32, chunk=11)):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert got == ref, (prompt, got, ref)
+    assert_greedy_matches_generate(_runner(path, block_size=16), hf, _prompts(3), 32, chunk=11)
 
 
 def test_8_requests_together_equal_each_alone(tiny_moe):
     path, _ = tiny_moe
-    runner = _runner(path, block_size=8)
-    prompts = _prompts(8)
-    together = generate(runner, prompts, 12, chunk=9)
-    alone = [generate(runner, [p], 12)[0] for p in prompts]
-    assert together == alone
+    assert_together_equals_alone(_runner(path, block_size=8), _prompts(8), 12, chunk=9)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -137,18 +111,10 @@ def test_speculative_decoding_on_moe_gives_the_plain_greedy_output(tiny_moe, met
     if method == "draft_model":
         spec["model"] = str(path)
     runner = _runner(path, block_size=8, max_model_len=256, speculative_config=json.dumps(spec))
-    own = spec_run(runner, prompts, n, k, chunk=9)  # the proposer's drafts
-    assert own.tokens == plain
     if method == "draft_model":  # the target drafting itself: every draft accepted
+        own = spec_run(runner, prompts, n, k, chunk=9)
         assert own.num_draft_tokens > 0 and own.num_accepted == own.num_draft_tokens
-
-    def half_right(i, outputs, proposed):  # the truth's next k tokens, the 2nd one wrong
-        truth = plain[i][len(outputs):len(outputs) + k]
-        return [t if j != 1 else (t + 1) % VOCAB for j, t in enumerate(truth)]
-
-    forced = spec_run(runner, prompts, n, k, chunk=9, drafts=half_right)
-    assert forced.tokens == plain
-    assert forced.num_accepted > 0 and forced.num_accepted < forced.num_draft_tokens
+    assert_speculation_is_lossless(runner, plain, prompts, n, k, VOCAB)
 
 
 def test_a_checkpoint_without_one_expert_is_refused_naming_it(tiny_moe, tmp_path):

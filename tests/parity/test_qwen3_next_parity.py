@@ -28,7 +28,9 @@ transformers = pytest.importorskip("transformers")
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
-from tests.runner_driver import generate, spec_run, step_logits  # noqa: E402
+from tests.parity.hf_checks import (assert_greedy_matches_generate, assert_logits_match,  # noqa: E402
+                                    assert_speculation_is_lossless, assert_together_equals_alone)
+from tests.runner_driver import generate, step_logits  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 101
@@ -90,44 +92,18 @@ def test_logits_of_3_prompts_match_transformers_whole_and_chunked_prefill_and_de
     runner = _runner(path, block_size=4)
     rep = runner.report()
     assert rep["state_slots"] == runner.state_cache.num_slots > 0 and rep["state_bytes"] == runner.state_cache.bytes
-    for p, prompt in enumerate(_prompts(3, (23, 9, 31))):
-        table = list(range(12))
-        for cuts in ([len(prompt)], [4, 7, len(prompt)], [1, 2, len(prompt)]):
-            ours, start, toks = {}, 0, []
-            for end in cuts:
-                seq = ScheduledSeq("r", prompt[start:end], start, table, True, GREEDY, state_slot=p)
-                ours[end - 1] = step_logits(runner, StepPlan(0, [seq]))[0]
-                start = end
-            for i in range(4):
-                toks.append(int(ours[max(ours)].argmax()))
-                pos = len(prompt) + i
-                seq = ScheduledSeq("r", [toks[-1]], pos, table, True, GREEDY, i + 1, state_slot=p)
-                ours[pos] = step_logits(runner, StepPlan(0, [seq]))[0]
-            with torch.no_grad():
-                ref = hf(torch.tensor([prompt + toks])).logits[0].float()
-            for pos, logits in ours.items():
-                diff = (logits - ref[pos]).abs().max().item()
-                assert diff < ATOL, f"prompt {p}, cuts {cuts}, position {pos}: max abs diff {diff}"
+    assert_logits_match(runner, hf, _prompts(3, (23, 9, 31)), [[], [4, 7], [1, 2]], ATOL, with_slots=True)
 
 
 def test_greedy_32_tokens_equal_transformers_generate(tiny_next):
     path, hf = tiny_next
-    runner = _runner(path, block_size=16)
-    for prompt, got in zip(_prompts(3), generate(runner, _prompts(3), 32, chunk=11)):
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert got == ref, (prompt, got, ref)
+    assert_greedy_matches_generate(_runner(path, block_size=16), hf, _prompts(3), 32, chunk=11)
 
 
 def test_8_requests_together_equal_each_alone_and_a_reused_slot_starts_from_zeros(tiny_next):
     path, _ = tiny_next
-    runner = _runner(path, block_size=8)
-    prompts = _prompts(8)
-    together = generate(runner, prompts, 12, chunk=9)
-    alone = [generate(runner, [p], 12)[0] for p in prompts]  # each on slot 0, used before
-    assert together == alone
+    # each alone runs on slot 0, used before: a new request there starts from zeros
+    assert_together_equals_alone(_runner(path, block_size=8), _prompts(8), 12, chunk=9)
 
 
 def test_dummy_weights_of_the_qwen3_next_80b_shape_give_finite_seeded_logits(tmp_path):
@@ -174,15 +150,7 @@ def test_speculative_decoding_on_a_hybrid_gives_the_plain_greedy_output(tiny_nex
     if method == "draft_model":
         spec["model"] = str(dense_draft)
     runner = _runner(path, block_size=8, max_model_len=256, speculative_config=json.dumps(spec))
-    assert spec_run(runner, prompts, n, k, chunk=9).tokens == plain  # the proposer's drafts
-
-    def half_right(i, outputs, proposed):  # the truth's next k tokens, the 2nd one wrong
-        truth = plain[i][len(outputs):len(outputs) + k]
-        return [t if j != 1 else (t + 1) % VOCAB for j, t in enumerate(truth)]
-
-    forced = spec_run(runner, prompts, n, k, chunk=9, drafts=half_right)
-    assert forced.tokens == plain
-    assert 0 < forced.num_accepted < forced.num_draft_tokens
+    assert_speculation_is_lossless(runner, plain, prompts, n, k, VOCAB)
 
 
 def test_a_published_style_qwen3_5_checkpoint_loads_its_text_model(tiny_next, tmp_path):
