@@ -91,6 +91,7 @@ class KestrelConfig:
     async_scheduling: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
+    quantization: str               # none, int8, int4 (weight-only, CPU: check_quantization)
     speculative_config: str | None  # canonical JSON (shared.spec_config); None: off
     kv_offload_cpu_gib: float
     kv_offload_disk_dir: str | None
@@ -252,7 +253,7 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
 
 def _validate(cfg: KestrelConfig) -> None:
     """Range checks of numeric settings, no quantized KV cache on CUDA (its kernels do not
-    read one yet),
+    read one yet), weight quantization on the CPU only (`check_quantization`),
     speculative combinations, and sampling defaults that resolve. Raises ValueError naming
     the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
@@ -273,6 +274,7 @@ def _validate(cfg: KestrelConfig) -> None:
     # a quantized KV cache on CUDA (no kernel reads it yet): refused before any process starts
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
+    check_quantization(cfg)
     check_recurrent_state(cfg)
     if cfg.generation_config != "auto" and cfg.generation_config != "vllm" and \
             not os.path.isdir(cfg.generation_config):
@@ -280,6 +282,16 @@ def _validate(cfg: KestrelConfig) -> None:
                          "'vllm' or a folder")
     # a bad generation_config.json or override: refused before any process starts
     resolve_generation_defaults(cfg.generation_config, cfg.model, cfg.override_generation_config)
+
+
+def check_quantization(cfg: KestrelConfig) -> None:
+    """Refuse weight quantization where it does not run: int8/int4 weight-only linear
+    layers exist on the CPU path only (kernels/cpu_quant_linear.py). Raises ValueError
+    naming the setting and what works."""
+    if cfg.quantization != "none" and cfg.device != "cpu":
+        raise ValueError(f"setting quantization: {cfg.quantization!r} weights run on the CPU only "
+                         f"for now (device {cfg.device!r}); use --quantization none on {cfg.device}, "
+                         f"or --device cpu --quantization {cfg.quantization}")
 
 
 def _convert(f: Field, v: Any) -> Any:

@@ -22,6 +22,7 @@ def _secs(v: Any) -> str:
 
 
 _KNOWN = {"device", "dtype", "threads", "attention", "kernels", "weight_bytes", "kv_bytes",
+          "quantization", "weight_bytes_held",
           "num_blocks", "block_size", "kv_tokens", "max_model_len", "load_seconds",
           "kv_alloc_seconds", "startup_s", "graph_sizes", "cuda_graph_sizes",
           "gpu_memory_bytes", "device_name", "rank", "pid", "kv_cache_dtype", "kv_scales"}
@@ -62,7 +63,10 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
         kv_fmt = ""
         if w.get("kv_cache_dtype"):  # the KV dtype in use and where its scales come from (§4.6)
             kv_fmt = f" ({w['kv_cache_dtype']}" + (f", scales {w['kv_scales']})" if w.get("kv_scales") else ")")
-        lines.append(f"{tag} memory: weights {_gib(w.get('weight_bytes'))}, "
+        quant = w.get("quantization")
+        held = (f" ({quant}: {_gib(w.get('weight_bytes_held'))} held)"
+                if quant not in (None, "none") else "")
+        lines.append(f"{tag} memory: weights {_gib(w.get('weight_bytes'))}{held}, "
                      f"KV cache {_gib(w.get('kv_bytes'))}{kv_fmt}")
         graphs = w.get("graph_sizes", w.get("cuda_graph_sizes"))
         gtxt = (", ".join(str(g) for g in graphs) if graphs else

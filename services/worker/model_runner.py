@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import attention as attn_kernels
-from kernels import cpu_linear
+from kernels import cpu_linear, cpu_quant_linear
 from kernels.pending_ids import encode_pending
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.fusion import FusionPlan
@@ -31,7 +31,7 @@ from services.worker.kv_cache import KVCache, num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionLayer, AttentionMetadata, bind_layers, select_backend
 from services.worker.state_cache import StateCache, StepState
-from services.worker.layers.linear import dense_copy_bytes
+from services.worker.layers.linear import dense_copy_bytes, held_weight_bytes
 from services.worker.loader import load_dummy_weights, load_weights, read_kv_scales
 from services.worker.models import model_class
 from services.worker.models.base import CausalLM
@@ -114,6 +114,10 @@ class ModelRunner:
             threads, multi_row = torch.get_num_threads(), cfg.speculative is not None
             cpu_linear.PACK_WEIGHTS = cpu_linear.use_packing(threads, multi_row)
             cpu_linear.KEEP_DENSE_ONE_ROW = cpu_linear.keep_dense_one_row(threads, multi_row)
+        # weight-only int8/int4 CPU linear layers (kernels/cpu_quant_linear.py; the config
+        # refuses them on other devices), applied by each Linear after loading
+        self.quantization = cfg.quantization if self.device.type == "cpu" else "none"
+        cpu_quant_linear.QUANTIZATION = self.quantization
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
         if cfg.load_format == "dummy":
@@ -122,6 +126,7 @@ class ModelRunner:
             self.weight_bytes = load_weights(module, cfg.model)
         module.eval()
         self.one_row_weight_bytes = dense_copy_bytes(module)  # the target's (kernels/cpu_linear.py)
+        self.held_weight_bytes = held_weight_bytes(module)  # after packing / quantization
         assert isinstance(module, CausalLM)
         self.model = module
         kv_specs = module.kv_specs()
@@ -219,7 +224,9 @@ class ModelRunner:
 
     def report(self) -> dict:
         """Startup facts: device, dtype, weight/KV bytes (and `cpu_one_row_weight_bytes`, the
-        dense copies kept beside packed CPU weights, kernels/cpu_linear.py), KV blocks and tokens, load seconds,
+        dense copies kept beside packed CPU weights, kernels/cpu_linear.py), the weight
+        quantization (`quantization`) and the weight bytes held after it (`weight_bytes_held`;
+        `weight_bytes` is the checkpoint's in the model dtype), KV blocks and tokens, load seconds,
         the proposer (`speculative`, None when off), the verify graphs (`verify_graphs`,
         only when captured)."""
         return {
@@ -229,6 +236,7 @@ class ModelRunner:
             "weight_bytes": self.weight_bytes, "kv_bytes": self.kv.bytes,
             # the KV dtype in use and its scales' source (docs/ARCHITECTURE.md §4.6)
             "kv_cache_dtype": self.spec.kv_dtype, "kv_scales": self.kv_scales,
+            "quantization": self.quantization, "weight_bytes_held": self.held_weight_bytes,
             # the dense weights a one-thread speculative CPU worker keeps beside the packed ones
             "cpu_one_row_weight_bytes": self.one_row_weight_bytes,
             "num_blocks": self.num_blocks, "block_size": self.block_size,

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_linear import dense_linear_onednn, packed_linear
-from services.worker.layers.linear import pack_cpu_weight, to_cpu_gemm_layout
+from kernels.cpu_quant_linear import QuantWeight
+from services.worker.layers.linear import pack_cpu_weight, quantize_cpu_weight, to_cpu_gemm_layout
 
 
 class VocabEmbedding(nn.Module):
@@ -29,7 +30,9 @@ class LMHead(nn.Module):
     is re-laid column-major after loading (see `to_cpu_gemm_layout`); a tied embedding then
     looks rows up with a strided gather, which costs little next to the matmuls. An untied
     fp32 weight is packed like `Linear`'s, with its dense copy `weight_dense` for one-row
-    products where `kernels.cpu_linear.KEEP_DENSE_ONE_ROW` keeps one (else None).
+    products where `kernels.cpu_linear.KEEP_DENSE_ONE_ROW` keeps one (else None); with CPU
+    weight quantization (`kernels.cpu_quant_linear.QUANTIZATION`) an untied weight is
+    quantized instead (`qweight`, as `Linear`'s), a tied one stays the embedding's.
     """
 
     def __init__(self, vocab_size: int, hidden: int, tie_to: VocabEmbedding | None = None):
@@ -40,8 +43,11 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
         self.weight_dense: torch.Tensor | None = None  # one-row copy beside a packed weight (`Linear`'s)
+        self.qweight: QuantWeight | None = None  # an untied CPU weight quantized (`Linear`'s)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.matmul(hidden).float()
         if self.weight_dense is not None and hidden.shape[0] == 1:
             return F.linear(hidden, self.weight_dense).float()
         if self.weight.is_mkldnn or (not hidden.is_cuda and dense_linear_onednn(hidden, self.weight)):
@@ -51,5 +57,5 @@ class LMHead(nn.Module):
     def process_weights_after_loading(self) -> None:
         if self.tied:
             to_cpu_gemm_layout(self.weight)
-        else:
+        elif not quantize_cpu_weight(self, "weight"):
             pack_cpu_weight(self, "weight")

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_linear
-from kernels.linear import linear
+from kernels import cpu_linear, cpu_quant_linear
+from kernels.activation import silu_and_mul
+from kernels.cpu_quant_linear import QuantWeight
+from kernels.linear import _check_fused, linear
+from kernels.norm import rms_norm
 
 
 class Linear(nn.Module):
@@ -27,6 +30,9 @@ class Linear(nn.Module):
     x [num_tokens, 2 * in_features], residual [num_tokens, out] an add to the output.
     weight_dense: on the CPU, the dense column-major weight kept beside a packed `weight` for
     one-row products (`kernels.cpu_linear.KEEP_DENSE_ONE_ROW`), else None.
+    qweight: on the CPU with `kernels.cpu_quant_linear.QUANTIZATION` int8/int4, the weight-only
+    quantized W (`QuantWeight`) set after loading; `weight` is then a meta-device parameter of
+    W's shape (no values: the dense weight is dropped, and a product on it fails). Else None.
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False):
@@ -40,6 +46,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
         self.weight_dense: torch.Tensor | None = None  # set by pack_cpu_weight
+        self.qweight: QuantWeight | None = None  # set by quantize_cpu_weight
         if stacked:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -47,6 +54,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                 silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant_forward(self.qweight, x, self.bias, norm_weight=norm_weight, eps=eps,
+                                 silu_mul=silu_mul, residual=residual)
         w = self.weight if self.weight_dense is None or x.shape[0] != 1 else self.weight_dense
         if norm_weight is None and residual is None and not silu_mul:
             return linear(x, w, self.bias)
@@ -56,8 +66,87 @@ class Linear(nn.Module):
         """On the CPU: an fp32 W is replaced by its oneDNN-packed form (`kernels.cpu_linear`:
         same shape and values, fast at every row count; read it back with
         `cpu_linear.dense`), other dtypes are stored column-major (`to_cpu_gemm_layout`);
-        with `cpu_linear.KEEP_DENSE_ONE_ROW` the dense weight stays too (`weight_dense`)."""
-        pack_cpu_weight(self, "weight")
+        with `cpu_linear.KEEP_DENSE_ONE_ROW` the dense weight stays too (`weight_dense`).
+        With `cpu_quant_linear.QUANTIZATION` int8/int4 the weight is quantized instead
+        (`quantize_cpu_weight`), and no packed or dense copy is kept."""
+        if not quantize_cpu_weight(self, "weight"):
+            pack_cpu_weight(self, "weight")
+
+
+def quant_forward(qw: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.linear.linear`'s unfused CPU path on a quantized weight: the RMSNorm
+    (norm_weight, eps) or SiLU-and-mul prologue as its own op, the quantized product
+    (`QuantWeight.matmul`), then the bias and residual adds. Shapes and dtypes as `linear`
+    (x [T, K], or [T, 2K] with silu_mul -> [T, N] in x's dtype); raises ValueError as it does."""
+    if norm_weight is not None or silu_mul or residual is not None:
+        _check_fused(x, torch.empty(qw.out_features, qw.in_features, device="meta"), norm_weight,
+                     silu_mul, residual)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if silu_mul:
+        x = silu_and_mul(x)
+    y = qw.matmul(x)
+    if bias is not None:
+        y = y.add_(bias)
+    return y if residual is None else y.add_(residual)
+
+
+def quantize_cpu_weight(module: nn.Module, name: str) -> bool:
+    """Quantize `module.<name>` (a loaded dense CPU weight [out, in]) into `module.qweight`
+    (`cpu_quant_linear.quantize`, scheme `cpu_quant_linear.QUANTIZATION`) when
+    `cpu_quant_linear.quantizes` it, and replace the parameter by a meta-device one of the
+    same shape and dtype (`shard_sizes` kept): its values are dropped. Returns whether it
+    did (False: quantization off, or not a dense floating CPU weight, e.g. already done)."""
+    w = getattr(module, name)
+    if not cpu_quant_linear.quantizes(w):
+        return False
+    setattr(module, "qweight", cpu_quant_linear.quantize(w.data, cpu_quant_linear.QUANTIZATION))  # noqa: B010
+    setattr(module, name, _like(w, torch.empty(w.shape, dtype=w.dtype, device="meta")))
+    return True
+
+
+def dequantize_cpu_weight(module: nn.Module, name: str) -> bool:
+    """Undo `quantize_cpu_weight`: `module.<name>` becomes a dense CPU parameter (the old
+    dtype, column-major as a CPU Linear is born) of the dequantized values
+    (`QuantWeight.dequantize`), `module.qweight` None. Returns whether there was one."""
+    qw = getattr(module, "qweight", None)
+    if qw is None:
+        return False
+    old = getattr(module, name)
+    dense = torch.empty(qw.in_features, qw.out_features, dtype=old.dtype).t()
+    dense.copy_(qw.dequantize())
+    setattr(module, name, _like(old, dense))
+    setattr(module, "qweight", None)  # noqa: B010
+    return True
+
+
+def _like(old: torch.Tensor, data: torch.Tensor) -> nn.Parameter:
+    """A frozen parameter of `data` carrying `old`'s `shard_sizes` (when it has them)."""
+    p = nn.Parameter(data, requires_grad=False)
+    if hasattr(old, "shard_sizes"):
+        setattr(p, "shard_sizes", getattr(old, "shard_sizes"))  # noqa: B009, B010 (as in Linear.__init__)
+    return p
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s quantized weights (`QuantWeight.nbytes` of each `qweight`); 0
+    without quantization."""
+    return sum(qw.nbytes for m in model.modules() if isinstance(qw := getattr(m, "qweight", None), QuantWeight))
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights `model` holds: its parameters (each tensor once; meta-device ones,
+    whose values were dropped for a quantized copy, count 0), the quantized weights
+    (`quantized_weight_bytes`) and the dense one-row copies (`dense_copy_bytes`)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.device.type != "meta" and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total + quantized_weight_bytes(model) + dense_copy_bytes(model)
 
 
 def pack_cpu_weight(module: nn.Module, name: str) -> None:
@@ -88,11 +177,16 @@ def dense_copy_bytes(model: nn.Module) -> int:
 
 def unpack_cpu_weights(model: nn.Module) -> int:
     """Replace every packed weight of `model` (`pack_cpu_weight`) by a dense parameter of the
-    same values (`cpu_linear.dense`, `shard_sizes` kept), for code that writes or reads
-    weights in place after loading (tests); `loader.process_weights_after_loading` packs
-    them again. Returns how many were unpacked."""
+    same values (`cpu_linear.dense`, `shard_sizes` kept), and every quantized one
+    (`quantize_cpu_weight`) by a dense parameter of its dequantized values, for code that
+    writes or reads weights in place after loading (tests); `loader.process_weights_after_loading`
+    packs them again (or quantizes them again: the values then in place, rounded to the
+    format). Returns how many were unpacked."""
     n = 0
     for m in model.modules():
+        if dequantize_cpu_weight(m, "weight"):
+            n += 1
+            continue
         for name, w in list(m.named_parameters(recurse=False)):
             if w.is_mkldnn:
                 p = nn.Parameter(cpu_linear.dense(w.data), requires_grad=False)

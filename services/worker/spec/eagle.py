@@ -134,7 +134,8 @@ class Eagle3Head(nn.Module):
         if int(t.min()) < 0 or int(t.max()) >= self.target_vocab:
             raise ValueError("EAGLE head: d2t maps draft ids outside the target's vocabulary")
         identity = vd == self.target_vocab and bool((t == torch.arange(vd)).all())
-        self.targets = None if identity else t.to(self.lm_head.weight.device)
+        # the head's device (a CPU-quantized lm_head keeps only a meta-device placeholder weight)
+        self.targets = None if identity else t.to(self.norm.weight.device)
 
     def step(self, positions: torch.Tensor, emb: torch.Tensor, feat: torch.Tensor,
              attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,210 @@
+"""Weight-only quantized linear layers on the CPU: y = x @ dequant(Wq).T (+ b), int8 or int4.
+
+Why: CPU decode streams every weight of the model from memory once per step; fp32 weights
+are 4 bytes a value, int8 one and int4 half. The products run through PyTorch's own packed
+weight-only kernels (ATen ops of the torch CPU build, the ones torchao's CPU weight-only
+int8/int4 layouts call):
+
+- int8: `torch.ops.aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N]) -> [M, N]`,
+  x, scales and the output in one of fp32/bf16/fp16; symmetric per-output-channel.
+- int4: `torch.ops.aten._convert_weight_to_int4pack_for_cpu(w int32 [N, K] of 0..15,
+  innerKTiles) -> uint8 [N, K / 2]` once at load, then `torch.ops.aten.
+  _weight_int4pack_mm_for_cpu(x [M, K], packed, group_size, scale_and_zeros [K / G, N, 2])
+  -> [M, N]`: asymmetric group-wise ("tinygemm" format: w = (q - 8) * scale + zero, q in
+  0..15, scale and zero per group of G consecutive input columns of one output row).
+  The kernel needs N % 16 == 0 and G in {32, 64, 128, 256} (checked in torch 2.13's CPU
+  build); other shapes are padded here (zero rows of W, zero columns of W and x).
+  The int8 kernel with bf16 x reads K in steps of 16 and crashes the process otherwise
+  (K = 8, 17, 24, 40, 100 segfaulted; 16, 32, 48, 64, 80, 96, 576 ran): K is padded to a
+  multiple of INT8_K_ALIGN the same way.
+
+Activations: both kernels are fast only with bf16 x in this build (torch 2.13 CPU, AVX-512
+with BF16, 1 thread, SmolLM2-135M's 30 layers of qkv/o/gate_up/down at one row, ms a step:
+fp32 dense (MKL) 30-39, oneDNN-packed fp32 36-40; int8 with bf16 x 16-23, with fp32 x 90;
+int4 bf16 x 6.2-6.8 for G 32/64/128, fp32 x ~190). So x is cast to bf16 (ACT_DTYPE) for the
+product and the result back to x's dtype; the scales are stored in bf16 as the kernels read
+them. At 8 rows: fp32 packed 34, int8 36-39, int4 22-26 ms; at 128 rows (prefill chunks)
+the quantized products were 1.1-1.6x the packed fp32 one on a loaded machine.
+
+`quantize_int8` / `quantize_int4` are the pure-torch quantizers (fp32 math),
+`dequantize_int8` / `dequantize_int4` their inverses, `quant_linear_ref` the truth of the
+product (dequantize, then x @ W.T in fp32). `QuantWeight` holds one layer's packed weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the weight-only scheme a CPU worker's Linear layers take after loading (set by the model
+# runner before loading, from the `quantization` setting): "none", "int8" or "int4"
+QUANTIZATION = "none"
+SCHEMES = ("none", "int8", "int4")
+# int4 group size (input columns per scale and zero); a K it does not divide takes the
+# largest of INT4_GROUPS below it that does (SmolLM2's K = 576 is not a multiple of 128)
+INT4_GROUP_SIZE = 32
+INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
+INT4_N_ALIGN = 16  # rows of W a multiple of this (the pack op's requirement)
+INT8_K_ALIGN = 16  # columns of W a multiple of this (the bf16 int8 kernel's; module doc)
+ACT_DTYPE = torch.bfloat16  # the activations' dtype inside the products (module doc)
+_INT4_INNER_K_TILES = 2  # the convert op's argument (the CUDA layout's; the CPU layout is fixed)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of w [N, K] (any float dtype): returns (q int8 [N, K],
+    scale fp32 [N]) with scale_n = max_k |w[n, k]| / 127 (1 for an all-zero row) and
+    q = clamp(round(w / scale), -127, 127), so |w - q * scale| <= scale / 2 elementwise
+    (fp32 rounding aside). The format of `_weight_int8pack_mm`'s weight and scales."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K], scale [N] (any float dtype) -> fp32 [N, K] = q * scale."""
+    return q.float() * scale.float()[:, None]
+
+
+def int4_group_size(k: int, preferred: int | None = None) -> int:
+    """The group size used for K input columns: the largest of INT4_GROUPS that is at most
+    `preferred` (default INT4_GROUP_SIZE) and divides K, else `preferred` (K is then padded
+    to a multiple of it)."""
+    pref = preferred or INT4_GROUP_SIZE
+    for g in INT4_GROUPS:
+        if g <= pref and k % g == 0:
+            return g
+    return pref
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit quantization of w [N, K] (K % group_size == 0, any float
+    dtype) in the tinygemm format of `_weight_int4pack_mm_for_cpu`: for each row n and group
+    g of `group_size` consecutive columns, lo/hi = min/max of the group,
+    scale = max(hi - lo, 1e-6) / 15, q = clamp(round((w - lo) / scale), 0, 15),
+    zero = lo + 8 * scale, so that w ~ (q - 8) * scale + zero and |w - that| <= scale / 2.
+    Returns (q int32 [N, K] in 0..15, scale fp32 [N, K / G], zero fp32 [N, K / G]).
+    Raises ValueError when group_size does not divide K."""
+    n, k = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"quantize_int4: group size {group_size} does not divide K={k}")
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+    scale = (hi - lo).clamp(min=1e-6) / 15.0
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale, lo + 8.0 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q [N, K] of 0..15, scale and zero [N, K / G] (any float dtype) -> fp32 [N, K] =
+    (q - 8) * scale + zero, group by group."""
+    n, k = q.shape
+    g = k // scale.shape[1]
+    qg = q.float().reshape(n, k // g, g)
+    return ((qg - 8.0) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def quant_linear_ref(x: torch.Tensor, w_dequant: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The truth of a quantized product: x [M, K] @ w_dequant [N, K].T (+ bias [N]) in fp32,
+    rounded to x's dtype -> [M, N]."""
+    y = x.float() @ w_dequant.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@dataclass
+class QuantWeight:
+    """One CPU linear layer's weight-only quantized W [out_features, in_features].
+
+    scheme "int8": packed int8 [N, K'] (K rounded up to INT8_K_ALIGN, zero columns), scales
+    ACT_DTYPE [N] (`quantize_int8`).
+    scheme "int4": packed uint8 [N', K' / 2] (`_convert_weight_to_int4pack_for_cpu`; N' is N
+    rounded up to INT4_N_ALIGN, K' is K rounded up to group_size, both zero-padded),
+    scales ACT_DTYPE [K' / G, N', 2] of (scale, zero) pairs (`quantize_int4`).
+    Built by `quantize`; `matmul` is the product, `dequantize` the weight it stands for.
+    """
+
+    scheme: str
+    out_features: int
+    in_features: int
+    packed: torch.Tensor
+    scales: torch.Tensor
+    group_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (packed weight and scales)."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] (fp32/bf16/fp16; row-strided views are made contiguous) ->
+        [M, out_features] in x's dtype: x cast to ACT_DTYPE, the packed kernel, cast back.
+        Equals `quant_linear_ref(x.to(ACT_DTYPE), self.dequantize())` up to the kernel's
+        summation order and the ACT_DTYPE rounding of the output."""
+        xa = x.to(ACT_DTYPE)
+        if not xa.is_contiguous():
+            xa = xa.contiguous()
+        int8 = self.scheme == "int8"
+        kp = self.packed.shape[1] * (1 if int8 else 2)
+        if kp != self.in_features:
+            xa = torch.nn.functional.pad(xa, (0, kp - self.in_features))
+        if int8:
+            y = torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scales)
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features].contiguous()
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [out_features, in_features] weight this one stands for (its stored
+        scales, ACT_DTYPE-rounded, included): the reference's W."""
+        n, k = self.out_features, self.in_features
+        if self.scheme == "int8":
+            return dequantize_int8(self.packed[:, :k], self.scales)
+        kp, g = self.packed.shape[1] * 2, self.group_size
+        # the codes through the kernel itself (its packed layout is its own): with scale 1 and
+        # zero 8 every group reads (q - 8) * 1 + 8 = q, exact in ACT_DTYPE, and identity rows
+        # pick column j of W; then the stored scales and zeros in fp32
+        ones = torch.empty(self.scales.shape, dtype=ACT_DTYPE)
+        ones[..., 0], ones[..., 1] = 1.0, 8.0
+        eye = torch.eye(kp, dtype=ACT_DTYPE)
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, g, ones).t()  # [N', K'] of 0..15
+        sz = self.scales.float().transpose(0, 1)  # [N', K'/G, 2]
+        return dequantize_int4(q, sz[..., 0], sz[..., 1])[:n, :k].contiguous()
+
+
+def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantWeight:
+    """The `QuantWeight` of a CPU weight w [N, K] (fp32/bf16/fp16, any strides): scheme
+    "int8" or "int4" (group size: `int4_group_size(K, group_size)`). Raises ValueError for
+    another scheme or an empty weight."""
+    n, k = w.shape
+    if n == 0 or k == 0:
+        raise ValueError(f"quantize: empty weight {tuple(w.shape)}")
+    if scheme == "int8":
+        q, s = quantize_int8(w)
+        kp = -(-k // INT8_K_ALIGN) * INT8_K_ALIGN
+        if kp != k:
+            q = torch.nn.functional.pad(q, (0, kp - k))
+        return QuantWeight("int8", n, k, q.contiguous(), s.to(ACT_DTYPE))
+    if scheme != "int4":
+        raise ValueError(f"quantize: unknown scheme {scheme!r} (int8, int4)")
+    g = int4_group_size(k, group_size)
+    npad, kpad = -(-n // INT4_N_ALIGN) * INT4_N_ALIGN, -(-k // g) * g
+    wf = w.float()
+    if (npad, kpad) != (n, k):
+        wf = torch.nn.functional.pad(wf, (0, kpad - k, 0, npad - n))
+    q, scale, zero = quantize_int4(wf, g)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
+    sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().to(ACT_DTYPE)  # [K'/G, N', 2]
+    return QuantWeight("int4", n, k, packed, sz, g)
+
+
+def quantizes(weight: torch.Tensor) -> bool:
+    """Whether a Linear's loaded weight is quantized after loading: QUANTIZATION is int8 or
+    int4 and the weight is a dense 2-D floating CPU tensor."""
+    return (QUANTIZATION in ("int8", "int4") and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.is_floating_point() and not weight.is_mkldnn and weight.numel() > 0)
