@@ -5,6 +5,11 @@ with the fused keyword arguments, `loader.dense_weights`, and the refusal on a G
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import uuid
+
 import pytest
 import torch
 
@@ -19,6 +24,7 @@ from shared.device import GIB
 from shared.startup_report import format_startup_report
 
 SMOLLM2 = "models/SmolLM2-135M-Instruct"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -211,3 +217,14 @@ def test_startup_report_names_the_scheme_and_the_bytes_held():
     plain = format_startup_report({"workers": [{**worker, "quantization": "none"}]})
     assert "startup report: worker 0 memory: weights 2.00 GiB, KV cache 1.00 GiB" in plain
     assert not any("other:" in ln for ln in plain)
+
+
+def test_the_cli_refuses_quantization_on_cuda_before_any_process_starts(tmp_path):
+    runtime = tmp_path / "rt"
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", SMOLLM2, "--device", "cuda",
+                        "--quantization", "int8", "--runtime-dir", str(runtime),
+                        "--instance-id", "qnt" + uuid.uuid4().hex[:6]],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "setting quantization: 'int8' weights run on the CPU only" in r.stderr, r.stderr
+    assert not runtime.exists(), "a process started: the runtime folder was created"
