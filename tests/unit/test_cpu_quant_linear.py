@@ -17,7 +17,8 @@ from kernels import cpu_linear
 from kernels import cpu_quant_linear as cq
 from kernels.linear_ref import linear_ref
 from services.worker.layers.embedding import LMHead, VocabEmbedding
-from services.worker.layers.linear import Linear, dense_copy_bytes, held_weight_bytes, unpack_cpu_weights
+from services.worker.layers.linear import (Linear, dense_copy_bytes, held_weight_bytes, quantized_weight_bytes,
+                                          unpack_cpu_weights)
 from services.worker.loader import dense_weights, process_weights_after_loading
 from shared.config import build_config
 from shared.device import GIB
@@ -181,6 +182,9 @@ def test_dense_weights_dequantize_then_quantize_what_was_written(quant):
 
 
 def test_lm_head_untied_quantized_tied_kept_and_no_one_row_copy(quant, monkeypatch):
+    """An untied head is quantized in place; a tied one keeps the embedding's fp32 weight
+    (the lookups read it) and multiplies by a quantized copy (`qweight_tied`), dropped by
+    `unpack_cpu_weights` and made again after loading."""
     quant("int4")
     monkeypatch.setattr(cpu_linear, "KEEP_DENSE_ONE_ROW", True)  # a 1-thread speculative worker
     emb = VocabEmbedding(64, 32)
@@ -192,6 +196,14 @@ def test_lm_head_untied_quantized_tied_kept_and_no_one_row_copy(quant, monkeypat
     for m in (emb, tied, untied, lin):
         process_weights_after_loading(m)
     assert tied.qweight is None and tied.weight is emb.weight and emb.weight.device.type == "cpu"
+    assert tied.qweight_tied is not None and quantized_weight_bytes(tied) == tied.qweight_tied.nbytes
+    h = torch.randn(2, 32)
+    ref = linear_ref(h.to(cq.ACT_DTYPE).float(), tied.qweight_tied.dequantize())
+    assert torch.allclose(tied(h), ref, atol=2.0 ** -7 * float(ref.abs().max()) + 1e-4)
+    assert (tied.qweight_tied.dequantize() - emb.weight).abs().max() < 0.1 * emb.weight.abs().max()
+    assert unpack_cpu_weights(tied) >= 1 and tied.qweight_tied is None and tied.weight is emb.weight
+    process_weights_after_loading(tied)
+    assert tied.qweight_tied is not None
     assert untied.qweight is not None and untied.weight_dense is None and lin.weight_dense is None
     assert dense_copy_bytes(untied) == dense_copy_bytes(lin) == 0
     h = torch.randn(1, 32)

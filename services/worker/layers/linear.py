@@ -133,7 +133,8 @@ def _like(old: torch.Tensor, data: torch.Tensor) -> nn.Parameter:
 def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights (`QuantWeight.nbytes` of each `qweight`); 0
     without quantization."""
-    return sum(qw.nbytes for m in model.modules() if isinstance(qw := getattr(m, "qweight", None), QuantWeight))
+    return sum(qw.nbytes for m in model.modules() for name in ("qweight", "qweight_tied")
+               if isinstance(qw := getattr(m, name, None), QuantWeight))
 
 
 def held_weight_bytes(model: nn.Module) -> int:
@@ -184,6 +185,9 @@ def unpack_cpu_weights(model: nn.Module) -> int:
     format). Returns how many were unpacked."""
     n = 0
     for m in model.modules():
+        if getattr(m, "qweight_tied", None) is not None:  # a tied head's copy: its weight is dense
+            setattr(m, "qweight_tied", None)  # noqa: B010
+            n += 1
         if dequantize_cpu_weight(m, "weight"):
             n += 1
             continue
