@@ -96,7 +96,7 @@ class ModelRunner:
     plan of their capture).
     The proposer's KV group (`proposer.kv_specs()`) has the target's num_blocks and
     block_size, and the KV budget is split by the bytes of one block of both groups.
-    Raises FileNotFoundError / ValueError from the loader, ValueError for an unknown
+    Raises FileNotFoundError / ValueError from the loader, ValueError for device cuda without CUDA, an unknown
     architecture or a KV budget below one block.
     """
 
@@ -106,6 +106,9 @@ class ModelRunner:
         if cfg.num_threads > 0:  # resolved by the config builder (shared.cpu_budget)
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(dev)
+        if self.device.type == "cuda" and not torch.cuda.is_available():  # refused, not restarted (worker.py)
+            raise ValueError("setting device: 'cuda', but torch sees no CUDA device on this host (no GPU, or a "
+                             "CPU build of torch); use --device cpu (or auto)")
         dt = resolved_dtype(cfg.dtype, self.device.type)
         self.dtype = _DTYPES[dt]
         self.spec = model_spec_for(cfg, dtype=dt)  # the model's facts (shared.model_spec)

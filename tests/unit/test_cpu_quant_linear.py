@@ -240,3 +240,20 @@ def test_the_cli_refuses_quantization_on_cuda_before_any_process_starts(tmp_path
     assert r.returncode == 2, r.stdout + r.stderr
     assert "setting quantization: 'int8' weights run on the CPU only" in r.stderr, r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+def test_device_cuda_without_cuda_stops_the_server_with_exit_2_not_a_restart_loop(tmp_path):
+    """Found by a fresh-user pass: `--device cuda` on a CPU host crash-looped the worker (an
+    AssertionError from torch) for ~50 s and exited 1. The worker now refuses its
+    configuration (a ValueError naming the setting), so the supervisor stops at once."""
+    from services.worker.model_runner import ModelRunner
+
+    with pytest.raises(ValueError, match="setting device: 'cuda', but torch sees no CUDA device"):
+        ModelRunner(build_config({"model": SMOLLM2, "device": "cuda"}, env={}))
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", SMOLLM2, "--device", "cuda",
+                        "--runtime-dir", str(tmp_path / "rt"), "--port", "1",
+                        "--instance-id", "dev" + uuid.uuid4().hex[:6]],
+                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "setting device: 'cuda'" in r.stderr and "giving up" not in r.stderr, r.stderr[-4000:]
