@@ -117,6 +117,13 @@ class BlockManager:
             parent = hashes[-1] if hashes else self.root_hash
             hashes.append(hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs)))
 
+    def block_name(self, request: Request, index: int) -> bytes:
+        """The name (chain hash) of the request's block `index` (its tokens
+        [index * block_size, (index + 1) * block_size) must be known), computing the chain
+        up to it when needed."""
+        self._ensure_block_hashes(request, index + 1)
+        return request.block_hashes[index]
+
     # ------------------------------------------------------------------ prefix cache
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

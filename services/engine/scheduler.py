@@ -397,9 +397,7 @@ class Scheduler:
         boundary = (req.num_prompt_tokens - 1) // bs * bs
         if boundary <= start or start + n < boundary:
             return n, None
-        n = boundary - start
-        self.bm._ensure_block_hashes(req, boundary // bs)
-        return n, req.block_hashes[boundary // bs - 1]
+        return boundary - start, self.bm.block_name(req, boundary // bs - 1)
 
     def _checkpoint_slot(self, name: bytes | None) -> int:
         """The checkpoint slot a chunk saves into for block `name` (-1: none, or the block

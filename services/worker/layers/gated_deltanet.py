@@ -155,9 +155,9 @@ class GatedDeltaNet(nn.Module):
         """`forward` over one runner step: the step's seqs' states of this layer (the
         `index`-th recurrent layer of the model) gathered from their state slots, run, and
         written back (services/worker/state_cache.py). x [T, H] -> [T, H]."""
-        conv, ssm = state.gather(index)
+        conv, ssm = state.gather(index)  # fresh seqs' states already zeros: no second zeroing
         if not state.track:
-            out = self.forward(x, state.cu_seqlens, conv, ssm, state.has_initial)
+            out = self.forward(x, state.cu_seqlens, conv, ssm)
         else:
             out = self._forward_tracked(x, state, index, conv, ssm)
         state.scatter(index, (conv, ssm))
@@ -180,7 +180,7 @@ class GatedDeltaNet(nn.Module):
             pick = torch.tensor(plain, device=x.device)
             c, s = conv.index_select(0, pick), ssm.index_select(0, pick)
             out[rows] = self.forward(x.index_select(0, rows), torch.tensor(sub_cu, dtype=torch.int32, device=x.device),
-                                     c, s, state.has_initial.index_select(0, pick))
+                                     c, s)
             conv.index_copy_(0, pick, c)
             ssm.index_copy_(0, pick, s)
         one = torch.tensor([0, 1], dtype=torch.int32, device=x.device)
@@ -188,11 +188,9 @@ class GatedDeltaNet(nn.Module):
             if n == 0:
                 continue
             c, s = conv[i:i + 1].clone(), ssm[i:i + 1].clone()
-            fresh = state.has_initial[i:i + 1]
             kept = []
             for t in range(cu[i], cu[i + 1]):
-                out[t:t + 1] = self.forward(x[t:t + 1], one, c, s, fresh)
-                fresh = torch.ones_like(fresh)
+                out[t:t + 1] = self.forward(x[t:t + 1], one, c, s)
                 kept.append([c.clone(), s.clone()])
             state.keep(index, i, kept)
             conv[i:i + 1], ssm[i:i + 1] = c, s

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -163,9 +164,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The fused path (module docstring): residual stream h [T, hidden] -> the next h."""
         h = self.self_attn(positions, h, attn, norm=self.input_layernorm, residual=h)
-        mlp = self.mlp
-        assert isinstance(mlp, LlamaMLP), "the fused path runs dense MLPs only (fusable_projections)"
-        return mlp.forward_fused(h, self.post_attention_layernorm)
+        # the fused path runs dense MLPs only (fusable_projections is empty otherwise)
+        return cast(LlamaMLP, self.mlp).forward_fused(h, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
