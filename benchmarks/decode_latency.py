@@ -97,6 +97,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--moe-launches", choices=["one", "torch"], default="one",
+                    help="MoE routing and alignment: one Triton launch each (kernels.moe_triton's "
+                         "topk_softmax_triton, moe_align_triton) or the torch ops (the A/B baseline)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                    help="the runner's share of GPU memory (weights, state and KV); 0.3 suits the dense "
+                         "configs, a 61 GB MoE shape needs about 0.75")
     ap.add_argument("--pdl", choices=["on", "off"], default="on",
                     help="programmatic dependent launch of the decode kernels (kernels.pdl)")
     ap.add_argument("--gemv", choices=["on", "off"], default="on",
@@ -113,6 +119,9 @@ def main() -> None:
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
     a = ap.parse_args()
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
+    if a.moe_launches == "torch":
+        from kernels import moe_triton
+        moe_triton.ROUTER_TRITON, moe_triton.ALIGN_MAX_PAIRS = False, 0
     fusion.FUSE_ONE_ROW = a.fused_layers == "on"  # read when the runner chooses its FusionPlan
     if a.attn:
         (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
@@ -122,7 +131,7 @@ def main() -> None:
                 gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 4096,
-           "gpu_memory_utilization": 0.3}
+           "gpu_memory_utilization": a.gpu_memory_utilization}
     runner = ModelRunner(build_config(cli=cli, env={}))
     report = runner.report()
     bw = copy_bandwidth()
@@ -132,7 +141,7 @@ def main() -> None:
     res = {"benchmark": "decode_latency", "device": device_name(), "config": a.config,
            "weights": "dummy", "context": a.context, "steps": a.steps, "runner": report,
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
-           "pdl": a.pdl, "gemv": a.gemv, "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
+           "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv, "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once + KV of the context (K and V, every layer)
     # (a MoE's stacked experts count k / E: one token reads the weights of its k experts)
     active = active_expert_share(runner.spec.hf_config)

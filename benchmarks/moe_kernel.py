@@ -8,7 +8,9 @@ twice) of `kernels.moe.fused_moe` (the Triton path) and of `fused_moe_ref` on th
 tensors (a loop over the experts with tokens, two cuBLAS GEMMs each: the per-expert
 baseline; eager, it syncs to find the experts), their ratio, the relative error between
 them, and the roofline: the bytes of the distinct experts the step touches (w13 + w2 of each,
-counted from the routing) plus activations, over the copy bandwidth measured in this run.
+counted from the routing) plus activations, over the copy bandwidth measured in this run;
+and the alignment alone, graphed the same way: torch ops (`moe.moe_align`) against the one
+Triton program (`moe_triton.moe_align_triton`, what fused_moe runs up to ALIGN_MAX_PAIRS).
 Writes JSON to --out and stdout.
 
 Usage: python benchmarks/moe_kernel.py [--config qwen3-30b-a3b] [--tokens 1 16 256] [--out FILE]
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 from benchmarks.common import device_name  # noqa: E402
 from benchmarks.decode_latency import copy_bandwidth  # noqa: E402
 from kernels import moe  # noqa: E402
+from kernels import moe_triton as mt  # noqa: E402
 from services.worker.layers.moe import topk_softmax  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +97,10 @@ def main() -> None:
         weights, ids = topk_softmax(torch.randn(t, e, device="cuda", generator=gen), k, True)
         fused_s = _time_graph(lambda x=x, w=weights, i=ids: moe.fused_moe(x, w13, w2, w, i), a.reps)
         loop_s = _time_eager(lambda x=x, w=weights, i=ids: moe.fused_moe_ref(x, w13, w2, w, i), a.reps)
+        bm = mt.pick_config(t, e, k, 2 * i, h)["BLOCK_M"]
+        align_torch_s = _time_graph(lambda i=ids, b=bm: moe.moe_align(i, e, b), a.reps)
+        align_triton_s = (_time_graph(lambda i=ids, b=bm: mt.moe_align_triton(i, e, b), a.reps)
+                          if ids.numel() <= mt.ALIGN_MAX_PAIRS else None)
         ours, ref = moe.fused_moe(x, w13, w2, weights, ids).float(), moe.fused_moe_ref(x, w13, w2, weights, ids).float()
         err = float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
         touched = int(torch.unique(ids).numel())
@@ -102,7 +109,8 @@ def main() -> None:
         rows.append({"tokens": t, "experts_touched": touched, "fused_us": round(fused_s * 1e6, 2),
                      "loop_us": round(loop_s * 1e6, 2), "speedup_vs_loop": round(loop_s / fused_s, 3),
                      "roofline_us": round(roof * 1e6, 2), "fused_of_roofline": round(roof / fused_s, 3),
-                     "rel_err_vs_loop": err})
+                     "rel_err_vs_loop": err, "align_torch_us": round(align_torch_s * 1e6, 2),
+                     "align_triton_us": None if align_triton_s is None else round(align_triton_s * 1e6, 2)})
         print(rows[-1], flush=True)
     res = {"benchmark": "moe_kernel", "device": device_name(), "config": a.config, "dtype": "bfloat16",
            "num_experts": e, "top_k": k, "hidden": h, "moe_intermediate": i,

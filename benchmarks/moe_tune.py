@@ -14,6 +14,7 @@ GROUP_M 1/8, num_warps 4/8, num_stages 3/4 (144 configs; those whose tiles need 
 memory than the device has fail to compile and are skipped).
 
 Usage: python benchmarks/moe_tune.py [--config qwen3-30b-a3b] [--tokens 1 16 256] [--reps 20] [--out FILE]
+       [--budget-s S]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import itertools
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,6 +71,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(mt.M_BUCKETS))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop before a token count once this many seconds have passed (the file keeps "
+                         "the buckets tuned so far; the others take the default)")
     a = ap.parse_args()
     with open(os.path.join(ROOT, "benchmarks", "configs", a.config + ".json")) as fh:
         cfg = json.load(fh)
@@ -79,7 +84,13 @@ def main() -> None:
     w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     dev = device_name()
     configs, timings = {}, {}
+    out = a.out or os.path.join(mt.CONFIG_DIR, f"{dev.replace(' ', '_')}_E{e}_N{2 * i}_K{h}_bf16.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    t0 = time.monotonic()
     for t in a.tokens:
+        if a.budget_s is not None and time.monotonic() - t0 > a.budget_s:
+            print(f"budget of {a.budget_s} s spent: stopping before T={t}", flush=True)
+            break
         x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
         weights, ids = topk_softmax(torch.randn(t, e, device="cuda", generator=gen), k, True)
         best, best_s, default_s = tune_one(x, w13, w2, weights, ids, a.reps)
@@ -88,13 +99,11 @@ def main() -> None:
             configs[bucket] = best
         timings[bucket] = {"tuned": round(best_s * 1e6, 2), "default": round(default_s * 1e6, 2)}
         print(f"T={t:5d}: default {default_s * 1e6:9.2f} us, best {best_s * 1e6:9.2f} us {best}", flush=True)
-    out = a.out or os.path.join(mt.CONFIG_DIR, f"{dev.replace(' ', '_')}_E{e}_N{2 * i}_K{h}_bf16.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump({"N": 2 * i, "K": h, "device": dev, "dtype": "bfloat16", "config": a.config,
-                   "configs": configs, "timings_us": timings}, fh, indent=2)
-        fh.write("\n")
-    print(f"wrote {out}")
+        with open(out, "w") as fh:  # after every bucket, so a timeout keeps what was tuned
+            json.dump({"N": 2 * i, "K": h, "device": dev, "dtype": "bfloat16", "config": a.config,
+                       "configs": configs, "timings_us": timings}, fh, indent=2)
+            fh.write("\n")
+        print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

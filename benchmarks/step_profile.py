@@ -83,12 +83,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="qwen3-0.6b")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                    help="the runner's share of GPU memory; a 61 GB MoE shape needs about 0.8")
     ap.add_argument("--pdl", choices=["on", "off"], default="on")
     a = ap.parse_args()
     pdl.ENABLED = a.pdl == "on"
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
-           "gpu_memory_utilization": 0.5}
+           "gpu_memory_utilization": a.gpu_memory_utilization}
     runner = ModelRunner(build_config(cli=cli, env={}))
     res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl}
     nbps = -(-1100 // runner.block_size)

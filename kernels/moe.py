@@ -152,7 +152,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
 def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, *, config: dict[str, Any] | None = None) -> torch.Tensor:
     """`fused_moe_ref` (same arguments, shapes and rounding) by the grouped-GEMM Triton
-    kernels of `kernels/moe_triton.py`: `moe_align` at the config's BLOCK_M, the gate_up
+    kernels of `kernels/moe_triton.py`: the alignment at the config's BLOCK_M
+    (`moe_triton.moe_align_triton` up to ALIGN_MAX_PAIRS pairs, else `moe_align`), the gate_up
     launch with SiLU-and-mul fused, the down launch with the routing weight fused (fp32
     [T*k, H] partials, `moe_triton.FP32_PARTIALS`), a sum over k. All tensors on one device.
 
@@ -169,7 +170,10 @@ def _fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     if t == 0 or k == 0:
         return x.new_zeros((t, h))
     cfg = config or _moe_triton.pick_config(t, num_experts, k, w13.shape[1], h, x.element_size())
-    sorted_ids, expert_of_block, _ = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
+    if topk_ids.numel() <= _moe_triton.ALIGN_MAX_PAIRS:  # one program (decode, short prefills)
+        sorted_ids, expert_of_block, _ = _moe_triton.moe_align_triton(topk_ids, num_experts, cfg["BLOCK_M"])
+    else:
+        sorted_ids, expert_of_block, _ = moe_align(topk_ids, num_experts, cfg["BLOCK_M"])
     return _moe_triton.fused_moe_aligned(x, w13, w2, topk_weights, sorted_ids, expert_of_block, k, cfg)
 
 

@@ -7,7 +7,9 @@ expert, each group padded with the sentinel T*k to whole BLOCK_M tiles; expert_o
 et al. 2022, arXiv 2211.15841) grouped GEMM as vLLM's fused_moe kernel runs it: a program
 per (M tile of sorted pairs, N tile); it reads its tile's expert (and returns at -1), gathers
 its pairs' rows of A, and runs a K loop of tl.dot against that expert's weight tile with an
-fp32 accumulator. Padding rows (the sentinel) load zeros and store nothing.
+fp32 accumulator (fp32 operands multiply in full precision, `input_precision="ieee"`, not
+TF32: the fp32 path is the GPU's debugging truth). Padding rows (the sentinel) load zeros and
+store nothing.
 
 - Launch 1 (gate_up, GATED): A = x, row of pair p = p // k (its token); the weight is
   w13[e] [2I, H]; each program owns output columns n..n+BLOCK_N of both halves, so it keeps
@@ -116,7 +118,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, tw_ptr, num_
                      stride_am, stride_we, stride_wn, stride_om, up_offset,
                      A_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     # out[p, n] for the pairs p of one M tile: A [rows, K] (row p // A_DIV), W [E, *, K]
     # (row n of expert e at e * stride_we + n * stride_wn; with GATED the up row n at
     # + up_offset), out [num_pairs, N]. Grid: num_m_blocks * cdiv(N, BLOCK_N) programs.
@@ -146,10 +148,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, tw_ptr, num_
         a = tl.load(a_rows + rk[None, :], mask=mvalid[:, None] & kmask[None, :], other=0.0)
         wmask = kmask[:, None] & nmask[None, :]
         w = tl.load(w_cols + rk[:, None], mask=wmask, other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:
             wu = tl.load(w_cols + up_offset + rk[:, None], mask=wmask, other=0.0)
-            acc_up = tl.dot(a, wu, acc_up)
+            acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
     dt = a_ptr.dtype.element_ty
     if GATED:  # as fused_moe_ref: gate and up rounded, silu rounded, the product rounded
         g = acc.to(dt).to(tl.float32)
@@ -164,6 +166,126 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, tw_ptr, num_
     tl.store(optrs, res.to(out_ptr.dtype.element_ty), mask=mvalid[:, None] & nmask[None, :])
 
 
+ROUTER_TRITON = True  # topk_softmax on CUDA through `topk_softmax_triton` (False: torch ops; an A/B switch)
+ROUTER_MAX_EXPERTS = 1024  # one row of logits a program
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
+                         TOP_K: tl.constexpr, E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    # One token a program: softmax in fp32 over its E logits, then TOP_K rounds of argmax
+    # (the chosen expert masked out after each), then the optional renormalisation.
+    row = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    live = experts < num_experts
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + experts, mask=live, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    p = tl.where(live, e / tl.sum(e, 0), -1.0)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, experts, E_POW2), 0)  # the lowest index among ties
+        tl.store(weights_ptr + row * TOP_K + j, best)
+        tl.store(ids_ptr + row * TOP_K + j, idx.to(tl.int64))
+        total += best
+        p = tl.where(experts == idx, -2.0, p)
+    if RENORMALIZE:
+        for j in tl.static_range(TOP_K):
+            w = tl.load(weights_ptr + row * TOP_K + j)
+            tl.store(weights_ptr + row * TOP_K + j, w / total)
+
+
+def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`services.worker.layers.moe.topk_softmax` (same arguments, outputs and dtypes:
+    weights [T, k] fp32, ids [T, k] int64) in one launch, a program a token: the torch
+    version's softmax, topk and renormalisation are four launches, each a few microseconds
+    of a batch-1 decode layer. Ties go to the lowest expert index (torch.topk's order is
+    not specified). Raises ValueError for more than ROUTER_MAX_EXPERTS experts or a top_k
+    outside 1..E."""
+    t, num_experts = logits.shape
+    if num_experts > ROUTER_MAX_EXPERTS or not 1 <= top_k <= num_experts:
+        raise ValueError(f"topk_softmax_triton: {num_experts} experts (at most {ROUTER_MAX_EXPERTS}), top_k {top_k}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        _topk_softmax_kernel[(t,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                   E_POW2=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+                                   num_warps=4 if num_experts >= 256 else 1)
+    return weights, ids
+
+
+ALIGN_MAX_PAIRS = 16384  # `moe_align_triton` takes up to this many (token, slot) pairs (one program)
+
+
+@triton.jit(do_not_specialize=["n", "num_experts", "p", "num_blocks"])
+def _moe_align_kernel(ids_ptr, sorted_ptr, expert_ptr, post_pad_ptr, cursor_ptr, n, num_experts, p, num_blocks,
+                      BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    # One program does the whole alignment (module doc of kernels.moe, `moe_align`):
+    # counts per expert by comparison, padded ends by a cumsum, the sentinel fill, each
+    # tile's expert, then (after a block barrier) one atomic cursor per expert scatters the
+    # pair ids. cursor_ptr: [num_experts] int32 scratch, written here before it is used.
+    experts = tl.arange(0, E_POW2)
+    live = experts < num_experts
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=live)
+    tl.store(post_pad_ptr, tl.sum(padded, 0))
+    for start in range(0, p, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + n, mask=offs < p)
+    for start in range(0, num_blocks, CHUNK):
+        blk = start + tl.arange(0, CHUNK)
+        # the first expert whose padded end lies past the tile's start (as torch.searchsorted right=True)
+        before = tl.sum(((ends[None, :] <= (blk * BLOCK_M)[:, None]) & live[None, :]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + blk, tl.where(before < num_experts, before, -1), mask=blk < num_blocks)
+    tl.debug_barrier()  # the cursors and the sentinel fill are written before the scatter
+    for start in range(0, n, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        m = offs < n
+        e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
+        dest = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=m)
+        tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=m)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kernels.moe.moe_align` (same arguments, outputs, bound P and sentinel) in one Triton
+    program, for T*k <= ALIGN_MAX_PAIRS pairs: the torch version's fifteen-odd launches cost
+    ~40 us in a CUDA graph, the weight read of a batch-1 Qwen3-30B-A3B layer ~18 us. The
+    only difference: within an expert's group the pairs come in the order of the atomic
+    cursor, not ascending (each pair's output row is computed independently, so the results
+    do not depend on it). No host sync: CUDA-graph capturable. Raises ValueError as
+    `moe_align`, and for more pairs than ALIGN_MAX_PAIRS."""
+    if block_m < 1 or num_experts < 1 or topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_align_triton: topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype}, "
+                         f"num_experts {num_experts}, block_m {block_m}")
+    n = topk_ids.numel()
+    if n > ALIGN_MAX_PAIRS:
+        raise ValueError(f"moe_align_triton: {n} pairs, more than ALIGN_MAX_PAIRS={ALIGN_MAX_PAIRS}")
+    bound = n + min(num_experts, n) * (block_m - 1)
+    p = -(-bound // block_m) * block_m
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    if ids.stride(0) != 1:
+        ids = ids.contiguous()
+    sorted_ids = torch.empty((p,), dtype=torch.int32, device=dev)
+    expert_of_block = torch.empty((p // block_m,), dtype=torch.int32, device=dev)
+    post_pad = torch.empty((1,), dtype=torch.int32, device=dev)
+    cursor = torch.empty((num_experts,), dtype=torch.int32, device=dev)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(128, 8192 // e_pow2))  # a [chunk, E] compare tile stays small
+    _moe_align_kernel[(1,)](ids, sorted_ids, expert_of_block, post_pad, cursor, n, num_experts, p,
+                            p // block_m, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, FILL=1024, num_warps=4)
+    return sorted_ids, expert_of_block, post_pad
+
+
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
             expert_of_block: torch.Tensor, tw: torch.Tensor, n: int, a_div: int, gated: bool,
             cfg: dict[str, Any]) -> None:
@@ -174,7 +296,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: tor
         a, w, out, sorted_ids, expert_of_block, tw, out.shape[0], num_m_blocks, n, w.shape[2],
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), n * w.stride(1) if gated else 0,
         A_DIV=a_div, GATED=gated, WEIGHTED=not gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
 
 

@@ -10,15 +10,17 @@
 #   decode_qwen3-30b-a3b.json  TPOT and roofline
 #   bench.log             the benchmarks' output tails and exit codes
 #   moe_tune/*.json       with part "tune" only: benchmarks/moe_tune.py's tuned configs (copy them
-#                         into kernels/moe_configs/ to use them)
+#                         into kernels/moe_configs/ to use them), then moe_kernel_tuned.json and
+#                         decode_qwen3-30b-a3b_tuned.json timed with them in place
 # Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|tune]
+# (parts may be combined in one call: for p in decode tune; do bash scripts/gpu_moe_check.sh $p; done)
 # Limits (seconds, environment): TEST_TIMEOUT 150, KERNEL_TIMEOUT 120, DECODE_TIMEOUT 300.
 set -u
 PART=${1:-all}
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-  tests=$(ls tests/gpu/test_*moe*_gpu.py tests/gpu/test_*delta*_gpu.py 2>/dev/null)
+  tests=$(ls tests/gpu/test_*moe*_gpu.py tests/gpu/test_*delta*_gpu.py tests/gpu/test_hybrid_gpu.py 2>/dev/null)
   echo "tests: $tests" | tee "$OUT/tests_moe_gpu.txt"
   # shellcheck disable=SC2086  # one argument per test file
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q $tests -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/tests_moe_gpu.txt"
@@ -34,10 +36,20 @@ if [ "$PART" = all ] || [ "$PART" = kernel ]; then
   run moe_kernel "${KERNEL_TIMEOUT:-120}" python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json"
 fi
 if [ "$PART" = all ] || [ "$PART" = decode ]; then
-  run decode_qwen3-30b-a3b "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
+  run decode_qwen3-30b-a3b "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b --gpu-memory-utilization 0.75 \
     --steps 64 --out "$OUT/decode_qwen3-30b-a3b.json"
 fi
 if [ "$PART" = tune ]; then
+  # tune for at most TUNE_BUDGET s (the file keeps the buckets done), then time decode again
+  # with the tuned configs in place (decode_qwen3-30b-a3b_tuned.json: the A/B of one call)
   mkdir -p "$OUT/moe_tune"
-  run moe_tune "${TUNE_TIMEOUT:-500}" python3 benchmarks/moe_tune.py --out "$OUT/moe_tune/qwen3-30b-a3b.json"
+  name="$(python3 -c 'import torch; print(torch.cuda.get_device_name().replace(" ", "_"))')_E128_N1536_K2048_bf16.json"
+  run moe_tune "${TUNE_TIMEOUT:-500}" python3 benchmarks/moe_tune.py --budget-s "${TUNE_BUDGET:-200}" \
+    --tokens ${TUNE_TOKENS:-1 2 4 8 16 32 64 128 256 512} --reps 10 --out "$OUT/moe_tune/$name"
+  if [ -f "$OUT/moe_tune/$name" ]; then
+    cp "$OUT/moe_tune/$name" kernels/moe_configs/
+    run moe_kernel_tuned "${KERNEL_TIMEOUT:-120}" python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel_tuned.json"
+    run decode_qwen3-30b-a3b_tuned "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
+      --gpu-memory-utilization 0.75 --steps 64 --out "$OUT/decode_qwen3-30b-a3b_tuned.json"
+  fi
 fi

@@ -44,6 +44,48 @@ CASES = [
 ]
 
 
+# name, T, k, E, block_m: the one-program alignment against the torch one
+ALIGN_CASES = [
+    ("align_t1", 1, 8, 128, 16),  # batch-1 decode of Qwen3-30B-A3B's router shape
+    ("align_t37_e3", 37, 2, 3, 16),  # E not a power of two, experts over several tiles
+    ("align_t300", 300, 4, 16, 32),  # more pairs than one chunk
+    ("align_t5_bm1", 5, 2, 8, 1),
+]
+
+
+def align_checks(gen: torch.Generator) -> dict[str, float]:
+    """{name: 0.0 when moe_triton.moe_align_triton gives moe.moe_align's layout, else 1.0}:
+    the same expert_of_block and padded length, and in each tile the same pair ids (as a
+    set: the atomic cursor orders pairs within an expert)."""
+    res = {}
+    for name, t, k, e, bm in ALIGN_CASES:
+        ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices
+        s_ref, b_ref, n_ref = moe.moe_align(ids, e, bm)
+        s_got, b_got, n_got = moe_triton.moe_align_triton(ids.int(), e, bm)
+        same = (s_got.shape == s_ref.shape and torch.equal(b_got, b_ref) and torch.equal(n_got, n_ref)
+                and torch.equal(s_got.view(-1, bm).sort(1).values, s_ref.view(-1, bm).sort(1).values))
+        res[name] = 0.0 if same else 1.0
+    return res
+
+
+def router_checks(gen: torch.Generator) -> dict[str, float]:
+    """{name: max abs difference of the weights, or inf when the chosen experts differ}:
+    moe_triton.topk_softmax_triton against the torch routing, with and without the
+    renormalisation, E a power of two and not, fp32 and fp16 logits."""
+    from services.worker.layers.moe import topk_softmax
+
+    res = {}
+    for name, t, e, k, renorm, dt in [("router_e128_k8", 5, 128, 8, True, torch.float32),
+                                      ("router_e60_k4_raw", 7, 60, 4, False, torch.float16),
+                                      ("router_e8_k1", 3, 8, 1, True, torch.float32)]:
+        logits = torch.randn(t, e, generator=gen).to(dt)
+        w_ref, i_ref = topk_softmax(logits, k, renorm)  # CPU tensors: the torch ops
+        w_got, i_got = moe_triton.topk_softmax_triton(logits, k, renorm)
+        ok = i_got.dtype == torch.int64 and torch.equal(i_got, i_ref) and w_got.dtype == torch.float32
+        res[name] = float((w_got - w_ref).abs().max()) if ok else float("inf")
+    return res
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
@@ -79,6 +121,8 @@ def main() -> None:
     finally:
         torch.empty = saved
     out["poisoned_workspace_float32"] = rel(got, moe.fused_moe_ref(x, w13, w2, w, ids))
+    out.update(align_checks(gen))
+    out.update(router_checks(gen))
     print("RESULT " + json.dumps(out))
 
 

@@ -47,3 +47,13 @@ def test_triton_moe_matches_reference_under_interpreter(interp_results, case, dt
 
 def test_padding_rows_store_nothing(interp_results):
     assert interp_results["poisoned_workspace_float32"] <= TOL["float32"]
+
+
+@pytest.mark.parametrize("case", ["align_t1", "align_t37_e3", "align_t300", "align_t5_bm1"])
+def test_one_program_alignment_matches_torch(interp_results, case):
+    assert interp_results[case] == 0.0, f"{case}: moe_align_triton's layout differs from moe_align's"
+
+
+@pytest.mark.parametrize("case", ["router_e128_k8", "router_e60_k4_raw", "router_e8_k1"])
+def test_one_launch_router_matches_torch_topk_softmax(interp_results, case):
+    assert interp_results[case] <= 1e-6, f"{case}: {interp_results[case]} (inf: other experts chosen)"

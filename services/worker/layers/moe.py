@@ -21,6 +21,11 @@ from torch import nn
 from kernels.moe import fused_moe
 from services.worker.layers.linear import Linear
 
+try:  # the GPU router kernel; absent without triton (CPU-only installs)
+    from kernels import moe_triton as _moe_triton
+except ImportError:  # pragma: no cover
+    _moe_triton = None  # type: ignore[assignment]
+
 # checkpoint projection name inside `experts.<e>.` -> (our parameter, shard of its rows)
 EXPERT_PARAMS: dict[str, tuple[str, int | None]] = {
     "gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None),
@@ -72,7 +77,12 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     """Softmax top-k routing: probabilities softmax(logits) in fp32 over all E experts, the
     k largest, renormalised to sum 1 when `renormalize` (config `norm_topk_prob`).
     logits [T, E] any float dtype -> (topk_weights [T, k] fp32, topk_ids [T, k] int64).
-    Ties go to torch.topk's order."""
+    Ties go to torch.topk's order. CUDA logits take one Triton launch
+    (`kernels.moe_triton.topk_softmax_triton`, the lowest index among ties) when Triton
+    imports and `ROUTER_TRITON` is on."""
+    if logits.is_cuda and _moe_triton is not None and _moe_triton.ROUTER_TRITON \
+            and logits.shape[-1] <= _moe_triton.ROUTER_MAX_EXPERTS:
+        return _moe_triton.topk_softmax_triton(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
