@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--out", default=None)
     ap.add_argument("--moe-launches", choices=["one", "torch"], default="one",
-                    help="MoE routing and alignment: one Triton launch each (kernels.moe_triton's "
-                         "topk_softmax_triton, moe_align_triton) or the torch ops (the A/B baseline)")
+                    help="MoE routing, alignment and the sum over k: one Triton launch each (kernels.moe_triton's "
+                         "topk_softmax_triton, moe_align_triton, _sum_k_kernel) or the torch ops (the A/B baseline)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                     help="the runner's share of GPU memory (weights, state and KV); 0.3 suits the dense "
                          "configs, a 61 GB MoE shape needs about 0.75")
@@ -121,7 +121,7 @@ def main() -> None:
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
     if a.moe_launches == "torch":
         from kernels import moe_triton
-        moe_triton.ROUTER_TRITON, moe_triton.ALIGN_MAX_PAIRS = False, 0
+        moe_triton.ROUTER_TRITON, moe_triton.ALIGN_MAX_PAIRS, moe_triton.SUM_K_TRITON = False, 0, False
     fusion.FUSE_ONE_ROW = a.fused_layers == "on"  # read when the runner chooses its FusionPlan
     if a.attn:
         (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))

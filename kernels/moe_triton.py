@@ -19,7 +19,8 @@ store nothing.
 - Launch 2 (down, WEIGHTED): A = act, row p; the weight is w2[e] [H, I]; the epilogue
   rounds y to x's dtype, multiplies by topk_weights[p] in fp32 and stores [T*k, H] fp32
   partials (`FP32_PARTIALS`; x's dtype when False, half the memory, one more rounding).
-Then out = partials.view(T, k, H).sum(1) cast to x's dtype (torch).
+Then out = the sum over k of the partials, cast to x's dtype, in one launch (`_sum_k_kernel`;
+torch's sum and cast were two, 4.8 us of a batch-1 Qwen3-30B-A3B layer on the H200).
 
 Program order: a 1-D grid with the grouped ordering of the Triton matmul tutorial (GROUP_M
 M tiles walk the N tiles together), so that tiles of one expert and one set of rows are
@@ -330,4 +331,24 @@ def fused_moe_aligned(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     _launch(act, w2, part, sorted_ids, expert_of_block, tw, h, 1, False, cfg)
     if top_k == 1:
         return part.to(x.dtype)
-    return part.view(t, top_k, h).sum(1).to(x.dtype)
+    if not SUM_K_TRITON:
+        return part.view(t, top_k, h).sum(1).to(x.dtype)
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_k_kernel[(t, triton.cdiv(h, block_h))](part, out, h, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+SUM_K_TRITON = True  # the sum over k and the cast in one launch (False: torch's sum, then .to; the A/B baseline)
+
+
+@triton.jit
+def _sum_k_kernel(part_ptr, out_ptr, h, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t, n] = sum_j part[t * TOP_K + j, n] in fp32 (j ascending), stored in out's dtype
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < h
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(part_ptr + (t * TOP_K + j) * h + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * h + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -38,6 +38,11 @@ REL = 1e-2
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("qwen3_next_gpu"))
+
+
+def write_tiny(path):
+    """Write the seeded random tiny Qwen3-Next checkpoint into the folder `path`; returns it."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3NextConfig(
         vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, layer_types=LAYERS, num_attention_heads=4,
@@ -56,7 +61,6 @@ def tiny(tmp_path_factory):
                 p.uniform_(-1.0, 1.0)
             elif p.dim() >= 2:
                 p.normal_(0, 0.08)
-    path = tmp_path_factory.mktemp("qwen3_next_gpu")
     model.save_pretrained(path)
     return path
 
