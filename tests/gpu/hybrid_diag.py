@@ -5,7 +5,6 @@ import json
 import sys
 import tempfile
 
-import torch
 
 sys.path.insert(0, ".")
 import tests.gpu.test_hybrid_gpu as t  # noqa: E402

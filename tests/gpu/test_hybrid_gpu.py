@@ -121,6 +121,8 @@ def test_speculation_on_the_gpu_equals_plain_greedy(tiny, runners):
     import json
 
     prompts = [p + p[:20] for p in _prompts(4)]  # repeats, so the n-gram proposer finds drafts
-    plain = generate(runners[0], prompts, 24)
+    # the truth with the prefill chunks the speculative runs take (chunks of 9): fla's chunked
+    # kernel rounds differently from one whole prefill (TF32), which can flip a near-tie
+    plain = generate(runners[0], prompts, 24, chunk=9)
     runner = _runner(tiny, "cuda", speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
     assert_speculation_is_lossless(runner, plain, prompts, 24, 3, VOCAB)

@@ -156,33 +156,56 @@ class GatedDeltaNet(nn.Module):
         `index`-th recurrent layer of the model) gathered from their state slots, run, and
         written back (services/worker/state_cache.py). x [T, H] -> [T, H]."""
         conv, ssm = state.gather(index)  # fresh seqs' states already zeros: no second zeroing
-        if not state.track:
-            out = self.forward(x, state.cu_seqlens, conv, ssm)
-        else:
+        lens = state.seq_lens_host
+        if state.track:
             out = self._forward_tracked(x, state, index, conv, ssm)
+        elif 1 in lens and max(lens) > 1:  # decodes beside prefill chunks: each kind its own kernel
+            out = torch.empty_like(x)
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            self._forward_group(x, cu, [i for i, n in enumerate(lens) if n == 1], conv, ssm, out)
+            self._forward_group(x, cu, [i for i, n in enumerate(lens) if n > 1], conv, ssm, out)
+        else:
+            out = self.forward(x, state.cu_seqlens, conv, ssm)
         state.scatter(index, (conv, ssm))
         return out
 
+    def _forward_group(self, x: torch.Tensor, cu: list[int], seqs: list[int], conv: torch.Tensor,
+                       ssm: torch.Tensor, out: torch.Tensor) -> None:
+        """`forward` over the step's seqs `seqs` (indices; cu: the step's token offsets) as one
+        varlen batch, their rows of `out` and their states in conv / ssm updated in place.
+        Decodes (one token a seq) and prefill chunks run apart, so that a decode takes the
+        recurrent kernel whatever else the step holds: fla's chunked and recurrent kernels
+        round differently (TF32), and a seq's tokens must not depend on its neighbours."""
+        if not seqs:
+            return
+        rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]).to(x.device)
+        sub_cu = [0]
+        for i in seqs:
+            sub_cu.append(sub_cu[-1] + cu[i + 1] - cu[i])
+        pick = torch.tensor(seqs, device=x.device)
+        c, s = conv.index_select(0, pick), ssm.index_select(0, pick)
+        out[rows] = self.forward(x.index_select(0, rows), torch.tensor(sub_cu, dtype=torch.int32, device=x.device),
+                                 c, s)
+        conv.index_copy_(0, pick, c)
+        ssm.index_copy_(0, pick, s)
+
     def _forward_tracked(self, x: torch.Tensor, state: StepState, index: int, conv: torch.Tensor,
                          ssm: torch.Tensor) -> torch.Tensor:
-        """A step with verify seqs (state.track): the other seqs as one varlen batch; each
+        """A step with verify seqs (state.track): the other seqs as varlen batches (decodes
+        and prefill chunks apart, `_forward_group`); each
         tracked seq token by token through the decode path (the same math as plain decoding),
         its state after every token kept (`StepState.keep`) for the rollback to the accepted
         drafts (`StepState.commit`). conv, ssm: the step's gathered states, updated in place."""
-        cu = state.cu_seqlens.tolist()
+        cu = [0]
+        for n in state.seq_lens_host:
+            cu.append(cu[-1] + n)
         out = torch.empty_like(x)
+        lens = state.seq_lens_host
         plain = [i for i, n in enumerate(state.track) if n == 0]
-        if plain:
-            rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in plain]).to(x.device)
-            sub_cu = [0]
-            for i in plain:
-                sub_cu.append(sub_cu[-1] + cu[i + 1] - cu[i])
-            pick = torch.tensor(plain, device=x.device)
-            c, s = conv.index_select(0, pick), ssm.index_select(0, pick)
-            out[rows] = self.forward(x.index_select(0, rows), torch.tensor(sub_cu, dtype=torch.int32, device=x.device),
-                                     c, s)
-            conv.index_copy_(0, pick, c)
-            ssm.index_copy_(0, pick, s)
+        self._forward_group(x, cu, [i for i in plain if lens[i] == 1], conv, ssm, out)
+        self._forward_group(x, cu, [i for i in plain if lens[i] > 1], conv, ssm, out)
         one = torch.tensor([0, 1], dtype=torch.int32, device=x.device)
         for i, n in enumerate(state.track):
             if n == 0:
