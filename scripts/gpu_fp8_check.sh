@@ -15,13 +15,13 @@
 #   fp8_summary.json            fp8 / bf16 ratios of TPOT (graphs) and output tok/s
 #   bench.log                   the benchmarks' output tails and exit codes
 # Run from the repo root:  bash scripts/gpu_fp8_check.sh [all|tests|decode|offline]
-# Limits (seconds, environment): TEST_TIMEOUT 110, DECODE_TIMEOUT 80 (each), OFFLINE_TIMEOUT 60 (each).
+# Limits (seconds, environment): TEST_TIMEOUT 120, DECODE_TIMEOUT 75 (each), OFFLINE_TIMEOUT 60 (each).
 set -u
 PART=${1:-all}
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-  timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q tests/gpu/test_fp8_linear_gpu.py -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q tests/gpu/test_fp8_linear_gpu.py -p no:cacheprovider \
     --junitxml "$OUT/tests_fp8_gpu.xml" 2>&1 | tail -40 | tee "$OUT/tests_fp8_gpu.txt"
 fi
 run() {  # run NAME TIMEOUT CMD...
@@ -34,7 +34,7 @@ run() {  # run NAME TIMEOUT CMD...
 if [ "$PART" = all ] || [ "$PART" = decode ]; then
   for q in none fp8; do
     tag=$([ "$q" = none ] && echo bf16 || echo fp8)
-    run "decode_llama_$tag" "${DECODE_TIMEOUT:-80}" python3 benchmarks/decode_latency.py --config llama-3.1-8b \
+    run "decode_llama_$tag" "${DECODE_TIMEOUT:-75}" python3 benchmarks/decode_latency.py --config llama-3.1-8b \
       --steps 48 --quantization "$q" --out "$OUT/decode_llama_$tag.json"
   done
 fi

@@ -41,6 +41,7 @@ from shared.config import build_config
 from shared.device import DeviceInfo
 from shared.model_spec import load_model_spec
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
+from shared.startup_report import format_startup_report
 from shared.weight_quant import CheckpointQuant, fp8_in_use, parse_quantization_config
 from tests.runner_driver import step_logits
 
@@ -202,6 +203,9 @@ def test_fp8_checkpoint_on_the_cpu_serves_what_it_means(checkpoints, layout):
     rep = r.report()
     assert rep["quantization"] == "none" and "dequantized to float32 at load" in rep["weight_format"]
     assert F.MODE == "off"
+    lines = format_startup_report({"workers": [rep]})
+    assert f"startup report: worker 0 weights: {rep['weight_format']}" in lines
+    assert not any("other:" in ln and "weight_format" in ln for ln in lines)
     want = _logits(ModelRunner(_cfg(reference)))
     assert torch.equal(_logits(r), want)
     # int8 on top: dequantized, then the CPU's weight-only scheme
