@@ -15,9 +15,13 @@ Writes JSON to --out and stdout.
 --fused-layers off keeps the norms as their own kernels at one row;
 --gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
+--quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
+per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
+bytes held (fp8 projections, the bf16 embedding, lm_head and norms).
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--out FILE]
        [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE] [--rope-decode on|off] [--attn JSON]
+       [--quantization none|fp8]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch  # noqa: E402
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import gemv, pdl, rope_decode  # noqa: E402
+from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
 from shared.config import build_config  # noqa: E402
@@ -117,6 +122,8 @@ def main() -> None:
     ap.add_argument("--attn", default=None,
                     help="JSON overrides of kernels.rope_decode.ROPE_DECODE_DEFAULTS (or of the unfused "
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="weights: bf16 (none) or fp8 e4m3 quantized at load (kernels/fp8_linear.py)")
     a = ap.parse_args()
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
     if a.moe_launches == "torch":
@@ -131,7 +138,7 @@ def main() -> None:
                 gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 4096,
-           "gpu_memory_utilization": a.gpu_memory_utilization}
+           "gpu_memory_utilization": a.gpu_memory_utilization, "quantization": a.quantization}
     runner = ModelRunner(build_config(cli=cli, env={}))
     report = runner.report()
     bw = copy_bandwidth()
@@ -141,15 +148,18 @@ def main() -> None:
     res = {"benchmark": "decode_latency", "device": device_name(), "config": a.config,
            "weights": "dummy", "context": a.context, "steps": a.steps, "runner": report,
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
-           "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv, "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn, "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
+           "quantization": a.quantization, "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv,
+           "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
+           "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once + KV of the context (K and V, every layer)
-    # (a MoE's stacked experts count k / E: one token reads the weights of its k experts)
+    # (a MoE's stacked experts count k / E: one token reads the weights of its k experts;
+    # quantized layers count their fp8 bytes: their parameters are meta placeholders)
     active = active_expert_share(runner.spec.hf_config)
     params = {p.data_ptr(): p.numel() * p.element_size() * (active if hasattr(p, "num_experts") else 1)
-              for p in runner.model.parameters()}
+              for p in runner.model.parameters() if p.device.type != "meta"}
     per_tok = runner.kv_layout.block_bytes // runner.kv_layout.block_size
     kv_bytes = per_tok * (a.context + a.steps // 2)
-    bytes_per_token = sum(params.values()) + kv_bytes
+    bytes_per_token = sum(params.values()) + quantized_weight_bytes(runner.model) + kv_bytes
     roof = bytes_per_token / bw
     res.update(bytes_per_token=bytes_per_token, roofline_ms=round(roof * 1e3, 4))
     graphs = runner.graphs

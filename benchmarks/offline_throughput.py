@@ -9,7 +9,10 @@ ZMQ). Output tok/s = sum of output lengths / wall time from the first plan to th
 (after a short warm-up run).
 Writes JSON (settings, runner report, seconds, steps, tok/s) to --out and stdout.
 
-Usage: python benchmarks/offline_throughput.py [--config qwen3-0.6b] [--out FILE]
+--quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py).
+
+Usage: python benchmarks/offline_throughput.py [--config qwen3-0.6b] [--out FILE] [--num-seqs N]
+       [--quantization none|fp8]
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                    help="weights: bf16 (none) or fp8 e4m3 quantized at load (kernels/fp8_linear.py)")
     a = ap.parse_args()
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
            "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
-           "gpu_memory_utilization": 0.9, "enable_prefix_caching": False}
+           "gpu_memory_utilization": 0.9, "enable_prefix_caching": False, "quantization": a.quantization}
     runner, startup = load_runner(cli)
     report = runner.report()
     print("runner:", json.dumps(report), flush=True)

@@ -30,6 +30,7 @@ from shared.cpu_budget import resolve_num_threads
 from shared.model_spec import kv_dtype_in_use, load_model_spec
 from shared.runtime_dir import runtime_base as runtime_dir_base
 from shared.spec_config import SpeculativeConfig, check_speculative
+from shared.weight_quant import check_fp8_setting, parse_capability
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +92,7 @@ class KestrelConfig:
     async_scheduling: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
-    quantization: str               # none, int8, int4 (weight-only, CPU: check_quantization)
+    quantization: str               # none, int8, int4 (weight-only, CPU), fp8 (CUDA): check_quantization
     speculative_config: str | None  # canonical JSON (shared.spec_config); None: off
     kv_offload_cpu_gib: float
     kv_offload_disk_dir: str | None
@@ -247,15 +248,15 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
     cfg = KestrelConfig(**values, sources=sources,
                         profile_detail=profile.reason if profile is not None else "",
                         threads_detail=threads_detail)
-    _validate(cfg)
+    _validate(cfg, probe)
     return cfg
 
 
-def _validate(cfg: KestrelConfig) -> None:
+def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     """Range checks of numeric settings, no quantized KV cache on CUDA (its kernels do not
-    read one yet), weight quantization on the CPU only (`check_quantization`),
-    speculative combinations, and sampling defaults that resolve. Raises ValueError naming
-    the setting."""
+    read one yet), weight quantization where it runs (`check_quantization`; probe: the
+    `DeviceInfo` whose compute capability it reads, default this host's), speculative
+    combinations, and sampling defaults that resolve. Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
                 "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib",
                 "header_timeout", "max_incomplete_connections")
@@ -274,7 +275,7 @@ def _validate(cfg: KestrelConfig) -> None:
     # a quantized KV cache on CUDA (no kernel reads it yet): refused before any process starts
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
-    check_quantization(cfg)
+    check_quantization(cfg, probe)
     check_recurrent_state(cfg)
     if cfg.generation_config != "auto" and cfg.generation_config != "vllm" and \
             not os.path.isdir(cfg.generation_config):
@@ -284,14 +285,36 @@ def _validate(cfg: KestrelConfig) -> None:
     resolve_generation_defaults(cfg.generation_config, cfg.model, cfg.override_generation_config)
 
 
-def check_quantization(cfg: KestrelConfig) -> None:
+def check_quantization(cfg: KestrelConfig, probe: Any = None) -> None:
     """Refuse weight quantization where it does not run: int8/int4 weight-only linear
-    layers exist on the CPU path only (kernels/cpu_quant_linear.py). Raises ValueError
-    naming the setting and what works."""
-    if cfg.quantization != "none" and cfg.device != "cpu":
+    layers exist on the CPU path only (kernels/cpu_quant_linear.py); fp8 on CUDA GPUs of
+    compute capability 8.9+ with bf16 (`shared.weight_quant.check_fp8_setting`; the
+    capability from probe, default `shared.device.detect_device()`, when it names one; the
+    worker checks again with torch); a checkpoint whose `quantization_config` is not an FP8
+    layout Kestrel loads (`ModelSpec.checkpoint_quant`; not read with --load-format dummy).
+    Raises ValueError naming the setting and what works."""
+    if cfg.quantization in ("int8", "int4") and cfg.device != "cpu":
         raise ValueError(f"setting quantization: {cfg.quantization!r} weights run on the CPU only "
                          f"for now (device {cfg.device!r}); use --quantization none on {cfg.device}, "
-                         f"or --device cpu --quantization {cfg.quantization}")
+                         f"or --device cpu --quantization {cfg.quantization} (on a GPU of compute "
+                         "capability 8.9+: --quantization fp8)")
+    capability = None
+    if cfg.quantization == "fp8" and cfg.device == "cuda":
+        from shared.device import detect_device
+
+        info = probe if probe is not None else detect_device()
+        capability = parse_capability(info.compute_cap) if info.kind == "cuda" else None
+    check_fp8_setting(cfg.quantization, cfg.device, cfg.dtype, capability)
+    if cfg.load_format == "dummy":
+        return
+    try:
+        spec = load_model_spec(cfg.model)
+    except (OSError, ValueError):  # a folder that cannot be read: its own check reports it
+        return
+    try:
+        _ = spec.checkpoint_quant  # parsed for its refusal only
+    except ValueError as e:
+        raise ValueError(f"setting model: {e}") from None
 
 
 def _convert(f: Field, v: Any) -> Any:

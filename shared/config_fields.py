@@ -120,9 +120,11 @@ FIELDS: list[Field] = [
     Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3: per-layer "
           "scales, from the checkpoint or 1.0; int8: per token and head scales; the quantized ones on "
           "the CPU only for now)", ("auto", "fp8_e4m3", "int8")),
-    Field("quantization", str, "none", "weight quantization, as vLLM's --quantization: none, or "
-          "int8 / int4 weight-only, quantized at load from the checkpoint (CPU only for now; "
-          "kernels/cpu_quant_linear.py)", ("none", "int8", "int4")),
+    Field("quantization", str, "none", "weight quantization, as vLLM's --quantization: none (an FP8 "
+          "checkpoint runs as FP8 on a GPU of compute capability 8.9+, else dequantized at load), "
+          "int8 / int4 weight-only on the CPU (kernels/cpu_quant_linear.py), or fp8 (W8A8 on CUDA "
+          "8.9+, bf16: a bf16 checkpoint quantized at load; kernels/fp8_linear.py)",
+          ("none", "int8", "int4", "fp8")),
     Field("speculative_config", normalize_setting, None, "speculative decoding, JSON as vLLM's "
           "--speculative-config: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|\"dflash\", "
           "\"num_speculative_tokens\": k, ...} (shared/spec_config.py; default off)"),

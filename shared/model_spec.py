@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from shared.weight_quant import CheckpointQuant, parse_quantization_config
+
 if TYPE_CHECKING:  # no import at run time: shared.config imports this module's users
     from shared.config import KestrelConfig
 
@@ -155,6 +157,14 @@ class ModelSpec:
         if not self.layer_types:
             return tuple(range(self.num_layers))
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def checkpoint_quant(self) -> CheckpointQuant | None:
+        """The checkpoint's FP8 weight format, from config.json's `quantization_config`
+        (`shared.weight_quant.parse_quantization_config`); None without one. Raises
+        ValueError naming the folder for a quantization_config Kestrel cannot load."""
+        return parse_quantization_config(self.hf_config.get("quantization_config"),
+                                         os.path.join(self.path, "config.json"))
 
     @property
     def has_recurrent_state(self) -> bool:

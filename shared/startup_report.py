@@ -22,7 +22,7 @@ def _secs(v: Any) -> str:
 
 
 _KNOWN = {"device", "dtype", "threads", "attention", "kernels", "weight_bytes", "kv_bytes",
-          "quantization", "weight_bytes_held",
+          "quantization", "weight_bytes_held", "weight_format",
           "num_blocks", "block_size", "kv_tokens", "max_model_len", "load_seconds",
           "kv_alloc_seconds", "startup_s", "graph_sizes", "cuda_graph_sizes",
           "gpu_memory_bytes", "device_name", "rank", "pid", "kv_cache_dtype", "kv_scales"}
@@ -39,7 +39,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
     seconds since the worker started; engine phases since the engine started; `ready`
     (added by the supervisor) since the supervisor started the processes.
     Lines: device and memory, kernels, weight and KV memory (with the KV dtype and its
-    scales' source when the worker reports them), KV blocks and tokens, graph
+    scales' source when the worker reports them), the weight format when it is FP8 (or an
+    FP8 checkpoint dequantized), KV blocks and tokens, graph
     sizes, time per phase, then any other worker facts.
     """
     lines = []
@@ -68,6 +69,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
                 if quant not in (None, "none") else "")
         lines.append(f"{tag} memory: weights {_gib(w.get('weight_bytes'))}{held}, "
                      f"KV cache {_gib(w.get('kv_bytes'))}{kv_fmt}")
+        if w.get("weight_format"):  # FP8 weights, or an FP8 checkpoint dequantized (§6.3)
+            lines.append(f"{tag} weights: {w['weight_format']}")
         graphs = w.get("graph_sizes", w.get("cuda_graph_sizes"))
         gtxt = (", ".join(str(g) for g in graphs) if graphs else
                 "none (eager)" if graphs is not None or w.get("device", "cpu") != "cpu"

@@ -56,11 +56,13 @@ class FusionPlan:
         tokens is fused when T == 1 with one_row (default FUSE_ONE_ROW) and the gemv kernel on
         (`kernels.gemv.ENABLED`), or 1 <= T <= SKINNY_MAX_ROWS with small_batches (default
         FUSE_SMALL_BATCHES), and `kernels.linear.skinny_applies` takes every projection at
-        T rows (CUDA, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Never on the CPU.
+        T rows (CUDA, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Never on the CPU, nor with
+        quantized projections (their weights are meta-device placeholders: FP8 layers run their
+        prologues and epilogues as separate ops, which the unfused path does in fewer kernels).
         Read the module flags and gemv.ENABLED now: set them before the runner is built."""
         one_row = FUSE_ONE_ROW if one_row is None else one_row
         small_batches = FUSE_SMALL_BATCHES if small_batches is None else small_batches
-        if device.type != "cuda" or not projections:
+        if device.type != "cuda" or not projections or any(w.device.type == "meta" for w in projections):
             return cls(frozenset())
         rows = set()
         for t in range(1, linear_kernels.SKINNY_MAX_ROWS + 1):

@@ -11,6 +11,10 @@ q_proj -> shard 0 of qkv_proj), or to one expert's shard of a stacked expert par
   parameter takes, and naming the parameters that stay unloaded (a tied lm_head excepted).
 After loading, each module's `process_weights_after_loading()` runs, if it has one.
 Per-layer KV cache scales of FP8 checkpoints are not parameters: `read_kv_scales`.
+FP8 weights of a checkpoint with an FP8 `quantization_config` (`load_weights`' quant;
+`services.worker.fp8_checkpoint`): a Linear's go to it as per-row e4m3 values and scales
+when `kernels.fp8_linear.MODE` is "checkpoint" (`layers.fp8.stash_fp8_rows`); every other
+fp8 tensor is dequantized (its scales applied in fp32) into its parameter's dtype.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.worker.fp8_checkpoint import Fp8Checkpoint
+from services.worker.layers.fp8 import stash_fp8_rows, takes_fp8_rows
 from services.worker.layers.linear import shard_rows, unpack_cpu_weights
 from services.worker.layers.moe import EXPERT_PARAMS, expert_shard
+from shared.weight_quant import CheckpointQuant
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -126,12 +133,16 @@ def read_kv_scales(path: str) -> dict[int, dict[str, float]]:
     return found
 
 
-def load_weights(model: nn.Module, path: str) -> int:
+def load_weights(model: nn.Module, path: str, quant: CheckpointQuant | None = None) -> int:
     """Fill every parameter of `model` from the folder's safetensors files.
 
-    Tensors are converted to each parameter's dtype and device on copy.
-    Returns the number of bytes of the model's parameters (each shared tensor once).
-    Raises as described in the module docstring.
+    Tensors are converted to each parameter's dtype and device on copy. quant: the
+    checkpoint's FP8 format (`ModelSpec.checkpoint_quant`; None: no fp8 tensors expected),
+    see the module docstring.
+    Returns the number of bytes of the model's parameters in their dtype (each shared tensor
+    once; a layer that keeps fp8 weights counts as its model-dtype parameter).
+    Raises as described in the module docstring, and ValueError for an fp8 tensor without a
+    scale (or a scale of the wrong shape), and a stacked weight mixing fp8 and plain shards.
     """
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     packed = getattr(model, "packed_modules", {})
@@ -141,11 +152,14 @@ def load_weights(model: nn.Module, path: str) -> int:
     tied = getattr(model, "tied_lm_head", False)
     loaded: set[tuple[str, Shard]] = set()
     unused: list[str] = []
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    fp8 = Fp8Checkpoint.open(files, quant) if quant is not None else None
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.endswith(ignored) or name.startswith(ignored_prefixes) or \
-                        (tied and name == "lm_head.weight") or _KV_SCALE.search(name):
+                        (tied and name == "lm_head.weight") or _KV_SCALE.search(name) or \
+                        (fp8 is not None and fp8.is_scale(name)):
                     continue
                 pname, shard = _target(_renamed(name, renames), packed)
                 if pname not in params:
@@ -156,6 +170,22 @@ def load_weights(model: nn.Module, path: str) -> int:
                 except IndexError as e:
                     raise ValueError(f"tensor {name} in {file}: {e} of parameter {pname}") from None
                 src = f.get_tensor(name)
+                if fp8 is not None and fp8.quantized(name, src, file):
+                    owner_name, _, attr = pname.rpartition(".")
+                    owner = model.get_submodule(owner_name)
+                    if takes_fp8_rows(owner, attr) and isinstance(shard, int | None):
+                        st = getattr(owner, "fp8_stash", None)
+                        q, s = fp8.rows(name, src, st.q.device if st is not None else dst.device)
+                        try:
+                            params[pname] = stash_fp8_rows(owner, shard, q, s)
+                        except ValueError as e:
+                            raise ValueError(f"tensor {name} in {file}: {e} of parameter {pname}") from None
+                        loaded.add((pname, shard))
+                        continue
+                    src = fp8.dequantized(name, src, dst.device)
+                if dst.device.type == "meta":  # the other shards of this Linear came as fp8 (layers.fp8)
+                    raise ValueError(f"tensor {name} in {file}: {src.dtype}, but other shards of parameter "
+                                     f"{pname} are fp8; a stacked weight must be one format")
                 if src.shape != dst.shape:
                     raise ValueError(f"tensor {name} in {file}: shape {tuple(src.shape)}, "
                                      f"parameter {pname} expects {tuple(dst.shape)}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import attention as attn_kernels
-from kernels import cpu_linear, cpu_quant_linear
+from kernels import cpu_linear, cpu_quant_linear, fp8_linear
 from kernels.pending_ids import encode_pending
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.fusion import FusionPlan
@@ -48,6 +48,7 @@ from shared.kv_layout import KVLayout
 from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult
+from shared.weight_quant import check_fp8_setting, fp8_in_use
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANT_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}  # kernels/kv_quant.py
@@ -96,7 +97,8 @@ class ModelRunner:
     plan of their capture).
     The proposer's KV group (`proposer.kv_specs()`) has the target's num_blocks and
     block_size, and the KV budget is split by the bytes of one block of both groups.
-    Raises FileNotFoundError / ValueError from the loader, ValueError for device cuda without CUDA, an unknown
+    Raises FileNotFoundError / ValueError from the loader, ValueError for device cuda without CUDA, fp8 weights
+    where they cannot run (`shared.weight_quant.check_fp8_setting`, with the GPU's capability), an unknown
     architecture or a KV budget below one block.
     """
 
@@ -120,13 +122,14 @@ class ModelRunner:
         # weight-only int8/int4 CPU linear layers (kernels/cpu_quant_linear.py; the config
         # refuses them on other devices), applied by each Linear after loading
         self.quantization = cfg.quantization if self.device.type == "cpu" else "none"
-        cpu_quant_linear.QUANTIZATION = self.quantization
+        cpu_quant_linear.QUANTIZATION = self.quantization if self.quantization in ("int8", "int4") else "none"
+        self.weight_format = self._fp8_mode(cfg, dt)  # FP8 weights (kernels/fp8_linear.py), set before building
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
         if cfg.load_format == "dummy":
             self.weight_bytes = load_dummy_weights(module, cfg.seed)
         else:
-            self.weight_bytes = load_weights(module, cfg.model)
+            self.weight_bytes = load_weights(module, cfg.model, self.checkpoint_quant)
         module.eval()
         self.one_row_weight_bytes = dense_copy_bytes(module)  # the target's (kernels/cpu_linear.py)
         self.held_weight_bytes = held_weight_bytes(module)  # after packing / quantization
@@ -207,6 +210,27 @@ class ModelRunner:
         self._last_kept: DecodeGraphs | None = None  # the graphs whose `last` holds that draw
         self.load_seconds = time.perf_counter() - t0
 
+    def _fp8_mode(self, cfg: KestrelConfig, dtype: str) -> str:
+        """Decide FP8 weights (docs/ARCHITECTURE.md §6.3): set `kernels.fp8_linear.MODE`
+        ("quantize": --quantization fp8 on a bf16 or dummy checkpoint; "checkpoint": an FP8
+        checkpoint run as FP8; "off"), `checkpoint_quant` (the checkpoint's FP8 format, None
+        with dummy weights) and `quantization` ("fp8" when on). Returns the weight format for
+        the startup report ("" for a plain checkpoint without FP8). Raises ValueError for
+        fp8 where it cannot run (`check_fp8_setting`, with this GPU's capability)."""
+        cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        check_fp8_setting(cfg.quantization, self.device.type, dtype, cap)
+        ckpt = self.checkpoint_quant = self.spec.checkpoint_quant if cfg.load_format != "dummy" else None
+        on = fp8_in_use(cfg.quantization, ckpt, self.device.type, dtype, cap)
+        fp8_linear.MODE = ("checkpoint" if ckpt is not None else "quantize") if on else "off"
+        if on:
+            self.quantization = "fp8"
+            return (f"fp8 from the checkpoint ({ckpt.describe()})" if ckpt is not None else
+                    "fp8 e4m3, per-channel scales, quantized at load")
+        if ckpt is not None:
+            return (f"{ckpt.describe()} checkpoint dequantized to {dtype} at load (fp8 weights need CUDA with "
+                    f"compute capability 8.9+ and bfloat16)")
+        return ""
+
     def _kv_scales(self, cfg: KestrelConfig) -> tuple[list[tuple[float, float]] | None, str]:
         """The fp8_e4m3 cache's per-layer (k, v) scales (None for another KV dtype) and
         where the scales come from, for the startup report: fp8 takes the checkpoint's
@@ -240,6 +264,7 @@ class ModelRunner:
             # the KV dtype in use and its scales' source (docs/ARCHITECTURE.md §4.6)
             "kv_cache_dtype": self.spec.kv_dtype, "kv_scales": self.kv_scales,
             "quantization": self.quantization, "weight_bytes_held": self.held_weight_bytes,
+            **({"weight_format": self.weight_format} if self.weight_format else {}),
             # the dense weights a one-thread speculative CPU worker keeps beside the packed ones
             "cpu_one_row_weight_bytes": self.one_row_weight_bytes,
             "num_blocks": self.num_blocks, "block_size": self.block_size,

@@ -13,8 +13,10 @@ from torch import nn
 from kernels import cpu_linear, cpu_quant_linear
 from kernels.activation import silu_and_mul
 from kernels.cpu_quant_linear import QuantWeight
+from kernels.fp8_linear import Fp8Weight
 from kernels.linear import _check_fused, linear
 from kernels.norm import rms_norm
+from services.worker.layers.fp8 import Fp8Stash, process_fp8
 
 
 class Linear(nn.Module):
@@ -31,11 +33,17 @@ class Linear(nn.Module):
     weight_dense: on the CPU, the dense column-major weight kept beside a packed `weight` for
     one-row products (`kernels.cpu_linear.KEEP_DENSE_ONE_ROW`), else None.
     qweight: on the CPU with `kernels.cpu_quant_linear.QUANTIZATION` int8/int4, the weight-only
-    quantized W (`QuantWeight`) set after loading; `weight` is then a meta-device parameter of
+    quantized W (`QuantWeight`) set after loading; with FP8 weights (`kernels.fp8_linear.MODE`,
+    `services.worker.layers.fp8`) its `Fp8Weight`; `weight` is then a meta-device parameter of
     W's shape (no values: the dense weight is dropped, and a product on it fails). Else None.
+    quantizable: False keeps the layer in the model dtype under --quantization fp8 (MoE
+    routers, as vLLM leaves them); the CPU int8/int4 schemes quantize every Linear.
+    fp8_stash / fp8_layer: the loader's fp8 checkpoint rows while loading, and whether the
+    layer holds (or held, before `loader.dense_weights`) fp8 weights (`layers.fp8`).
     """
 
-    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False):
+    def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False,
+                 quantizable: bool = True):
         super().__init__()
         stacked = isinstance(out_features, (list, tuple))
         sizes: list[int] = list(out_features) if isinstance(out_features, (list, tuple)) else [out_features]
@@ -46,7 +54,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
         self.weight_dense: torch.Tensor | None = None  # set by pack_cpu_weight
-        self.qweight: QuantWeight | None = None  # set by quantize_cpu_weight
+        self.qweight: QuantWeight | Fp8Weight | None = None  # set by quantize_cpu_weight / layers.fp8
+        self.quantizable = quantizable
+        self.fp8_stash: Fp8Stash | None = None  # the loader's fp8 checkpoint rows (layers.fp8)
+        self.fp8_layer = False
         if stacked:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -68,17 +79,21 @@ class Linear(nn.Module):
         `cpu_linear.dense`), other dtypes are stored column-major (`to_cpu_gemm_layout`);
         with `cpu_linear.KEEP_DENSE_ONE_ROW` the dense weight stays too (`weight_dense`).
         With `cpu_quant_linear.QUANTIZATION` int8/int4 the weight is quantized instead
-        (`quantize_cpu_weight`), and no packed or dense copy is kept."""
+        (`quantize_cpu_weight`), and no packed or dense copy is kept. FP8 weights first
+        (`layers.fp8.process_fp8`): from the loader's fp8 rows, or quantized under
+        `kernels.fp8_linear.MODE` "quantize"."""
+        if process_fp8(self):
+            return
         if not quantize_cpu_weight(self, "weight"):
             pack_cpu_weight(self, "weight")
 
 
-def quant_forward(qw: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
+def quant_forward(qw: QuantWeight | Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`kernels.linear.linear`'s unfused CPU path on a quantized weight: the RMSNorm
+    """`kernels.linear.linear`'s unfused path on a quantized weight: the RMSNorm
     (norm_weight, eps) or SiLU-and-mul prologue as its own op, the quantized product
-    (`QuantWeight.matmul`), then the bias and residual adds. Shapes and dtypes as `linear`
+    (`QuantWeight.matmul` on the CPU, `Fp8Weight.matmul`), then the bias and residual adds. Shapes and dtypes as `linear`
     (x [T, K], or [T, 2K] with silu_mul -> [T, N] in x's dtype); raises ValueError as it does."""
     if norm_weight is not None or silu_mul or residual is not None:
         _check_fused(x, torch.empty(qw.out_features, qw.in_features, device="meta"), norm_weight,
@@ -108,15 +123,20 @@ def quantize_cpu_weight(module: nn.Module, name: str) -> bool:
 
 
 def dequantize_cpu_weight(module: nn.Module, name: str) -> bool:
-    """Undo `quantize_cpu_weight`: `module.<name>` becomes a dense CPU parameter (the old
-    dtype, column-major as a CPU Linear is born) of the dequantized values
-    (`QuantWeight.dequantize`), `module.qweight` None. Returns whether there was one."""
+    """Undo `quantize_cpu_weight` (or an FP8 weight, `layers.fp8`): `module.<name>` becomes a
+    dense parameter on the quantized weight's device (the old dtype; column-major on the CPU
+    as a CPU Linear is born) of the dequantized values (`QuantWeight.dequantize`,
+    `Fp8Weight.dequantize`), `module.qweight` None. Returns whether there was one."""
     qw = getattr(module, "qweight", None)
     if qw is None:
         return False
     old = getattr(module, name)
-    dense = torch.empty(qw.in_features, qw.out_features, dtype=old.dtype).t()
-    dense.copy_(qw.dequantize())
+    values = qw.dequantize()
+    if values.device.type == "cpu":
+        dense = torch.empty(qw.in_features, qw.out_features, dtype=old.dtype).t()
+    else:
+        dense = torch.empty(qw.out_features, qw.in_features, dtype=old.dtype, device=values.device)
+    dense.copy_(values)
     setattr(module, name, _like(old, dense))
     setattr(module, "qweight", None)  # noqa: B010
     return True
@@ -131,10 +151,10 @@ def _like(old: torch.Tensor, data: torch.Tensor) -> nn.Parameter:
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:
-    """Bytes of `model`'s quantized weights (`QuantWeight.nbytes` of each `qweight`); 0
-    without quantization."""
+    """Bytes of `model`'s quantized weights (`QuantWeight.nbytes` / `Fp8Weight.nbytes` of
+    each `qweight`); 0 without quantization."""
     return sum(qw.nbytes for m in model.modules() for name in ("qweight", "qweight_tied")
-               if isinstance(qw := getattr(m, name, None), QuantWeight))
+               if isinstance(qw := getattr(m, name, None), (QuantWeight, Fp8Weight)))
 
 
 def held_weight_bytes(model: nn.Module) -> int:

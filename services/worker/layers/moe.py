@@ -103,7 +103,7 @@ class SparseMoeBlock(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = Linear(hidden_size, num_experts, False)
+        self.gate = Linear(hidden_size, num_experts, False, quantizable=False)  # the router stays in the model dtype
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

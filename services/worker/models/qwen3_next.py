@@ -86,7 +86,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
                          moe_intermediate_size, bool(hf_config.get("norm_topk_prob", True)))
         shared = int(hf_config.get("shared_expert_intermediate_size") or 0)
         self.shared_expert = LlamaMLP(dataclasses.replace(a, intermediate_size=shared)) if shared else None
-        self.shared_expert_gate = Linear(a.hidden_size, 1, False) if shared else None
+        self.shared_expert_gate = Linear(a.hidden_size, 1, False, quantizable=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
