@@ -7,9 +7,10 @@ kernels on CPU tensors too.
 
 A tiny seeded random checkpoint (written with transformers' save_pretrained), fp32 on both
 devices. Shown: logits at every chunk end and 4 decode steps close (relative max error <
-1e-2: fla's kernels multiply fp32 operands in TF32, 1.5e-3 relative a layer in issue 16's
-check; through 3 recurrent layers and the head a whole 270-token prefill measured 6.1e-3 on
-the H200, while a wrong gate, state or chunk carry moves logits by tens of percent),
+3e-2: fla's kernels multiply fp32 operands in TF32, 1.5e-3 relative a layer in issue 16's
+check; through 3 recurrent layers and the head the H200 measured 6.1e-3 for a whole 270-token
+prefill and 1.03e-2 with chunks cut at 17, 130 and 131, while a wrong gate, state or chunk
+carry moves logits by tens of percent),
 for a whole and a chunked prefill (the state carried across chunks); greedy 16 tokens of 8
 requests run together on the GPU equal to the CPU's; 8 together equal each alone on the GPU;
 speculative decoding (n-gram, and forced half-wrong drafts) on the GPU equal to plain greedy. Skipped without CUDA.
@@ -33,7 +34,7 @@ from tests.runner_driver import generate, step_logits  # noqa: E402
 VOCAB = 512
 GREEDY = SamplingParams(temperature=0.0)
 LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-REL = 1e-2
+REL = 3e-2
 
 
 @pytest.fixture(scope="module")
