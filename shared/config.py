@@ -99,6 +99,7 @@ class KestrelConfig:
     kv_offload_disk_gib: float | None
     kvstore_address: str            # derived: ipc://<runtime_dir>/kvstore.sock
     kv_offload_block_bytes: int | None
+    kv_offload_state_fraction: float
     # --- not settings: provenance
     sources: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
     # why the profile was chosen (device, model size); not serialized (the supervisor logs it)
@@ -272,6 +273,9 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
         raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
+    if not 0 < cfg.kv_offload_state_fraction < 1:
+        raise ValueError("setting kv_offload_state_fraction: must be in (0, 1), got "
+                         f"{cfg.kv_offload_state_fraction!r}")
     # a quantized KV cache on CUDA (no kernel reads it yet): refused before any process starts
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
@@ -399,13 +403,13 @@ def _has_recurrent_state(model: str) -> bool:
         return False
 
 
-# What a model with recurrent layers cannot run yet (its state is not checkpointed per block,
-# not kept per draft position, not captured in CUDA graphs): setting -> why, when it is on.
+# What a model with recurrent layers cannot run yet (heads that tap hidden states, a state
+# cache for a drafter, CUDA graphs over the state slots): setting -> why, when it is on. The
+# kvstore tiers work: they store the state checkpoints with the blocks (§4.5, §4.7).
 RECURRENT_STATE_REFUSALS = {
     "speculative_config": "EAGLE and DFlash heads read the target's hidden states, which this model does not "
                           "tap, and a draft model with recurrent layers would need a state cache of its own; "
                           "use method 'ngram' or a draft_model without recurrent layers",
-    "kv_offload_cpu_gib": "the kvstore tiers store paged KV only, not the recurrent state's checkpoints",
     "enforce_eager": "the CUDA graphs do not capture the recurrent state's slots yet; run eagerly",
 }
 
@@ -427,18 +431,16 @@ def _spec_needs_what_state_lacks(cfg: KestrelConfig) -> bool:
 
 def check_recurrent_state(cfg: KestrelConfig) -> None:
     """Refuse settings a hybrid model (recurrent layers) cannot run with: speculative
-    decoding with an EAGLE / DFlash head or a hybrid draft, the kvstore tiers, CUDA graphs
+    decoding with an EAGLE / DFlash head or a hybrid draft, CUDA graphs
     (`RECURRENT_STATE_REFUSALS`; the derived default turns enforce_eager on). Raises
     ValueError naming the setting."""
     if not _has_recurrent_state(cfg.model):
         return
     on = {"speculative_config": _spec_needs_what_state_lacks(cfg),
-          "kv_offload_cpu_gib": (cfg.kv_offload_cpu_gib or 0) > 0,
           "enforce_eager": cfg.device == "cuda" and not cfg.enforce_eager}
     for name, why in RECURRENT_STATE_REFUSALS.items():
         if on[name]:
-            fix = {"speculative_config":
-                   "no --speculative-config", "kv_offload_cpu_gib": "--kv-offload-cpu-gib 0",
+            fix = {"speculative_config": "no --speculative-config",
                    "enforce_eager": "--enforce-eager true"}[name]
             raise ValueError(f"setting {name}: not supported with {os.path.basename(cfg.model)!r}, a model "
                              f"with recurrent (linear-attention) layers: {why}; use {fix}")

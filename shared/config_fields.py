@@ -135,6 +135,9 @@ FIELDS: list[Field] = [
     Field("kvstore_address", str, None, "ZMQ address the kvstore binds (default: ipc://<runtime_dir>/kvstore.sock)"),
     Field("kv_offload_block_bytes", int, None,
           "bytes of one KV block across all layers and ranks (default: from the model's config.json)"),
+    Field("kv_offload_state_fraction", float, 0.5,
+          "a hybrid model's share of --kv-offload-cpu-gib (and of --kv-offload-disk-gib) that holds "
+          "its recurrent-state checkpoints, in (0, 1); unused for a dense model"),
 ]
 
 FIELD_BY_NAME = {f.name: f for f in FIELDS}

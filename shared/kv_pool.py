@@ -28,6 +28,10 @@ Layout::
     112     32  model identity    shared.hashing.model_identity_hash of the blocks held
     144   3952  reserved (zero)
 
+A hybrid model's store has a second segment of the same layout,
+``/dev/shm/kestrel-<instance>-statepool``: its slots hold recurrent-state checkpoints
+(`shared.state_layout`, docs/ARCHITECTURE.md §4.7) and its identity field the state identity.
+
 Slot i (0 <= i < n_slots) occupies bytes [4096 + i * slot_stride, 4096 + i * slot_stride +
 slot_bytes). The bytes of a block are opaque to the store: the workers define their order
 (`shared.kv_layout.KVLayout`: rank r of tp owns [r * slot_bytes / tp, (r + 1) * slot_bytes / tp)).
@@ -61,6 +65,13 @@ SLOT_ALIGN = 64
 def pool_name(instance_id: str) -> str:
     """The /dev/shm name of an instance's pool: ``kestrel-<instance>-kvpool``."""
     return f"kestrel-{instance_id}-kvpool"
+
+
+def state_pool_name(instance_id: str) -> str:
+    """The /dev/shm name of an instance's second pool, a hybrid model's state checkpoints
+    (same layout, slots of one request's recurrent state, `shared.state_layout`; its model
+    identity field holds the state identity): ``kestrel-<instance>-statepool``."""
+    return f"kestrel-{instance_id}-statepool"
 
 
 def slot_stride(slot_bytes: int) -> int:

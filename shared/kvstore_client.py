@@ -23,6 +23,7 @@ import itertools
 import os
 import time
 import uuid
+from collections.abc import Sequence
 
 import zmq
 
@@ -42,13 +43,17 @@ class KVStoreRefused(RuntimeError):
 class KVStoreClient:
     """One client session. address: the store's kvstore_address. client_id: a stable name
     (e.g. "engine"): a new session under the same name releases the old one's pins.
-    model_identity: 32 bytes; block_bytes: bytes per block (both must match the store's).
-    timeout_s: seconds a synchronous call waits. Call `connect()` first."""
+    model_identity: 32 bytes; block_bytes: bytes per block; state_identity, state_bytes: a
+    hybrid model's state checkpoints (`shared.state_layout`; b"" and 0 for a dense model);
+    all must match the store's. timeout_s: seconds a synchronous call waits. Call
+    `connect()` first."""
 
     def __init__(self, address: str, client_id: str, model_identity: bytes, block_bytes: int,
-                 timeout_s: float = 5.0, ctx: zmq.Context | None = None):
+                 timeout_s: float = 5.0, ctx: zmq.Context | None = None,
+                 state_identity: bytes = b"", state_bytes: int = 0):
         self.address, self.client_id = address, client_id
         self.model_identity, self.block_bytes, self.timeout_s = model_identity, block_bytes, timeout_s
+        self.state_identity, self.state_bytes = state_identity, state_bytes
         self.session = f"{client_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
@@ -59,6 +64,7 @@ class KVStoreClient:
         self._stash: dict[int, list] = {}
         self.info: KVInfo | None = None
         self.pool: KVPool | None = None
+        self.state_pool: KVPool | None = None
 
     # ------------------------------------------------------------ async interface
     def submit(self, cls, **fields) -> int:
@@ -110,10 +116,15 @@ class KVStoreClient:
         return msg
 
     # ------------------------------------------------------------ synchronous calls
+    def hello(self) -> KVHello:
+        """This session's KVHello (also what the engine's session sends)."""
+        return KVHello(self.client_id, self.session, os.getpid(), self.model_identity,
+                       self.block_bytes, state_identity=self.state_identity,
+                       state_bytes=self.state_bytes)
+
     def connect(self) -> KVInfo:
         """Say hello; returns the store's KVInfo. Raises KVStoreRefused, TimeoutError."""
-        self.socket.send(self.enc.encode(KVHello(self.client_id, self.session, os.getpid(),
-                                                 self.model_identity, self.block_bytes)))
+        self.socket.send(self.enc.encode(self.hello()))
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -136,31 +147,56 @@ class KVStoreClient:
             self.pool = KVPool.attach(self.info.pool_name)
         return self.pool
 
+    def attach_state_pool(self) -> KVPool:
+        """Map the store's state checkpoints' pool (after connect). Raises RuntimeError before
+        connect or for a store without one, FileNotFoundError / ValueError from `KVPool.attach`."""
+        if self.info is None or not self.info.state_pool_name:
+            raise RuntimeError("no state pool: attach_state_pool() before connect(), or a dense model's store")
+        if self.state_pool is None:
+            self.state_pool = KVPool.attach(self.info.state_pool_name)
+        return self.state_pool
+
     def lookup(self, hashes: list[bytes]) -> list[str]:
         """Tiers of the longest run of hits from hashes[0] (see KVLookupResult)."""
         return self._wait(self.submit(KVLookup, hashes=hashes), (KVLookupResult,)).tiers
 
-    def reserve_load(self, hashes: list[bytes], timeout_s: float | None = None) -> list[int]:
-        """Pinned slots holding hashes[:len(result)], waiting for disk promotions. Slots the
-        store released (a corrupt file) are not returned and need no complete_load."""
-        req = self.submit(KVReserveLoad, hashes=hashes)
+    def lookup_states(self, state_hashes: list[bytes]) -> list[str]:
+        """The tier of each checkpoint named in state_hashes ("" for a miss)."""
+        return self._wait(self.submit(KVLookup, hashes=[], state_hashes=state_hashes),
+                          (KVLookupResult,)).state_tiers
+
+    def reserve(self, hashes: list[bytes], state_hashes: Sequence[bytes] = (),
+                timeout_s: float | None = None) -> tuple[list[int], list[int]]:
+        """(pinned slots holding hashes[:len], pinned state slots holding
+        state_hashes[:len]), waiting for disk promotions. Slots the store released (a
+        corrupt file) are not returned and need no complete_load."""
+        req = self.submit(KVReserveLoad, hashes=hashes, state_hashes=list(state_hashes))
         r = self._wait(req, (KVLoadReserved,), timeout_s)
         if r.ready:
-            return r.slots
+            return r.slots, r.state_slots
         ready = self._wait(req, (KVLoadReady,), timeout_s)
-        return r.slots[:ready.num_ok]
+        return r.slots[:ready.num_ok], r.state_slots[:ready.state_ok]
 
-    def complete_load(self, slots: list[int]) -> int:
-        """Unpin slots returned by reserve_load. Returns how many the store unpinned."""
-        return self._wait(self.submit(KVCompleteLoad, slots=slots), (KVAck,)).count
+    def reserve_load(self, hashes: list[bytes], timeout_s: float | None = None) -> list[int]:
+        """Pinned slots holding hashes[:len(result)] (`reserve` without checkpoints)."""
+        return self.reserve(hashes, timeout_s=timeout_s)[0]
 
-    def prepare_store(self, hashes: list[bytes]) -> KVStorePrepared:
-        """Slots to write (-1: skip). Complete every slot >= 0 with complete_store."""
-        return self._wait(self.submit(KVPrepareStore, hashes=hashes), (KVStorePrepared,))
+    def complete_load(self, slots: list[int], state_slots: Sequence[int] = ()) -> int:
+        """Unpin slots (and state slots) returned by reserve. Returns how many the store unpinned."""
+        return self._wait(self.submit(KVCompleteLoad, slots=slots, state_slots=list(state_slots)),
+                          (KVAck,)).count
 
-    def complete_store(self, slots: list[int], ok: bool = True) -> int:
-        """Publish (ok) or drop written slots. Returns how many the store accepted."""
-        return self._wait(self.submit(KVCompleteStore, slots=slots, ok=ok), (KVAck,)).count
+    def prepare_store(self, hashes: list[bytes], state_hashes: Sequence[bytes] = ()) -> KVStorePrepared:
+        """Slots (and state slots) to write (-1: skip). Complete every slot >= 0 with
+        complete_store."""
+        return self._wait(self.submit(KVPrepareStore, hashes=hashes, state_hashes=list(state_hashes)),
+                          (KVStorePrepared,))
+
+    def complete_store(self, slots: list[int], ok: bool = True,
+                       state_slots: Sequence[int] = ()) -> int:
+        """Publish (ok) or drop written slots and state slots. Returns how many the store accepted."""
+        return self._wait(self.submit(KVCompleteStore, slots=slots, ok=ok, state_slots=list(state_slots)),
+                          (KVAck,)).count
 
     def stats(self) -> dict:
         return self._wait(self.submit(KVStats), (KVAck,)).stats
@@ -172,8 +208,9 @@ class KVStoreClient:
                 self._wait(self.submit(KVBye), (KVAck,), timeout_s=1.0)
             except (TimeoutError, KVStoreRefused):
                 pass
-        if self.pool is not None:
-            self.pool.close()
+        for pool in (self.pool, self.state_pool):
+            if pool is not None:
+                pool.close()
         self.socket.close(linger=0)
         if self._own_ctx:
             self.ctx.term()

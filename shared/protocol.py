@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: state checkpoints in the kvstore (docs/ARCHITECTURE.md §4.5)
 # ScheduledSeq.token_ids entry for a token the workers sampled in the previous plan and the
 # engine has not seen yet (async scheduling: plan N+1 is sent while step N runs).
 PENDING_TOKEN = -1
@@ -299,6 +299,11 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True):
     The slot byte layout is `services.worker.kv_transfer`'s.
     forget: ids of requests that ended since the last plan; the workers drop what they keep
     for them (`shared.plan_state`).
+    A hybrid model's state checkpoints (docs/ARCHITECTURE.md §4.7) move through the
+    kvstore's second pool, `state_pool` (same kvstore, kv_pool_pid): state_loads are
+    (state pool slot, checkpoint slot) pairs copied before the step (before any
+    `state_restore` reads the checkpoint), state_stores (checkpoint slot, state pool slot)
+    pairs copied after it.
     """
 
     step_id: int
@@ -308,6 +313,9 @@ class StepPlan(msgspec.Struct, tag="step", array_like=True):
     kv_pool: str = ""
     kv_pool_pid: int = 0
     forget: list[str] = []
+    state_loads: list[tuple[int, int]] = []
+    state_stores: list[tuple[int, int]] = []
+    state_pool: str = ""
 
 
 class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -390,13 +398,18 @@ def decoder(union: Any) -> msgspec.msgpack.Decoder:
 # indices into the kvstore's shm pool (layout in `shared.kv_pool`). Every request
 # carries a client-chosen req_id that its reply repeats. A request before a successful
 # KVHello is answered with KVError. Tiers are "cpu" (a pool slot) or "disk" (a file).
+# A store for a hybrid model keeps a second namespace: the recurrent-state checkpoints
+# (docs/ARCHITECTURE.md §4.7), each named by the block it follows and held in a slot of the
+# second pool (`state_*` fields; empty for a dense model). Checkpoints and blocks are
+# indexed, evicted and tiered independently: a checkpoint is a lookup of its own name.
 
 
 class KVHello(msgspec.Struct, tag="kv_hello", array_like=True):
     """First message of a client. model_identity (32 bytes) and block_bytes (bytes of one
-    block across all layers and ranks) must equal the store's, or it is refused. A hello
-    with a known client_id and a new session releases the old session's pins and slots
-    (the client restarted). Answer: KVInfo."""
+    block across all layers and ranks) must equal the store's, or it is refused; so must
+    state_identity and state_bytes (a hybrid model's `shared.state_layout.StateLayout`;
+    b"" and 0 for a dense model). A hello with a known client_id and a new session releases
+    the old session's pins and slots (the client restarted). Answer: KVInfo."""
 
     client_id: str
     session: str
@@ -404,45 +417,56 @@ class KVHello(msgspec.Struct, tag="kv_hello", array_like=True):
     model_identity: bytes
     block_bytes: int
     protocol_version: int = PROTOCOL_VERSION
+    state_identity: bytes = b""
+    state_bytes: int = 0
 
 
 class KVLookup(msgspec.Struct, tag="kv_lookup", array_like=True):
-    """Which of `hashes` (a chain, first block first) the store holds. Answer: KVLookupResult."""
+    """Which of `hashes` (a chain, first block first) the store holds, and which of the
+    checkpoints named `state_hashes` (each on its own). Answer: KVLookupResult."""
 
     req_id: int
     hashes: list[bytes]
+    state_hashes: list[bytes] = []
 
 
 class KVReserveLoad(msgspec.Struct, tag="kv_reserve", array_like=True):
-    """Pin a pool slot for each block of the longest available run from hashes[0]; disk
-    blocks are promoted into their slot. Answer: KVLoadReserved (then KVLoadReady when it
-    is not ready)."""
+    """Pin a pool slot for each block of the longest available run from hashes[0], and a
+    state pool slot for each checkpoint of the longest available run from state_hashes[0]
+    (the engine asks for one); disk blocks and checkpoints are promoted into their slot.
+    Answer: KVLoadReserved (then KVLoadReady when it is not ready)."""
 
     req_id: int
     hashes: list[bytes]
+    state_hashes: list[bytes] = []
 
 
 class KVCompleteLoad(msgspec.Struct, tag="kv_loaded", array_like=True):
-    """The client has copied these reserved slots out: unpin them (one pin each). Answer: KVAck."""
+    """The client has copied these reserved slots (and state slots) out: unpin them (one pin
+    each). Answer: KVAck."""
 
     req_id: int
     slots: list[int]
+    state_slots: list[int] = []
 
 
 class KVPrepareStore(msgspec.Struct, tag="kv_prepare", array_like=True):
-    """Slots to write `hashes` into (for blocks the store lacks). Answer: KVStorePrepared."""
+    """Slots to write `hashes` into (for blocks the store lacks), and state slots to write
+    the checkpoints `state_hashes` into. Answer: KVStorePrepared."""
 
     req_id: int
     hashes: list[bytes]
+    state_hashes: list[bytes] = []
 
 
 class KVCompleteStore(msgspec.Struct, tag="kv_stored", array_like=True):
-    """The client wrote these prepared slots (ok: they become valid blocks) or gave up
-    (not ok: the slots are freed). Answer: KVAck."""
+    """The client wrote these prepared slots and state slots (ok: they become valid) or gave
+    up (not ok: the slots are freed). Answer: KVAck."""
 
     req_id: int
     slots: list[int]
     ok: bool = True
+    state_slots: list[int] = []
 
 
 class KVStats(msgspec.Struct, tag="kv_stats", array_like=True):
@@ -466,6 +490,8 @@ class KVInfo(msgspec.Struct, tag="kv_info", array_like=True, omit_defaults=True)
 
     pool_name: the shm segment (/dev/shm/<pool_name>); slot i starts at byte
     header_bytes + i * slot_stride and holds slot_bytes bytes. disk_tier: a disk tier is on.
+    state_pool_name, state_n_slots, state_slot_bytes: the state checkpoints' pool, laid out
+    the same way ("" and 0 for a dense model).
     """
 
     ok: bool
@@ -477,44 +503,54 @@ class KVInfo(msgspec.Struct, tag="kv_info", array_like=True, omit_defaults=True)
     slot_stride: int = 0
     header_bytes: int = 0
     disk_tier: bool = False
+    state_pool_name: str = ""
+    state_n_slots: int = 0
+    state_slot_bytes: int = 0
 
 
 class KVLookupResult(msgspec.Struct, tag="kv_lookup_res", array_like=True):
     """tiers[i] is the tier of hashes[i] for the longest run of hits from hashes[0]
-    (len(tiers) is the hit count). A lookup reserves nothing: blocks may leave before a
+    (len(tiers) is the hit count); state_tiers[i] the tier of checkpoint state_hashes[i], ""
+    when the store lacks it. A lookup reserves nothing: blocks may leave before a
     KVReserveLoad."""
 
     req_id: int
     tiers: list[str]
+    state_tiers: list[str] = []
 
 
 class KVLoadReserved(msgspec.Struct, tag="kv_reserved", array_like=True):
     """slots[i] (pinned) will hold hashes[i] for i < len(slots) (the available run, which
-    can be shorter than the lookup said). ready: every slot holds its block now; else a
-    KVLoadReady with the same req_id follows when the disk reads finish."""
+    can be shorter than the lookup said), state_slots[i] checkpoint state_hashes[i] alike.
+    ready: every slot holds its block now; else a KVLoadReady with the same req_id follows
+    when the disk reads finish."""
 
     req_id: int
     slots: list[int]
     ready: bool
+    state_slots: list[int] = []
 
 
 class KVLoadReady(msgspec.Struct, tag="kv_ready", array_like=True):
     """The disk blocks of a reservation are in their slots. num_ok: slots[:num_ok] are valid;
     slots[num_ok:] were released by the store (a corrupt or missing file) and must not be
-    read or completed."""
+    read or completed. state_ok: the same for state_slots."""
 
     req_id: int
     num_ok: int
+    state_ok: int = 0
 
 
 class KVStorePrepared(msgspec.Struct, tag="kv_prepared", array_like=True):
-    """slots[i]: where to write hashes[i], or -1 (already stored, being stored, or no room).
-    The client completes every slot it got with KVCompleteStore. evicted: blocks that left
-    the store entirely to make room (demoted blocks are not listed)."""
+    """slots[i]: where to write hashes[i], or -1 (already stored, being stored, or no room);
+    state_slots[i] the same for state_hashes[i]. The client completes every slot it got with
+    KVCompleteStore. evicted: blocks that left the store entirely to make room (demoted
+    blocks are not listed)."""
 
     req_id: int
     slots: list[int]
     evicted: list[bytes] = []
+    state_slots: list[int] = []
 
 
 class KVAck(msgspec.Struct, tag="kv_ack", array_like=True, omit_defaults=True):

@@ -41,19 +41,21 @@ class Store:
 
     def __init__(self, slots: int, disk_dir: str | None = None, disk_blocks: int = 0,
                  model: str = "/nonexistent/model-a", instance: str | None = None,
-                 runtime_dir: str | None = None):
+                 runtime_dir: str | None = None, extra: tuple = ()):
         self.model, self.instance = model, instance or "kvt" + uuid.uuid4().hex[:6]
         self.runtime_dir = runtime_dir or tempfile.mkdtemp(prefix="kvs-")
         self.address = f"ipc://{self.runtime_dir}/kvstore.sock"
-        self.args = store_args(self.instance, self.runtime_dir, model, slots, disk_dir, disk_blocks)
+        self.args = store_args(self.instance, self.runtime_dir, model, slots, disk_dir, disk_blocks, extra)
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.clients: list[KVStoreClient] = []
 
     def client(self, client_id: str = "engine", model: str | None = None,
-               block_bytes: int = BLOCK, connect: bool = True) -> KVStoreClient:
+               block_bytes: int = BLOCK, connect: bool = True,
+               state: tuple[bytes, int] = (b"", 0)) -> KVStoreClient:
+        """A session; state: (state identity, state bytes) of a hybrid model's store."""
         c = KVStoreClient(self.address, client_id, identity(model or self.model), block_bytes,
-                          timeout_s=15.0)
+                          timeout_s=15.0, state_identity=state[0], state_bytes=state[1])
         self.clients.append(c)
         if connect:
             c.connect()

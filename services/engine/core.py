@@ -266,6 +266,7 @@ class EngineCore:
             self.scheduler.transfers_done(out.plan, not result.error and not result.kv_store_error)
         if result.error:
             log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
+            self.scheduler.step_failed(out.plan)  # a hybrid's checkpoints it filled are dropped
             for req in out.requests:
                 self.scheduler.finish(req, P.FinishReason.ERROR)
             return emitted_for(out.requests, error=f"internal error in the model worker: {result.error}")
@@ -309,10 +310,10 @@ class EngineCore:
         return self.scheduler.bm.num_blocks
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block of the prefix cache (the reset_prefix_cache utility).
-        Returns False, and drops nothing, while any block is in use
-        (`BlockManager.reset_prefix_cache`)."""
-        return self.scheduler.bm.reset_prefix_cache()
+        """Drop every cached block of the prefix cache, and a hybrid model's state
+        checkpoints (the reset_prefix_cache utility). Returns False, and drops nothing, while
+        any block is in use (`Scheduler.reset_prefix_cache`)."""
+        return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Counters of the scheduler, the block manager, the tiers and speculative decoding

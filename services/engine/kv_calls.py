@@ -6,7 +6,7 @@ wait for disk promotions; `reply_timeout_s` for the others) means the store is l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from services.engine.request import Request
@@ -36,30 +36,39 @@ class AckCall(TierCall):
 
 @dataclass(slots=True)
 class LookupCall(TierCall):
-    """KVLookup of `hashes` = request.block_hashes[first:...] (the blocks past its local hit)."""
+    """KVLookup of `hashes` = request.block_hashes[first:...] (the blocks past its local hit)
+    and, for a hybrid model, of the checkpoints after blocks state_first .. (from the end of
+    its locally checkpointed hit to the last block it may take)."""
 
     kind: ClassVar[str] = "lookup"
     request: Request
     first: int
     hashes: list[bytes]
+    state_first: int = 0
 
 
 @dataclass(slots=True)
 class ReserveCall(TierCall):
-    """KVReserveLoad of the hit run: blocks first .. first + len(tiers) of request.
-    slots: set by a KVLoadReserved that is not ready yet (disk promotions run), until the
-    KVLoadReady that says how many of them hold their block."""
+    """KVReserveLoad of the hit run: blocks first .. first + len(tiers) of request, and for a
+    hybrid model the checkpoint after block state_index (-1: none) from state_tier.
+    slots, state_slots: set by a KVLoadReserved that is not ready yet (disk promotions
+    run), until the KVLoadReady that says how many of them hold their entry."""
 
     kind: ClassVar[str] = "reserve"
     request: Request
     first: int
     tiers: list[str]
     slots: list[int] | None = None
+    state_index: int = -1
+    state_tier: str = ""
+    state_slots: list[int] | None = None
 
 
 @dataclass(slots=True)
 class PrepareCall(TierCall):
-    """KVPrepareStore of `blocks` ((block id, name) pairs, store-pinned meanwhile)."""
+    """KVPrepareStore of `blocks` ((block id, name) pairs, store-pinned meanwhile) and of
+    `states` ((block name, checkpoint slot) pairs, their slots pinned meanwhile)."""
 
     kind: ClassVar[str] = "prepare"
     blocks: list[tuple[int, bytes]]
+    states: list[tuple[bytes, int]] = field(default_factory=list)

@@ -6,14 +6,13 @@ sent at once and its KVInfo comes back among the replies (`on_info`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 import zmq
 
 from shared.kvstore_client import KVStoreClient
-from shared.protocol import KVHello, KVInfo
+from shared.protocol import KVInfo
 
 log = logging.getLogger("kestrel.engine")
 
@@ -22,15 +21,17 @@ class StoreSession:
     """One live `KVStoreClient` at a time, under the client name "engine" (a new session
     releases the old one's pins in the store).
 
-    address, identity (32 bytes), block_bytes, ctx: as `KVStoreClient`. retry_s: seconds
-    between hellos while the store does not answer. Attributes: connected (the store took
-    the hello; info is its KVInfo), connects / disconnects (cumulative counts).
+    address, identity (32 bytes), block_bytes, ctx, state_identity, state_bytes: as
+    `KVStoreClient`. retry_s: seconds between hellos while the store does not answer.
+    Attributes: connected (the store took the hello; info is its KVInfo), connects /
+    disconnects (cumulative counts).
     """
 
     def __init__(self, address: str, identity: bytes, block_bytes: int, ctx: zmq.Context,
-                 retry_s: float):
+                 retry_s: float, state_identity: bytes = b"", state_bytes: int = 0):
         self.address, self.identity, self.block_bytes, self.ctx = (address, identity,
                                                                    block_bytes, ctx)
+        self.state_identity, self.state_bytes = state_identity, state_bytes
         self.retry_s = retry_s
         self.info: KVInfo | None = None
         self.connected = False
@@ -46,9 +47,9 @@ class StoreSession:
         return None if self.closed else self.client.socket
 
     def _hello(self) -> KVStoreClient:
-        c = KVStoreClient(self.address, "engine", self.identity, self.block_bytes, ctx=self.ctx)
-        c.socket.send(c.enc.encode(KVHello(c.client_id, c.session, os.getpid(), self.identity,
-                                           self.block_bytes)))
+        c = KVStoreClient(self.address, "engine", self.identity, self.block_bytes, ctx=self.ctx,
+                          state_identity=self.state_identity, state_bytes=self.state_bytes)
+        c.socket.send(c.enc.encode(c.hello()))
         self.hello_sent_at = time.monotonic()
         return c
 
@@ -73,8 +74,10 @@ class StoreSession:
             return
         self.info, self.connected, self.lost_logged = msg, True, False
         self.connects += 1
-        log.info("kvstore connected (pid %d, pool %s, %d slots, disk tier %s)", msg.store_pid,
-                 msg.pool_name, msg.n_slots, "on" if msg.disk_tier else "off")
+        log.info("kvstore connected (pid %d, pool %s, %d slots%s, disk tier %s)", msg.store_pid,
+                 msg.pool_name, msg.n_slots,
+                 f", state pool {msg.state_pool_name}, {msg.state_n_slots} slots" if msg.state_pool_name else "",
+                 "on" if msg.disk_tier else "off")
 
     def lost(self, why: str) -> None:
         """The store is gone (logged once): not connected, and a new hello goes out."""

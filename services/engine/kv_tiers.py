@@ -20,6 +20,14 @@ Stores: blocks newly registered in the GPU prefix cache (`on_cached`) are store-
   is prepared before its pin is released, and completed only after the step that copied it
   has come back.
 
+Checkpoints (a hybrid model, docs/ARCHITECTURE.md §4.7; the scheduler's `StateSlots` bound as
+  `CheckpointPins`): a lookup also asks which checkpoints the store holds after the blocks
+  from the end of the locally checkpointed hit on (`state_hashes`); the run is reserved up to
+  the last block with a checkpoint, local or in the store (`hit_end`), with that checkpoint
+  when it is the store's -> it joins the plan's state_loads into the checkpoint slot the
+  scheduler gives (`on_allocated`). Checkpoints saved by a step (`on_checkpoints`) are
+  stored like blocks: pinned in the state slots while KVPrepareStore, the plan's
+  state_stores and KVCompleteStore run.
 Failures: no reply within `reply_timeout_s` (a ping every `ping_s` keeps this honest while
 idle), a KVError (e.g. a restarted store that never saw our hello), or a refused hello
 makes the store "lost": logged once, tiers off (`lookup` answers 0, `on_cached` ignores),
@@ -39,8 +47,10 @@ import zmq
 
 from services.engine.kv_calls import (AckCall, LookupCall, PingCall, PrepareCall, ReserveCall,
                                       TierCall)
-from services.engine.kv_connector import KVConnector, KVLoad, KVTransfers, StorePins
-from services.engine.kv_loads import LoadBook
+from services.engine.kv_connector import (CheckpointPins, KVConnector, KVLoad, KVTransfers, StateLoad,
+                                          StorePins)
+from services.engine.kv_loads import LoadBook, hit_end
+from services.engine.kv_stores import StoreBook
 from services.engine.kv_session import StoreSession
 from services.engine.request import Request
 from shared.protocol import (KVAck, KVCompleteLoad, KVCompleteStore, KVError, KVInfo,
@@ -53,31 +63,37 @@ class KVStoreConnector(KVConnector):
 
     address: the kvstore's ZMQ address. model_identity: 32 bytes (the prefix cache root).
     block_bytes: bytes of one block as the workers lay it out in a slot. ctx: the engine's
-    zmq context. Times in seconds. Attach it with `Scheduler.attach_connector`.
-    Attributes read by tests and stats: session (the `StoreSession`), connected, pending
-    (req_id -> TierCall), queued_lookups, queued_stores, ready_stores, book, counters.
+    zmq context. state_identity, state_bytes: a hybrid model's state checkpoints
+    (`shared.state_layout.StateLayout`; b"" and 0 for a dense model). Times in seconds.
+    Attach it with `Scheduler.attach_connector`. Attributes read by tests and stats:
+    session (the `StoreSession`), connected, pending (req_id -> TierCall), queued_lookups,
+    book (the loads' `LoadBook`), stores (the stores' `StoreBook`), counters.
     """
 
     def __init__(self, address: str, model_identity: bytes, block_bytes: int, ctx: zmq.Context,
                  reply_timeout_s: float = 3.0, load_timeout_s: float = 15.0,
-                 ping_s: float = 1.0, retry_s: float = 2.0):
+                 ping_s: float = 1.0, retry_s: float = 2.0, state_identity: bytes = b"",
+                 state_bytes: int = 0):
         super().__init__()
         self.reply_timeout_s, self.load_timeout_s, self.ping_s = (reply_timeout_s,
                                                                   load_timeout_s, ping_s)
         self.book = LoadBook(0)  # its block size is set by `bind`
         self.pending: dict[int, TierCall] = {}      # req_id -> the call waiting for a reply
         self.queued_lookups: list[tuple[Request, int]] = []  # (request, first block) to ask
-        self.queued_stores: list[tuple[int, bytes]] = []     # (block, name) to prepare
-        self.ready_stores: list[tuple[int, int]] = []        # (block, slot) for the next plan
-        self.num_pinned = 0  # blocks this connector holds store-pinned
+        self.stores = StoreBook(self._pins)  # bound to the block manager by `bind`
         self.last_ping = 0.0
         self.counters = {"kv_tier_lookups": 0, "kv_tier_loads": 0, "kv_tier_load_blocks": 0,
-                         "kv_tier_store_blocks": 0, "kv_tier_store_failures": 0}
-        self.session = StoreSession(address, model_identity, block_bytes, ctx, retry_s)
+                         "kv_tier_store_blocks": 0, "kv_tier_store_failures": 0,
+                         "kv_tier_state_stores": 0}
+        self.session = StoreSession(address, model_identity, block_bytes, ctx, retry_s,
+                                    state_identity, state_bytes)
 
-    def bind(self, pins: StorePins, on_lookup_done: Callable[[Request], None]) -> None:
-        super().bind(pins, on_lookup_done)
+    def bind(self, pins: StorePins, on_lookup_done: Callable[[Request], None],
+             checkpoints: CheckpointPins | None = None) -> None:
+        super().bind(pins, on_lookup_done, checkpoints)
         self.book.block_size = pins.block_size
+        self.book.checkpoints = checkpoints
+        self.stores = StoreBook(pins, checkpoints)
 
     @property
     def connected(self) -> bool:
@@ -97,15 +113,11 @@ class KVStoreConnector(KVConnector):
             if isinstance(call, (LookupCall, ReserveCall)):
                 asked.append(call.request)
             elif isinstance(call, PrepareCall):
-                for blk, _ in call.blocks:
-                    self._unpin(blk)
+                self.stores.unpin_prepared(call.blocks, call.states)
         self.pending.clear()
         asked.extend(req for req, _ in self.queued_lookups)
         self.queued_lookups.clear()
-        for blk, _ in self.ready_stores:
-            self._unpin(blk)
-        self.ready_stores.clear()
-        self.queued_stores.clear()
+        self.stores.lost()
         self.book.store_lost()
         for req in asked:
             self._settle(req, None)
@@ -118,52 +130,58 @@ class KVStoreConnector(KVConnector):
             self.queued_lookups.append((request, num_local_blocks))
         return n
 
-    def on_allocated(self, request: Request, block_ids: Sequence[int]) -> None:
-        self.book.admit(request, block_ids)
+    def tier_checkpoint(self, request: Request) -> int | None:
+        return self.book.checkpoint_index(request)
+
+    def on_allocated(self, request: Request, block_ids: Sequence[int], state_slot: int = -1) -> None:
+        self.book.admit(request, block_ids, state_slot)
 
     def on_cached(self, blocks: list[tuple[int, bytes]]) -> None:
         if self.connected:
-            self.queued_stores.extend(blocks)
+            self.stores.queue_blocks(blocks)
+
+    def on_checkpoints(self, saved: list[tuple[bytes, int]]) -> None:
+        if self.connected:
+            self.stores.queue_states(saved)
 
     def release(self, request: Request) -> None:
         self.book.release(request)
 
     def take_transfers(self) -> KVTransfers | None:
         """The loads booked since the last plan and the prepared stores."""
-        if not self.book.step_loads and not self.ready_stores:
+        book = self.book
+        if not (book.step_loads or book.step_state_loads or self.stores.has_ready()):
             return None
-        stores, self.ready_stores = self.ready_stores, []
+        stores, state_stores = self.stores.take_ready()
         info = self.session.info
-        return KVTransfers(self.book.take_loads(), stores, info.pool_name if info else "",
-                           info.store_pid if info else 0)
+        return KVTransfers(book.take_loads(), stores, info.pool_name if info else "",
+                           info.store_pid if info else 0, book.take_state_loads(), state_stores,
+                           info.state_pool_name if info else "")
 
     def step_done(self, plan: StepPlan, store_ok: bool) -> None:
-        """The step of `plan` came back: complete its loads and stores, unpin its blocks.
-        store_ok: the workers copied the stores (False: they are dropped)."""
+        """The step of `plan` came back: complete its loads and stores, unpin its blocks and
+        checkpoint slots. store_ok: the workers copied the stores (False: they are dropped)."""
         info = self.session.info
         same = self.connected and info is not None and plan.kv_pool_pid == info.store_pid
-        if plan.kv_loads and same:
+        if (plan.kv_loads or plan.state_loads) and same:
             self._submit(AckCall(time.monotonic()), KVCompleteLoad,
-                         slots=[s for s, _ in plan.kv_loads])
-        if plan.kv_stores:
-            for blk, _ in plan.kv_stores:
-                self._unpin(blk)
+                         slots=[s for s, _ in plan.kv_loads], state_slots=[s for s, _ in plan.state_loads])
+        if plan.kv_stores or plan.state_stores:
+            self.stores.done(plan.kv_stores, plan.state_stores)
             if same:
                 self._submit(AckCall(time.monotonic()), KVCompleteStore,
-                             slots=[s for _, s in plan.kv_stores], ok=store_ok)
+                             slots=[s for _, s in plan.kv_stores], ok=store_ok,
+                             state_slots=[s for _, s in plan.state_stores])
             if store_ok:
                 self.counters["kv_tier_store_blocks"] += len(plan.kv_stores)
+                self.counters["kv_tier_state_stores"] += len(plan.state_stores)
             else:
-                self.counters["kv_tier_store_failures"] += len(plan.kv_stores)
+                self.counters["kv_tier_store_failures"] += len(plan.kv_stores) + len(plan.state_stores)
 
     def _settle(self, request: Request, load: KVLoad | None) -> None:
         """Book a settled lookup and take the request back into the scheduler's queue."""
         if self.book.answer(request, load):
             self._on_lookup_done(request)
-
-    def _unpin(self, blk: int) -> None:
-        self._pins.unpin_store(blk)
-        self.num_pinned -= 1
 
     # ------------------------------------------------------------ the loop's entry points
     def service(self) -> None:
@@ -195,45 +213,43 @@ class KVStoreConnector(KVConnector):
         asked = [req for req, _ in self.queued_lookups]
         self.queued_lookups.clear()
         self.book.to_release.clear()
-        self.queued_stores.clear()
+        self.book.to_release_states.clear()
+        self.stores.clear_queued()
         for req in asked:
             self._settle(req, None)
 
     def _pump(self) -> None:
         """Send the queued lookups, slots to hand back and stores."""
+        book = self.book
         for req, first in self.queued_lookups:
-            max_blocks = (req.num_tokens - 1) // self.book.block_size
+            max_blocks = (req.num_tokens - 1) // book.block_size
             hashes = req.block_hashes[first:max_blocks]
-            if not hashes or req.is_finished:
+            # a hybrid: the checkpoints that would extend its locally checkpointed hit
+            state_first = book.local_checkpoint_end(req, first)
+            state_hashes = req.block_hashes[state_first:max_blocks] if self._checkpoints is not None else []
+            if not (hashes or state_hashes) or req.is_finished:
                 self._settle(req, None)
                 continue
             self.counters["kv_tier_lookups"] += 1
-            self._submit(LookupCall(time.monotonic(), req, first, hashes), KVLookup, hashes=hashes)
+            self._submit(LookupCall(time.monotonic(), req, first, hashes, state_first), KVLookup,
+                         hashes=hashes, state_hashes=state_hashes)
         self.queued_lookups.clear()
-        book = self.book
-        if book.to_release:
-            self._submit(AckCall(time.monotonic()), KVCompleteLoad, slots=book.to_release)
-            book.to_release = []
-        if self.queued_stores:
-            # a block renamed or freed since the step named it (e.g. reset_prefix_cache in
-            # between) holds other bytes now, or none: it is not stored and never pinned
-            # (a pin on a free block would let it be handed out twice)
-            blocks = [(blk, h) for blk, h in self.queued_stores if self._pins.is_named(blk, h)]
-            self.queued_stores = []
-            if not blocks:
-                return
-            for blk, _ in blocks:
-                self._pins.pin_for_store(blk)
-                self.num_pinned += 1
-            self._submit(PrepareCall(time.monotonic(), blocks), KVPrepareStore,
-                         hashes=[h for _, h in blocks])
+        if book.to_release or book.to_release_states:
+            self._submit(AckCall(time.monotonic()), KVCompleteLoad, slots=book.to_release,
+                         state_slots=book.to_release_states)
+            book.to_release, book.to_release_states = [], []
+        blocks, states = self.stores.take_prepare()  # pinned until their store is done
+        if not blocks and not states:
+            return
+        self._submit(PrepareCall(time.monotonic(), blocks, states), KVPrepareStore,
+                     hashes=[h for _, h in blocks], state_hashes=[h for h, _ in states])
 
     def _submit(self, call: TierCall, cls: type, **fields: Any) -> None:
         self.pending[self.session.submit(cls, **fields)] = call
 
     def has_stores(self) -> bool:
         """Whether stores wait for a plan (run a transfer-only step when idle)."""
-        return bool(self.ready_stores)
+        return self.stores.has_ready()
 
     # ------------------------------------------------------------ replies
     def _on_reply(self, msg: Any) -> None:
@@ -252,38 +268,55 @@ class KVStoreConnector(KVConnector):
             return
         if isinstance(msg, KVLookupResult) and isinstance(call, LookupCall):
             del self.pending[msg.req_id]
-            n = len(msg.tiers)
-            if n == 0 or call.request.is_finished:
-                self._settle(call.request, None)
-                return
-            self._submit(ReserveCall(time.monotonic(), call.request, call.first, msg.tiers),
-                         KVReserveLoad, hashes=call.hashes[:n])
+            self._reserve(call, msg)
         elif isinstance(msg, KVLoadReserved) and isinstance(call, ReserveCall):
             if msg.ready:
                 del self.pending[msg.req_id]
-                self._load_ready(call, msg.slots)
-            else:
-                call.slots = msg.slots  # disk promotions run: KVLoadReady follows
+                self._load_ready(call, msg.slots, msg.state_slots)
+            else:  # disk promotions run: KVLoadReady follows
+                call.slots, call.state_slots = msg.slots, msg.state_slots
         elif isinstance(msg, KVLoadReady) and isinstance(call, ReserveCall) and call.slots is not None:
             del self.pending[msg.req_id]
-            self._load_ready(call, call.slots[:msg.num_ok])
+            self._load_ready(call, call.slots[:msg.num_ok], (call.state_slots or [])[:msg.state_ok])
         elif isinstance(msg, KVStorePrepared) and isinstance(call, PrepareCall):
             del self.pending[msg.req_id]
-            for (blk, _), slot in zip(call.blocks, msg.slots):
-                if slot >= 0:
-                    self.ready_stores.append((blk, slot))
-                else:
-                    self._unpin(blk)
+            self.stores.prepared(call.blocks, msg.slots, call.states, msg.state_slots)
         elif isinstance(msg, KVAck):
             self.pending.pop(msg.req_id, None)
 
-    def _load_ready(self, call: ReserveCall, slots: list[int]) -> None:
-        if not slots:
+    def _reserve(self, call: LookupCall, msg: KVLookupResult) -> None:
+        """A lookup's answer: reserve the run that extends the hit (for a hybrid, up to the
+        last block with a checkpoint, local or the store's, with the store's checkpoint),
+        or settle the request with nothing to load."""
+        req = call.request
+        n = len(msg.tiers)
+        if req.is_finished:
+            self._settle(req, None)
+            return
+        state_index = -1
+        if self._checkpoints is not None:
+            end, state_index = hit_end(req, self._checkpoints, call.first + n, call.state_first,
+                                       msg.state_tiers)
+            n = max(0, end - call.first)
+        if n == 0 and state_index < 0:
+            self._settle(req, None)
+            return
+        tier = msg.state_tiers[state_index - call.state_first] if state_index >= 0 else ""
+        self._submit(ReserveCall(time.monotonic(), req, call.first, msg.tiers[:n], state_index=state_index,
+                                 state_tier=tier), KVReserveLoad, hashes=call.hashes[:n],
+                     state_hashes=[req.block_hashes[state_index]] if state_index >= 0 else [])
+
+    def _load_ready(self, call: ReserveCall, slots: list[int], state_slots: list[int]) -> None:
+        state = (StateLoad(call.state_index, state_slots[0], call.state_tier)
+                 if state_slots and call.state_index >= 0 else None)
+        if state is None and state_slots:  # a checkpoint nobody asked for goes back
+            self.book.to_release_states.extend(state_slots)
+        if not slots and state is None:
             self._settle(call.request, None)
             return
         self.counters["kv_tier_loads"] += 1
         self.counters["kv_tier_load_blocks"] += len(slots)
-        self._settle(call.request, KVLoad(call.first, list(slots), list(call.tiers[:len(slots)])))
+        self._settle(call.request, KVLoad(call.first, list(slots), list(call.tiers[:len(slots)]), state))
 
     # ------------------------------------------------------------ stats, exit
     def stats(self) -> dict[str, Any]:
@@ -292,11 +325,16 @@ class KVStoreConnector(KVConnector):
         asking = len(self.queued_lookups) + sum(
             1 for c in self.pending.values()
             if isinstance(c, (LookupCall, ReserveCall)) and not c.request.is_finished)
+        states = self.book.state_hits
+        # a hybrid model's state checkpoints loaded from each tier and stored
+        extra = {"kv_tier_state_hits_cpu": states.get("cpu", 0), "kv_tier_state_hits_disk": states.get("disk", 0),
+                 "kv_tier_state_stores": self.counters["kv_tier_state_stores"]} if self._checkpoints is not None else {}
+        counters = {k: v for k, v in self.counters.items() if k != "kv_tier_state_stores"}
         return {"kv_tier_connected": self.connected, "kv_tier_hits_cpu": hits.get("cpu", 0),
-                "kv_tier_hits_disk": hits.get("disk", 0),
-                # blocks whose store is prepared, waiting for a plan, or being copied
-                "kv_tier_pending_stores": self.num_pinned,
-                "kv_tier_waiting_requests": asking, **self.counters,
+                "kv_tier_hits_disk": hits.get("disk", 0), **extra,
+                # blocks and checkpoints whose store is prepared, waiting for a plan, or being copied
+                "kv_tier_pending_stores": self.stores.num_pinned,
+                "kv_tier_waiting_requests": asking, **counters,
                 "kv_tier_disconnects": self.session.disconnects,
                 "kv_tier_connects": self.session.connects}
 

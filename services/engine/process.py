@@ -46,6 +46,7 @@ from shared.kv_layout import KVLayout
 from shared.model_spec import ModelSpec, model_spec_for
 from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.runtime_dir import write_private_file
+from shared.state_layout import StateLayout
 from shared.zmq_utils import make_socket, safe_decode
 
 log = logging.getLogger("kestrel.engine")
@@ -105,7 +106,7 @@ class EngineProcess:
         layout = KVLayout.for_model(info, cfg.block_size)  # one rank for now
         connector = None
         if (cfg.kv_offload_cpu_gib or 0) > 0 and cfg.enable_prefix_caching:
-            connector = _tier_connector(cfg, ctx, workers, layout)
+            connector = _tier_connector(cfg, ctx, workers, layout, info)
         # The prefix-cache root is the kvstore's too (KVLayout.model_identity).
         core = EngineCore(cfg, info, num_blocks, root_hash=layout.model_identity, grammars=grammars,
                           connector=connector, seed=cfg.seed ^ os.getpid())
@@ -225,17 +226,32 @@ class EngineProcess:
 
 
 def _tier_connector(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.WorkerReady],
-                    layout: KVLayout) -> KVStoreConnector | None:
+                    layout: KVLayout, info: ModelSpec) -> KVStoreConnector | None:
     """The kvstore's KV connector, or None (tiers off) when the workers lay out a block
-    otherwise than `layout.slot_bytes` (what the kvstore's slots are sized for)."""
+    otherwise than `layout.slot_bytes` (what the kvstore's slots are sized for), or a
+    hybrid model's state checkpoint otherwise than its `StateLayout` (§4.7)."""
     block_bytes = layout.slot_bytes
     reported = workers[0].report.get("kv_block_bytes")
     if reported is not None and int(reported) != block_bytes:
         log.error("KV tiers off: the workers lay out %s bytes per block, the KV layout says %d",
                   reported, block_bytes)
         return None
-    log.info("KV tiers: kvstore at %s, %d bytes per block", cfg.kvstore_address, block_bytes)
-    return KVStoreConnector(cfg.kvstore_address, layout.model_identity, block_bytes, ctx)
+    try:
+        state = StateLayout.for_model(info, layout)
+    except ValueError as e:
+        log.error("KV tiers off: %s", e)
+        return None
+    state_bytes = state.state_bytes if state is not None else 0
+    reported = workers[0].report.get("state_checkpoint_bytes")
+    if reported is not None and int(reported) != state_bytes:
+        log.error("KV tiers off: the workers lay out %s bytes per state checkpoint, the state layout "
+                  "says %d", reported, state_bytes)
+        return None
+    log.info("KV tiers: kvstore at %s, %d bytes per block%s", cfg.kvstore_address, block_bytes,
+             f", {state_bytes} per state checkpoint" if state_bytes else "")
+    return KVStoreConnector(cfg.kvstore_address, layout.model_identity, block_bytes, ctx,
+                            state_identity=state.state_identity if state is not None else b"",
+                            state_bytes=state_bytes)
 
 
 def _record_refusal(cfg: KestrelConfig, why: object) -> None:

@@ -19,6 +19,11 @@ step, until `kv_lookup_done` puts it back at the front of the queue. At admissio
 hit blocks are referenced first (no longer evictable), then fresh blocks are allocated for
 the loaded run and the chunk; loaded tokens cost no budget. A request recomputing from
 token 0 after preemption is asked about again, and registers (so stores) its blocks again.
+A hybrid model (state_slots.py, docs/ARCHITECTURE.md §4.7): the hit, local and loaded,
+ends at the last block with a state checkpoint, local or the connector's
+(`tier_checkpoint`, brought into a checkpoint slot by the plan's state_loads); the
+checkpoints a plan fills become readable at its result (`update`, which hands the saved ones
+to the connector to store) or are dropped when its step failed (`step_failed`).
 
 Under memory pressure the newest running request is preempted: its blocks are freed (the
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to
@@ -121,7 +126,7 @@ class Scheduler:
     def attach_connector(self, connector: KVConnector) -> None:
         """Use `connector` for the KV tiers from now on (bound to this block manager and
         `kv_lookup_done`)."""
-        connector.bind(self.bm, self.kv_lookup_done)
+        connector.bind(self.bm, self.kv_lookup_done, self.slots)
         self.connector = connector
 
     # ------------------------------------------------------------------ queue management
@@ -227,6 +232,7 @@ class Scheduler:
             # A waiting request holds no blocks and has computed nothing (new or preempted).
             hit_blocks: list[int]
             num_load = 0  # blocks the connector loads past the local hit
+            restore, from_tier = -1, False  # a hybrid's checkpoint to resume from; loaded from the tier
             if req.wants_prompt_logprobs:  # every prompt position must run to be scored
                 hit_blocks, hit_tokens = [], 0
                 req.prompt_logprobs = []  # a preempted request scores its prompt again
@@ -234,10 +240,6 @@ class Scheduler:
                     self.connector.release(req)
             else:
                 hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
-                restore = -1
-                if hit_blocks and self.slots is not None:  # a hybrid resumes from a state checkpoint
-                    hit_blocks, restore = self._checkpointed_hit(req, hit_blocks)
-                    hit_tokens = len(hit_blocks) * self.bm.block_size
                 if connector is not None:
                     answer = connector.lookup(req, len(hit_blocks))
                     if answer is None:  # asked: it waits off the step for the answer
@@ -246,6 +248,11 @@ class Scheduler:
                         self.waiting_for_kv[req.request_id] = req
                         continue
                     num_load = answer
+                if (hit_blocks or num_load) and self.slots is not None:  # a hybrid resumes from a checkpoint
+                    tier_ck = connector.tier_checkpoint(req) if connector is not None else None
+                    hit_blocks, num_load, restore, from_tier = self._checkpointed_hit(
+                        req, hit_blocks, num_load, tier_ck)
+                    hit_tokens = len(hit_blocks) * self.bm.block_size
             computed = hit_tokens + num_load * self.bm.block_size
             n = min(req.num_tokens - computed, prefill_budget)
             n, save = self._checkpoint_cut(req, computed, n)
@@ -255,9 +262,12 @@ class Scheduler:
                 p = 0
                 if not self.bm.allocate(req, computed + n, computed_blocks=hit_blocks):
                     break
+            if from_tier:  # the tier's checkpoint is loaded into a checkpoint slot, restored from there
+                restore = self._checkpoint_slot(self.bm.block_name(req, computed // self.bm.block_size - 1))
+                assert restore >= 0, "_checkpointed_hit saw a checkpoint slot free"
             if connector is not None:
                 first = len(hit_blocks)
-                connector.on_allocated(req, req.block_ids[first:first + num_load])
+                connector.on_allocated(req, req.block_ids[first:first + num_load], restore if from_tier else -1)
             req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = computed
@@ -268,7 +278,7 @@ class Scheduler:
             if req.first_scheduled is None:
                 req.first_scheduled = time.time()
             self.running.append(req)
-            scheduled.append(SeqWork(req, n, num_propose=p, state_restore=restore if hit_tokens else -1,
+            scheduled.append(SeqWork(req, n, num_propose=p, state_restore=restore if computed else -1,
                                      state_save=self._checkpoint_slot(save)))
             prefill_budget -= n
 
@@ -309,6 +319,7 @@ class Scheduler:
         if t is not None:
             plan.kv_loads, plan.kv_stores = t.loads, t.stores
             plan.kv_pool, plan.kv_pool_pid = t.pool, t.pool_pid
+            plan.state_loads, plan.state_stores, plan.state_pool = t.state_loads, t.state_stores, t.state_pool
 
     def transfer_plan(self) -> StepPlan | None:
         """A plan with the connector's copies alone (no seqs: nothing else runs), or None
@@ -323,7 +334,8 @@ class Scheduler:
     def transfers_done(self, plan: StepPlan, store_ok: bool) -> None:
         """The result of `plan` came back (or its step failed): the connector completes
         its loads and stores. store_ok: the workers copied the stores."""
-        if self.connector is not None and (plan.kv_loads or plan.kv_stores):
+        if self.connector is not None and (plan.kv_loads or plan.kv_stores or plan.state_loads
+                                           or plan.state_stores):
             self.connector.step_done(plan, store_ok)
 
     @staticmethod
@@ -376,15 +388,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ state checkpoints
 
-    def _checkpointed_hit(self, req: Request, hit_blocks: list[int]) -> tuple[list[int], int]:
-        """A hybrid model's prefix hit: the longest head of `hit_blocks` whose last block has
-        a state checkpoint, and that checkpoint's slot (([], -1) without one)."""
+    def _checkpointed_hit(self, req: Request, hit_blocks: list[int], num_load: int,
+                          tier_ck: int | None) -> tuple[list[int], int, int, bool]:
+        """A hybrid model's prefix hit: the longest head of the local hit `hit_blocks` and
+        the `num_load` tier blocks after it whose last block has a state checkpoint, local or
+        the tier's (the block index `tier_ck`, None: none; taken only when a checkpoint slot
+        can receive it). Returns (the local hit blocks kept, the tier blocks kept, the local
+        checkpoint's slot or -1, whether the tier's checkpoint ends the hit); ([], 0, -1,
+        False) without one."""
         assert self.slots is not None
-        for j in range(len(hit_blocks), 0, -1):
-            slot = self.slots.checkpoint_of(req.block_hashes[j - 1])
+        local = len(hit_blocks)
+        for j in range(local + num_load, 0, -1):
+            name = req.block_hashes[j - 1]
+            slot = self.slots.checkpoint_of(name)
             if slot is not None:
-                return hit_blocks[:j], slot
-        return [], -1
+                return hit_blocks[:j], max(0, j - local), slot, False
+            if tier_ck == j - 1 and self.slots.can_add_checkpoint(name):
+                return hit_blocks[:j], max(0, j - local), -1, True
+        return [], 0, -1, False
 
     def _checkpoint_cut(self, req: Request, start: int, n: int) -> tuple[int, bytes | None]:
         """For a hybrid model with the prefix cache: a prefill chunk [start, start + n) that
@@ -406,6 +427,39 @@ class Scheduler:
             return -1
         slot = self.slots.new_checkpoint(name)
         return -1 if slot is None else slot
+
+    def _checkpoints_back(self, plan: StepPlan, ok: bool) -> None:
+        """`plan`'s result came back (ok) or its step failed: the checkpoints it filled (its
+        saves and tier loads) become readable, or are dropped (their bytes are unreliable).
+        The saved ones go to the connector to be stored."""
+        if self.slots is None:
+            return
+        saves = [s.state_save for s in plan.seqs if s.state_save >= 0]
+        loads = [c for _, c in plan.state_loads]
+        if not ok:
+            for slot in saves + loads:
+                self.slots.drop(slot)
+            return
+        for slot in loads:
+            self.slots.commit(slot)
+        saved = [(name, slot) for slot in saves if (name := self.slots.commit(slot)) is not None]
+        if saved and self.connector is not None:
+            self.connector.on_checkpoints(saved)
+
+    def step_failed(self, plan: StepPlan) -> None:
+        """`plan`'s step failed in the workers (its requests are failed by the caller): the
+        checkpoints it was filling are dropped."""
+        self._checkpoints_back(plan, ok=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block name and, for a hybrid model, every state checkpoint
+        (`BlockManager.reset_prefix_cache`; False, and nothing dropped, while a block is in
+        use)."""
+        if not self.bm.reset_prefix_cache():
+            return False
+        if self.slots is not None:
+            self.slots.forget_checkpoints()
+        return True
 
     def _give_back_slot(self, req: Request) -> None:
         if req.state_slot >= 0 and self.slots is not None:
@@ -434,6 +488,7 @@ class Scheduler:
         prompt_logprobs = prompt_logprobs or {}
         drafts = draft_token_ids or {}
         counts = sampled_counts(out.plan, len(sampled), num_sampled or None)
+        self._checkpoints_back(out.plan, ok=True)
         changed = []
         pos = j = 0
         epochs = out.epochs or [r.epoch for r in out.requests]

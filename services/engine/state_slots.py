@@ -24,18 +24,25 @@ restoring one is sent before any later plan that could reuse it, and the workers
 order. Plans made ahead (async scheduling) stay correct: the workers run plans in
 order, so a slot given to a new request is zeroed by that request's first step, after every
 step of its previous owner.
+
+A checkpoint is pending from the plan that fills it (a save, or a load from the kvstore's
+tier, `StepPlan.state_loads`) until that plan's result: `commit` makes it readable, `drop`
+frees it when the step failed (its bytes are unreliable). A pending checkpoint is never
+evicted nor restored from. While the KV connector copies a checkpoint into the kvstore
+(`pin` .. `unpin`, docs/ARCHITECTURE.md §4.5) its slot is not evicted either.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 class StateSlots:
     """A free list of `num_slots` state slots (ids 0 .. num_slots - 1), and, for the prefix
     cache, `num_checkpoints` checkpoint slots after them (ids num_slots ..): each holds the
     state after the last token of one cached block chain, keyed by that block's name (its
-    chain hash), least recently used evicted first. Pure bookkeeping."""
+    chain hash), least recently used evicted first (module doc: pending, pins). Pure
+    bookkeeping."""
 
     def __init__(self, num_slots: int, num_checkpoints: int = 0):
         if num_slots < 1 or num_checkpoints < 0:
@@ -43,35 +50,99 @@ class StateSlots:
         self.num_slots = num_slots
         self.num_checkpoints = num_checkpoints
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
-        self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # block name -> slot; LRU first
+        self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # readable: name -> slot; LRU first
+        self._pending: dict[bytes, int] = {}  # being filled by a plan in flight: name -> slot
+        self._pins: Counter[int] = Counter()  # slot -> stores in flight
+        self._orphans: set[int] = set()  # forgotten while pinned: freed at the last unpin
         self._free_checkpoints = list(range(num_slots + num_checkpoints - 1, num_slots - 1, -1))
         self.num_checkpoint_evictions = 0
 
     def checkpoint_of(self, name: bytes) -> int | None:
         """The checkpoint slot holding the state after block `name`'s chain (marked used),
-        or None."""
+        or None (none, or still pending)."""
         slot = self._checkpoints.get(name)
         if slot is not None:
             self._checkpoints.move_to_end(name)
         return slot
 
+    def has_checkpoint(self, name: bytes) -> bool:
+        """Whether block `name` has a readable checkpoint (marks nothing)."""
+        return name in self._checkpoints
+
+    def _evictable(self) -> bytes | None:
+        for name, slot in self._checkpoints.items():
+            if not self._pins[slot]:
+                return name
+        return None
+
+    def can_add_checkpoint(self, name: bytes) -> bool:
+        """Whether `new_checkpoint(name)` would give a slot."""
+        if not self.num_checkpoints or name in self._checkpoints or name in self._pending:
+            return False
+        return bool(self._free_checkpoints) or self._evictable() is not None
+
     def new_checkpoint(self, name: bytes) -> int | None:
-        """A checkpoint slot to save the state after block `name`'s chain into (a free one,
-        else the least recently used one, evicted), now keyed by `name`; None when there are
-        no checkpoint slots or `name` has one already."""
-        if self.num_checkpoints == 0 or name in self._checkpoints:
+        """A checkpoint slot to fill with the state after block `name`'s chain (a free one,
+        else the least recently used one not pinned, evicted), pending under `name` until
+        `commit`; None when there are no checkpoint slots, `name` has one already (readable
+        or pending), or every slot is pending or pinned."""
+        if not self.can_add_checkpoint(name):
             return None
         if self._free_checkpoints:
             slot = self._free_checkpoints.pop()
         else:
-            _, slot = self._checkpoints.popitem(last=False)
+            victim = self._evictable()
+            assert victim is not None  # can_add_checkpoint saw one
+            slot = self._checkpoints.pop(victim)
             self.num_checkpoint_evictions += 1
-        self._checkpoints[name] = slot
+        self._pending[name] = slot
         return slot
 
+    def commit(self, slot: int) -> bytes | None:
+        """The plan filling pending checkpoint `slot` came back: it becomes readable (most
+        recently used). Returns its name, None for a slot that is not pending."""
+        name = next((n for n, s in self._pending.items() if s == slot), None)
+        if name is not None:
+            del self._pending[name]
+            self._checkpoints[name] = slot
+        return name
+
+    def drop(self, slot: int) -> None:
+        """The plan filling pending checkpoint `slot` failed: free it (nothing if the slot is
+        not pending)."""
+        name = next((n for n, s in self._pending.items() if s == slot), None)
+        if name is not None:
+            del self._pending[name]
+            self._free_checkpoints.append(slot)
+
+    def holds(self, slot: int, name: bytes) -> bool:
+        """Whether checkpoint `slot` is readable and holds block `name`'s checkpoint now."""
+        return self._checkpoints.get(name) == slot
+
+    def pin(self, slot: int) -> None:
+        """Keep checkpoint `slot` from eviction until `unpin` (its copy into the kvstore is
+        in flight). Pins nest."""
+        self._pins[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        """End one pin of `slot`. Raises RuntimeError if it is not pinned."""
+        if self._pins[slot] <= 0:
+            raise RuntimeError(f"checkpoint slot {slot} unpinned with no pin")
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            del self._pins[slot]
+            if slot in self._orphans:
+                self._orphans.discard(slot)
+                self._free_checkpoints.append(slot)
+
     def forget_checkpoints(self) -> None:
-        """Drop every checkpoint (the prefix cache was reset)."""
-        self._free_checkpoints.extend(self._checkpoints.values())
+        """Drop every readable checkpoint (the prefix cache was reset); a pinned one is freed
+        at its last unpin, a pending one stays (its plan fills it correctly)."""
+        for slot in self._checkpoints.values():
+            if self._pins[slot]:
+                self._orphans.add(slot)
+            else:
+                self._free_checkpoints.append(slot)
         self._checkpoints.clear()
 
     @property

@@ -24,6 +24,8 @@ frontend):
 - `kestrel:kv_cache_usage_perc` (gauge, fraction 0..1 of KV blocks held by requests).
 - `kestrel:kv_tier_hits_total{tier}` (counter, tokens loaded from the kvstore's "cpu" or
   "disk" tier; only when the engine runs with the kvstore)
+- `kestrel:kv_tier_state_hits_total{tier}` (counter, a hybrid model's recurrent-state
+  checkpoints loaded from a tier, docs/ARCHITECTURE.md §4.7; only for a hybrid model)
 - `kestrel:prefix_cache_queries_total`, `kestrel:prefix_cache_hits_total` (counters, tokens
   looked up / found in the prefix cache since the engine started).
 - `kestrel:engine_up` (gauge): 1 when the last stats call answered.
@@ -201,6 +203,12 @@ class _EngineCollector:
                                         labels=["model_name", "tier"])
                 for tier in ("cpu", "disk"):
                     c.add_metric(m + [tier], float(s.get(f"kv_tier_hits_{tier}", 0)))
+                yield c
+            if "kv_tier_state_hits_cpu" in s:   # a hybrid model's state checkpoints (§4.7)
+                c = CounterMetricFamily("kestrel:kv_tier_state_hits", "Recurrent-state checkpoints "
+                                        "loaded from a kvstore tier.", labels=["model_name", "tier"])
+                for tier in ("cpu", "disk"):
+                    c.add_metric(m + [tier], float(s.get(f"kv_tier_state_hits_{tier}", 0)))
                 yield c
         r = CounterMetricFamily("kestrel:process_restarts",
                                 "Restarts of each supervised process.", labels=["process"])

@@ -60,12 +60,14 @@ class OwnedPool(KVPool):
 
     @classmethod
     def create(cls, instance_id: str, n_slots: int, slot_bytes: int,
-               model_identity: bytes) -> OwnedPool:
-        """Create and map the pool of an instance. Raises FileExistsError if a live pool of
-        that name exists, ValueError for a bad shape, OSError if /dev/shm refuses."""
+               model_identity: bytes, name: str | None = None) -> OwnedPool:
+        """Create and map the pool of an instance (name: its /dev/shm name, default
+        `pool_name(instance_id)`; the state checkpoints' pool passes `state_pool_name`).
+        Raises FileExistsError if a live pool of that name exists, ValueError for a bad
+        shape, OSError if /dev/shm refuses."""
         if n_slots < 1 or slot_bytes < 1 or len(model_identity) != 32:
             raise ValueError(f"bad kvpool: {n_slots} slots of {slot_bytes} bytes")
-        path = shm_path(pool_name(instance_id))
+        path = shm_path(name or pool_name(instance_id))
         stride = slot_stride(slot_bytes)
         inst = _pack_text(instance_id, 32, "instance id")
         fd = _create(path, HEADER_SIZE + n_slots * stride)

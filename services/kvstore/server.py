@@ -8,8 +8,14 @@ section; an undecodable message is logged and dropped, a valid one from a peer w
 hello gets a KVError. Clients may come and go: the contents stay, and a client's pins are
 released when it says KVBye or comes back with a new session.
 
+A hybrid model's store keeps two namespaces, each a `Space` (an index, a pool, a disk
+folder): the KV blocks, and the recurrent-state checkpoints (docs/ARCHITECTURE.md §4.7:
+named by the block they follow, slots of one request's state, files under the state
+identity's folder). One message may carry both parts (`state_*` fields); a reservation that
+waits for promotions in both is ready (KVLoadReady) when both are.
+
 Exit paths: SIGTERM / SIGINT stop the loop; `close()` then waits for queued disk writes,
-unlinks the pool segment and closes the socket (also on an error, and at exit).
+unlinks the pool segments and closes the socket (also on an error, and at exit).
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ import queue
 import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import zmq
 
 from services.kvstore.cpu_tier import OwnedPool
 from services.kvstore.disk_tier import CorruptBlock, DiskTier
 from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
-from services.kvstore.store import Actions, BlockStore
+from services.kvstore.store import Actions, BlockStore, Reservation
 from shared.config import KestrelConfig
-from shared.kv_pool import HEADER_SIZE
+from shared.kv_pool import HEADER_SIZE, state_pool_name
 from shared.hashing import HASH_BYTES
 from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
@@ -46,7 +53,34 @@ DISK_THREADS = max(2, min(16, os.cpu_count() or 2))
 # at 1.2 GB/s against 12 without (H200 host, 16 threads, a probe of this code path). A
 # promotion that finds no free buffer drops the block it evicts instead of demoting it.
 STAGING_KEEP = 64
+STAGING_BYTES = 256 << 20  # at most this much in staging buffers per space (state slots are big)
 PENDING_WRITE_BYTES = 1 << 30  # RAM for slot copies waiting to be written to the disk tier
+KV, STATE = 0, 1  # the spaces: KV blocks, a hybrid model's state checkpoints
+
+
+@dataclass
+class Space:
+    """One namespace of the store: its index, its pool, its disk folder (None: no disk tier),
+    the bytes of one entry and its reused copy-out buffers (see STAGING_KEEP)."""
+
+    name: str
+    store: BlockStore
+    pool: OwnedPool
+    disk: DiskTier | None
+    slot_bytes: int
+    staging: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    staging_keep: int = 0
+
+
+@dataclass
+class LoadWait:
+    """A reservation waiting for promotions in one or both spaces: the spaces still reading,
+    and the entries of each that hold their block (the KVLoadReady to send)."""
+
+    waiting: set[int]
+    num_ok: int
+    state_ok: int
+    started: float
 
 
 class KVStoreServer:
@@ -59,28 +93,28 @@ class KVStoreServer:
         self.cfg, self.setup = cfg, setup
         self.stopping = False
         self._closed = False
+        self.spaces: list[Space] = []
         self.pool = OwnedPool.create(cfg.instance_id, setup.n_slots, setup.block_bytes,
                                      setup.model_identity)
+        self._pools = [self.pool]  # every segment made, closed (unlinked) by close()
         self.ctx = zmq.Context()
         # promotions never queue behind demotion writes: a hit being served waits on reads
         self._reads = ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="kvstore-read")
         self._writes = ThreadPoolExecutor(max(1, DISK_THREADS // 4), thread_name_prefix="kvstore-write")
         try:
-            # demotions queued at once: copies of their slots wait in RAM for the disk
-            self.store = BlockStore(setup.n_slots, setup.disk_capacity,
-                                    max(64, PENDING_WRITE_BYTES // max(setup.block_bytes, 1)))
-            self.disk: DiskTier | None = None
-            if setup.disk_dir:
-                self.disk = DiskTier(setup.disk_dir, setup.model_identity, setup.block_bytes)
-                found = self.disk.scan()
-                self._unlink(self.store.add_disk_blocks([h for h, _ in found]))
-                log.info("disk tier %s: %d block files indexed (capacity %d)", self.disk.folder,
-                         len(self.store.disk), setup.disk_capacity)
+            self.spaces.append(self._space("KV block", self.pool, setup.model_identity, setup.block_bytes,
+                                           setup.n_slots, setup.disk_capacity))
+            if setup.state_bytes:  # a hybrid model's state checkpoints: a second pool
+                spool = OwnedPool.create(cfg.instance_id, setup.state_n_slots, setup.state_bytes,
+                                         setup.state_identity, name=state_pool_name(cfg.instance_id))
+                self._pools.append(spool)
+                self.spaces.append(self._space("state checkpoint", spool, setup.state_identity,
+                                               setup.state_bytes, setup.state_n_slots,
+                                               setup.state_disk_capacity))
+            self.store = self.spaces[KV].store
+            self.disk: DiskTier | None = self.spaces[KV].disk
             self._done: queue.SimpleQueue = queue.SimpleQueue()
-            self._promo_started: dict[tuple[str, int], float] = {}  # reservation -> start
-            self._staging: queue.SimpleQueue = queue.SimpleQueue()  # copy-out buffers
-            for _ in range(STAGING_KEEP if setup.disk_dir else 0):
-                self._staging.put(bytearray(setup.block_bytes))  # zero-filled: faulted now
+            self._waits: dict[tuple[str, int], LoadWait] = {}  # reservations being promoted
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             self.router = make_socket(self.ctx, zmq.ROUTER, cfg.kvstore_address, bind=True)
@@ -92,9 +126,29 @@ class KVStoreServer:
         self.peer_session: dict[bytes, str] = {}      # routing id -> session
         self.session_peer: dict[str, bytes] = {}      # session -> routing id (latest)
         self.client_session: dict[str, str] = {}      # client_id -> its current session
-        self.pool.set_counters(0)
-        log.info("kvstore ready at %s: pool %s, %d slots of %d bytes", cfg.kvstore_address,
-                 self.pool.name, setup.n_slots, setup.block_bytes)
+        for sp in self.spaces:
+            sp.pool.set_counters(0)
+            log.info("kvstore ready at %s: pool %s, %d %s slots of %d bytes", cfg.kvstore_address,
+                     sp.pool.name, sp.pool.n_slots, sp.name, sp.slot_bytes)
+
+    def _space(self, name: str, pool: OwnedPool, identity: bytes, slot_bytes: int, n_slots: int,
+               disk_capacity: int) -> Space:
+        """A namespace over `pool`, with its disk folder (<disk dir>/<identity hex>/) indexed
+        when the disk tier is on."""
+        # demotions queued at once: copies of their slots wait in RAM for the disk
+        least = 64 if not self.spaces else 8  # a state checkpoint can be tens of MB
+        store = BlockStore(n_slots, disk_capacity, max(least, PENDING_WRITE_BYTES // max(slot_bytes, 1)))
+        sp = Space(name, store, pool, None, slot_bytes)
+        if self.setup.disk_dir:
+            sp.disk = DiskTier(self.setup.disk_dir, identity, slot_bytes)
+            found = sp.disk.scan()
+            self._unlink(sp, store.add_disk_blocks([h for h, _ in found]))
+            log.info("disk tier %s: %d %s files indexed (capacity %d)", sp.disk.folder,
+                     len(store.disk), name, disk_capacity)
+            sp.staging_keep = max(2, min(STAGING_KEEP, STAGING_BYTES // max(slot_bytes, 1)))
+            for _ in range(sp.staging_keep):
+                sp.staging.put(bytearray(slot_bytes))  # zero-filled: faulted now
+        return sp
 
     # ------------------------------------------------------------ main loop
     def serve_forever(self) -> None:
@@ -102,7 +156,7 @@ class KVStoreServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        used = -1
+        used = [-1] * len(self.spaces)
         while not self.stopping:
             events = dict(poller.poll(200))
             if self.router in events:
@@ -114,9 +168,10 @@ class KVStoreServer:
                     self._on_frames(frames)
             if self._wake_r in events or not self._done.empty():
                 self._drain_done()
-            if self.store.slots_used != used:
-                used = self.store.slots_used
-                self.pool.set_counters(used)
+            for i, sp in enumerate(self.spaces):
+                if sp.store.slots_used != used[i]:
+                    used[i] = sp.store.slots_used
+                    sp.pool.set_counters(used[i])
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -146,30 +201,68 @@ class KVStoreServer:
         if session is None:
             self._send(rid, KVError(msg.req_id, "send KVHello first"))
             return
-        st = self.store
+        st, states = self.store, self._states()
         if isinstance(msg, KVLookup):
-            self._send(rid, KVLookupResult(msg.req_id, st.lookup(_hashes(msg.hashes))))
+            state_tiers = ([states.tier(h) or "" for h in _hashes(msg.state_hashes)] if states is not None
+                           else [""] * len(msg.state_hashes))  # a dense store holds none
+            self._send(rid, KVLookupResult(msg.req_id, st.lookup(_hashes(msg.hashes)), state_tiers))
         elif isinstance(msg, KVReserveLoad):
-            slots, resv, acts = st.reserve_load(session, msg.req_id, _hashes(msg.hashes))
-            if resv is not None:
-                self._promo_started[(session, msg.req_id)] = time.monotonic()
-            self._run(acts)
-            self._send(rid, KVLoadReserved(msg.req_id, slots, resv is None))
+            self._reserve(rid, session, msg)
         elif isinstance(msg, KVCompleteLoad):
-            self._send(rid, KVAck(msg.req_id, st.complete_load(session, msg.slots)))
+            n = st.complete_load(session, msg.slots)
+            if states is not None:
+                n += states.complete_load(session, msg.state_slots)
+            self._send(rid, KVAck(msg.req_id, n))
         elif isinstance(msg, KVPrepareStore):
             slots, evicted, acts = st.prepare_store(session, _hashes(msg.hashes))
-            self._run(acts)
-            self._send(rid, KVStorePrepared(msg.req_id, slots, evicted))
+            self._run(self.spaces[KV], acts)
+            state_slots = [-1] * len(msg.state_hashes)
+            if states is not None and msg.state_hashes:
+                state_slots, _, sacts = states.prepare_store(session, _hashes(msg.state_hashes))
+                self._run(self.spaces[STATE], sacts)
+            self._send(rid, KVStorePrepared(msg.req_id, slots, evicted, state_slots))
         elif isinstance(msg, KVCompleteStore):
-            self._send(rid, KVAck(msg.req_id, st.complete_store(session, msg.slots, msg.ok)))
+            n = st.complete_store(session, msg.slots, msg.ok)
+            if states is not None:
+                n += states.complete_store(session, msg.state_slots, msg.ok)
+            self._send(rid, KVAck(msg.req_id, n))
         elif isinstance(msg, KVStats):
-            self._send(rid, KVAck(msg.req_id, 0, st.stats()))
+            stats = st.stats()
+            if states is not None:
+                stats.update({f"state_{k}": v for k, v in states.stats().items()})
+            self._send(rid, KVAck(msg.req_id, 0, stats))
         elif isinstance(msg, KVBye):
-            n = st.drop_session(session)
+            n = self._drop_session(session)
             self.peer_session.pop(rid, None)
             self.session_peer.pop(session, None)
             self._send(rid, KVAck(msg.req_id, n))
+
+    def _states(self) -> BlockStore | None:
+        """The state checkpoints' index (None: a dense model's store)."""
+        return self.spaces[STATE].store if len(self.spaces) > STATE else None
+
+    def _drop_session(self, session: str) -> int:
+        """Release a session's pins and slots being written in every space."""
+        for key in [k for k in self._waits if k[0] == session]:
+            del self._waits[key]
+        return sum(sp.store.drop_session(session) for sp in self.spaces)
+
+    def _reserve(self, rid: bytes, session: str, msg: KVReserveLoad) -> None:
+        """KVReserveLoad: pin the block run and the checkpoint run; when either waits for
+        promotions, KVLoadReady follows once both are in their slots."""
+        slots, resv, acts = self.store.reserve_load(session, msg.req_id, _hashes(msg.hashes))
+        self._run(self.spaces[KV], acts)
+        state_slots: list[int] = []
+        sresv: Reservation | None = None
+        states = self._states()
+        if states is not None and msg.state_hashes:
+            state_slots, sresv, sacts = states.reserve_load(session, msg.req_id, _hashes(msg.state_hashes))
+            self._run(self.spaces[STATE], sacts)
+        waiting = {i for i, r in ((KV, resv), (STATE, sresv)) if r is not None}
+        if waiting:
+            self._waits[(session, msg.req_id)] = LoadWait(waiting, len(slots), len(state_slots),
+                                                          time.monotonic())
+        self._send(rid, KVLoadReserved(msg.req_id, slots, not waiting, state_slots))
 
     def _hello(self, rid: bytes, msg: KVHello) -> None:
         s = self.setup
@@ -182,44 +275,50 @@ class KVStoreServer:
                    "parallel layout differ)")
         elif msg.block_bytes != s.block_bytes:
             err = f"block_bytes {msg.block_bytes}, the store's blocks are {s.block_bytes} bytes"
+        elif msg.state_bytes != s.state_bytes or msg.state_identity != s.state_identity:
+            err = (f"state checkpoints of {msg.state_bytes} bytes (state identity "
+                   f"{msg.state_identity.hex()[:16] or 'none'}), the store's are {s.state_bytes} bytes "
+                   f"({s.state_identity.hex()[:16] or 'none'}): the recurrent-state layout differs")
         if err:
             log.warning("refused client %s (pid %d): %s", msg.client_id, msg.pid, err)
             self._send(rid, KVInfo(False, err))
             return
         old = self.client_session.get(msg.client_id)
         if old is not None and old != msg.session:
-            n = self.store.drop_session(old)
+            n = self._drop_session(old)
             log.info("client %s restarted: released %d slots of its old session", msg.client_id, n)
             self.peer_session.pop(self.session_peer.pop(old, b""), None)
         self.client_session[msg.client_id] = msg.session
         self.peer_session[rid] = msg.session
         self.session_peer[msg.session] = rid
         log.info("client %s (pid %d) connected", msg.client_id, msg.pid)
+        spool = self.spaces[STATE].pool if len(self.spaces) > STATE else None
         self._send(rid, KVInfo(True, "", os.getpid(), self.pool.name, s.n_slots, s.block_bytes,
-                               self.pool.stride, HEADER_SIZE, self.disk is not None))
+                               self.pool.stride, HEADER_SIZE, self.disk is not None,
+                               spool.name if spool else "", s.state_n_slots, s.state_bytes))
 
     # ------------------------------------------------------------ disk I/O
-    def _run(self, acts: Actions) -> None:
-        """Carry out a store call's I/O: copy demoted slots, delete evicted files, then queue
-        the writes and reads. A demoted slot that a promotion reads into is copied by that
-        read's job (on the reader threads, before its read); the others are copied now,
-        before the reply lets a client write into them."""
+    def _run(self, sp: Space, acts: Actions) -> None:
+        """Carry out a store call's I/O in space `sp`: copy demoted slots, delete evicted
+        files, then queue the writes and reads. A demoted slot that a promotion reads into
+        is copied by that read's job (on the reader threads, before its read); the others
+        are copied now, before the reply lets a client write into them."""
         reading = {slot for _, slot in acts.read}
         copy_first = {slot: h for h, slot in acts.demote if slot in reading}
-        demoted = [(h, self._copy_out(slot, self._free_staging())) for h, slot in acts.demote
+        demoted = [(h, self._copy_out(sp, slot, self._free_staging(sp))) for h, slot in acts.demote
                    if slot not in reading]
-        self._unlink(acts)
+        self._unlink(sp, acts)
         for h, data in demoted:
-            self._writes.submit(self._write_job, h, data)
+            self._writes.submit(self._write_job, sp, h, data)
         for h, slot in acts.read:
-            self._reads.submit(self._read_job, h, slot, copy_first.get(slot))
+            self._reads.submit(self._read_job, sp, h, slot, copy_first.get(slot))
 
-    def _unlink(self, acts: Actions) -> None:
+    def _unlink(self, sp: Space, acts: Actions) -> None:
         if not acts.unlink:
             return
-        assert self.disk is not None, "only the disk tier has files to unlink"
+        assert sp.disk is not None, "only the disk tier has files to unlink"
         for h in acts.unlink:
-            self.disk.remove(h)
+            sp.disk.remove(h)
 
     def _post(self, item) -> None:
         self._done.put(item)
@@ -228,54 +327,57 @@ class KVStoreServer:
         except (BlockingIOError, OSError):
             pass
 
-    def _free_staging(self) -> bytearray | None:
-        """A reused staging buffer of block_bytes (see STAGING_KEEP), or None when none is free."""
+    @staticmethod
+    def _free_staging(sp: Space) -> bytearray | None:
+        """A reused staging buffer of the space's slot bytes (see STAGING_KEEP), or None when
+        none is free."""
         try:
-            buf: bytearray = self._staging.get_nowait()
+            buf: bytearray = sp.staging.get_nowait()
             return buf
         except queue.Empty:
             return None
 
-    def _copy_out(self, slot: int, buf: bytearray | None) -> bytearray:
+    @staticmethod
+    def _copy_out(sp: Space, slot: int, buf: bytearray | None) -> bytearray:
         """A copy of a slot's bytes for its demotion write, in `buf` (from `_free_staging`),
         or in a new buffer when that is None."""
         if buf is None:
-            buf = bytearray(len(self.pool.slot(slot)))
-        buf[:] = self.pool.slot(slot)
+            buf = bytearray(len(sp.pool.slot(slot)))
+        buf[:] = sp.pool.slot(slot)
         return buf
 
-    def _write_job(self, h: bytes, data: bytearray) -> None:
+    def _write_job(self, sp: Space, h: bytes, data: bytearray) -> None:
         try:
-            assert self.disk is not None, "demotions are written only with a disk tier"
-            self.disk.write(h, data)
+            assert sp.disk is not None, "demotions are written only with a disk tier"
+            sp.disk.write(h, data)
             ok = True
         except Exception as e:
-            log.warning("demotion of %s failed: %s", h.hex()[:16], e)
+            log.warning("demotion of %s %s failed: %s", sp.name, h.hex()[:16], e)
             ok = False
-        if self._staging.qsize() < STAGING_KEEP:
-            self._staging.put(data)
-        self._post(("w", h, ok, 0.0))
+        if sp.staging.qsize() < sp.staging_keep:
+            sp.staging.put(data)
+        self._post(("w", sp, h, ok, 0.0))
 
-    def _read_job(self, h: bytes, slot: int, demote: bytes | None = None) -> None:
-        """Promote block h into slot; first, when `demote` names the block the slot held,
+    def _read_job(self, sp: Space, h: bytes, slot: int, demote: bytes | None = None) -> None:
+        """Promote entry h into slot; first, when `demote` names the entry the slot held,
         copy it out and queue its disk write."""
         ok, t0 = False, time.perf_counter()
         try:
-            if demote is not None:  # the block the slot held: written out, or dropped
-                buf = self._free_staging()
+            if demote is not None:  # the entry the slot held: written out, or dropped
+                buf = self._free_staging(sp)
                 if buf is None:
-                    self._post(("s", demote, False, 0.0))
+                    self._post(("s", sp, demote, False, 0.0))
                 else:
-                    self._writes.submit(self._write_job, demote, self._copy_out(slot, buf))
+                    self._writes.submit(self._write_job, sp, demote, self._copy_out(sp, slot, buf))
             t0 = time.perf_counter()
-            assert self.disk is not None, "promotions read only from a disk tier"
-            self.disk.read_into(h, self.pool.slot(slot))
+            assert sp.disk is not None, "promotions read only from a disk tier"
+            sp.disk.read_into(h, sp.pool.slot(slot))
             ok = True
         except CorruptBlock as e:
-            log.warning("disk block is corrupt, removed (a miss): %s", e)
+            log.warning("disk %s is corrupt, removed (a miss): %s", sp.name, e)
         except Exception as e:
-            log.warning("promotion of %s failed: %s", h.hex()[:16], e)
-        self._post(("r", h, ok, time.perf_counter() - t0))
+            log.warning("promotion of %s %s failed: %s", sp.name, h.hex()[:16], e)
+        self._post(("r", sp, h, ok, time.perf_counter() - t0))
 
     def _drain_done(self) -> None:
         try:
@@ -285,20 +387,36 @@ class KVStoreServer:
             pass
         while True:
             try:
-                kind, h, ok, secs = self._done.get_nowait()
+                kind, sp, h, ok, secs = self._done.get_nowait()
             except queue.Empty:
                 return
             if kind in ("w", "s"):  # s: a demotion skipped for want of a staging buffer
-                self.store.write_done(h, ok, skipped=kind == "s")
+                sp.store.write_done(h, ok, skipped=kind == "s")
                 continue
             self.store.counters["disk_read_us"] += round(1e6 * secs)  # summed over threads
-            for r in self.store.read_done(h, ok):
-                t0 = self._promo_started.pop((r.session, r.req_id), None)
-                if t0 is not None:  # wall time of the reservation's promotions, seconds
-                    self.store.counters["promotion_wait_ms"] += round(1e3 * (time.monotonic() - t0))
-                rid = self.session_peer.get(r.session)
-                if rid is not None:
-                    self._send(rid, KVLoadReady(r.req_id, r.num_ok))
+            space = self.spaces.index(sp)
+            for r in sp.store.read_done(h, ok):
+                self._promoted(space, r)
+
+    def _promoted(self, space: int, r: Reservation) -> None:
+        """A reservation's promotions in `space` are done: KVLoadReady once the other space
+        is done too."""
+        w = self._waits.get((r.session, r.req_id))
+        if w is None or space not in w.waiting:
+            return
+        w.waiting.discard(space)
+        if space == KV:
+            w.num_ok = r.num_ok
+        else:
+            w.state_ok = r.num_ok
+        if w.waiting:
+            return
+        del self._waits[(r.session, r.req_id)]
+        # wall time of the reservation's promotions, milliseconds
+        self.store.counters["promotion_wait_ms"] += round(1e3 * (time.monotonic() - w.started))
+        rid = self.session_peer.get(r.session)
+        if rid is not None:
+            self._send(rid, KVLoadReady(r.req_id, w.num_ok, w.state_ok))
 
     # ------------------------------------------------------------ exit
     def close(self) -> None:
@@ -310,7 +428,8 @@ class KVStoreServer:
             self._reads.shutdown(wait=True)  # first: a read job may queue a write
             self._writes.shutdown(wait=True)
         finally:
-            self.pool.close()
+            for pool in self._pools:
+                pool.close()
             router = getattr(self, "router", None)   # absent when __init__ failed before it
             if router is not None:
                 router.close(linger=0)

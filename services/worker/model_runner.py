@@ -47,6 +47,7 @@ from shared.config import KestrelConfig, state_checkpoint_slots
 from shared.kv_layout import KVLayout
 from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
+from shared.state_layout import StateLayout
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult
 from shared.weight_quant import check_fp8_setting, fp8_in_use
 
@@ -164,6 +165,11 @@ class ModelRunner:
         # a hybrid model's recurrent-state group (state_cache.py): one slot per running request,
         # allocated before the KV sizing (which then counts it as used memory)
         state_specs = module.state_specs()
+        state_layout = StateLayout.for_model(self.spec, self.kv_layout)
+        want = state_layout.state_bytes if state_layout is not None else 0
+        if sum(sp.slot_bytes for sp in state_specs) != want:  # the kvstore's state slots are sized from it
+            raise ValueError(f"the model's recurrent state takes {sum(sp.slot_bytes for sp in state_specs)} "
+                             f"bytes a request, its state layout {want}")
         self.state_cache = StateCache(state_specs, cfg.max_num_seqs + state_checkpoint_slots(cfg),
                                       self.device) if state_specs else None
         self._step_state: StepState | None = None  # the current step's view (run_model gives it on)
@@ -183,7 +189,8 @@ class ModelRunner:
             self.draft_kv = KVCache(draft_specs, self.num_blocks, self.block_size, self.dtype, self.device)
             self.proposer.bind_kv(self.draft_kv.layers)
         self.attn_layers = bind_layers(module.attention_specs(), self.kv.layers)
-        self.kv_transfer = KVTransfer(self.kv, self.kv_layout)  # kvstore tier copies (kv_transfer.py)
+        # kvstore tier copies, blocks and a hybrid's state checkpoints (kv_transfer.py)
+        self.kv_transfer = KVTransfer(self.kv, self.kv_layout, self.state_cache)
         self._graph_aux: dict[int, torch.Tensor] = {}  # batch size -> a graph's aux hidden output
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention \
@@ -277,6 +284,8 @@ class ModelRunner:
             # the recurrent-state group of a hybrid model (state_cache.py): 0 / 0 without one
             "state_bytes": self.state_cache.bytes if self.state_cache else 0,
             "state_slots": self.state_cache.num_slots if self.state_cache else 0,
+            # one checkpoint in a kvstore state slot (shared/state_layout.py; the engine checks it)
+            "state_checkpoint_bytes": self.kv_transfer.state_bytes,
             "speculative": proposer_report(self.proposer, self.num_speculative_tokens, self.draft_kv,
                                            self.draft_block_bytes),
             # verify steps' CUDA graphs (verify_graphs.py), only when captured

@@ -12,13 +12,19 @@ Shown against independent truths:
 - prefix-cache hits (blocks plus the recurrent state's checkpoint at the prompt's last full
   block) give the cold run's output, for prompts on a block boundary, one past it and mid-block;
 - n-gram speculation (every decode verifying drafts) gives the same outputs;
-- every block comes back at the end.
+- every block comes back at the end;
+- with the kvstore (`--kv-offload-cpu-gib`), a repeated prompt whose local prefix cache was
+  flushed hits in the CPU tier (its blocks and its recurrent state's checkpoint) and gives
+  the cold run's output, on a block boundary, one past it and mid-block; the same after the
+  engine is killed and comes back with the kvstore kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import shutil
+import signal
+import time
 
 import httpx
 import pytest
@@ -168,3 +174,70 @@ def test_ngram_speculation_on_a_hybrid_model_gives_the_same_output(hybrid, plain
     # drafts were verified and some rejected: the recurrent state rolled back
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+def _wait_stats(client: httpx.Client, pred, what: str, srv: KestrelServer, timeout: float = 120.0) -> dict:
+    """The engine's stats once pred(stats) holds (polled; a restarting engine may not answer)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            s = client.get("/internal/stats", timeout=10).json()
+            if pred(s):
+                return s
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}:\n{srv.log_tail()}")
+
+
+def _reset_prefix_cache(client: httpx.Client) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if client.post("/reset_prefix_cache", timeout=10).status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("reset_prefix_cache kept refusing")
+
+
+def test_hybrid_prefix_hits_through_the_cpu_tier_and_after_an_engine_restart_equal_cold_runs(hybrid):
+    """Prompts of 32 (a block boundary), 33 and 40 tokens: the cold run stores the prompt's
+    blocks and the recurrent state's checkpoint at its last full block in the kvstore; with
+    the engine's local prefix cache flushed (reset_prefix_cache: its blocks and checkpoints),
+    the repeat loads both from the CPU tier (16, 32, 32 tokens: P - 1 rounded down to a block)
+    and gives the cold output token for token. Then the engine is killed: the new one has
+    nothing local, and every prompt hits in the CPU tier again, with the cold output."""
+    path, _ = hybrid
+    g = torch.Generator().manual_seed(11)
+    bases = [torch.randint(100, 40000, (60,), generator=g).tolist() for _ in range(3)]
+    prompts = [bases[0][:32], bases[1][:33], bases[2][:40]]  # unrelated: each first run is cold
+    hits = [16, 32, 32]
+    srv = KestrelServer(str(path), "--served-model-name", "tiny-qwen3-next", "--block-size", "16",
+                        "--max-model-len", "128", "--kv-offload-cpu-gib", "0.01").start(timeout=300)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=300) as client:
+            _wait_stats(client, lambda s: s.get("kv_tier_connected"), "the kvstore connection", srv)
+
+            def tier_hit(p: list[int]) -> tuple:
+                """(output, (tier tokens, tier checkpoints, local tokens) of this request)."""
+                s0 = _wait_stats(client, lambda s: True, "stats", srv)
+                out = _complete(client, p)
+                s1 = _wait_stats(client, lambda s: True, "stats", srv)
+                keys = ("kv_tier_hits_cpu", "kv_tier_state_hits_cpu", "prefix_cache_hits")
+                return out, tuple(s1[k] - s0[k] for k in keys)
+
+            cold = []
+            for p, n in zip(prompts, hits):
+                cold.append(_complete(client, p))
+                _wait_stats(client, lambda s: s["kv_tier_pending_stores"] == 0, "the stores", srv)
+                _reset_prefix_cache(client)
+                assert tier_hit(p) == (cold[-1], (n, 1, 0)), len(p)
+            engine = next(c for c in srv.children() if "kestrel:engine" in " ".join(c.cmdline()))
+            engine.send_signal(signal.SIGKILL)
+            _wait_stats(client, lambda s: s.get("kv_tier_connected") and s.get("num_steps", 1) == 0
+                        and s.get("kv_tier_hits_cpu", 1) == 0, "a new engine with the kvstore", srv, 180)
+            for p, n, want in zip(prompts, hits, cold):
+                assert tier_hit(p) == (want, (n, 1, 0)), len(p)
+            metrics = client.get("/metrics").text
+    finally:
+        srv.stop()
+    assert 'kestrel:kv_tier_state_hits_total{model_name="tiny-qwen3-next",tier="cpu"} 3.0' in metrics

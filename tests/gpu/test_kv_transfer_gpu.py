@@ -90,9 +90,9 @@ def test_blocks_round_trip_through_pinned_pool_slots_bit_identical(dtype, n):
         slots = rng.sample(range(N_SLOTS), n)
         want = {b: layout_bytes(kv, b) for b in src}
 
-        xfer.after_step(SimpleNamespace(step_id=1, kv_stores=list(zip(src, slots)),
+        xfer.after_step(SimpleNamespace(step_id=1, kv_stores=list(zip(src, slots)), state_stores=[],
                                         kv_pool=pool.name, kv_pool_pid=os.getpid()))
-        assert xfer._registered and xfer._mem.is_pinned(), "the pool is not pinned memory"
+        assert xfer.blocks._registered and xfer.blocks._mem.is_pinned(), "the pool is not pinned memory"
         for b, s in zip(src, slots):
             assert bytes(pool.slot(s)) == want[b], f"slot {s} does not hold block {b}"
         untouched = [s for s in range(N_SLOTS) if s not in slots]
@@ -101,7 +101,7 @@ def test_blocks_round_trip_through_pinned_pool_slots_bit_identical(dtype, n):
         for t in kv.k + kv.v:  # poison the destinations
             raw(t)[dst] = POISON
         before = snapshot(kv)
-        xfer.before_step(SimpleNamespace(step_id=2, kv_loads=list(zip(slots, dst)),
+        xfer.before_step(SimpleNamespace(step_id=2, kv_loads=list(zip(slots, dst)), state_loads=[],
                                          kv_pool=pool.name, kv_pool_pid=os.getpid()))
         torch.cuda.synchronize()
         after = snapshot(kv)
@@ -111,7 +111,7 @@ def test_blocks_round_trip_through_pinned_pool_slots_bit_identical(dtype, n):
         for b_src, b_dst in zip(src, dst):
             assert layout_bytes(kv, b_dst) == want[b_src], f"block {b_dst} != block {b_src}"
     finally:
-        xfer._detach()
+        xfer.detach()
         pool.close()
 
 
@@ -126,7 +126,7 @@ def test_a_new_kvstore_pool_is_mapped_again_and_a_missing_one_fails_cleanly():
         assert [bytes(first.slot(s)) for s in range(3)] == want
         # A restarted kvstore: another pool and pid. The worker maps it and registers it.
         xfer.store(second.name, 1002, [(8, 4), (3, 6), (5, 5)])
-        assert xfer.pool.name == second.name and xfer._registered
+        assert xfer.blocks.pool.name == second.name and xfer.blocks._registered
         assert [bytes(second.slot(s)) for s in (6, 5, 4)] == want
         for t in kv.k + kv.v:
             raw(t)[[10, 11, 12]] = POISON
@@ -134,12 +134,12 @@ def test_a_new_kvstore_pool_is_mapped_again_and_a_missing_one_fails_cleanly():
         torch.cuda.synchronize()
         assert [layout_bytes(kv, b) for b in (10, 11, 12)] == want
         # A pool that is gone: stores are reported (the step's tokens stand), loads raise.
-        gone = SimpleNamespace(step_id=9, kv_stores=[(1, 0)], kv_loads=[(0, 1)],
+        gone = SimpleNamespace(step_id=9, kv_stores=[(1, 0)], kv_loads=[(0, 1)], state_loads=[], state_stores=[],
                                kv_pool="kestrel-kvg-gone-kvpool", kv_pool_pid=1003)
         assert xfer.after_step(gone).startswith("FileNotFoundError")
         with pytest.raises(FileNotFoundError):
             xfer.before_step(gone)
     finally:
-        xfer._detach()
+        xfer.detach()
         first.close()
         second.close()

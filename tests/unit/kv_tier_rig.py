@@ -12,6 +12,14 @@ request samples.
 
 `BookConnector` is a connector without a store, for scheduler tests: the test settles its
 lookups (`settle`); its policy and reservations are the real `LoadBook`'s.
+
+`TierRig(hybrid=True)`: a hybrid model (docs/ARCHITECTURE.md §4.7): the scheduler holds
+`StateSlots` and the store a state checkpoints' space; `HybridToyWorker` also keeps a
+recurrent state per state slot (tokens seen, running digest of them: the digest the KV
+entries carry), restores, saves and moves checkpoints through the state pool as the real
+worker does, and checks before every seq that its slot holds the state of exactly the
+tokens before start_pos (the KV's digest at start_pos - 1), so a wrong, stale or missing
+checkpoint fails the run.
 """
 
 from __future__ import annotations
@@ -41,11 +49,14 @@ from services.kvstore.settings import StoreSetup
 from shared.config import KestrelConfig
 from shared.hashing import model_identity_hash
 from shared.protocol import StepPlan
-from tests.unit.test_prefix_cache import EOS, BlockKVModel
+from services.engine.state_slots import StateSlots
+from tests.unit.test_prefix_cache import EOS, BlockKVModel, mix
 
 BS = 4                                  # tokens per block
 ENTRY = struct.Struct("<qqqq")          # a token's KV in a slot: written?, position, token, digest
 SLOT_BYTES = BS * ENTRY.size
+STATE = struct.Struct("<qq")            # a toy recurrent state: tokens seen, their digest
+STATE_IDENTITY = bytes(range(32))       # the toy's state identity
 
 
 class ToyWorker:
@@ -61,6 +72,11 @@ class ToyWorker:
 
     def execute(self, plan: StepPlan) -> tuple[list[int], str]:
         """Loads, forward, stores. Returns (sampled tokens, store error or "")."""
+        self.load(plan)
+        return self.forward_and_store(plan)
+
+    def load(self, plan: StepPlan) -> None:
+        """The plan's KV loads (before its forward)."""
         if plan.kv_loads:
             pool = KVPool.attach(plan.kv_pool)
             for slot, blk in plan.kv_loads:
@@ -72,6 +88,9 @@ class ToyWorker:
                     else:
                         self.model.kv.pop((blk, off), None)
             pool.close()
+
+    def forward_and_store(self, plan: StepPlan) -> tuple[list[int], str]:
+        """The forward, then the plan's KV stores. Returns (sampled tokens, store error or "")."""
         sampled = self.model.execute(plan)
         if not plan.kv_stores:
             return sampled, ""
@@ -87,6 +106,49 @@ class ToyWorker:
             pool.slot(slot)[:] = out
         pool.close()
         return sampled, ""
+
+
+class HybridToyWorker(ToyWorker):
+    """A ToyWorker with a recurrent state per state slot (module doc). Attributes: states
+    ((tokens, digest) per slot: num_slots request slots, then the checkpoint slots),
+    restores (seqs that resumed from a checkpoint)."""
+
+    def __init__(self, bm: BlockManager, num_slots: int):
+        super().__init__(bm)
+        self.states: list[tuple[int, int]] = [(0, 0)] * num_slots
+        self.restores = 0
+
+    def execute(self, plan: StepPlan) -> tuple[list[int], str]:
+        self.load(plan)
+        if plan.state_loads:  # before the step, before any restore reads them
+            pool = KVPool.attach(plan.state_pool)
+            for slot, ck in plan.state_loads:
+                self.states[ck] = STATE.unpack(bytes(pool.slot(slot)))
+            pool.close()
+        for s in plan.seqs:
+            if s.state_restore >= 0:
+                self.states[s.state_slot] = self.states[s.state_restore]
+                self.restores += 1
+        self.model.state.resolve(plan)
+        for s in plan.seqs:  # the state each seq continues from is that of its first start_pos tokens
+            n, h = self.states[s.state_slot] if s.start_pos else (0, 0)
+            want = self.model.read(s.block_table, s.start_pos - 1)[2] if s.start_pos else 0
+            assert (n, h) == (s.start_pos, want), f"{s.request_id}: state of {n} tokens, start_pos {s.start_pos}"
+            for t in s.token_ids:
+                n, h = n + 1, mix(h, t)
+            self.states[s.state_slot] = (n, h)
+        sampled, err = self.forward_and_store(plan)
+        for s in plan.seqs:
+            if s.state_save >= 0:
+                self.states[s.state_save] = self.states[s.state_slot]
+        if plan.state_stores and not err:
+            if self.fail_stores:
+                return sampled, "OSError: the pool is unavailable (test)"
+            pool = KVPool.attach(plan.state_pool)
+            for ck, slot in plan.state_stores:
+                pool.slot(slot)[:] = STATE.pack(*self.states[ck])
+            pool.close()
+        return sampled, err
 
 
 def check_blocks(bm: BlockManager, sched: Scheduler) -> None:
@@ -109,25 +171,41 @@ class TierRig:
     """
 
     def __init__(self, num_blocks: int = 64, n_slots: int = 64, budget: int = 16,
-                 max_num_seqs: int = 8, reply_timeout_s: float = 2.0):
+                 max_num_seqs: int = 8, reply_timeout_s: float = 2.0, hybrid: bool = False,
+                 n_state_slots: int = 16):
         self.runtime = tempfile.mkdtemp(prefix="kvu-")
         self.instance = "kvu" + uuid.uuid4().hex[:8]
         self.address = f"ipc://{self.runtime}/kvstore.sock"
         self.root = model_identity_hash("toy-model", "float32", "float32", BS)
-        self.n_slots = n_slots
-        self.bm = BlockManager(num_blocks, BS, root_hash=self.root)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget, 400, [EOS])
-        self.worker = ToyWorker(self.bm)
+        self.n_slots, self.n_state_slots = n_slots, n_state_slots
+        self.state_identity, self.state_bytes = (STATE_IDENTITY, STATE.size) if hybrid else (b"", 0)
+        self._engine_args = (num_blocks, budget, max_num_seqs, reply_timeout_s, hybrid)
         self.plans: list[StepPlan] = []
         self.held: list = []
         self._hold_kinds: tuple = ()
         self.start_store()
         self.ctx = zmq.Context()
+        self.start_engine()
+
+    def start_engine(self) -> None:
+        """A new engine and worker (nothing cached, fresh state slots) with a new session
+        of the store, as after an engine restart."""
+        num_blocks, budget, max_num_seqs, reply_timeout_s, hybrid = self._engine_args
+        self.bm = BlockManager(num_blocks, BS, root_hash=self.root)
+        self.slots = StateSlots(max_num_seqs, max_num_seqs) if hybrid else None
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, 400, [EOS], state_slots=self.slots)
+        self.worker = HybridToyWorker(self.bm, 2 * max_num_seqs) if hybrid else ToyWorker(self.bm)
         self.tiers = KVStoreConnector(self.address, self.root, SLOT_BYTES, self.ctx,
                                       reply_timeout_s=reply_timeout_s,
-                                      load_timeout_s=reply_timeout_s, ping_s=0.05, retry_s=0.2)
+                                      load_timeout_s=reply_timeout_s, ping_s=0.05, retry_s=0.2,
+                                      state_identity=self.state_identity, state_bytes=self.state_bytes)
         self.sched.attach_connector(self.tiers)
         self.wait(lambda: self.tiers.connected, "the store's answer to the engine's hello")
+
+    def restart_engine(self) -> None:
+        """The engine dies (its session is not closed) and a new one starts (`start_engine`)."""
+        self.tiers.session.client.close(bye=False)
+        self.start_engine()
 
     # ------------------------------------------------------------ the store
     def start_store(self) -> None:
@@ -135,7 +213,8 @@ class TierRig:
         # the two settings the server reads
         cfg = cast(KestrelConfig, SimpleNamespace(instance_id=self.instance,
                                                   kvstore_address=self.address))
-        setup = StoreSetup(self.root, SLOT_BYTES, self.n_slots, None, 0)
+        setup = StoreSetup(self.root, SLOT_BYTES, self.n_slots, None, 0, self.state_identity,
+                           self.state_bytes, self.n_state_slots if self.state_bytes else 0)
         self.server, self.thread = serve_in_thread(cfg, setup)
         real = self.server._handle
 
@@ -167,12 +246,18 @@ class TierRig:
     def probe(self, hashes: list[bytes]) -> tuple[list[str], dict]:
         """(tiers of the longest stored run of `hashes`, the store's counters), asked over
         a session of its own."""
-        c = KVStoreClient(self.address, "probe", self.root, SLOT_BYTES, timeout_s=5.0, ctx=self.ctx)
+        c = self.client()
         try:
-            c.connect()
             return c.lookup(hashes), c.stats()
         finally:
             c.close()
+
+    def client(self) -> KVStoreClient:
+        """A connected session of the test's own with the store."""
+        c = KVStoreClient(self.address, "probe", self.root, SLOT_BYTES, timeout_s=5.0, ctx=self.ctx,
+                          state_identity=self.state_identity, state_bytes=self.state_bytes)
+        c.connect()
+        return c
 
     # ------------------------------------------------------------ the engine loop
     def step(self) -> StepPlan | None:
@@ -222,7 +307,8 @@ class TierRig:
     def quiet(self) -> bool:
         """Nothing left: no request, no store or load in flight."""
         return (not self.sched.requests and not self.sched.waiting_for_kv
-                and not self.tiers.queued_stores and not self.tiers.has_stores()
+                and not self.tiers.stores.queued_blocks and not self.tiers.stores.queued_states
+                and not self.tiers.has_stores()
                 and not self.bm.store_pins
                 and not any(not isinstance(c, PingCall) for c in self.tiers.pending.values()))
 
@@ -255,9 +341,10 @@ class BookConnector(KVConnector):
         self.cached: list[tuple[int, bytes]] = []
         self.done: list[tuple[StepPlan, bool]] = []
 
-    def bind(self, pins: StorePins, on_lookup_done) -> None:
-        super().bind(pins, on_lookup_done)
+    def bind(self, pins: StorePins, on_lookup_done, checkpoints=None) -> None:
+        super().bind(pins, on_lookup_done, checkpoints)
         self.book.block_size = pins.block_size
+        self.book.checkpoints = checkpoints
 
     def settle(self, request: Request, load: KVLoad | None) -> None:
         """The store's answer to the queued lookup of `request`."""
@@ -271,8 +358,11 @@ class BookConnector(KVConnector):
             self.queued.append((request, num_local_blocks))
         return n
 
-    def on_allocated(self, request: Request, block_ids) -> None:
-        self.book.admit(request, block_ids)
+    def tier_checkpoint(self, request: Request) -> int | None:
+        return self.book.checkpoint_index(request)
+
+    def on_allocated(self, request: Request, block_ids, state_slot: int = -1) -> None:
+        self.book.admit(request, block_ids, state_slot)
 
     def on_cached(self, blocks: list[tuple[int, bytes]]) -> None:
         self.cached.extend(blocks)
@@ -281,8 +371,9 @@ class BookConnector(KVConnector):
         self.book.release(request)
 
     def take_transfers(self) -> KVTransfers | None:
-        loads = self.book.take_loads()
-        return KVTransfers(loads, [], "test-pool", 1) if loads else None
+        loads, state_loads = self.book.take_loads(), self.book.take_state_loads()
+        return KVTransfers(loads, [], "test-pool", 1, state_loads, [], "test-state-pool") \
+            if loads or state_loads else None
 
     def step_done(self, plan: StepPlan, store_ok: bool) -> None:
         self.done.append((plan, store_ok))

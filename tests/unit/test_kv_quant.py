@@ -248,7 +248,7 @@ def test_tier_copies_move_quantized_blocks_with_their_scales_byte_for_byte(tmp_p
         assert all(torch.equal(a, b) for a, b in zip(before, after))
         assert any(b.any() for b in before)
     finally:
-        xfer._detach()
+        xfer.detach()
         pool.close()
 
 

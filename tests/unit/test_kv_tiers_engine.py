@@ -265,11 +265,11 @@ def test_blocks_renamed_before_their_store_is_prepared_are_neither_pinned_nor_st
     a = req("a", tokens(21, 3 * BS + 1), 1)  # finishes in the step that names its 3 blocks
     rig.sched.add(a)
     rig.run_until(lambda: a.is_finished, "a to finish")
-    named = list(rig.tiers.queued_stores)
+    named = list(rig.tiers.stores.queued_blocks)
     assert len(named) == 3 and not rig.bm.store_pins
     assert rig.bm.reset_prefix_cache()  # the names go before the engine asks to store them
     rig.tiers.service()  # pump: nothing to store, nothing pinned (a pin would keep a free block)
-    assert not rig.bm.store_pins and not rig.tiers.queued_stores
+    assert not rig.bm.store_pins and not rig.tiers.stores.queued_blocks
     rig.drain()
     check_blocks(rig.bm, rig.sched)
     assert rig.probe([h for _, h in named])[0] == []  # the store never got them

@@ -141,13 +141,37 @@ def test_prefix_hits_resume_from_state_checkpoints_and_equal_cold_runs(seed, ove
 def test_a_hit_without_a_checkpoint_is_no_hit_and_checkpoints_evict_lru():
     s = StateSlots(2, 2)
     assert s.new_checkpoint(b"a") == 2 and s.new_checkpoint(b"b") == 3
-    assert s.new_checkpoint(b"a") is None  # already checkpointed
+    assert s.new_checkpoint(b"a") is None  # already checkpointed (pending)
+    assert s.checkpoint_of(b"a") is None, "a pending checkpoint is read before its plan came back"
+    assert s.commit(2) == b"a" and s.commit(3) == b"b" and s.commit(3) is None
     assert s.checkpoint_of(b"a") == 2  # a is now the most recent
     assert s.new_checkpoint(b"c") == 3 and s.checkpoint_of(b"b") is None  # b evicted
     assert s.num_checkpoint_evictions == 1
     assert StateSlots(2).new_checkpoint(b"a") is None  # no checkpoint slots
     s.forget_checkpoints()
-    assert s.checkpoint_of(b"a") is None and s.new_checkpoint(b"d") in (2, 3)
+    assert s.checkpoint_of(b"a") is None and s.new_checkpoint(b"d") == 2  # c is still pending in 3
+
+
+def test_pending_and_pinned_checkpoints_are_never_evicted_and_a_failed_plan_drops_its_own():
+    s = StateSlots(1, 2)
+    a, b = s.new_checkpoint(b"a"), s.new_checkpoint(b"b")
+    assert not s.can_add_checkpoint(b"c") and s.new_checkpoint(b"c") is None  # both pending
+    s.drop(b)  # b's step failed: its slot is free again, b has no checkpoint
+    assert not s.has_checkpoint(b"b") and s.new_checkpoint(b"c") == b
+    s.commit(a)
+    s.commit(b)
+    s.pin(a)  # a's copy into the kvstore is in flight: c (more recent) is the one evicted
+    s.checkpoint_of(b"c")
+    assert s.new_checkpoint(b"d") == b and s.holds(a, b"a") and not s.holds(b, b"c")
+    s.commit(b)
+    s.pin(b)
+    assert s.new_checkpoint(b"e") is None, "a pinned checkpoint was evicted"
+    s.forget_checkpoints()  # pinned ones go free at their last unpin, not before
+    assert not s.holds(a, b"a") and s.new_checkpoint(b"e") is None
+    s.unpin(a)
+    assert s.new_checkpoint(b"e") == a
+    with pytest.raises(RuntimeError):
+        s.unpin(a)
 
 
 def reference_n(seed: int, n: int):
@@ -217,11 +241,14 @@ def test_a_hybrid_model_runs_eagerly_and_refuses_what_its_state_cannot_run(tmp_p
     assert cfg.enforce_eager is True and cfg.sources["enforce_eager"] == "derived"
     ngram = '{"method": "ngram", "num_speculative_tokens": 2}'  # works: the state rolls back (§4.7)
     assert build_config(cli={"model": model, "device": "cpu", "speculative_config": ngram}, env={}).speculative
+    # the kvstore tiers work: they keep the state checkpoints too (§4.5)
+    assert build_config(cli={"model": model, "device": "cpu", "kv_offload_cpu_gib": "1"}, env={}).kv_offload_cpu_gib
+    with pytest.raises(ValueError, match="setting kv_offload_state_fraction: must be in"):
+        build_config(cli={"model": model, "device": "cpu", "kv_offload_state_fraction": "1"}, env={})
     for extra, setting in (({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2, '
                                                    '"load_format": "dummy"}'}, "speculative_config"),
                            ({"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2, '
                                                    '"load_format": "dummy"}'}, "speculative_config"),
-                           ({"kv_offload_cpu_gib": "1"}, "kv_offload_cpu_gib"),
                            ({"device": "cuda", "enforce_eager": "false"}, "enforce_eager")):
         with pytest.raises(ValueError, match=f"setting {setting}: not supported .* recurrent"):
             build_config(cli={"model": model, "device": "cpu", **extra}, env={})
@@ -243,3 +270,25 @@ def test_layer_types_from_full_attention_interval_and_bad_lists(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "full_attention_interval"}))
     spec = load_model_spec(str(tmp_path))
     assert not spec.has_recurrent_state and spec.attention_layer_ids == tuple(range(8))
+
+
+def test_a_failed_step_drops_the_checkpoint_it_saved_and_a_good_one_makes_it_readable():
+    from services.engine.request import Request
+
+    for failed in (True, False):
+        slots = StateSlots(1, 1)
+        sched = Scheduler(BlockManager(64, 4), 1, 64, 200, [EOS], state_slots=slots)
+        r = Request("a", b"fe", list(range(1, 11)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        sched.add(r)
+        out = sched.schedule()
+        seq = out.plan.seqs[0]
+        assert len(seq.token_ids) == 8 and seq.state_save == 1  # cut at the last full block: saves there
+        name = r.block_hashes[1]
+        assert not slots.has_checkpoint(name), "readable before its step came back"
+        if failed:
+            sched.step_failed(out.plan)
+            sched.finish(r, "error")
+        else:
+            sched.update(out, [])
+        assert slots.has_checkpoint(name) is not failed
+        assert slots.can_add_checkpoint(b"other"), "a dropped checkpoint's slot is not free again"
