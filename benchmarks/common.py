@@ -28,8 +28,8 @@ def model_dir(config_name: str, tokenizer: bool = False) -> str:
     d = tempfile.mkdtemp(prefix=f"kestrel-{config_name}-")
     with open(os.path.join(d, "config.json"), "w") as fh:
         json.dump(cfg, fh)
-    if tokenizer:
-        write_synthetic_tokenizer(d, int(cfg["vocab_size"]))
+    if tokenizer:  # a multimodal config nests its text model's fields (text_config)
+        write_synthetic_tokenizer(d, int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]))
     return d
 
 

@@ -7,9 +7,15 @@ forward, logits, sampling, the copy of the token back), with CUDA graphs and eag
 the same runner; also the median GPU time (CUDA events) of the forward + logits alone.
 Roofline: bytes per token = every parameter once (a tied embedding once, read whole by the
 lm_head; a MoE's expert weights at the share num_experts_per_tok / num_experts that one token
-reads) + the KV cache read at the context length; time = bytes / copy bandwidth, the
-bandwidth measured in this run (device-to-device copy of 2 GiB, read + write bytes).
-Writes JSON to --out and stdout.
+reads) + the KV cache read at the context length + a hybrid model's recurrent state, read and
+written once per recurrent layer (its conv window and its fp32 matrix, `state_specs`); time =
+bytes / copy bandwidth, the bandwidth measured in this run (device-to-device copy of 2 GiB,
+read + write bytes). Writes JSON to --out and stdout.
+
+Hybrid models (gated DeltaNet + attention, e.g. --config qwen3.5-35b-a3b with
+--gpu-memory-utilization 0.8) decode on state slot 0; the GPU-time replay of each step runs on
+slot 1 with a table of its own, so it never advances the measured sequence's state or
+rewrites its KV.
 
 --pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
 --fused-layers off keeps the norms as their own kernels at one row;
@@ -19,9 +25,9 @@ and attention apart; --attn overrides the attention kernel's launch defaults.
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
 bytes held (fp8 projections, the bf16 embedding, lm_head and norms).
 
-Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--out FILE]
-       [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE] [--rope-decode on|off] [--attn JSON]
-       [--quantization none|fp8]
+Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
+       [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
+       [--rope-decode on|off] [--attn JSON] [--quantization none|fp8] [--moe-launches one|torch]
 """
 
 from __future__ import annotations
@@ -75,20 +81,39 @@ def active_expert_share(hf_config) -> float:
     return int(hf_config.get("num_experts_per_tok", e)) / e if e > 1 else 1.0
 
 
-def decode_steps(runner, prompt, table, steps) -> tuple[list[float], list[float]]:
+def roofline_bytes(runner, tokens_in_cache: int) -> dict[str, int]:
+    """Bytes one decode token reads and writes at batch 1 with `tokens_in_cache` tokens of
+    KV: weights (each parameter once; stacked MoE experts at the share k / E), the KV read,
+    and a hybrid model's recurrent state, read and written in every recurrent layer (0 for
+    a model without one). Keys: weight_bytes, kv_bytes, state_bytes, total."""
+    active = active_expert_share(runner.spec.text_config)
+    # (quantized layers count their fp8 bytes: their parameters are meta placeholders)
+    params = {p.data_ptr(): p.numel() * p.element_size() * (active if hasattr(p, "num_experts") else 1)
+              for p in runner.model.parameters() if p.device.type != "meta"}
+    weights = int(sum(params.values())) + quantized_weight_bytes(runner.model)
+    kv = runner.kv_layout.block_bytes // runner.kv_layout.block_size * tokens_in_cache
+    state = 2 * sum(s.slot_bytes for s in runner.model.state_specs())
+    return {"weight_bytes": weights, "kv_bytes": kv, "state_bytes": state, "total": weights + kv + state}
+
+
+def decode_steps(runner, prompt, table, steps, replay_table) -> tuple[list[float], list[float]]:
     """Prefill prompt, decode `steps` tokens. Returns (wall seconds per step, GPU seconds of
-    forward + logits per step)."""
-    runner.execute(StepPlan(0, [ScheduledSeq("r", prompt, 0, table, True, GREEDY)]))
+    forward + logits per step). replay_table: the blocks of the GPU-time replay of each step
+    (a hybrid's replay also runs on state slot 1; a dense model's could share the table)."""
+    slot, replay_slot = (0, 1) if runner.state_cache is not None else (-1, -1)
+    runner.execute(StepPlan(0, [ScheduledSeq("r", prompt, 0, table, True, GREEDY, state_slot=slot)]))
     tok, pos, walls, gpus = 1, len(prompt), [], []
     for i in range(steps):
-        plan = StepPlan(i + 1, [ScheduledSeq("r", [tok], pos, table, True, GREEDY, i + 1)])
+        plan = StepPlan(i + 1, [ScheduledSeq("r", [tok], pos, table, True, GREEDY, i + 1, state_slot=slot)])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         tok = runner.execute(plan).sampled_token_ids[0]
         walls.append(time.perf_counter() - t0)
+        replay = StepPlan(i + 1, [ScheduledSeq("t", [tok], pos, replay_table, True, GREEDY, i + 1,
+                                               state_slot=replay_slot)])
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        step_logits(runner, plan)  # same position again: rewrites the same KV slot
+        step_logits(runner, replay)  # the same step's work on other blocks (and state slot)
         b.record()
         b.synchronize()
         gpus.append(a.elapsed_time(b) / 1e3)
@@ -107,7 +132,7 @@ def main() -> None:
                          "topk_softmax_triton, moe_align_triton, _sum_k_kernel) or the torch ops (the A/B baseline)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                     help="the runner's share of GPU memory (weights, state and KV); 0.3 suits the dense "
-                         "configs, a 61 GB MoE shape needs about 0.75")
+                         "configs, a 61 GB MoE shape needs about 0.75, qwen3.5-35b-a3b (69 GB) 0.8")
     ap.add_argument("--pdl", choices=["on", "off"], default="on",
                     help="programmatic dependent launch of the decode kernels (kernels.pdl)")
     ap.add_argument("--gemv", choices=["on", "off"], default="on",
@@ -144,29 +169,26 @@ def main() -> None:
     bw = copy_bandwidth()
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 10000, (a.context,), generator=g).tolist()
-    table = list(range(-(-(a.context + a.steps + 1) // runner.block_size)))
+    nb = -(-(a.context + a.steps + 1) // runner.block_size)
+    table, replay_table = list(range(nb)), list(range(nb, 2 * nb))
     res = {"benchmark": "decode_latency", "device": device_name(), "config": a.config,
            "weights": "dummy", "context": a.context, "steps": a.steps, "runner": report,
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
            "quantization": a.quantization, "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv,
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
-    # roofline: params once + KV of the context (K and V, every layer)
-    # (a MoE's stacked experts count k / E: one token reads the weights of its k experts;
-    # quantized layers count their fp8 bytes: their parameters are meta placeholders)
-    active = active_expert_share(runner.spec.hf_config)
-    params = {p.data_ptr(): p.numel() * p.element_size() * (active if hasattr(p, "num_experts") else 1)
-              for p in runner.model.parameters() if p.device.type != "meta"}
-    per_tok = runner.kv_layout.block_bytes // runner.kv_layout.block_size
-    kv_bytes = per_tok * (a.context + a.steps // 2)
-    bytes_per_token = sum(params.values()) + quantized_weight_bytes(runner.model) + kv_bytes
+    # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
+    # mean context (K and V, every attention layer) + a hybrid's recurrent state, read and
+    # written per layer
+    roof_bytes = roofline_bytes(runner, a.context + a.steps // 2)
+    bytes_per_token = roof_bytes["total"]
     roof = bytes_per_token / bw
-    res.update(bytes_per_token=bytes_per_token, roofline_ms=round(roof * 1e3, 4))
+    res.update(bytes_per_token=bytes_per_token, roofline_bytes=roof_bytes, roofline_ms=round(roof * 1e3, 4))
     graphs = runner.graphs
     for mode in (["graphs"] if graphs else []) + ["eager"]:
         runner.graphs = graphs if mode == "graphs" else None
-        decode_steps(runner, prompt, table, 8)  # warm-up
-        walls, gpus = decode_steps(runner, prompt, table, a.steps)
+        decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
+        walls, gpus = decode_steps(runner, prompt, table, a.steps, replay_table)
         tpot, gpu = statistics.median(walls), statistics.median(gpus)
         res[mode] = {"tpot_ms": round(tpot * 1e3, 4), "tok_per_s": round(1 / tpot, 1),
                      "gpu_forward_ms": round(gpu * 1e3, 4),

@@ -34,8 +34,10 @@ SAMP = SamplingParams(temperature=0.6, seed=1)
 
 
 def plan(b: int, ctx: int, blocks_per_seq: int) -> StepPlan:
+    """A decode step of b seqs at context ctx, seq i on its own blocks and (a hybrid model's)
+    state slot i; a dense model ignores the slots."""
     return StepPlan(0, [ScheduledSeq(f"r{i}", [i + 1], ctx, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                                     True, SAMP, 1) for i in range(b)])
+                                     True, SAMP, 1, state_slot=i) for i in range(b)])
 
 
 def kernel_table(fn, top: int = 14) -> list[dict]:
@@ -103,7 +105,8 @@ def main() -> None:
     res["graph_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
     # a prefill step of the offline workload's size: 16 prompts of 1024 tokens (16,384 tokens)
     pf = StepPlan(0, [ScheduledSeq(f"p{i}", list(range(1, 1025)), 0,
-                                   list(range(i * nbps, (i + 1) * nbps)), True, SAMP, 0) for i in range(16)])
+                                   list(range(i * nbps, (i + 1) * nbps)), True, SAMP, 0, state_slot=i)
+                    for i in range(16)])
     res["prefill_16x1024_kernels"] = kernel_table(lambda: runner.execute(pf))
     res["prefill_16x1024_ms"] = round(median_ms(lambda: runner.execute(pf), reps=5), 3)
     # phases of the batch-1 graph step

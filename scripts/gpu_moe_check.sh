@@ -9,10 +9,13 @@
 #   moe_kernel.json       the kernel benchmark's JSON
 #   decode_qwen3-30b-a3b.json  TPOT and roofline
 #   bench.log             the benchmarks' output tails and exit codes
+#   tests_hybrid_graphs_gpu.txt, decode_qwen3.5-35b-a3b.json   with part "hybrid" (or all): the hybrid
+#                         decode-graph GPU tests, and batch-1 decode of the Qwen3.5-35B-A3B shape (graphs and
+#                         eager TPOT, roofline with active experts and the recurrent state; 69 GB of bf16)
 #   moe_tune/*.json       with part "tune" only: benchmarks/moe_tune.py's tuned configs (copy them
 #                         into kernels/moe_configs/ to use them), then moe_kernel_tuned.json and
 #                         decode_qwen3-30b-a3b_tuned.json timed with them in place
-# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|tune]
+# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|hybrid|tune]
 # (parts may be combined in one call: for p in decode tune; do bash scripts/gpu_moe_check.sh $p; done)
 # Limits (seconds, environment): TEST_TIMEOUT 150, KERNEL_TIMEOUT 120, DECODE_TIMEOUT 300.
 set -u
@@ -38,6 +41,12 @@ fi
 if [ "$PART" = all ] || [ "$PART" = decode ]; then
   run decode_qwen3-30b-a3b "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b --gpu-memory-utilization 0.75 \
     --steps 64 --out "$OUT/decode_qwen3-30b-a3b.json"
+fi
+if [ "$PART" = all ] || [ "$PART" = hybrid ]; then
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q tests/gpu/test_hybrid_graphs_gpu.py -p no:cacheprovider 2>&1 \
+    | tail -40 | tee "$OUT/tests_hybrid_graphs_gpu.txt"
+  run decode_qwen3.5-35b-a3b "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3.5-35b-a3b \
+    --gpu-memory-utilization 0.8 --steps 64 --out "$OUT/decode_qwen3.5-35b-a3b.json"
 fi
 if [ "$PART" = tune ]; then
   # tune for at most TUNE_BUDGET s (the file keeps the buckets done), then time decode again

@@ -376,9 +376,6 @@ def _derive(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, s
         put("worker_timeout_s", 30.0 if cuda else 10.0)
     if values["step_timeout_s"] is None:
         put("step_timeout_s", 180.0 if cuda else 600.0)
-    if _has_recurrent_state(values["model"]):  # a hybrid model (docs/ARCHITECTURE.md §4.7)
-        if sources["enforce_eager"] == "default" or sources["enforce_eager"].startswith("profile:"):
-            put("enforce_eager", True)
     detail = ""
     if not values["num_threads"]:  # 0 or unset: from the CPUs this process may use
         choice = resolve_num_threads(values["num_threads"], "cuda" if cuda else "cpu")
@@ -404,13 +401,13 @@ def _has_recurrent_state(model: str) -> bool:
 
 
 # What a model with recurrent layers cannot run yet (heads that tap hidden states, a state
-# cache for a drafter, CUDA graphs over the state slots): setting -> why, when it is on. The
-# kvstore tiers work: they store the state checkpoints with the blocks (§4.5, §4.7).
+# cache for a drafter): setting -> why, when it is on. The kvstore tiers work (they store the
+# state checkpoints with the blocks, §4.5, §4.7), and so do CUDA graphs (decode graphs read
+# the state slots, docs/ARCHITECTURE.md §6.5).
 RECURRENT_STATE_REFUSALS = {
     "speculative_config": "EAGLE and DFlash heads read the target's hidden states, which this model does not "
                           "tap, and a draft model with recurrent layers would need a state cache of its own; "
                           "use method 'ngram' or a draft_model without recurrent layers",
-    "enforce_eager": "the CUDA graphs do not capture the recurrent state's slots yet; run eagerly",
 }
 
 
@@ -431,17 +428,16 @@ def _spec_needs_what_state_lacks(cfg: KestrelConfig) -> bool:
 
 def check_recurrent_state(cfg: KestrelConfig) -> None:
     """Refuse settings a hybrid model (recurrent layers) cannot run with: speculative
-    decoding with an EAGLE / DFlash head or a hybrid draft, CUDA graphs
-    (`RECURRENT_STATE_REFUSALS`; the derived default turns enforce_eager on). Raises
+    decoding with an EAGLE / DFlash head or a hybrid draft (`RECURRENT_STATE_REFUSALS`).
+    CUDA graphs are allowed (decode steps replay them; verify and prefill steps run
+    eagerly), and so are the kvstore tiers (they keep the state checkpoints). Raises
     ValueError naming the setting."""
     if not _has_recurrent_state(cfg.model):
         return
-    on = {"speculative_config": _spec_needs_what_state_lacks(cfg),
-          "enforce_eager": cfg.device == "cuda" and not cfg.enforce_eager}
+    on = {"speculative_config": _spec_needs_what_state_lacks(cfg)}
     for name, why in RECURRENT_STATE_REFUSALS.items():
         if on[name]:
-            fix = {"speculative_config": "no --speculative-config",
-                   "enforce_eager": "--enforce-eager true"}[name]
+            fix = {"speculative_config": "no --speculative-config"}[name]
             raise ValueError(f"setting {name}: not supported with {os.path.basename(cfg.model)!r}, a model "
                              f"with recurrent (linear-attention) layers: {why}; use {fix}")
 

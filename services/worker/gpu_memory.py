@@ -5,7 +5,9 @@ in use (CUDA context, weights, other processes) and the activation peak of the l
 step: a prefill of `max_num_batched_tokens` tokens (in sequences of at most max_model_len)
 plus the logits and softmax of `max_num_seqs` rows. That peak is measured by running the
 step once on a temporary KV cache (which also compiles the Triton kernels). A margin of
-256 MiB stays free for CUDA graphs' pools and allocator fragmentation.
+256 MiB stays free for CUDA graphs' pools and allocator fragmentation; a hybrid model's decode
+graphs hold copies of their seqs' recurrent states (a few MiB a seq and layer), so for it the
+transient bytes of an eager decode step of max_num_seqs seqs are kept free too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, in
 
     runner: a ModelRunner with model, device, dtype, block_size, max_model_len,
     use_ref_attention and fusion set. kv_specs: what each layer caches.
-    cfg: gpu_memory_utilization, max_num_batched_tokens, max_num_seqs.
+    cfg: gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, enforce_eager (a
+    hybrid model with CUDA graphs also keeps the decode graphs' pool: `_decode_peak`).
     The budget may be <= 0 when the weights leave no room (the caller raises).
     """
     dev, bs = runner.device, runner.block_size
@@ -63,13 +66,38 @@ def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, in
     torch.softmax(logits, dim=-1).argmax(-1)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
-    del tmp, layers, hidden, rows, logits
+    del hidden, rows, logits
+    graph_pool = 0
+    if state is not None and not cfg.enforce_eager:
+        graph_pool = _decode_peak(runner, cfg.max_num_seqs, state, layers)
+    del tmp, layers
     if state is not None:
         runner._step_state = None
         for t in (t for layer in state.layers for t in layer):
             t.zero_()  # the profile's states are no request's
     torch.cuda.empty_cache()
-    budget = int(total * cfg.gpu_memory_utilization) - used_before - peak - MARGIN_BYTES
+    budget = int(total * cfg.gpu_memory_utilization) - used_before - peak - graph_pool - MARGIN_BYTES
     log.info("gpu memory: total %.2f GiB, in use before KV %.2f GiB, activation peak %.2f GiB, "
-             "KV budget %.2f GiB", total / 2**30, used_before / 2**30, peak / 2**30, budget / 2**30)
+             "decode graph pool %.2f GiB, KV budget %.2f GiB", total / 2**30, used_before / 2**30, peak / 2**30,
+             graph_pool / 2**30, budget / 2**30)
     return peak, budget
+
+
+def _decode_peak(runner, max_num_seqs: int, state, layers) -> int:
+    """Bytes a decode step of max_num_seqs one-token seqs allocates on top of what is live
+    (a hybrid model: each recurrent layer's gathered states, [max_num_seqs, *shape] per
+    tensor, and their updates), run once eagerly: what the largest decode graph's private
+    pool keeps (services/worker/cuda_graphs.py), beside the eager steps' activations.
+    layers: the temporary KV cache's attention layers (every seq writes slot 0 there)."""
+    dev = runner.device
+    greedy = SamplingParams(temperature=0.0)
+    seqs = [ScheduledSeq(f"profile-decode{i}", [1], 0, [0], True, greedy, state_slot=i % state.num_slots)
+            for i in range(max_num_seqs)]
+    runner._step_state = StepState.for_seqs(state, seqs, dev)
+    ids, pos, meta = runner._prepare(seqs)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    runner.run_model(ids, pos, meta, layers)
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base

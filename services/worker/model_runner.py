@@ -193,12 +193,14 @@ class ModelRunner:
         self.kv_transfer = KVTransfer(self.kv, self.kv_layout, self.state_cache)
         self._graph_aux: dict[int, torch.Tensor] = {}  # batch size -> a graph's aux hidden output
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention \
-                and self.state_cache is None:  # graphs do not capture state slots yet (shared/config.py)
+        if self.device.type == "cuda" and not cfg.enforce_eager and not self.use_ref_attention:
+            # a hybrid's graphs read the state slots from their staged header (cuda_graphs.py)
             self.graphs = DecodeGraphs(self._graph_forward, cfg.max_num_seqs, self.max_model_len,
-                                       self.block_size, self.device)
+                                       self.block_size, self.device, self.state_cache)
         self.verify_graphs: VerifyGraphs | None = None  # verify steps (verify_graphs.py)
-        if self.graphs is not None and self.num_speculative_tokens > 0:
+        # a hybrid's verify steps run eagerly: its recurrent layers run each verify seq token
+        # by token and keep the state after each (StepState.track, docs/ARCHITECTURE.md §4.7)
+        if self.graphs is not None and self.num_speculative_tokens > 0 and self.state_cache is None:
             self.verify_graphs = VerifyGraphs(self._verify_graph_forward, cfg.max_num_seqs,
                                               self.num_speculative_tokens, self.max_model_len,
                                               self.block_size, self.device)
@@ -392,6 +394,7 @@ class ModelRunner:
         graphs = self.graphs
         hidden = self._decode_graph(seqs) if graphs is not None else None
         if graphs is not None and hidden is not None:  # decode-only step replayed from a CUDA graph
+            self._step_state = None  # its state view is the graph's own (no verify seq to commit)
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.tensor(rows, device=hidden.device))
                 if len(rows) != len(seqs) else hidden)
@@ -434,25 +437,28 @@ class ModelRunner:
         return StepLogits(self.model.compute_logits(picked), rows, prompt_logits, view, offsets)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  layers: list[AttentionLayer] | None = None) -> torch.Tensor:
+                  layers: list[AttentionLayer] | None = None, state: StepState | None = None) -> torch.Tensor:
         """The model over one step's flattened inputs (input_ids, positions [T] int64 on the
         device) with the step's attention backend and fusion choice -> hidden [T, hidden].
         layers: the attention layers to run on (default the runner's own; the KV sizing
-        runs on a temporary cache)."""
+        runs on a temporary cache). state: the recurrent layers' view of the step (hybrid
+        models; default `_step_state`, which the eager caller sets; a decode graph passes
+        its own)."""
         attn = select_backend(self.attn_layers if layers is None else layers, meta, self.use_ref_attention)
-        attn.state = self._step_state  # the recurrent layers' slots (hybrid models), set by the caller
+        attn.state = self._step_state if state is None else state
         return self.model(input_ids, positions, attn, self.fusion.fused(input_ids.shape[0]))
 
     def _prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's flattened inputs on the device (`step_inputs.prepare_step`)."""
         return prepare_step(seqs, self.block_size, self.max_model_len, self.device, not self.use_ref_attention)
 
-    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
-        """What a decode graph captures (`DecodeGraphs`): `run_model` on the graph's buffers.
-        The model's aux hidden output of each capture is kept by batch size (a proposer that
-        reads target layers finds a replay's there)."""
-        hidden = self.run_model(input_ids, positions, meta)
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       state: StepState | None = None) -> torch.Tensor:
+        """What a decode graph captures (`DecodeGraphs`): `run_model` on the graph's buffers
+        (state: its recurrent-state view, `DecodeGraphs.state_view`; the path an eager
+        decode step takes, on static buffers). The model's aux hidden output of each capture
+        is kept by batch size (a proposer that reads target layers finds a replay's there)."""
+        hidden = self.run_model(input_ids, positions, meta, state=state)
         aux = getattr(self.model, "aux_hidden", None)
         if aux is not None and self.proposer is not None and self.proposer.target_layer_ids:
             self._graph_aux[input_ids.shape[0]] = aux
@@ -487,7 +493,8 @@ class ModelRunner:
     def _decode_graph(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """Hidden states [b, hidden] of a decode-only step from its CUDA graph, or None when
         the step is not one (a prefill chunk, too many sequences, prompt logprobs asked).
-        Raises ValueError like `_prepare`."""
+        Raises ValueError like `_prepare` (and `StepState.for_seqs`: a seq without a state
+        slot)."""
         graphs = self.graphs
         assert graphs is not None
         if len(seqs) > graphs.max_bs or any(len(s.token_ids) != 1 for s in seqs):
@@ -509,7 +516,14 @@ class ModelRunner:
                 graphs.keep(src)
                 self._last_kept = graphs
             ids = [encode_pending(index[s.request_id]) if t == PENDING_TOKEN else t for s, t in zip(seqs, ids)]
-        return graphs.run(ids, pos, slots, [p + 1 for p in pos], [s.block_table for s in seqs])
+        if self.state_cache is None:
+            return graphs.run(ids, pos, slots, [p + 1 for p in pos], [s.block_table for s in seqs])
+        # a hybrid's recurrent layers: each seq's slot, and whether it continues from it (a
+        # one-token prompt starts from zeros); a prefix hit's checkpoint is copied in first
+        self.state_cache.check_slots(seqs)
+        self.state_cache.restore_checkpoints(seqs)
+        return graphs.run(ids, pos, slots, [p + 1 for p in pos], [s.block_table for s in seqs],
+                          [s.state_slot for s in seqs], [s.start_pos > 0 for s in seqs])
 
     def _pending_rows(self, request_ids: list[str]) -> tuple[torch.Tensor, dict[str, int]]:
         """The last draw (its token ids on the device [rows] int64, request id -> row), for

@@ -12,6 +12,10 @@ recurrent layers read and write their slots (models never touch a cache tensor).
 
 A seq continues from its slot's state when start_pos > 0; at start_pos 0 (a new request, or
 one preempted and recomputed) it starts from zeros. Nothing else resets a slot.
+
+One more slot than the engine hands out, `StateCache.scratch_slot`, belongs to no request: the
+padding rows of a CUDA-graph decode step read and write it (services/worker/cuda_graphs.py,
+docs/ARCHITECTURE.md §6.5), so they never touch a request's state.
 """
 
 from __future__ import annotations
@@ -51,17 +55,35 @@ class StateSpec:
 
 
 class StateCache:
-    """Per recurrent layer, its tensors [num_slots, *shape] (zeros). layers[i]: the list of
-    layer i's tensors in its spec's order (i counts recurrent layers only). bytes: total."""
+    """Per recurrent layer, its tensors [num_slots + 1, *shape] (zeros). layers[i]: the list
+    of layer i's tensors in its spec's order (i counts recurrent layers only). Slots
+    0 .. num_slots - 1 are the engine's (requests and checkpoints); `scratch_slot` =
+    num_slots is the padding rows' of a CUDA-graph step and never a request's. bytes: total,
+    the scratch slot included. Raises ValueError for num_slots < 1."""
 
     def __init__(self, specs: Sequence[StateSpec], num_slots: int, device: torch.device | str):
         if num_slots < 1:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
+        self.scratch_slot = num_slots
         self.layers: list[list[torch.Tensor]] = [
-            [torch.zeros((num_slots, *shape), dtype=dt, device=device) for shape, dt in zip(s.shapes, s.dtypes)]
+            [torch.zeros((num_slots + 1, *shape), dtype=dt, device=device) for shape, dt in zip(s.shapes, s.dtypes)]
             for s in specs]
-        self.bytes = sum(s.slot_bytes for s in specs) * num_slots
+        self.bytes = self.bytes_for(specs, num_slots)
+
+    def check_slots(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """Raises ValueError naming the seqs without a state slot in 0..num_slots - 1 (the
+        scratch slot is no request's)."""
+        bad = [s.request_id for s in seqs if not 0 <= s.state_slot < self.num_slots]
+        if bad:
+            raise ValueError(f"seqs without a state slot in 0..{self.num_slots - 1}: {bad}")
+
+    def restore_checkpoints(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """Before a step: each seq with `state_restore` >= 0 (a prefix hit,
+        services/engine/state_slots.py) resumes from that checkpoint, copied into its slot."""
+        for s in seqs:
+            if s.state_restore >= 0:
+                self.copy_slot(s.state_restore, s.state_slot)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Every layer's state of slot `src` into slot `dst` (a checkpoint saved or restored).
@@ -80,8 +102,9 @@ class StateCache:
 
     @staticmethod
     def bytes_for(specs: Sequence[StateSpec], num_slots: int) -> int:
-        """Bytes a cache of `specs` and `num_slots` takes (without allocating it)."""
-        return sum(s.slot_bytes for s in specs) * num_slots
+        """Bytes a cache of `specs` and `num_slots` takes, its scratch slot included (without
+        allocating it)."""
+        return sum(s.slot_bytes for s in specs) * (num_slots + 1)
 
 
 @dataclass
@@ -93,6 +116,11 @@ class StepState:
     the seq continues from its slot (start_pos > 0) or starts from zeros. cu_seqlens: [N+1]
     int32 on the device, the seqs' token offsets in the flattened batch. seq_lens_host:
     the seqs' token counts (host ints, for the CPU references' per-seq loops).
+    A CUDA-graph decode step's view (`services.worker.cuda_graphs.DecodeGraphs.state_view`)
+    holds views of the graph's static buffers instead, filled in place before each replay:
+    `gather` and `scatter` are index_select, torch.where and index_copy_ over them (no host
+    sync, no branch on their values); its padding rows name the scratch slot, written by
+    several rows at once (whichever write lands, no request reads it).
     """
 
     cache: StateCache
@@ -110,16 +138,12 @@ class StepState:
     def for_seqs(cls, cache: StateCache, seqs: Sequence[ScheduledSeq], device: torch.device) -> StepState:
         """The state view of a step of `seqs` (verify seqs tracked: `track`). Raises
         ValueError for a seq without a slot or with one outside the cache."""
-        bad = [s.request_id for s in seqs if not 0 <= s.state_slot < cache.num_slots]
-        if bad:
-            raise ValueError(f"seqs without a state slot in 0..{cache.num_slots - 1}: {bad}")
+        cache.check_slots(seqs)
         lens = [len(s.token_ids) for s in seqs]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        for s in seqs:  # a prefix hit resumes from its checkpoint (services/engine/state_slots.py)
-            if s.state_restore >= 0:
-                cache.copy_slot(s.state_restore, s.state_slot)
+        cache.restore_checkpoints(seqs)
         track = [len(s.token_ids) if s.sample and s.num_draft else 0 for s in seqs]
         return cls(cache,
                    torch.tensor([s.state_slot for s in seqs], dtype=torch.int64).to(device),

@@ -126,6 +126,39 @@ def test_dummy_weights_of_the_qwen3_next_80b_shape_give_finite_seeded_logits(tmp
     assert torch.equal(outs[0], outs[1])
 
 
+def test_dummy_weights_of_the_qwen3_5_35b_shape_load_and_decode_latency_counts_its_state(tmp_path):
+    """benchmarks/configs/qwen3.5-35b-a3b.json (the published checkpoint's layout: the text
+    model under text_config) cut to CI size loads with dummy weights and gives finite
+    logits; benchmarks/decode_latency.py's roofline counts its active experts (k / E) and
+    each recurrent layer's state read and written."""
+    import json
+    import pathlib
+
+    from benchmarks.decode_latency import roofline_bytes
+
+    cfg = json.loads((pathlib.Path(__file__).resolve().parents[2]
+                      / "benchmarks/configs/qwen3.5-35b-a3b.json").read_text())
+    text = cfg["text_config"]
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and len(text["layer_types"]) == 40
+    assert (text["hidden_size"], text["num_experts"], text["num_experts_per_tok"]) == (2048, 256, 8)
+    # one period of 3 linear + 1 full layer, 16 experts (8 a token), a small vocabulary
+    text.update(num_hidden_layers=4, layer_types=text["layer_types"][:4], vocab_size=1000, num_experts=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    runner = _runner(tmp_path, load_format="dummy", seed=7, kv_cache_gib=0.01, max_num_seqs=2)
+    assert len(runner.kv.k) == 1 and len(runner.state_cache.layers) == 3
+    seq = ScheduledSeq("r", list(range(1, 20)), 0, list(range(2)), True, GREEDY, state_slot=1)
+    logits = step_logits(runner, StepPlan(0, [seq]))[0]
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    roof = roofline_bytes(runner, 100)
+    conv, ssm = (2 * 16 * 128 + 32 * 128) * 3 * 4, 32 * 128 * 128 * 4  # fp32 on the CPU
+    assert roof["state_bytes"] == 2 * 3 * (conv + ssm)  # 3 recurrent layers, read + written
+    experts = 4 * 16 * 3 * 2048 * 512 * 4
+    everything = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert roof["weight_bytes"] == everything - experts + experts * 8 // 16
+    assert roof["kv_bytes"] == 100 * 2 * 2 * 256 * 4  # one attention layer: K and V, 2 heads of 256
+    assert roof["total"] == roof["weight_bytes"] + roof["kv_bytes"] + roof["state_bytes"]
+
+
 @pytest.fixture(scope="module")
 def dense_draft(tmp_path_factory):
     """A tiny random Qwen3 dense model with the hybrids' vocabulary (a draft model)."""

@@ -201,7 +201,9 @@ def test_state_slots_refuse_double_free_and_exhaustion():
 def test_step_state_gathers_zeros_at_start_pos_0_and_scatters_back():
     spec = StateSpec(((3, 2), (2,)), (torch.float32, torch.float16))
     cache = StateCache([spec, spec], num_slots=4, device="cpu")
-    assert cache.bytes == 2 * 4 * (6 * 4 + 2 * 2)
+    # 4 slots and the scratch slot of CUDA-graph padding rows (never a request's)
+    assert cache.bytes == 2 * 5 * (6 * 4 + 2 * 2) and cache.scratch_slot == 4
+    assert cache.layers[0][0].shape == (5, 3, 2)
     for t in cache.layers[1]:
         t.fill_(5.0)
     g = SamplingParams(temperature=0)
@@ -217,6 +219,10 @@ def test_step_state_gathers_zeros_at_start_pos_0_and_scatters_back():
     assert cache.layers[1][0][1].eq(5).all() and cache.layers[0][0].eq(0).all()  # others untouched
     with pytest.raises(ValueError, match="state slot"):
         StepState.for_seqs(cache, [ScheduledSeq("c", [1], 0, [0], True, g)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="state slot"):  # the scratch slot is no request's
+        StepState.for_seqs(cache, [ScheduledSeq("c", [1], 0, [0], True, g, state_slot=4)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="outside"):
+        cache.copy_slot(0, cache.scratch_slot)
 
 
 def _hybrid_folder(tmp_path, layer_types=("linear_attention", "full_attention")):
@@ -229,7 +235,7 @@ def _hybrid_folder(tmp_path, layer_types=("linear_attention", "full_attention"))
     return str(tmp_path)
 
 
-def test_a_hybrid_model_runs_eagerly_and_refuses_what_its_state_cannot_run(tmp_path):
+def test_a_hybrid_model_keeps_cuda_graphs_and_refuses_what_its_state_cannot_run(tmp_path):
     from shared.config import build_config
     from shared.model_spec import load_model_spec
 
@@ -238,7 +244,10 @@ def test_a_hybrid_model_runs_eagerly_and_refuses_what_its_state_cannot_run(tmp_p
     assert spec.has_recurrent_state and spec.attention_layer_ids == (1,)
     cfg = build_config(cli={"model": model, "device": "cpu"}, env={})
     assert cfg.enable_prefix_caching is True  # with state checkpoints
-    assert cfg.enforce_eager is True and cfg.sources["enforce_eager"] == "derived"
+    assert cfg.enforce_eager is False and cfg.sources["enforce_eager"] == "default"
+    # decode graphs read the state slots (docs/ARCHITECTURE.md §6.5): graphs stay on on CUDA
+    cuda = build_config(cli={"model": model, "device": "cuda"}, env={})
+    assert cuda.enforce_eager is False and cuda.sources["enforce_eager"] == "default"
     ngram = '{"method": "ngram", "num_speculative_tokens": 2}'  # works: the state rolls back (§4.7)
     assert build_config(cli={"model": model, "device": "cpu", "speculative_config": ngram}, env={}).speculative
     # the kvstore tiers work: they keep the state checkpoints too (§4.5)
@@ -248,8 +257,7 @@ def test_a_hybrid_model_runs_eagerly_and_refuses_what_its_state_cannot_run(tmp_p
     for extra, setting in (({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2, '
                                                    '"load_format": "dummy"}'}, "speculative_config"),
                            ({"speculative_config": '{"method": "draft_model", "num_speculative_tokens": 2, '
-                                                   '"load_format": "dummy"}'}, "speculative_config"),
-                           ({"device": "cuda", "enforce_eager": "false"}, "enforce_eager")):
+                                                   '"load_format": "dummy"}'}, "speculative_config")):
         with pytest.raises(ValueError, match=f"setting {setting}: not supported .* recurrent"):
             build_config(cli={"model": model, "device": "cpu", **extra}, env={})
 
