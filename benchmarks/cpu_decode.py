@@ -4,14 +4,16 @@ Measures, for SmolLM2-135M-Instruct (fp32, CPU):
 - kestrel batch 1: decode tok/s of one stream (tokens after the first / time after the first);
 - kestrel 8 concurrent: aggregate output tok/s of 8 streams (all tokens / wall time);
 - transformers `generate` at batch 1 and batch 8 (greedy, same token counts, same threads).
-With `--quantization none int8 int4` (Kestrel's `--quantization`, weight-only on the CPU,
-kernels/cpu_quant_linear.py) one server per scheme runs in the same process, batch 1 only
-(`--concurrent` adds the 8-stream number), and the JSON gives each scheme's tok/s and its
-ratio to the first scheme's (`none` when listed first).
+With `--quantization none int8 int4 gguf` (Kestrel's `--quantization`, weight-only on the CPU,
+kernels/cpu_quant_linear.py; gguf loads the int4 groups from the GGUF the model folder records,
+services/worker/gguf_loader.py: run `kestrel fetch-model` once so that the folder has its
+record) one server per scheme runs in the same process, batch 1 only (`--concurrent` adds the
+8-stream number), and the JSON gives each scheme's tok/s, its worker's load seconds (from the
+startup report in the server log) and its ratio to the first scheme's (`none` when listed first).
 Prints JSON with the ratios and writes it to benchmarks/results/ (or --out).
 
 Usage: .venv/bin/python benchmarks/cpu_decode.py [--model DIR] [--tokens 128] [--out FILE]
-       .venv/bin/python benchmarks/cpu_decode.py --quantization none int8 int4 [--no-hf]
+       .venv/bin/python benchmarks/cpu_decode.py --quantization none int8 int4 gguf [--no-hf]
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def stream_one(base_url: str, model: str, n: int) -> dict:
     return {"start": t0, "times": times}
 
 
+def worker_facts(srv: KestrelServer) -> dict:
+    """The first worker's load seconds and weight bytes (held after quantization) from the
+    running server's startup report (`<runtime_dir>/startup_report.json`); {} if unreadable."""
+    try:
+        with open(os.path.join(srv.runtime_dir, "startup_report.json")) as fh:
+            w = json.load(fh)["workers"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return {}
+    return {k: w[k] for k in ("load_seconds", "weight_bytes", "weight_bytes_held", "gguf_tensors") if k in w}
+
+
 def kestrel_numbers(model_dir: str, n: int, *extra: str, concurrent: bool = True) -> dict:
     with KestrelServer(model_dir, *extra) as srv:
         name = os.path.basename(os.path.normpath(model_dir))
@@ -56,7 +69,7 @@ def kestrel_numbers(model_dir: str, n: int, *extra: str, concurrent: bool = True
         t = one["times"]
         b1 = (len(t) - 1) / (t[-1] - t[0])
         if not concurrent:
-            return {"batch1_decode_tok_s": b1, "ttft_s": t[0] - one["start"]}
+            return {"batch1_decode_tok_s": b1, "ttft_s": t[0] - one["start"], "worker": worker_facts(srv)}
         t0 = time.perf_counter()
         with cf.ThreadPoolExecutor(8) as ex:
             outs = list(ex.map(lambda _: stream_one(srv.base_url, name, n), range(8)))
@@ -98,13 +111,15 @@ def quantization_run(a: argparse.Namespace) -> int:
     --concurrent), ratios against the first scheme and transformers' fp32 batch 1."""
     import torch
 
+    load_start = os.getloadavg()  # the machine's load before this run adds its own
     hf = None if a.no_hf else hf_numbers(a.model, a.tokens)
     runs = {q: kestrel_numbers(a.model, a.tokens, "--quantization", q, concurrent=a.concurrent)
             for q in a.quantization}
     base = runs[a.quantization[0]]["batch1_decode_tok_s"]
     result = {
         "benchmark": "cpu_decode_quantization", "date": time.strftime("%Y-%m-%d"),
-        "machine": platform.node(), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
+        "machine": platform.node(), "cpu_count": os.cpu_count(), "load_avg_start": load_start,
+        "load_avg": os.getloadavg(),
         "torch_threads": torch.get_num_threads(), "tokens": a.tokens, "kestrel": runs,
         "transformers": hf, "baseline": a.quantization[0],
         "ratio_batch1_vs_baseline": {q: r["batch1_decode_tok_s"] / base for q, r in runs.items()},
@@ -125,7 +140,7 @@ def main() -> int:
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--quantization", nargs="+", choices=("none", "int8", "int4"), default=None,
+    ap.add_argument("--quantization", nargs="+", choices=("none", "int8", "int4", "gguf"), default=None,
                     help="time each weight scheme at batch 1 in this run (ratios vs the first)")
     ap.add_argument("--concurrent", action="store_true", help="with --quantization: 8 streams too")
     ap.add_argument("--no-hf", action="store_true", help="with --quantization: skip transformers")

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import torch
 
 # the weight-only scheme a CPU worker's Linear layers take after loading (set by the model
-# runner before loading, from the `quantization` setting): "none", "int8" or "int4"
+# runner before loading, from the `quantization` setting): "none", "int8", "int4" or "gguf"
+# (int4 groups taken from a GGUF's blocks, dense weights int8: `dense_scheme`)
 QUANTIZATION = "none"
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "gguf")
 # int4 group size (input columns per scale and zero); a K it does not divide takes the
 # largest of INT4_GROUPS below it that does (SmolLM2's K = 576 is not a multiple of 128)
 INT4_GROUP_SIZE = 32
@@ -199,18 +200,49 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
     if scheme != "int4":
         raise ValueError(f"quantize: unknown scheme {scheme!r} (int8, int4)")
     g = int4_group_size(k, group_size)
-    npad, kpad = -(-n // INT4_N_ALIGN) * INT4_N_ALIGN, -(-k // g) * g
+    kpad = -(-k // g) * g
     wf = w.float()
-    if (npad, kpad) != (n, k):
-        wf = torch.nn.functional.pad(wf, (0, kpad - k, 0, npad - n))
+    if kpad != k:
+        wf = torch.nn.functional.pad(wf, (0, kpad - k))
     q, scale, zero = quantize_int4(wf, g)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4_INNER_K_TILES)
-    sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().to(ACT_DTYPE)  # [K'/G, N', 2]
-    return QuantWeight("int4", n, k, packed, sz, g)
+    return pack_int4(q, scale, zero, k)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int | None = None) -> QuantWeight:
+    """The int4 `QuantWeight` of given groups in the tinygemm format (w = (q - 8) * scale +
+    zero): q [N, K'] of 0..15 (any integer dtype), scale and zero [N, K' / G] (any float
+    dtype; stored in ACT_DTYPE, the one rounding this adds), G = K' / scale.shape[1] in
+    INT4_GROUPS. in_features: the real K when K' carries zero padding (default K'). Rows are
+    padded to INT4_N_ALIGN with zero weights (scale and zero 0). Used by `quantize` and by
+    the GGUF loader, whose Q4_0 / Q4_1 / Q4_K blocks are such groups (kernels/gguf_quant.py).
+    Raises ValueError for a group size the kernel does not take."""
+    n, kp = q.shape
+    g = kp // scale.shape[1] if scale.shape[1] else 0
+    if g not in INT4_GROUPS or g * scale.shape[1] != kp or scale.shape != zero.shape or scale.shape[0] != n:
+        raise ValueError(f"pack_int4: codes {tuple(q.shape)}, scales {tuple(scale.shape)}, zeros "
+                         f"{tuple(zero.shape)}: group size must be one of {INT4_GROUPS}")
+    npad = -(-n // INT4_N_ALIGN) * INT4_N_ALIGN
+    q32, s32, z32 = q.to(torch.int32), scale.float(), zero.float()
+    if npad != n:
+        q32 = torch.nn.functional.pad(q32, (0, 0, 0, npad - n), value=8)
+        s32, z32 = (torch.nn.functional.pad(t, (0, 0, 0, npad - n)) for t in (s32, z32))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32.contiguous(), _INT4_INNER_K_TILES)
+    sz = torch.stack([s32, z32], dim=2).transpose(0, 1).contiguous().to(ACT_DTYPE)  # [K'/G, N', 2]
+    return QuantWeight("int4", n, kp if in_features is None else in_features, packed, sz, g)
+
+
+def dense_scheme() -> str:
+    """The scheme a dense weight takes under QUANTIZATION: int8 / int4 as set; with "gguf"
+    (the linear weights come from a GGUF's int4 blocks, services/worker/gguf_loader.py) the
+    weights that arrive dense (GGUF types with no exact int4 form, e.g. Q8_0; a draft model's)
+    take int8. Raises ValueError when QUANTIZATION is none."""
+    if QUANTIZATION not in SCHEMES[1:]:
+        raise ValueError(f"dense_scheme: quantization is {QUANTIZATION!r}")
+    return "int8" if QUANTIZATION == "gguf" else QUANTIZATION
 
 
 def quantizes(weight: torch.Tensor) -> bool:
-    """Whether a Linear's loaded weight is quantized after loading: QUANTIZATION is int8 or
-    int4 and the weight is a dense 2-D floating CPU tensor."""
-    return (QUANTIZATION in ("int8", "int4") and weight.device.type == "cpu" and weight.dim() == 2
+    """Whether a Linear's loaded weight is quantized after loading: QUANTIZATION is int8,
+    int4 or gguf and the weight is a dense 2-D floating CPU tensor."""
+    return (QUANTIZATION in SCHEMES[1:] and weight.device.type == "cpu" and weight.dim() == 2
             and weight.is_floating_point() and not weight.is_mkldnn and weight.numel() > 0)

@@ -27,6 +27,7 @@ from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, 
 from shared.config_generation import GenerationDefaults
 from shared.config_generation import resolve as resolve_generation_defaults
 from shared.cpu_budget import resolve_num_threads
+from shared.gguf_source import require_gguf
 from shared.model_spec import kv_dtype_in_use, load_model_spec
 from shared.runtime_dir import runtime_base as runtime_dir_base
 from shared.spec_config import SpeculativeConfig, check_speculative
@@ -92,7 +93,7 @@ class KestrelConfig:
     async_scheduling: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
-    quantization: str               # none, int8, int4 (weight-only, CPU), fp8 (CUDA): check_quantization
+    quantization: str               # none, int8, int4, gguf (weight-only, CPU), fp8 (CUDA): check_quantization
     speculative_config: str | None  # canonical JSON (shared.spec_config); None: off
     kv_offload_cpu_gib: float
     kv_offload_disk_dir: str | None
@@ -290,14 +291,16 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
 
 
 def check_quantization(cfg: KestrelConfig, probe: Any = None) -> None:
-    """Refuse weight quantization where it does not run: int8/int4 weight-only linear
-    layers exist on the CPU path only (kernels/cpu_quant_linear.py); fp8 on CUDA GPUs of
+    """Refuse weight quantization where it does not run: int8/int4/gguf weight-only linear
+    layers exist on the CPU path only (kernels/cpu_quant_linear.py); gguf needs the GGUF the
+    model folder records, present (`shared.gguf_source.require_gguf`), and real weights (not
+    --load-format dummy); fp8 on CUDA GPUs of
     compute capability 8.9+ with bf16 (`shared.weight_quant.check_fp8_setting`; the
     capability from probe, default `shared.device.detect_device()`, when it names one; the
     worker checks again with torch); a checkpoint whose `quantization_config` is not an FP8
     layout Kestrel loads (`ModelSpec.checkpoint_quant`; not read with --load-format dummy).
     Raises ValueError naming the setting and what works."""
-    if cfg.quantization in ("int8", "int4") and cfg.device != "cpu":
+    if cfg.quantization in ("int8", "int4", "gguf") and cfg.device != "cpu":
         raise ValueError(f"setting quantization: {cfg.quantization!r} weights run on the CPU only "
                          f"for now (device {cfg.device!r}); use --quantization none on {cfg.device}, "
                          f"or --device cpu --quantization {cfg.quantization} (on a GPU of compute "
@@ -309,6 +312,12 @@ def check_quantization(cfg: KestrelConfig, probe: Any = None) -> None:
         info = probe if probe is not None else detect_device()
         capability = parse_capability(info.compute_cap) if info.kind == "cuda" else None
     check_fp8_setting(cfg.quantization, cfg.device, cfg.dtype, capability)
+    if cfg.quantization == "gguf":
+        if cfg.load_format == "dummy":
+            raise ValueError("setting quantization: 'gguf' loads the weights from a GGUF file, and "
+                             "--load-format dummy loads none; use --quantization int4 or int8 with dummy "
+                             "weights, or --load-format auto")
+        require_gguf(cfg.model)
     if cfg.load_format == "dummy":
         return
     try:

@@ -122,9 +122,12 @@ FIELDS: list[Field] = [
           "the CPU only for now)", ("auto", "fp8_e4m3", "int8")),
     Field("quantization", str, "none", "weight quantization, as vLLM's --quantization: none (an FP8 "
           "checkpoint runs as FP8 on a GPU of compute capability 8.9+, else dequantized at load), "
-          "int8 / int4 weight-only on the CPU (kernels/cpu_quant_linear.py), or fp8 (W8A8 on CUDA "
-          "8.9+, bf16: a bf16 checkpoint quantized at load; kernels/fp8_linear.py)",
-          ("none", "int8", "int4", "fp8")),
+          "int8 / int4 weight-only on the CPU (kernels/cpu_quant_linear.py), gguf on the CPU: the "
+          "linear weights from the quantized blocks of the GGUF the folder records (kestrel "
+          "fetch-model keeps it; Q4_0/Q4_1/Q4_K as int4 groups of 32, other types int8; "
+          "services/worker/gguf_loader.py), or fp8 (W8A8 on CUDA 8.9+, bf16: a bf16 checkpoint "
+          "quantized at load; kernels/fp8_linear.py)",
+          ("none", "int8", "int4", "gguf", "fp8")),
     Field("speculative_config", normalize_setting, None, "speculative decoding, JSON as vLLM's "
           "--speculative-config: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|\"dflash\", "
           "\"num_speculative_tokens\": k, ...} (shared/spec_config.py; default off)"),

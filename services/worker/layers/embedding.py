@@ -35,7 +35,9 @@ class LMHead(nn.Module):
     weight quantization (`kernels.cpu_quant_linear.QUANTIZATION`) an untied weight is
     quantized instead (`qweight`, as `Linear`'s); a tied one stays the embedding's (whose rows
     the lookups read in fp32) and the head's products take an int8 copy of it (`qweight_tied`,
-    whichever scheme: an int4 head measured far lossier; +28 MB for SmolLM2's 49152 x 576).
+    whichever scheme: an int4 head measured far lossier; +28 MB for SmolLM2's 49152 x 576;
+    under gguf that is an int8 copy of the dequantized GGUF embedding, e.g. SmolLM2's Q8_0).
+    An untied head's weight in a GGUF's int4 blocks becomes `qweight` at load (gguf_loader.py).
     """
 
     def __init__(self, vocab_size: int, hidden: int, tie_to: VocabEmbedding | None = None):
@@ -66,5 +68,5 @@ class LMHead(nn.Module):
             # against fp32 from 0.0006 to 0.058 (tests/parity/test_cpu_quant_accuracy.py)
             self.qweight_tied = cpu_quant_linear.quantize(self.weight.data, "int8") \
                 if cpu_quant_linear.quantizes(self.weight) else None
-        elif not quantize_cpu_weight(self, "weight"):
+        elif self.qweight is None and not quantize_cpu_weight(self, "weight"):  # (kept: the GGUF loader's)
             pack_cpu_weight(self, "weight")

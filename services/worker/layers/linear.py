@@ -32,9 +32,10 @@ class Linear(nn.Module):
     x [num_tokens, 2 * in_features], residual [num_tokens, out] an add to the output.
     weight_dense: on the CPU, the dense column-major weight kept beside a packed `weight` for
     one-row products (`kernels.cpu_linear.KEEP_DENSE_ONE_ROW`), else None.
-    qweight: on the CPU with `kernels.cpu_quant_linear.QUANTIZATION` int8/int4, the weight-only
-    quantized W (`QuantWeight`) set after loading; with FP8 weights (`kernels.fp8_linear.MODE`,
-    `services.worker.layers.fp8`) its `Fp8Weight`; `weight` is then a meta-device parameter of
+    qweight: on the CPU with `kernels.cpu_quant_linear.QUANTIZATION` int8/int4/gguf, the weight-only
+    quantized W (`QuantWeight`) set after loading (or by the GGUF loader from the file's blocks);
+    with FP8 weights (`kernels.fp8_linear.MODE`, `services.worker.layers.fp8`) its `Fp8Weight`;
+    `weight` is then a meta-device parameter of
     W's shape (no values: the dense weight is dropped, and a product on it fails). Else None.
     quantizable: False keeps the layer in the model dtype under --quantization fp8 (MoE
     routers, as vLLM leaves them); the CPU int8/int4 schemes quantize every Linear.
@@ -78,13 +79,14 @@ class Linear(nn.Module):
         same shape and values, fast at every row count; read it back with
         `cpu_linear.dense`), other dtypes are stored column-major (`to_cpu_gemm_layout`);
         with `cpu_linear.KEEP_DENSE_ONE_ROW` the dense weight stays too (`weight_dense`).
-        With `cpu_quant_linear.QUANTIZATION` int8/int4 the weight is quantized instead
-        (`quantize_cpu_weight`), and no packed or dense copy is kept. FP8 weights first
-        (`layers.fp8.process_fp8`): from the loader's fp8 rows, or quantized under
-        `kernels.fp8_linear.MODE` "quantize"."""
+        With `cpu_quant_linear.QUANTIZATION` int8/int4/gguf the weight is quantized instead
+        (`quantize_cpu_weight`), and no packed or dense copy is kept; a `qweight` the GGUF
+        loader set from the file's int4 blocks (services/worker/gguf_loader.py) is kept.
+        FP8 weights first (`layers.fp8.process_fp8`): from the loader's fp8 rows, or
+        quantized under `kernels.fp8_linear.MODE` "quantize"."""
         if process_fp8(self):
             return
-        if not quantize_cpu_weight(self, "weight"):
+        if self.qweight is None and not quantize_cpu_weight(self, "weight"):
             pack_cpu_weight(self, "weight")
 
 
@@ -110,16 +112,27 @@ def quant_forward(qw: QuantWeight | Fp8Weight, x: torch.Tensor, bias: torch.Tens
 
 def quantize_cpu_weight(module: nn.Module, name: str) -> bool:
     """Quantize `module.<name>` (a loaded dense CPU weight [out, in]) into `module.qweight`
-    (`cpu_quant_linear.quantize`, scheme `cpu_quant_linear.QUANTIZATION`) when
-    `cpu_quant_linear.quantizes` it, and replace the parameter by a meta-device one of the
+    (`cpu_quant_linear.quantize`, scheme `cpu_quant_linear.dense_scheme()`: int8 under gguf)
+    when `cpu_quant_linear.quantizes` it, and replace the parameter by a meta-device one of the
     same shape and dtype (`shard_sizes` kept): its values are dropped. Returns whether it
     did (False: quantization off, or not a dense floating CPU weight, e.g. already done)."""
     w = getattr(module, name)
     if not cpu_quant_linear.quantizes(w):
         return False
-    setattr(module, "qweight", cpu_quant_linear.quantize(w.data, cpu_quant_linear.QUANTIZATION))  # noqa: B010
-    setattr(module, name, _like(w, torch.empty(w.shape, dtype=w.dtype, device="meta")))
+    set_quantized_weight(module, name, cpu_quant_linear.quantize(w.data, cpu_quant_linear.dense_scheme()))
     return True
+
+
+def set_quantized_weight(module: nn.Module, name: str, qw: QuantWeight) -> None:
+    """Give `module` the quantized weight qw (`module.qweight`) and replace the parameter
+    `module.<name>` by a meta-device one of the same shape and dtype (`shard_sizes` kept),
+    dropping its values. Raises ValueError when qw's shape is not the parameter's."""
+    w = getattr(module, name)
+    if (qw.out_features, qw.in_features) != tuple(w.shape):
+        raise ValueError(f"quantized weight {qw.out_features}x{qw.in_features} for a parameter of shape "
+                         f"{tuple(w.shape)}")
+    setattr(module, "qweight", qw)  # noqa: B010
+    setattr(module, name, _like(w, torch.empty(w.shape, dtype=w.dtype, device="meta")))
 
 
 def dequantize_cpu_weight(module: nn.Module, name: str) -> bool:
@@ -202,7 +215,8 @@ def unpack_cpu_weights(model: nn.Module) -> int:
     (`quantize_cpu_weight`) by a dense parameter of its dequantized values, for code that
     writes or reads weights in place after loading (tests); `loader.process_weights_after_loading`
     packs them again (or quantizes them again: the values then in place, rounded to the
-    format). Returns how many were unpacked."""
+    format; under gguf that is int8, `cpu_quant_linear.dense_scheme`, not the file's int4
+    blocks). Returns how many were unpacked."""
     n = 0
     for m in model.modules():
         if getattr(m, "qweight_tied", None) is not None:  # a tied head's copy: its weight is dense
