@@ -23,6 +23,23 @@ def no_runtime_folder_left_behind():
         pytest.fail(f"the test session left runtime folders behind: {left}", pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def plain_weight_schemes():
+    """A `ModelRunner` built in the test process sets process-wide weight schemes
+    (`kernels.cpu_quant_linear.QUANTIZATION`, `kernels.fp8_linear.MODE`); they are put back
+    to plain after each test so that a later test's layers are not quantized by an earlier
+    test's runner."""
+    import sys
+
+    yield
+    cq = sys.modules.get("kernels.cpu_quant_linear")
+    if cq is not None:
+        cq.QUANTIZATION = "none"
+    f8 = sys.modules.get("kernels.fp8_linear")
+    if f8 is not None:
+        f8.MODE = "off"
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
     """The repository's root folder."""
