@@ -28,13 +28,6 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
   # shellcheck disable=SC2086  # one argument per test file
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q $tests -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/tests_moe_gpu.txt"
 fi
-run() {  # run NAME TIMEOUT CMD...
-  local name=$1 limit=$2 t0 rc; shift 2; t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/.$name.log" 2>&1
-  rc=$?
-  { echo "== $name: rc=$rc (124: timeout) in $(( $(date +%s) - t0 )) s"; tail -30 "$OUT/.$name.log"; } | tee -a "$OUT/bench.log"
-  rm -f "$OUT/.$name.log"
-}
 if [ "$PART" = all ] || [ "$PART" = kernel ]; then
   run moe_kernel "${KERNEL_TIMEOUT:-120}" python3 benchmarks/moe_kernel.py --out "$OUT/moe_kernel.json"
 fi

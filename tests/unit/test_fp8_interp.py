@@ -14,29 +14,19 @@ tests/gpu/test_fp8_linear_gpu.py checks it. Skipped when triton is not installed
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from tests.interp_runner import run_interp_checks
 
 pytest.importorskip("triton")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "float16": 2e-3}
 CASES = ["m1_tile", "m1_split3", "m1_plan_split", "m3", "m7_split2", "m16_plan_split", "m40"]
 
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, float]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/unit/fp8_interp_checks.py")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks("tests/unit/fp8_interp_checks.py")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -13,29 +13,19 @@ Skipped when triton is not installed.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from tests.interp_runner import run_interp_checks
 
 pytest.importorskip("triton")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "float16": 3e-3}
 CASES = ["t1", "t3_k1", "t40", "t40_bm32", "t20_default", "t40_e2_group4"]
 
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, float]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/unit/moe_interp_checks.py")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks("tests/unit/moe_interp_checks.py")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
