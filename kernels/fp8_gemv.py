@@ -15,7 +15,7 @@ Structure, as the bf16 kernels they follow:
 - one row (`_fp8_gemv_kernel`, `kernels.gemv`'s layout): program (n, s) loads its whole
   [BLOCK_N, BLOCK_K] tile of q at once (no K loop; BLOCK_K = next power of two of the split's
   columns), multiplies by x in fp32 and sums along K. The plan (`fp8_gemv_plan`) is
-  `kernels.gemv.gemv_plan`'s heuristic: at most tile_elems q elements a program, K split in
+  `kernels.gemv.heuristic_plan`: at most tile_elems q elements a program, K split in
   ranges of at most max_block_k, row tiles halved until programs_per_sm programs per SM.
 - 2..64 rows (`_fp8_skinny_kernel`, `kernels.linear`'s skinny layout): x padded to 16 rows
   for `tl.dot`, a program owns BLOCK_N output columns and walks its K range in BLOCK_K tiles;
@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from kernels.device_info import num_sms
+from kernels.gemv import heuristic_plan
 
 # one-row plan (as kernels.gemv.TUNING): at most tile_elems q elements a program, K ranges of
 # at most max_block_k, at least programs_per_sm programs per SM (narrower row tiles first).
@@ -73,15 +74,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def fp8_gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, SPLIT, num_warps) of the one-row kernel for q [n, k] (see the module
-    docstring; `kernels.gemv.gemv_plan`'s heuristic with GEMV_TUNING)."""
-    split = 1
-    while _pow2(-(-k // split)) > GEMV_TUNING["max_block_k"]:
-        split *= 2
-    bn = max(2, min(64, GEMV_TUNING["tile_elems"] // _pow2(-(-k // split))))
-    target = GEMV_TUNING["programs_per_sm"] * num_sms(device)
-    while bn > 2 and -(-n // bn) * split < target:
-        bn //= 2
-    return bn, split, GEMV_TUNING["num_warps"]
+    docstring): `kernels.gemv.heuristic_plan` with GEMV_TUNING."""
+    return heuristic_plan(n, k, device, GEMV_TUNING)
 
 
 def fp8_skinny_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:

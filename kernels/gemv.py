@@ -61,20 +61,28 @@ def _pow2(v: int) -> int:
 
 
 def gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, SPLIT, num_warps) for W [n, k]: PLANS[(n, k)] when present, else the TUNING
-    heuristic (split K only when a row is longer than max_block_k; then halve BLOCK_N from
-    tile_elems / BLOCK_K down to 2 until the grid has programs_per_sm programs per SM).
-    `gemv_triton` derives BLOCK_K and the final split from SPLIT."""
+    """(BLOCK_N, SPLIT, num_warps) for W [n, k]: PLANS[(n, k)] when present, else
+    `heuristic_plan` with TUNING. `gemv_triton` derives BLOCK_K and the final split from
+    SPLIT."""
     if (n, k) in PLANS:
         return PLANS[(n, k)]
+    return heuristic_plan(n, k, device, TUNING)
+
+
+def heuristic_plan(n: int, k: int, device: torch.device, tuning: dict) -> tuple[int, int, int]:
+    """(BLOCK_N, SPLIT, num_warps) of a one-row kernel that loads a whole [BLOCK_N, BLOCK_K]
+    tile a program, for a weight [n, k]: split K only when a row is longer than
+    tuning["max_block_k"]; then halve BLOCK_N from tuning["tile_elems"] / BLOCK_K down to 2
+    until the grid has tuning["programs_per_sm"] programs per SM. Shared by this kernel and
+    the fp8-weight one (`kernels.fp8_gemv`), each with its own tuning dict."""
     split = 1
-    while _pow2(-(-k // split)) > TUNING["max_block_k"]:
+    while _pow2(-(-k // split)) > tuning["max_block_k"]:
         split *= 2
-    bn = max(2, min(64, TUNING["tile_elems"] // _pow2(-(-k // split))))
-    target = TUNING["programs_per_sm"] * num_sms(device)
+    bn = max(2, min(64, tuning["tile_elems"] // _pow2(-(-k // split))))
+    target = tuning["programs_per_sm"] * num_sms(device)
     while bn > 2 and -(-n // bn) * split < target:
         bn //= 2
-    return bn, split, TUNING["num_warps"]
+    return bn, split, tuning["num_warps"]
 
 
 gemv_triton = None  # set below when Triton imports: the CUDA kernel (below)
