@@ -3,7 +3,7 @@ against the skinny kernel, and programmatic dependent launch (`kernels.pdl`) on 
 
 1. check: y = gemv(rms_norm(h)) captured in a CUDA graph with PDL, replayed on new h,
    against `linear_ref` of the same rms_norm (relative error; PDL ordering bugs show here).
-2. shapes: for each projection shape of Qwen3-0.6B, 28 distinct weights (as the 28 layers:
+2. shapes: for each projection shape of Qwen3-0.6B (or --config's, kernel_sweep.SHAPES), 28 distinct weights (as the 28 layers:
    they stream from HBM, not L2) launched back to back in one CUDA graph; time per launch
    for the skinny kernel (the baseline of the same run) and every gemv plan (BLOCK_N,
    SPLIT, num_warps) without PDL, then the best plans with PDL. Bytes / time in TB/s.
@@ -88,8 +88,8 @@ def plan_space(n: int, k: int, quick: bool) -> list[tuple[int, int, int]]:
     return plans[:6] if quick else plans
 
 
-def sweep_shapes(quick: bool) -> tuple[dict, dict]:
-    layers, mats, _ = SHAPES["qwen3-0.6b"]
+def sweep_shapes(quick: bool, config: str = "qwen3-0.6b") -> tuple[dict, dict]:
+    layers, mats, _ = SHAPES[config]
     res, best = {}, {"nopdl": {}, "pdl": {}}
     for n, k in mats:
         ws = [torch.randn(n, k, device="cuda", dtype=DT) * k ** -0.5 for _ in range(layers)]
@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plans-out", default=None, help="write the best plans (for decode_latency --gemv-plans)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--config", default="qwen3-0.6b", choices=sorted(SHAPES),
+                    help="the shapes of section 'shapes' (the other sections are Qwen3-0.6B's)")
     ap.add_argument("--only", default=None, help="comma-separated sections: check,shapes,stack,attention,rope")
     a = ap.parse_args()
     only = set(a.only.split(",")) if a.only else {"check", "shapes", "stack", "attention", "rope"}
@@ -246,7 +248,8 @@ def main() -> None:
         res["check"] = check_pdl_in_graph()
         print("check", res["check"], flush=True)
     if only & {"shapes", "stack"}:
-        res["shapes"], res["plans"] = sweep_shapes(a.quick)
+        res["shapes"], res["plans"] = sweep_shapes(a.quick, a.config)
+        res["config"] = a.config
         if a.plans_out:
             with open(a.plans_out, "w") as fh:
                 json.dump(res["plans"], fh)

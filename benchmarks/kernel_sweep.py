@@ -48,6 +48,8 @@ from kernels import activation, linear, norm  # noqa: E402
 SHAPES = {  # (layers, [(N, K) of qkv, o, gate_up, down], lm_head (N, K))
     "qwen3-0.6b": (28, [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], (151936, 1024)),
     "llama-3.1-8b": (32, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], (128256, 4096)),
+    # the MoE model's dense projections: qkv, o and the router (its experts run in kernels/moe_triton.py)
+    "qwen3-30b-a3b": (48, [(5120, 2048), (2048, 4096), (128, 2048)], (151936, 2048)),
 }
 
 
