@@ -93,7 +93,7 @@ class KestrelConfig:
     async_scheduling: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
-    quantization: str               # none, int8, int4, gguf (weight-only, CPU), fp8 (CUDA): check_quantization
+    quantization: str               # none, int8, int4, gguf (weight-only, CPU), fp8, awq, gptq (CUDA): check_quantization
     speculative_config: str | None  # canonical JSON (shared.spec_config); None: off
     kv_offload_cpu_gib: float
     kv_offload_disk_dir: str | None
