@@ -39,6 +39,7 @@ from services.worker.models import model_class
 from shared.config import build_config
 from shared.model_spec import load_model_spec
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
+from shared.startup_report import format_startup_report
 from tests.runner_driver import step_logits
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,6 +148,8 @@ def test_4bit_checkpoint_on_the_cpu_serves_what_it_means(checkpoints, layout):
     rep = r.report()
     assert rep["quantization"] == "none" and "dequantized to float32 at load" in rep["weight_format"]
     assert W.MODE == "off" and F.MODE == "off"
+    assert f"startup report: worker 0 weights: {rep['weight_format']}" in format_startup_report({"workers": [rep]})
+    assert rep["weight_format"].startswith(f"{layout.split('_')[0]} 4-bit (group ")
     want = _logits(ModelRunner(_cfg(reference)))
     assert torch.equal(_logits(r), want)
     r8 = ModelRunner(_cfg(quantized, quantization="int8"))
