@@ -23,11 +23,13 @@ rewrites its KV.
 and attention apart; --attn overrides the attention kernel's launch defaults.
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
-bytes held (fp8 projections, the bf16 embedding, lm_head and norms).
+bytes held (fp8 projections, the bf16 embedding, lm_head and norms). --quantization awq / gptq
+fills every projection with random packed 4-bit values of its shape (group 128, as vLLM's dummy
+loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A16 GEMV.
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
-       [--rope-decode on|off] [--attn JSON] [--quantization none|fp8] [--moe-launches one|torch]
+       [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
 """
 
 from __future__ import annotations
@@ -147,8 +149,9 @@ def main() -> None:
     ap.add_argument("--attn", default=None,
                     help="JSON overrides of kernels.rope_decode.ROPE_DECODE_DEFAULTS (or of the unfused "
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
-    ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
-                    help="weights: bf16 (none) or fp8 e4m3 quantized at load (kernels/fp8_linear.py)")
+    ap.add_argument("--quantization", choices=["none", "fp8", "awq", "gptq"], default="none",
+                    help="weights: bf16 (none), fp8 e4m3 quantized at load (kernels/fp8_linear.py), or awq / "
+                         "gptq: random packed 4-bit weights, group 128 (W4A16, kernels/w4a16_linear.py)")
     a = ap.parse_args()
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
     if a.moe_launches == "torch":

@@ -31,7 +31,7 @@ from shared.gguf_source import require_gguf
 from shared.model_spec import kv_dtype_in_use, load_model_spec
 from shared.runtime_dir import runtime_base as runtime_dir_base
 from shared.spec_config import SpeculativeConfig, check_speculative
-from shared.weight_quant import check_fp8_setting, parse_capability
+from shared.weight_quant import check_fp8_setting, check_w4a16_setting, parse_capability
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +93,7 @@ class KestrelConfig:
     async_scheduling: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
-    quantization: str               # none, int8, int4, gguf (weight-only, CPU), fp8 (CUDA): check_quantization
+    quantization: str               # none, int8, int4, gguf (weight-only, CPU), fp8, awq, gptq (CUDA): check_quantization
     speculative_config: str | None  # canonical JSON (shared.spec_config); None: off
     kv_offload_cpu_gib: float
     kv_offload_disk_dir: str | None
@@ -298,7 +298,9 @@ def check_quantization(cfg: KestrelConfig, probe: Any = None) -> None:
     compute capability 8.9+ with bf16 (`shared.weight_quant.check_fp8_setting`; the
     capability from probe, default `shared.device.detect_device()`, when it names one; the
     worker checks again with torch); a checkpoint whose `quantization_config` is not an FP8
-    layout Kestrel loads (`ModelSpec.checkpoint_quant`; not read with --load-format dummy).
+    layout Kestrel loads (`ModelSpec.checkpoint_quant`; not read with --load-format dummy);
+    awq / gptq, and fp8 on a 4-bit checkpoint, by `shared.weight_quant.check_w4a16_setting`
+    (awq / gptq need CUDA, bf16 / fp16, and a checkpoint of that method or dummy weights).
     Raises ValueError naming the setting and what works."""
     if cfg.quantization in ("int8", "int4", "gguf") and cfg.device != "cpu":
         raise ValueError(f"setting quantization: {cfg.quantization!r} weights run on the CPU only "
@@ -319,15 +321,18 @@ def check_quantization(cfg: KestrelConfig, probe: Any = None) -> None:
                              "weights, or --load-format auto")
         require_gguf(cfg.model)
     if cfg.load_format == "dummy":
+        check_w4a16_setting(cfg.quantization, cfg.device, cfg.dtype, None, dummy=True)
         return
     try:
         spec = load_model_spec(cfg.model)
     except (OSError, ValueError):  # a folder that cannot be read: its own check reports it
+        check_w4a16_setting(cfg.quantization, cfg.device, cfg.dtype, None, dummy=True)  # device, dtype
         return
     try:
-        _ = spec.checkpoint_quant  # parsed for its refusal only
+        ckpt = spec.checkpoint_quant
     except ValueError as e:
         raise ValueError(f"setting model: {e}") from None
+    check_w4a16_setting(cfg.quantization, cfg.device, cfg.dtype, ckpt, dummy=False)
 
 
 def _convert(f: Field, v: Any) -> Any:

@@ -126,8 +126,10 @@ FIELDS: list[Field] = [
           "linear weights from the quantized blocks of the GGUF the folder records (kestrel "
           "fetch-model keeps it; Q4_0/Q4_1/Q4_K as int4 groups of 32, other types int8; "
           "services/worker/gguf_loader.py), or fp8 (W8A8 on CUDA 8.9+, bf16: a bf16 checkpoint "
-          "quantized at load; kernels/fp8_linear.py)",
-          ("none", "int8", "int4", "gguf", "fp8")),
+          "quantized at load; kernels/fp8_linear.py), or awq / gptq (W4A16 on CUDA, bf16 / fp16: "
+          "an AWQ / GPTQ checkpoint's 4-bit weights, also found from config.json with none; random "
+          "packed weights with --load-format dummy; kernels/w4a16_linear.py)",
+          ("none", "int8", "int4", "gguf", "fp8", "awq", "gptq")),
     Field("speculative_config", normalize_setting, None, "speculative decoding, JSON as vLLM's "
           "--speculative-config: {\"method\": \"ngram\"|\"draft_model\"|\"eagle\"|\"dflash\", "
           "\"num_speculative_tokens\": k, ...} (shared/spec_config.py; default off)"),

@@ -15,6 +15,10 @@ FP8 weights of a checkpoint with an FP8 `quantization_config` (`load_weights`' q
 `services.worker.fp8_checkpoint`): a Linear's go to it as per-row e4m3 values and scales
 when `kernels.fp8_linear.MODE` is "checkpoint" (`layers.fp8.stash_fp8_rows`); every other
 fp8 tensor is dequantized (its scales applied in fp32) into its parameter's dtype.
+4-bit weights of an AWQ / GPTQ checkpoint (quant.is_w4; `services.worker.w4a16_checkpoint`):
+`<module>.qweight` (with its qzeros / scales / g_idx) fills `<module>.weight`; a Linear's go
+to it packed (`layers.w4a16.stash_w4`) when `kernels.w4a16_linear.MODE` is "checkpoint",
+every other one is dequantized into its parameter's dtype (the CPU, or W4A16 not in use).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from torch import nn
 from services.worker.fp8_checkpoint import Fp8Checkpoint
 from services.worker.layers.fp8 import stash_fp8_rows, takes_fp8_rows
 from services.worker.layers.linear import shard_rows, unpack_cpu_weights
+from services.worker.layers.w4a16 import stash_w4, takes_w4
 from services.worker.layers.moe import EXPERT_PARAMS, expert_shard
+from services.worker.w4a16_checkpoint import W4Checkpoint
 from shared.weight_quant import CheckpointQuant
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -137,12 +143,13 @@ def load_weights(model: nn.Module, path: str, quant: CheckpointQuant | None = No
     """Fill every parameter of `model` from the folder's safetensors files.
 
     Tensors are converted to each parameter's dtype and device on copy. quant: the
-    checkpoint's FP8 format (`ModelSpec.checkpoint_quant`; None: no fp8 tensors expected),
-    see the module docstring.
+    checkpoint's FP8 or 4-bit format (`ModelSpec.checkpoint_quant`; None: no quantized tensors
+    expected), see the module docstring.
     Returns the number of bytes of the model's parameters in their dtype (each shared tensor
     once; a layer that keeps fp8 weights counts as its model-dtype parameter).
     Raises as described in the module docstring, and ValueError for an fp8 tensor without a
-    scale (or a scale of the wrong shape), and a stacked weight mixing fp8 and plain shards.
+    scale (or a scale of the wrong shape), a qweight without its qzeros / scales (or of the
+    wrong shapes), and a stacked weight mixing fp8 or 4-bit and plain shards.
     """
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     packed = getattr(model, "packed_modules", {})
@@ -153,15 +160,17 @@ def load_weights(model: nn.Module, path: str, quant: CheckpointQuant | None = No
     loaded: set[tuple[str, Shard]] = set()
     unused: list[str] = []
     files = checkpoint_files(path)
-    fp8 = Fp8Checkpoint.open(files, quant) if quant is not None else None
+    fp8 = Fp8Checkpoint.open(files, quant) if quant is not None and not quant.is_w4 else None
+    w4 = W4Checkpoint.open(files, quant) if quant is not None and quant.is_w4 else None
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.endswith(ignored) or name.startswith(ignored_prefixes) or \
                         (tied and name == "lm_head.weight") or _KV_SCALE.search(name) or \
-                        (fp8 is not None and fp8.is_scale(name)):
+                        (fp8 is not None and fp8.is_scale(name)) or (w4 is not None and w4.is_aux(name)):
                     continue
-                pname, shard = _target(_renamed(name, renames), packed)
+                wname = w4.weight_name(name) if w4 is not None else None
+                pname, shard = _target(_renamed(wname or name, renames), packed)
                 if pname not in params:
                     unused.append(f"{name} ({os.path.relpath(file, path)})")
                     continue
@@ -170,6 +179,22 @@ def load_weights(model: nn.Module, path: str, quant: CheckpointQuant | None = No
                 except IndexError as e:
                     raise ValueError(f"tensor {name} in {file}: {e} of parameter {pname}") from None
                 src = f.get_tensor(name)
+                if w4 is not None and wname is not None:
+                    owner_name, _, attr = pname.rpartition(".")
+                    owner = model.get_submodule(owner_name)
+                    keep = takes_w4(owner, attr) and not isinstance(shard, tuple)
+                    dev, stashed = dst.device, getattr(owner, "w4_stash", None)
+                    if dev.type == "meta" and stashed:  # an earlier shard replaced the parameter
+                        dev = next(iter(stashed.values())).qweight.device
+                    qw = w4.weight(name, src, dev)
+                    if keep and not isinstance(shard, tuple):
+                        try:
+                            params[pname] = stash_w4(owner, shard, qw)
+                        except ValueError as e:
+                            raise ValueError(f"tensor {name} in {file}: {e} of parameter {pname}") from None
+                        loaded.add((pname, shard))
+                        continue
+                    src = qw.dequantize()
                 if fp8 is not None and fp8.quantized(name, src, file):
                     owner_name, _, attr = pname.rpartition(".")
                     owner = model.get_submodule(owner_name)
@@ -183,9 +208,9 @@ def load_weights(model: nn.Module, path: str, quant: CheckpointQuant | None = No
                         loaded.add((pname, shard))
                         continue
                     src = fp8.dequantized(name, src, dst.device)
-                if dst.device.type == "meta":  # the other shards of this Linear came as fp8 (layers.fp8)
+                if dst.device.type == "meta":  # the other shards of this Linear came as fp8 / 4-bit
                     raise ValueError(f"tensor {name} in {file}: {src.dtype}, but other shards of parameter "
-                                     f"{pname} are fp8; a stacked weight must be one format")
+                                     f"{pname} are fp8 or 4-bit; a stacked weight must be one format")
                 if src.shape != dst.shape:
                     raise ValueError(f"tensor {name} in {file}: shape {tuple(src.shape)}, "
                                      f"parameter {pname} expects {tuple(dst.shape)}")

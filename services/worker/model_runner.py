@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import attention as attn_kernels
-from kernels import cpu_linear, cpu_quant_linear, fp8_linear
+from kernels import cpu_linear, cpu_quant_linear, fp8_linear, w4a16_linear
 from kernels.pending_ids import encode_pending
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.fusion import FusionPlan
@@ -51,7 +51,7 @@ from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
 from shared.state_layout import StateLayout
 from shared.protocol import PENDING_TOKEN, ScheduledSeq, StepPlan, StepResult
-from shared.weight_quant import check_fp8_setting, fp8_in_use
+from shared.weight_quant import check_fp8_setting, check_w4a16_setting, fp8_in_use, w4a16_in_use
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANT_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}  # kernels/kv_quant.py
@@ -127,7 +127,8 @@ class ModelRunner:
         # them from the recorded GGUF's int4 blocks (gguf_loader.py, §6.4)
         self.quantization = cfg.quantization if self.device.type == "cpu" else "none"
         cpu_quant_linear.QUANTIZATION = self.quantization if self.quantization in cpu_quant_linear.SCHEMES else "none"
-        self.weight_format = self._fp8_mode(cfg, dt)  # FP8 weights (kernels/fp8_linear.py), set before building
+        # FP8 / 4-bit weights (kernels/fp8_linear.py, kernels/w4a16_linear.py), set before building
+        self.weight_format = self._fp8_mode(cfg, dt)
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
         self.gguf_tensors: dict[str, int] | None = None  # what each GGUF tensor became (gguf only)
@@ -236,6 +237,10 @@ class ModelRunner:
         cap = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         check_fp8_setting(cfg.quantization, self.device.type, dtype, cap)
         ckpt = self.checkpoint_quant = self.spec.checkpoint_quant if cfg.load_format != "dummy" else None
+        w4a16_linear.MODE = "off"
+        if (ckpt is not None and ckpt.is_w4) or cfg.quantization in ("awq", "gptq"):
+            fp8_linear.MODE = "off"
+            return self._w4_mode(cfg, dtype)
         on = fp8_in_use(cfg.quantization, ckpt, self.device.type, dtype, cap)
         fp8_linear.MODE = ("checkpoint" if ckpt is not None else "quantize") if on else "off"
         if on:
@@ -246,6 +251,24 @@ class ModelRunner:
             return (f"{ckpt.describe()} checkpoint dequantized to {dtype} at load (fp8 weights need CUDA with "
                     f"compute capability 8.9+ and bfloat16)")
         return ""
+
+    def _w4_mode(self, cfg: KestrelConfig, dtype: str) -> str:
+        """Decide 4-bit weights (docs/ARCHITECTURE.md §6.3): set `kernels.w4a16_linear.MODE`
+        ("checkpoint": an AWQ / GPTQ checkpoint on CUDA in bf16 / fp16; "dummy": dummy weights
+        with --quantization awq / gptq; "off": the checkpoint dequantized at load) and
+        `quantization` (the method when packed). Returns the startup report's weight format.
+        Raises ValueError as `check_w4a16_setting`."""
+        ckpt, dummy = self.checkpoint_quant, cfg.load_format == "dummy"
+        check_w4a16_setting(cfg.quantization, self.device.type, dtype, ckpt, dummy)
+        if w4a16_in_use(cfg.quantization, ckpt, self.device.type, dtype, dummy):
+            w4a16_linear.MODE = "dummy" if dummy else "checkpoint"
+            self.quantization = cfg.quantization if dummy else ckpt.method if ckpt else cfg.quantization
+            if dummy:
+                return f"{cfg.quantization} 4-bit (W4A16), random packed weights, group {w4a16_linear.GROUP_SIZE}"
+            assert ckpt is not None
+            return f"{ckpt.describe()} from the checkpoint (W4A16)"
+        assert ckpt is not None  # awq / gptq without a 4-bit checkpoint were refused
+        return f"{ckpt.describe()} checkpoint dequantized to {dtype} at load (W4A16 needs CUDA and bf16 / fp16)"
 
     def _kv_scales(self, cfg: KestrelConfig) -> tuple[list[tuple[float, float]] | None, str]:
         """The fp8_e4m3 cache's per-layer (k, v) scales (None for another KV dtype) and

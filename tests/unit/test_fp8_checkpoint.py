@@ -179,7 +179,7 @@ def test_both_published_configs_parse():
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "int", "strategy": "channel"}}}}, "weights of .*'int'.* are not supported"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "nvfp4-pack-quantized", "weights": {
@@ -363,9 +363,9 @@ def test_fp8_checkpoints_run_as_fp8_only_where_they_can():
 
 
 def test_the_cli_refuses_fp8_on_the_cpu_and_unknown_checkpoint_formats_before_any_process_starts(tmp_path):
-    awq = tmp_path / "awq"
+    awq = tmp_path / "bnb"
     awq.mkdir()
-    (awq / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "awq"}}))
+    (awq / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "bitsandbytes"}}))
     for args, want in ((["--model", SMOLLM2, "--device", "cpu", "--quantization", "fp8"],
                         "setting quantization: 'fp8' weights (W8A8) run on CUDA GPUs"),
                        (["--model", str(awq), "--device", "cpu"], "setting model: ")):
@@ -376,4 +376,4 @@ def test_the_cli_refuses_fp8_on_the_cpu_and_unknown_checkpoint_formats_before_an
         assert r.returncode == 2, r.stdout + r.stderr
         assert want in r.stderr, r.stderr
         assert not runtime.exists(), "a process started: the runtime folder was created"
-    assert "quant_method 'awq' is not supported" in r.stderr
+    assert "quant_method 'bitsandbytes' is not supported" in r.stderr

@@ -16,7 +16,9 @@ from kernels.cpu_quant_linear import QuantWeight
 from kernels.fp8_linear import Fp8Weight
 from kernels.linear import _check_fused, linear
 from kernels.norm import rms_norm
+from kernels.w4a16_linear import W4Weight
 from services.worker.layers.fp8 import Fp8Stash, process_fp8
+from services.worker.layers.w4a16 import process_w4
 
 
 class Linear(nn.Module):
@@ -35,12 +37,14 @@ class Linear(nn.Module):
     qweight: on the CPU with `kernels.cpu_quant_linear.QUANTIZATION` int8/int4/gguf, the weight-only
     quantized W (`QuantWeight`) set after loading (or by the GGUF loader from the file's blocks);
     with FP8 weights (`kernels.fp8_linear.MODE`, `services.worker.layers.fp8`) its `Fp8Weight`;
-    `weight` is then a meta-device parameter of
+    with 4-bit weights (`kernels.w4a16_linear.MODE`, `services.worker.layers.w4a16`) its
+    `W4Weight`; `weight` is then a meta-device parameter of
     W's shape (no values: the dense weight is dropped, and a product on it fails). Else None.
     quantizable: False keeps the layer in the model dtype under --quantization fp8 (MoE
     routers, as vLLM leaves them); the CPU int8/int4 schemes quantize every Linear.
     fp8_stash / fp8_layer: the loader's fp8 checkpoint rows while loading, and whether the
     layer holds (or held, before `loader.dense_weights`) fp8 weights (`layers.fp8`).
+    w4_stash / w4_layer: the same for 4-bit AWQ / GPTQ weights (`layers.w4a16`).
     """
 
     def __init__(self, in_features: int, out_features: int | list[int], bias: bool = False,
@@ -55,10 +59,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
         self.weight_dense: torch.Tensor | None = None  # set by pack_cpu_weight
-        self.qweight: QuantWeight | Fp8Weight | None = None  # set by quantize_cpu_weight / layers.fp8
+        self.qweight: QuantWeight | Fp8Weight | W4Weight | None = None  # quantize_cpu_weight / layers.fp8 / .w4a16
         self.quantizable = quantizable
         self.fp8_stash: Fp8Stash | None = None  # the loader's fp8 checkpoint rows (layers.fp8)
         self.fp8_layer = False
+        self.w4_stash: dict[int | None, W4Weight] | None = None  # the loader's 4-bit shards (layers.w4a16)
+        self.w4_layer = False
         if stacked:
             for p in (self.weight, self.bias):
                 if p is not None:
@@ -83,19 +89,20 @@ class Linear(nn.Module):
         (`quantize_cpu_weight`), and no packed or dense copy is kept; a `qweight` the GGUF
         loader set from the file's int4 blocks (services/worker/gguf_loader.py) is kept.
         FP8 weights first (`layers.fp8.process_fp8`): from the loader's fp8 rows, or
-        quantized under `kernels.fp8_linear.MODE` "quantize"."""
-        if process_fp8(self):
+        quantized under `kernels.fp8_linear.MODE` "quantize"; then 4-bit weights
+        (`layers.w4a16.process_w4`: AWQ / GPTQ shards from the loader, or dummy ones)."""
+        if process_fp8(self) or process_w4(self):
             return
         if self.qweight is None and not quantize_cpu_weight(self, "weight"):
             pack_cpu_weight(self, "weight")
 
 
-def quant_forward(qw: QuantWeight | Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
+def quant_forward(qw: QuantWeight | Fp8Weight | W4Weight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.linear.linear`'s unfused path on a quantized weight: the RMSNorm
     (norm_weight, eps) or SiLU-and-mul prologue as its own op, the quantized product
-    (`QuantWeight.matmul` on the CPU, `Fp8Weight.matmul`), then the bias and residual adds. Shapes and dtypes as `linear`
+    (`QuantWeight.matmul` on the CPU, `Fp8Weight.matmul`, `W4Weight.matmul`), then the bias and residual adds. Shapes and dtypes as `linear`
     (x [T, K], or [T, 2K] with silu_mul -> [T, N] in x's dtype); raises ValueError as it does."""
     if norm_weight is not None or silu_mul or residual is not None:
         _check_fused(x, torch.empty(qw.out_features, qw.in_features, device="meta"), norm_weight,
