@@ -21,13 +21,6 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
   timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q tests/gpu/test_w4a16_gpu.py -p no:cacheprovider \
     --junitxml "$OUT/tests_w4a16_gpu.xml" 2>&1 | tail -40 | tee "$OUT/tests_w4a16_gpu.txt"
 fi
-run() {  # run NAME TIMEOUT CMD...
-  local name=$1 limit=$2 t0 rc; shift 2; t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/.$name.log" 2>&1
-  rc=$?
-  { echo "== $name: rc=$rc (124: timeout) in $(( $(date +%s) - t0 )) s"; tail -30 "$OUT/.$name.log"; } | tee -a "$OUT/bench.log"
-  rm -f "$OUT/.$name.log"
-}
 if [ "$PART" = all ] || [ "$PART" = decode ]; then
   for q in none awq; do
     tag=$([ "$q" = none ] && echo bf16 || echo awq)
