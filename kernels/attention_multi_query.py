@@ -77,8 +77,8 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
         blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
         off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
         kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q.dtype, KV_FP8)
-        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q.dtype, KV_FP8)
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(nm[None, :] & (nn[None, :] <= limit[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -117,8 +117,8 @@ def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, 
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q.dtype, KV_FP8)
-        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q.dtype, KV_FP8)
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
     return m_i, l_i, acc
 
@@ -173,7 +173,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         new = (nm & (nn == seq_len - 1))[:, None] & dmask[None, :]
         k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dd[None, :], mask=new, other=0), k0)
         v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0), v0)
-        m_i, l_i, acc = _attend_tile(q, kv_tile(k0, q.dtype, KV_FP8), kv_tile(v0, q.dtype, KV_FP8), nm,
+        m_i, l_i, acc = _attend_tile(q, kv_tile(k0, q, KV_FP8), kv_tile(v0, q, KV_FP8), nm,
                                      m_i, l_i, acc, qk_scale)
         lo = start + BLOCK_N
     m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh,
@@ -219,7 +219,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, 
         nm = nn < seq_len
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q.dtype, KV_FP8)
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = (nn[None, :] <= (ctx + mm)[:, None]) & nm[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -227,7 +227,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, 
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q.dtype, KV_FP8)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if KV_FP8:

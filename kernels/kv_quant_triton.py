@@ -29,11 +29,12 @@ FP8_E4M3_MAX = 448.0  # also kernels.kv_quant.FP8_E4M3_MAX
 
 
 @triton.jit
-def kv_tile(x, dtype, KV_FP8: tl.constexpr):
-    """A loaded cache tile in the compute dtype `dtype`: the e4m3 bytes (uint8) of an fp8
-    cache bitcast and widened exactly (through fp16); a model-dtype tile unchanged."""
+def kv_tile(x, like, KV_FP8: tl.constexpr):
+    """A loaded cache tile in the compute dtype (that of the tensor `like`, the kernel's q):
+    the e4m3 bytes (uint8) of an fp8 cache bitcast and widened exactly (through fp16); a
+    model-dtype tile unchanged."""
     if KV_FP8:
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(dtype)
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(like.dtype)
     return x
 
 

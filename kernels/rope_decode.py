@@ -174,8 +174,8 @@ if triton is not None:
         if KV_FP8:  # the token as stored: e4m3 bytes, and their values in q's dtype for the tile
             k_st = fp8_bytes(k_new, k_sc)
             v_st = fp8_bytes(v_new, v_sc)
-            k_new = kv_tile(k_st, q.dtype, True)
-            v_new = kv_tile(v_st, q.dtype, True)
+            k_new = kv_tile(k_st, q, True)
+            v_new = kv_tile(v_st, q, True)
         else:
             k_st = k_new
             v_st = v_new
@@ -190,8 +190,8 @@ if triton is not None:
         lo = start
         if PREFETCH:
             is_new = (nn == last)[:, None]
-            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_tile(k0, q.dtype, KV_FP8)),
-                                         tl.where(is_new, v_new, kv_tile(v0, q.dtype, KV_FP8)), nm,
+            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_tile(k0, q, KV_FP8)),
+                                         tl.where(is_new, v_new, kv_tile(v0, q, KV_FP8)), nm,
                                          m_i, l_i, acc, qk_scale)
             lo = start + BLOCK_N
         m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
