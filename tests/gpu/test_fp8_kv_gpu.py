@@ -48,14 +48,16 @@ def _scales():
     return torch.tensor(KS, device="cuda"), torch.tensor(VS, device="cuda")
 
 
-def _codes_close(got: torch.Tensor, want: torch.Tensor, record_property, name: str) -> None:
-    """Same e4m3 codes but for rare one-step division ties (Triton's fp32 division)."""
+def _codes_close(got: torch.Tensor, want: torch.Tensor, record_property, name: str, share_max: float = 1e-3) -> None:
+    """Same e4m3 codes but for rare one-step differences: fp32-division ties (Triton's
+    division), and for the rotary writers a rotation rounded differently in its last bf16 bit
+    that crosses an e4m3 rounding edge (share_max)."""
     g, w = got.float(), want.float()
     step = torch.maximum(w.abs() * 2 * 2 ** -4, torch.full_like(w, 2 * 2 ** -9)) * 1.01
     assert bool(((g - w).abs() <= step).all()), "a code more than one e4m3 step away"
     share = float((got.view(torch.uint8) != want.view(torch.uint8)).float().mean())
     record_property(f"{name}_mismatch_share", share)
-    assert share < 1e-3
+    assert share < share_max
 
 
 def test_store_kernel_quantizes_as_the_reference(record_property):
@@ -95,7 +97,7 @@ def test_rotary_store_kernel_quantizes_the_rotated_keys(rot, record_property):
         out.append((buf, kc, vc))
     assert rel(out[1][0], out[0][0]) < 1e-2  # q (and k) rotated in place as the reference
     # a bf16 rounding difference of the rotation may move a code by one step
-    _codes_close(out[1][1], out[0][1], record_property, f"rotary{rot}_k")
+    _codes_close(out[1][1], out[0][1], record_property, f"rotary{rot}_k", 1e-2)
     _codes_close(out[1][2], out[0][2], record_property, f"rotary{rot}_v")
 
 
@@ -193,7 +195,7 @@ def test_fused_rotary_decode_writes_and_reads_fp8(lens, kw, record_property):
     err = rel(o1[ok], o0[ok])
     record_property(f"rope_decode_{len(lens)}", err)
     assert err < TOL and bool((o1[~ok] == 0).all())
-    _codes_close(k1, k0, record_property, f"rope_decode_k_{len(lens)}")
+    _codes_close(k1, k0, record_property, f"rope_decode_k_{len(lens)}", 1e-2)
     _codes_close(v1, v0, record_property, f"rope_decode_v_{len(lens)}")
 
 
@@ -255,7 +257,7 @@ def test_model_with_fp8_kv_end_to_end(model_dir, record_property):
     bf = _runner(model_dir)  # the same dummy weights (one seed), bf16 KV
     pb, db = step_logits(bf, prefill), step_logits(bf, decode)
     bf_gen = generate(bf, prompts, 16)
-    bf_tokens = bf.report()["kv_tokens"]
+    bf_tokens, bf_block = bf.report()["kv_tokens"], bf.report()["kv_block_bytes"]
     del bf
     gc.collect()
     torch.cuda.empty_cache()
@@ -265,7 +267,9 @@ def test_model_with_fp8_kv_end_to_end(model_dir, record_property):
     assert r.kv.k[0].dtype == F8 and r.graphs is not None
     ratio = rep["kv_tokens"] / bf_tokens
     record_property("kv_tokens_fp8_over_bf16", ratio)
-    assert 1.9 < ratio < 2.1  # one byte an element instead of two, the same budget
+    assert 2 * rep["kv_block_bytes"] == bf_block  # one byte an element instead of two
+    # the same budget (less what the first runner may leave allocated, and rounding to blocks)
+    assert 1.8 < ratio < 2.1
     with_graphs = generate(r, prompts, 16)
     graphs, r.graphs = r.graphs, None
     assert generate(r, prompts, 16) == with_graphs  # CUDA-graph decode equals eager
@@ -276,6 +280,7 @@ def test_model_with_fp8_kv_end_to_end(model_dir, record_property):
     errs["greedy_same_share"] = same
     for k, v in errs.items():
         record_property(k, v)
-    # e4m3 keeps 3 mantissa bits (relative error <= 2^-4 an element, ~2^-6 rms): attention
-    # outputs move by a few percent, logits by less (estimate; the recorded values tighten it)
-    assert 1e-5 < errs["prefill_vs_bf16_kv"] < 0.1 and 1e-5 < errs["decode_vs_bf16_kv"] < 0.1
+    # e4m3 keeps 3 mantissa bits (relative error <= 2^-4 an element, ~2^-6 rms) with scales 1.0
+    # here (dummy weights, no checkpoint scales): attention outputs move by a few percent, the
+    # logits by about as much (an estimate, no GPU run yet; the recorded values tighten it)
+    assert 1e-5 < errs["prefill_vs_bf16_kv"] < 0.2 and 1e-5 < errs["decode_vs_bf16_kv"] < 0.2

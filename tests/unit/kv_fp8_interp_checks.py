@@ -51,7 +51,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @triton.jit
 def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < n, other=0.0)
     tl.store(y_ptr + i, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=i < n)
 
@@ -61,7 +61,8 @@ def interp_cast(x: torch.Tensor) -> torch.Tensor:
     flat = x.float().contiguous().reshape(-1)
     out = torch.empty(flat.numel(), dtype=torch.uint8)
     if flat.numel():
-        _cast_kernel[(1,)](flat, out, flat.numel(), BLOCK=triton.next_power_of_2(flat.numel()))
+        block = min(1 << 16, triton.next_power_of_2(flat.numel()))
+        _cast_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block)
     return out.view(F8).view(x.shape)
 
 
