@@ -18,8 +18,10 @@ at a time, as 4-D tensors (a batch of 1: torch's CPU flash kernel takes only tho
 inputs fall to its math path, ~3x slower for a 5-token suffix over 200 cached keys). The
 index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
 A quantized KV cache (fp8_e4m3, int8: `kernels.kv_quant`, the layer's scales passed as
-k_scale / v_scale) is written and read by the references only: blocks are dequantized to
-fp32 as they are gathered and the attention runs in fp32.
+k_scale / v_scale): the references dequantize blocks to fp32 as they are gathered and run
+the attention in fp32; on CUDA an fp8_e4m3 cache goes to the Triton kernels
+(`kernels.kv_quant_triton`: quantized on write, widened and scaled on read, fp32
+accumulation), an int8 cache to the references (the config refuses int8 on CUDA).
 """
 
 from __future__ import annotations
@@ -61,11 +63,17 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
+def triton_reads(k_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernels read and write a cache of k_cache's dtype: a float dtype
+    (the model's) or float8_e4m3fn; int8 is the references' only."""
+    return k_cache.dtype != torch.int8
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Dispatcher for `store_kv_ref` (see there for shapes); a quantized cache (scales
-    given) always takes the reference (the Triton kernels do not write those formats)."""
-    if k.is_cuda and store_kv_triton is not None and k_scale is None:
-        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    """Dispatcher for `store_kv_ref` (see there for shapes): the Triton kernel on CUDA for a
+    cache in the model dtype or fp8_e4m3 (with its layer's scales), the reference otherwise."""
+    if k.is_cuda and store_kv_triton is not None and triton_reads(k_cache):
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -252,9 +260,10 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `paged_attention_ref` (see there for shapes). max_q_len, max_seq_len:
     host-side bounds for the Triton kernel (None: read from the tensors, a device sync).
-    A quantized cache (scales given) always takes the reference."""
-    if q.is_cuda and paged_attention_triton is not None and plan is None and k_scale is None:
+    k_scale, v_scale: a quantized cache's scales: fp8_e4m3 goes to the Triton kernel on CUDA,
+    int8 always to the reference."""
+    if q.is_cuda and paged_attention_triton is not None and plan is None and triton_reads(k_cache):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                      block_tables, scale, max_q_len, max_seq_len)
+                                      block_tables, scale, max_q_len, max_seq_len, None, k_scale, v_scale)
     return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                scale, plan, k_scale, v_scale)

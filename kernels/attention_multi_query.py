@@ -16,6 +16,10 @@ are the step's token rows here).
 Row r of a program is query r // G (of the seq's q_len <= Q) and head kv_head * G + r % G.
 Every token row of q must belong to a sequence (cu_seqlens_q covers [0, T)): rows outside
 are left unwritten, as with the prefill kernel.
+
+An fp8_e4m3 cache (KV_FP8) is read as the decode kernel reads it (`kernels.kv_quant_triton`):
+tiles widened exactly to q's dtype, the K scale on the scores, the V scale on the fp32
+accumulator before the partial is stored.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_merge import merge_splits, split_buffers
+from kernels.kv_quant_triton import kv_operands, kv_tile
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 # rows (queries x heads of one KV head) of one program at most: beyond, the prefill kernel
@@ -35,15 +40,17 @@ MQ_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits":
 
 @triton.jit(do_not_specialize=["s_bt"])
 def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                        sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
+                        ks_ptr, vs_ptr, sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                         n_splits, n_heads, head_dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        USE_PDL: tl.constexpr, KV_FP8: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     pdl_wait(USE_PDL)
     pdl_release(USE_PDL)
+    if KV_FP8:  # the layer's K scale on the scores (its V scale on acc, below)
+        qk_scale = qk_scale * tl.load(ks_ptr)
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
     seq_len = tl.load(seqlen_ptr + seq)
@@ -70,8 +77,8 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
         blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
         off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
         kv_mask = nm[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(nm[None, :] & (nn[None, :] <= limit[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -81,6 +88,8 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(vs_ptr)
     if ONE_SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * so_t + heads[:, None] * so_h + dd[None, :],
@@ -110,7 +119,8 @@ def fits_multi_query(max_q_len: int, num_heads: int, num_kv_heads: int) -> bool:
 def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                                  scale: float, max_q_len: int, max_seq_len: int, sms: int,
-                                 config: dict | None = None) -> torch.Tensor:
+                                 config: dict | None = None, k_scale: torch.Tensor | None = None,
+                                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention of q [T, H, D] (T = cu_seqlens_q[-1], each seq's queries the last
     q_len of its seq_lens tokens, their K/V already in the cache) over k_cache / v_cache
     [num_blocks, block_size, KVH, D] through block_tables [B, max_blocks] (int32):
@@ -119,7 +129,9 @@ def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     max_q_len, max_seq_len: host bounds of the step's query and sequence lengths (a larger
         max_seq_len is valid: CUDA graphs pass max_model_len). sms: the device's SM count.
     config: launch overrides (keys of `MQ_DEFAULTS`), for benchmarks and tests.
-    Raises ValueError where `fits_multi_query` is false or H is not a multiple of KVH.
+    k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
+    Raises ValueError where `fits_multi_query` is false or H is not a multiple of KVH, and as
+    `kv_operands`.
     """
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -136,12 +148,13 @@ def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     splits = cfg["splits"] or multi_query_splits(b, kvh, max_seq_len, sms, block_n)
     pdl = use_pdl(q.device)
     m, l_, acc = split_buffers(out, splits)
+    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
     _multi_query_kernel[(b, kvh, splits)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, m, l_, acc,
+        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, out, m, l_, acc, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1],
         splits, h, d, G=g, BLOCK_R=max(16, triton.next_power_of_2(max_q_len * g)), BLOCK_N=block_n,
-        BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg["num_warps"],
+        BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl, KV_FP8=fp8, num_warps=cfg["num_warps"],
         **({"num_stages": cfg["num_stages"]} if cfg["num_stages"] else {}), **launch_args(pdl))
     merge_splits(m, l_, acc, out, splits, pdl)
     return out

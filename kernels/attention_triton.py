@@ -15,6 +15,9 @@ this file is split off to keep each file near the 300-line mark of CONVENTIONS.m
   Keys are gathered token by token through the block table, so any block size works.
   Scores use exp2 with log2(e) folded into the scale. Dots take the cache dtype
   (bf16/fp16 on tensor cores; fp32 runs as tf32 on the GPU) and accumulate in fp32.
+  An fp8_e4m3 cache (KV_FP8, `kernels.kv_quant_triton`): the store quantizes with the
+  layer's scales, the readers widen each tile exactly to q's dtype for the dots and apply
+  the K scale to the scores and the V scale to the fp32 accumulator (docs/ARCHITECTURE.md §4.6).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton.language as tl
 from kernels.attention_multi_query import MQ_DEFAULTS, fits_multi_query, multi_query_attention_triton
 from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
 from kernels.device_info import num_sms
+from kernels.kv_quant_triton import kv_cast_store, kv_operands, kv_tile
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -46,8 +50,8 @@ DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "spli
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h,
-                     n_kv, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h,
+                     n_kv, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -56,18 +60,25 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, sk_t, sk_h, sv_t, s
         m = (hh < n_kv) & (dd < head_dim)
         k = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=m)
         v = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m)
+        if KV_FP8:
+            k = kv_cast_store(k, tl.load(ks_ptr), KV_FP8)
+            v = kv_cast_store(v, tl.load(vs_ptr), KV_FP8)
         tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, k, mask=m)
         tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, v, mask=m)
 
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """Triton `store_kv_ref` (same shapes); k/v may be strided views with unit last stride."""
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Triton `store_kv_ref` (same shapes); k/v may be strided views with unit last stride.
+    An fp8_e4m3 cache is written quantized with its layer's 0-d scales k_scale, v_scale
+    (`kernels.kv_quant_triton.kv_operands`: errors there)."""
     t, kvh, d = k.shape
+    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
     if t:
-        _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+        _store_kv_kernel[(t,)](k, v, kc, vc, slot_mapping, ks, vs, k.stride(0), k.stride(1),
                                v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), kvh, d,
-                               BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d))
+                               BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8)
 
 
 @triton.jit
@@ -97,32 +108,35 @@ def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
 
 @triton.jit
 def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dd, dmask,
-                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr):
+                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
     """The key tiles lo, lo + BLOCK_N, .. below end of one sequence and KV head, gathered
-    through its block table row: returns the updated (m_i, l_i, acc) of `_attend_tile`."""
+    through its block table row: returns the updated (m_i, l_i, acc) of `_attend_tile`.
+    KV_FP8: the caches are e4m3 bytes, widened to q's dtype (their scales are the caller's)."""
     for n0 in range(lo, end, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
     return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["s_bt"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
-                   sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
+                   ks_ptr, vs_ptr, sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                    n_splits, n_heads, head_dim, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
+                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr):
     # no program returns early: with FUSED_MERGE each one, empty partitions too, must arrive
     # on its (seq, kv_head) counter in `_merge_if_last`
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:  # the layer's K scale on the scores (its V scale on acc, below); set at load
+        qk_scale = qk_scale * tl.load(ks_ptr)
     if not PREFETCH:
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
@@ -145,8 +159,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         old = (nm & (nn < seq_len - 1))[:, None] & dmask[None, :]
-        k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=old, other=0.0)
-        v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=old, other=0.0)
+        k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=old, other=0)
+        v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=old, other=0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
     q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dd[None, :],
@@ -157,12 +171,15 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
     lo = start
     if PREFETCH:
         new = (nm & (nn == seq_len - 1))[:, None] & dmask[None, :]
-        k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dd[None, :], mask=new, other=0.0), k0)
-        v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0.0), v0)
-        m_i, l_i, acc = _attend_tile(q, k0, v0, nm, m_i, l_i, acc, qk_scale)
+        k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dd[None, :], mask=new, other=0), k0)
+        v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0), v0)
+        m_i, l_i, acc = _attend_tile(q, kv_tile(k0, q, KV_FP8), kv_tile(v0, q, KV_FP8), nm,
+                                     m_i, l_i, acc, qk_scale)
         lo = start + BLOCK_N
     m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh,
-                                  dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N)
+                                  dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8)
+    if KV_FP8:  # fp32 partial times the V scale, before the split merge
+        acc = acc * tl.load(vs_ptr)
     _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
                    n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
     if FUSED_MERGE:  # (never with ONE_SPLIT)
@@ -171,10 +188,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
 
 
 @triton.jit(do_not_specialize=["s_bt"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, ks_ptr, vs_ptr,
                     sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                     head_dim, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
     mblk = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -183,6 +200,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
     if mblk * BLOCK_M >= q_len:
         return
     kvh = h // G
+    if KV_FP8:  # the layer's K scale on the scores, its V scale on the output
+        qk_scale = qk_scale * tl.load(ks_ptr)
     seq_len = tl.load(seqlen_ptr + seq)
     ctx = seq_len - q_len  # cached prefix before this chunk
     mm = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -200,7 +219,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
         nm = nn < seq_len
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = (nn[None, :] <= (ctx + mm)[:, None]) & nm[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -208,9 +227,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0.0)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(vs_ptr)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * so_t + h * so_h + dd[None, :], o.to(out_ptr.dtype.element_ty),
              mask=qmask)
@@ -240,7 +261,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, max_q_len: int | None = None,
-                           max_seq_len: int | None = None, decode_config: dict | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, decode_config: dict | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `paged_attention_ref` (same shapes and meaning), all index tensors on q's device.
 
     max_q_len, max_seq_len: host-side bounds of the step's query and sequence lengths (the
@@ -250,7 +272,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         valid (CUDA graphs pass max_model_len): empty partitions exit at once.
     decode_config: overrides of the decode kernel's launch (keys of `DECODE_DEFAULTS`), for
         the benchmarks and tests; None = `DECODE_DEFAULTS`.
-    Raises ValueError if num_heads is not a multiple of num_kv_heads.
+    k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
+    Raises ValueError if num_heads is not a multiple of num_kv_heads, and as `kv_operands`.
     """
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -267,6 +290,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     qk_scale = scale * _LOG2E
     bd = triton.next_power_of_2(d)
+    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1))
     if max_q_len == 1:
@@ -276,14 +300,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         pdl = use_pdl(q.device)
         m, l_, acc = split_buffers(out, splits)
         cnt = merge_counters(out, kvh, splits, dc["fused_merge"])
-        _decode_kernel[(b, kvh, splits)](q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
-                                         out if cnt is None else cnt,
+        _decode_kernel[(b, kvh, splits)](q, kc, vc, block_tables, seq_lens, out, m, l_, acc,
+                                         out if cnt is None else cnt, ks, vs,
                                          *strides, qk_scale, k_cache.shape[1], splits, h, d,
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
                                          BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl,
                                          PREFETCH=_prefetch(dc, pdl, block_n), FUSED_MERGE=cnt is not None,
                                          BLOCK_S=1 if cnt is None else triton.next_power_of_2(splits),
-                                         num_warps=dc["num_warps"],
+                                         KV_FP8=fp8, num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
                                          **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)
@@ -291,9 +315,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if {**DECODE_DEFAULTS, **(decode_config or {})}["multi_query"] and fits_multi_query(max_q_len, h, kvh):
         return multi_query_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                             max_q_len, max_seq_len, num_sms(q.device),
-                                            {k: v for k, v in (decode_config or {}).items() if k in MQ_DEFAULTS})
+                                            {k: v for k, v in (decode_config or {}).items() if k in MQ_DEFAULTS},
+                                            k_scale, v_scale)
     block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, *strides, qk_scale,
-        k_cache.shape[1], d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, num_warps=4)
+        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, out, ks, vs, *strides, qk_scale,
+        k_cache.shape[1], d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, KV_FP8=fp8, num_warps=4)
     return out

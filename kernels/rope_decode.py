@@ -25,6 +25,11 @@ sin, out[i+D/2] = x[i+D/2] cos + x[i] sin, done on whole [heads, D] tiles by loa
 element's partner (i +- D/2) as a second, cached load. Rounding follows
 `rotary_and_store_kv_ref`: normalised x rounded to the dtype, times the weight rounded,
 the rotation in fp32 rounded once. The attention math is `_decode_kernel`'s.
+
+An fp8_e4m3 cache (KV_FP8, `kernels.kv_quant_triton`): the owner quantizes the token's
+rotated key and its value with the layer's scales and stores the e4m3 bytes; every program
+attends that token through the same e4m3 values (widened back in registers), so the result
+is that of the store followed by the read, as the two-launch path and the reference give.
 """
 
 from __future__ import annotations
@@ -59,21 +64,24 @@ ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attenti
 
 def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cu_seqlens_q,
                       seq_lens, block_tables, scale, q_norm=None, k_norm=None, eps: float = 1e-6,
-                      plan=None, max_seq_len: int | None = None) -> torch.Tensor:
+                      plan=None, max_seq_len: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """Rotate q [B, H, D] and k [B, KVH, D] (one token per sequence, at positions [B]),
     store k and v [B, KVH, D] at slot_mapping [B] (< 0: skipped), and attend over the cache:
     -> [B, H, D] in q's dtype, as `rotary_and_store_kv` then `paged_attention` (see there for
     the other shapes). q_norm, k_norm: [D] weights of the per-head RMSNorm, or None.
     q and k may be left rotated or not (the fused kernel does not write them back).
+    k_scale, v_scale: the layer's scales of a quantized cache (fp8_e4m3: 0-d fp32, read by the
+    Triton kernel; int8: the references), None for a cache in the model dtype.
     """
     cap = ROPE_DECODE_DEFAULTS["max_seqs"]
     if (q.is_cuda and ENABLED and rope_decode_triton is not None and cos_sin.shape[-1] == q.shape[-1]
             and q.shape[-1] % 2 == 0 and (cap is None or q.shape[0] <= cap)):
         return rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
-                                  block_tables, scale, max_seq_len, q_norm, k_norm, eps)
-    rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+                                  block_tables, scale, max_seq_len, q_norm, k_norm, eps, None, k_scale, v_scale)
+    rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps,
+                        k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, plan, 1,
-                           max_seq_len)
+                           max_seq_len, k_scale, v_scale)
 
 
 rope_decode_triton = None  # set below when Triton imports: the CUDA path (below)
@@ -82,6 +90,7 @@ if triton is not None:
     from kernels.attention_triton import _LOG2E, _attend_range, _attend_tile, _kv_offsets, _prefetch
     from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
     from kernels.device_info import num_sms
+    from kernels.kv_quant_triton import fp8_bytes, kv_operands, kv_tile
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
@@ -102,12 +111,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["s_bt"])
     def _rope_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, slot_ptr,
                             kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
-                            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, cs_stride, sc_b, sc_s, sc_h, s_bt,
+                            ks_ptr, vs_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, cs_stride, sc_b, sc_s, sc_h, s_bt,
                             so_t, so_h, qk_scale, block_size, n_splits, n_heads, head_dim, eps,
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
                             USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                            BLOCK_S: tl.constexpr):
+                            BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr):
         # no program returns early (a padding row, seq_len 0, and an empty partition run
         # through with m -inf, l 0): with FUSED_MERGE each must arrive on its (seq, kv_head)
         # counter in `_merge_if_last`, after the PDL wait
@@ -120,6 +129,10 @@ if triton is not None:
         # the rest of its tiles as usual.
         seq_len = tl.load(seqlen_ptr + seq).to(tl.int32)
         last = seq_len - 1
+        if KV_FP8:  # the layer's scales (set at load): K's on the scores, V's on acc below
+            k_sc = tl.load(ks_ptr)
+            v_sc = tl.load(vs_ptr)
+            qk_scale = qk_scale * k_sc
         pos = tl.load(pos_ptr + seq).to(tl.int64)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         half = head_dim // 2
@@ -147,8 +160,8 @@ if triton is not None:
             nm = nn < end
             off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
             cached = (nm & (nn < last))[:, None] & dmask[None, :]
-            k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=cached, other=0.0)
-            v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=cached, other=0.0)
+            k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=cached, other=0)
+            v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=cached, other=0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
         gg = tl.arange(0, BLOCK_G)
@@ -158,10 +171,18 @@ if triton is not None:
         k_new = _rope_rows(k_ptr, seq * sk_t + kvh * sk_h, dd, pd, dmask[None, :],
                            cos, sin, kw, kwp, eps, head_dim, NORM)  # [1, BLOCK_D]
         v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dd[None, :], mask=dmask[None, :], other=0.0)
+        if KV_FP8:  # the token as stored: e4m3 bytes, and their values in q's dtype for the tile
+            k_st = fp8_bytes(k_new, k_sc)
+            v_st = fp8_bytes(v_new, v_sc)
+            k_new = kv_tile(k_st, q, True)
+            v_new = kv_tile(v_st, q, True)
+        else:
+            k_st = k_new
+            v_st = v_new
         if (start <= last) & (last < end) & (slot >= 0):  # this program owns the step's token
             c = slot * sc_s + kvh * sc_h + dd[None, :]
-            tl.store(kc_ptr + c, k_new, mask=dmask[None, :])
-            tl.store(vc_ptr + c, v_new, mask=dmask[None, :])
+            tl.store(kc_ptr + c, k_st, mask=dmask[None, :])
+            tl.store(vc_ptr + c, v_st, mask=dmask[None, :])
         tl.debug_barrier()  # the owner's writes are visible to its own loads below
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -169,11 +190,14 @@ if triton is not None:
         lo = start
         if PREFETCH:
             is_new = (nn == last)[:, None]
-            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, k0), tl.where(is_new, v_new, v0), nm,
+            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_tile(k0, q, KV_FP8)),
+                                         tl.where(is_new, v_new, kv_tile(v0, q, KV_FP8)), nm,
                                          m_i, l_i, acc, qk_scale)
             lo = start + BLOCK_N
         m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
-                                      kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N)
+                                      kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8)
+        if KV_FP8:
+            acc = acc * v_sc
         _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
                        n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
         if FUSED_MERGE:  # (never with ONE_SPLIT)
@@ -182,10 +206,12 @@ if triton is not None:
 
     def rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
                            block_tables, scale, max_seq_len=None, q_norm=None, k_norm=None, eps=1e-6,
-                           decode_config: dict | None = None) -> torch.Tensor:
+                           decode_config: dict | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
         """The CUDA path of `rope_paged_decode` (full rotary: cos_sin [positions, D]).
         decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits, fused_merge, ..).
-        Raises ValueError for a strided last dim or num_heads not a multiple of num_kv_heads."""
+        k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
+        Raises ValueError for a strided last dim or num_heads not a multiple of num_kv_heads,
+        and as `kv_operands`."""
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         if h % kvh or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -205,15 +231,16 @@ if triton is not None:
         norm = q_norm is not None
         pdl = use_pdl(q.device)
         bd = triton.next_power_of_2(d)
+        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
         _rope_decode_kernel[(b, kvh, splits)](
             q, k, v, positions, cos_sin, q_norm if norm else q, k_norm if norm else q, slot_mapping,
-            k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, out if cnt is None else cnt,
+            kc, vc, block_tables, seq_lens, out, m, l_, acc, out if cnt is None else cnt, ks, vs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), scale * _LOG2E, k_cache.shape[1], splits, h, d, eps,
             G=h // kvh, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n, BLOCK_D=bd,
             NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
             FUSED_MERGE=cnt is not None, BLOCK_S=1 if cnt is None else triton.next_power_of_2(splits),
-            num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
+            KV_FP8=fp8, num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kernels.attention import store_kv_ref
+from kernels.attention import store_kv_ref, triton_reads
 from kernels.norm import rms_norm_ref
 
 apply_rotary_triton = None  # set below when Triton imports: same signature as apply_rotary_ref
@@ -128,11 +128,12 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                         q_norm=None, k_norm=None, eps: float = 1e-6, k_scale=None, v_scale=None) -> None:
-    """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes); a quantized cache
-    (scales given) always takes the reference."""
-    if q.is_cuda and rotary_and_store_kv_triton is not None and k_scale is None:
+    """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes); the Triton kernel on
+    CUDA for a cache in the model dtype or fp8_e4m3 (quantized with its layer's scales), the
+    reference for an int8 cache."""
+    if q.is_cuda and rotary_and_store_kv_triton is not None and triton_reads(k_cache):
         return rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                          q_norm, k_norm, eps)
+                                          q_norm, k_norm, eps, k_scale, v_scale)
     rotary_and_store_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps,
                             k_scale, v_scale)
 
@@ -140,7 +141,8 @@ def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapp
 # ---------------------------------------------------------------- Triton (CUDA)
 # One program per token: it rotates the token's q heads and k heads (fp32 math, cast back),
 # writes them back in place and, when a cache is given, stores the rotated k and v rows at
-# the token's slot. A slot < 0 (padding rows of a CUDA graph) stores nothing.
+# the token's slot. A slot < 0 (padding rows of a CUDA graph) stores nothing. An fp8_e4m3 cache
+# (KV_FP8) gets the rows quantized with the layer's scales (`kernels.kv_quant_triton`).
 
 try:
     import triton
@@ -149,12 +151,13 @@ except ImportError:  # CPU-only installs: the dispatchers keep the references
     triton = None
 
 if triton is not None:
+    from kernels.kv_quant_triton import kv_cast_store, kv_operands
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
     def _rotate_heads(x_ptr, tok, sx_t, sx_h, n_heads, cos, sin, half,
-                      c_ptr, slot, sc_s, sc_h, nw_ptr, eps, STORE: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                      c_ptr, slot, sc_s, sc_h, nw_ptr, eps, c_scale, STORE: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr):
         hh = tl.arange(0, BLOCK_H)[:, None]
         ii = tl.arange(0, BLOCK_HALF)[None, :]
         m = (hh < n_heads) & (ii < half)
@@ -174,15 +177,16 @@ if triton is not None:
         tl.store(p1 + half, o2, mask=m)
         if STORE:
             c1 = c_ptr + slot * sc_s + hh * sc_h + ii
-            tl.store(c1, o1, mask=m)
-            tl.store(c1 + half, o2, mask=m)
+            tl.store(c1, kv_cast_store(o1, c_scale, KV_FP8), mask=m)
+            tl.store(c1 + half, kv_cast_store(o2, c_scale, KV_FP8), mask=m)
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr,
-                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h, cs_stride,
+                       ks_ptr, vs_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h, cs_stride,
                        n_q, n_k, half, head_dim, eps, HAS_K: tl.constexpr, STORE: tl.constexpr,
                        NORM: tl.constexpr, USE_PDL: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                       KV_FP8: tl.constexpr):
         # positions and the angle table are written before the step's first kernel (a host
         # copy; a table made at load): read before the wait
         tok = tl.program_id(0).to(tl.int64)
@@ -192,27 +196,32 @@ if triton is not None:
         sin = tl.load(cs_ptr + pos * cs_stride + half + ii, mask=ii < half, other=0.0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
-        _rotate_heads(q_ptr, tok, sq_t, sq_h, n_q, cos, sin, half, q_ptr, 0, 0, 0, qn_ptr, eps,
-                      False, NORM, BLOCK_H, BLOCK_HALF)
+        _rotate_heads(q_ptr, tok, sq_t, sq_h, n_q, cos, sin, half, q_ptr, 0, 0, 0, qn_ptr, eps, 1.0,
+                      False, NORM, BLOCK_H, BLOCK_HALF, False)
         if HAS_K:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
             if STORE and slot >= 0:
+                k_sc = 1.0
+                v_sc = 1.0
+                if KV_FP8:
+                    k_sc = tl.load(ks_ptr)
+                    v_sc = tl.load(vs_ptr)
                 _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, slot,
-                              sc_s, sc_h, kn_ptr, eps, True, NORM, BLOCK_H, BLOCK_HALF)
+                              sc_s, sc_h, kn_ptr, eps, k_sc, True, NORM, BLOCK_H, BLOCK_HALF, KV_FP8)
                 hh = tl.arange(0, BLOCK_H)[:, None]
                 dd = tl.arange(0, BLOCK_D)[None, :]
                 m = (hh < n_k) & (dd < head_dim)
                 vv = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m, other=0.0)
-                tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, vv, mask=m)
+                tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, kv_cast_store(vv, v_sc, KV_FP8), mask=m)
                 mp = m & (dd >= 2 * half)  # partial rotary: pass-through dims of k
                 kp = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=mp, other=0.0)
-                tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, kp, mask=mp)
+                tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, kv_cast_store(kp, k_sc, KV_FP8), mask=mp)
             else:
                 _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, 0, 0, 0,
-                              kn_ptr, eps, False, NORM, BLOCK_H, BLOCK_HALF)
+                              kn_ptr, eps, 1.0, False, NORM, BLOCK_H, BLOCK_HALF, False)
 
     def _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm=None, k_norm=None,
-                eps=1e-6):
+                eps=1e-6, k_scale=None, v_scale=None):
         t, nq, d = q.shape
         half = cos_sin.shape[-1] // 2
         has_k, store = k is not None, k_cache is not None
@@ -226,31 +235,33 @@ if triton is not None:
             return
         kk = k if has_k else q
         vv = v if store else q
-        kc = k_cache if store else q
-        vc = v_cache if store else q
+        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale) if store else (q, q, q, q, False)
         sl = slot_mapping if store else positions
         norm = q_norm is not None
         pdl = use_pdl(q.device)
         _rotary_kernel[(t,)](
-            q, kk, vv, positions, cos_sin, kc, vc, sl, q_norm if norm else q, k_norm if norm else q,
+            q, kk, vv, positions, cos_sin, kc, vc, sl, q_norm if norm else q, k_norm if norm else q, ks, vs,
             q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), vv.stride(0), vv.stride(1),
             kc.stride(1) if store else 0, kc.stride(2) if store else 0, cos_sin.stride(0),
             nq, nk, half, d, eps, HAS_K=has_k, STORE=store, NORM=norm, USE_PDL=pdl,
             BLOCK_H=triton.next_power_of_2(max(nq, nk)), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d), **launch_args(pdl))
+            BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8, **launch_args(pdl))
 
     def rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                   q_norm=None, k_norm=None, eps: float = 1e-6) -> None:
+                                   q_norm=None, k_norm=None, eps: float = 1e-6, k_scale=None,
+                                   v_scale=None) -> None:
         """Triton `rotary_and_store_kv_ref` (same shapes); one launch, one program per token,
         the per-head q/k RMSNorm fused in when its weights are given (full rotary only: a
-        partial rotary normalises first, with `kernels.norm.rms_norm`).
-        Slots < 0 are skipped (CUDA-graph padding). Raises ValueError on a strided last dim."""
+        partial rotary normalises first, with `kernels.norm.rms_norm`). k_scale, v_scale: an
+        fp8_e4m3 cache's 0-d fp32 layer scales (the rows are stored quantized).
+        Slots < 0 are skipped (CUDA-graph padding). Raises ValueError on a strided last dim,
+        and as `kernels.kv_quant_triton.kv_operands`."""
         if q_norm is not None and 2 * (cos_sin.shape[-1] // 2) != q.shape[-1]:
             from kernels.norm import rms_norm
             q.copy_(rms_norm(q, q_norm, eps))
             k.copy_(rms_norm(k, k_norm, eps))
             q_norm = k_norm = None
-        _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)
+        _launch(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps, k_scale, v_scale)
 
     def apply_rotary_triton(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         """Triton `apply_rotary_ref` (same shapes): cos_sin holds the tokens' rows."""

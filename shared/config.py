@@ -255,8 +255,8 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
 
 
 def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
-    """Range checks of numeric settings, no quantized KV cache on CUDA (its kernels do not
-    read one yet), weight quantization where it runs (`check_quantization`; probe: the
+    """Range checks of numeric settings, no int8 KV cache on CUDA (its kernels read the model
+    dtype and fp8_e4m3 only), weight quantization where it runs (`check_quantization`; probe: the
     `DeviceInfo` whose compute capability it reads, default this host's), speculative
     combinations, and sampling defaults that resolve. Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
@@ -277,7 +277,7 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     if not 0 < cfg.kv_offload_state_fraction < 1:
         raise ValueError("setting kv_offload_state_fraction: must be in (0, 1), got "
                          f"{cfg.kv_offload_state_fraction!r}")
-    # a quantized KV cache on CUDA (no kernel reads it yet): refused before any process starts
+    # an int8 KV cache on CUDA (no kernel reads it yet): refused before any process starts
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
     check_quantization(cfg, probe)

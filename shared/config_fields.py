@@ -118,8 +118,8 @@ FIELDS: list[Field] = [
           "plan step N+1 while step N runs (decodes feed the workers' own pending token)"),
     Field("gpu_memory_utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV"),
     Field("kv_cache_dtype", str, "auto", "KV cache dtype (auto: the model dtype; fp8_e4m3: per-layer "
-          "scales, from the checkpoint or 1.0; int8: per token and head scales; the quantized ones on "
-          "the CPU only for now)", ("auto", "fp8_e4m3", "int8")),
+          "scales, from the checkpoint or 1.0, CPU and CUDA; int8: per token and head scales, CPU only "
+          "for now)", ("auto", "fp8_e4m3", "int8")),
     Field("quantization", str, "none", "weight quantization, as vLLM's --quantization: none (an FP8 "
           "checkpoint runs as FP8 on a GPU of compute capability 8.9+, else dequantized at load), "
           "int8 / int4 weight-only on the CPU (kernels/cpu_quant_linear.py), gguf on the CPU: the "

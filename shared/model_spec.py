@@ -57,8 +57,8 @@ class ModelFolderError(ValueError):
 
 
 class KVDtypeNotImplemented(ValueError):
-    """A quantized kv_cache_dtype (fp8_e4m3, int8) on a device whose attention kernels do
-    not read it yet (CUDA: the Triton kernels read the model dtype only)."""
+    """A quantized kv_cache_dtype on a device whose attention kernels do not read it yet
+    (int8 on CUDA: the Triton kernels read the model dtype and fp8_e4m3)."""
 
 
 def default_max_model_len(max_position_embeddings: int) -> int:
@@ -76,27 +76,30 @@ def dtype_bytes(dtype: str) -> int:
 
 
 QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8")  # kernels/kv_quant.py; docs/ARCHITECTURE.md §4.6
+CUDA_KV_DTYPES = ("fp8_e4m3",)  # the quantized ones the Triton kernels read (kernels/kv_quant_triton.py)
 
 
 def kv_dtype_in_use(dtype: str, kv_cache_dtype: str, device: str = "cpu") -> str:
     """The KV cache dtype the workers actually use for a `kv_cache_dtype` setting.
 
     "auto" is the model dtype; "fp8_e4m3" and "int8" are quantized caches, read by the
-    torch references of the CPU path (kernels/kv_quant.py). device: the resolved device
-    setting ("cpu", "cuda"). Raises `KVDtypeNotImplemented` for a quantized dtype on
-    "cuda" (its Triton kernels do not read them yet), so that no process starts with it,
-    and ValueError for an unknown name.
+    torch references of the CPU path (kernels/kv_quant.py) and, fp8_e4m3 only, by the Triton
+    kernels on CUDA (kernels/kv_quant_triton.py). device: the resolved device setting
+    ("cpu", "cuda"). Raises `KVDtypeNotImplemented` for int8 on "cuda" (no Triton kernel
+    reads its per-token scales yet), so that no process starts with it, and ValueError for
+    an unknown name.
     """
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype not in QUANTIZED_KV_DTYPES:
         raise ValueError(f"setting kv_cache_dtype: {kv_cache_dtype!r} is not one of "
                          f"{('auto', *QUANTIZED_KV_DTYPES)}")
-    if device == "cuda":
+    if device == "cuda" and kv_cache_dtype not in CUDA_KV_DTYPES:
         raise KVDtypeNotImplemented(
             f"setting kv_cache_dtype: {kv_cache_dtype!r} is not implemented on CUDA yet (the "
-            "Triton attention kernels read KV in the model dtype only); use --kv-cache-dtype "
-            "auto on CUDA, or serve a quantized KV cache on the CPU (--device cpu)")
+            "Triton attention kernels read KV in the model dtype or fp8_e4m3); use "
+            "--kv-cache-dtype fp8_e4m3 or auto on CUDA, or serve an int8 KV cache on the CPU "
+            "(--device cpu)")
     return kv_cache_dtype
 
 

@@ -119,7 +119,7 @@ def resolve_setup(cfg: KestrelConfig) -> StoreSetup:
         raise ConfigError(f"setting kv_offload_disk_gib: must be positive, got {cfg.kv_offload_disk_gib}")
     try:
         identity = identity_for(cfg)
-    except ValueError as e:  # a quantized kv_cache_dtype on CUDA (the config check refuses it first)
+    except ValueError as e:  # an int8 kv_cache_dtype on CUDA (the config check refuses it first)
         raise ConfigError(str(e)) from None
     block_bytes = store_block_bytes(cfg)
     state_identity, state_bytes = store_state_layout(cfg)

@@ -45,7 +45,8 @@ def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, in
         lens.append(min(left, runner.max_model_len))
         left -= lens[-1]
     blocks = [-(-n // bs) for n in lens]
-    tmp = KVCache(kv_specs, sum(blocks), bs, runner.dtype, dev)
+    # in the KV dtype in use (an fp8_e4m3 cache with scales 1.0): the profile runs its kernels
+    tmp = KVCache(kv_specs, sum(blocks), bs, getattr(runner, "kv_dtype", runner.dtype), dev)
     layers = bind_layers(runner.model.attention_specs(), tmp.layers)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)

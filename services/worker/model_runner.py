@@ -154,9 +154,11 @@ class ModelRunner:
                              f"config's {self.kv_layout}")
         self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
         self.kv_dtype = _QUANT_KV_DTYPES.get(self.spec.kv_dtype, self.dtype)
-        if self.kv_dtype != self.dtype and not self.use_ref_attention:  # shared/config.py refuses it first
+        # the Triton kernels read the model dtype and fp8_e4m3 (kernels.kv_quant_triton); int8 only
+        # the torch references (shared/model_spec.py kv_dtype_in_use refuses it on CUDA first)
+        if self.kv_dtype == torch.int8 and not self.use_ref_attention:
             raise ValueError(f"kv_cache_dtype {self.spec.kv_dtype!r}: only the torch reference attention "
-                             "reads a quantized KV cache (the CPU path)")
+                             "reads an int8 KV cache (the CPU path); fp8_e4m3 runs on CUDA")
         fp8_scales, self.kv_scales = self._kv_scales(cfg)
         self.fusion = FusionPlan.choose(module.fusable_projections(), self.device, self.dtype)
         self.sampler = Sampler(cfg.seed, self.spec.eos_token_ids)

@@ -308,10 +308,47 @@ def test_an_fp8_runner_reads_the_checkpoints_scales_and_reports_them(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "int8"])
-def test_quantized_kv_is_accepted_on_the_cpu_and_refused_on_cuda_naming_what_works(tmp_path, kind):
+def test_quantized_kv_is_accepted_on_the_cpu(tmp_path, kind):
     d = _folder(tmp_path, LLAMA)
     cfg = build_config(cli={"model": d, "device": "cpu", "kv_cache_dtype": kind, "profile": "none"}, env={})
     assert kv_layout_for(cfg).kv_dtype == kind
+
+
+def test_fp8_kv_is_accepted_on_cuda_with_one_byte_elements_in_its_layout_and_identity(tmp_path):
+    d = _folder(tmp_path, LLAMA)
+    cfg = build_config(cli={"model": d, "device": "cuda", "kv_cache_dtype": "fp8_e4m3", "profile": "none",
+                            "dtype": "bfloat16"}, env={})
+    auto = build_config(cli={"model": d, "device": "cuda", "profile": "none", "dtype": "bfloat16"}, env={})
+    fp8, bf16 = kv_layout_for(cfg), kv_layout_for(auto)
+    assert (fp8.kv_dtype, fp8.elem_bytes, bf16.elem_bytes) == ("fp8_e4m3", 1, 2)
+    assert 2 * fp8.block_bytes == bf16.block_bytes  # twice the tokens for the same bytes
+    assert fp8.model_identity != bf16.model_identity  # tier blocks of one dtype are never read as the other
+
+
+def test_int8_kv_is_refused_on_cuda_naming_fp8_e4m3_as_what_works_there(tmp_path):
+    d = _folder(tmp_path, LLAMA)
     with pytest.raises(KVDtypeNotImplemented, match="not implemented on CUDA") as e:
-        build_config(cli={"model": d, "device": "cuda", "kv_cache_dtype": kind, "profile": "none"}, env={})
-    assert "--kv-cache-dtype auto" in str(e.value) and "--device cpu" in str(e.value)
+        build_config(cli={"model": d, "device": "cuda", "kv_cache_dtype": "int8", "profile": "none"}, env={})
+    assert "--kv-cache-dtype fp8_e4m3" in str(e.value) and "--device cpu" in str(e.value)
+
+
+def test_fp8_kv_on_cuda_is_accepted_with_speculation_and_for_a_hybrid_model(tmp_path):
+    """Both read fp8 KV through the same CUDA backends (the verify kernel; a hybrid's
+    attention layers); a drafter's own KV group stays in the model dtype: nothing refused."""
+    import json
+    import pathlib
+
+    d = _folder(tmp_path, LLAMA)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    cfg = build_config(cli={"model": d, "device": "cuda", "kv_cache_dtype": "fp8_e4m3", "profile": "none",
+                            "dtype": "bfloat16", "speculative_config": spec}, env={})
+    assert cfg.speculative is not None and kv_layout_for(cfg).kv_dtype == "fp8_e4m3"
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    src = pathlib.Path(__file__).resolve().parents[2] / "benchmarks/configs/qwen3-next-80b-a3b.json"
+    (hybrid / "config.json").write_text(json.dumps(json.loads(src.read_text())))
+    cfg = build_config(cli={"model": str(hybrid), "device": "cuda", "kv_cache_dtype": "fp8_e4m3",
+                            "profile": "none", "dtype": "bfloat16"}, env={})
+    lay = kv_layout_for(cfg)
+    assert (lay.kv_dtype, lay.elem_bytes) == ("fp8_e4m3", 1)
+    assert 0 < lay.num_layers < json.loads(src.read_text())["num_hidden_layers"]  # a hybrid: some layers recurrent

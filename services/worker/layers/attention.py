@@ -144,7 +144,7 @@ class DecodeAttention(AttentionBackend):
         a, m = self.layers[layer], self.meta
         return rope_paged_decode(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, m.cu_seqlens_q,
                                  m.seq_lens, m.block_tables, a.scale, a.q_norm, a.k_norm, a.eps, m.ref_plan,
-                                 m.max_seq_len).reshape(q.shape[0], -1)
+                                 m.max_seq_len, a.k_scale, a.v_scale).reshape(q.shape[0], -1)
 
 
 class PagedAttention(AttentionBackend):
@@ -155,16 +155,18 @@ class PagedAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         a, m = self.layers[layer], self.meta
-        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps)
+        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps,
+                            a.k_scale, a.v_scale)
         return paged_attention(q, a.k, a.v, m.cu_seqlens_q, m.seq_lens, m.block_tables, a.scale, m.ref_plan,
-                               m.max_q_len, m.max_seq_len).reshape(q.shape[0], -1)
+                               m.max_q_len, m.max_seq_len, a.k_scale, a.v_scale).reshape(q.shape[0], -1)
 
 
 class ReferenceAttention(AttentionBackend):
     """Every step on the CPU (or without Triton): the rotary dispatcher (its torch reference
     there) and the torch reference of paged attention with meta.ref_plan's gathers (built
-    per layer when it is None). The only backend that reads a quantized KV cache
-    (fp8_e4m3, int8: the layer's scales go to the write and the read, `kernels.kv_quant`)."""
+    per layer when it is None). Reads every KV dtype (fp8_e4m3, int8: the layer's scales go
+    to the write and the read, `kernels.kv_quant`); the CUDA backends read the model dtype
+    and fp8_e4m3 (`kernels.kv_quant_triton`)."""
 
     __slots__ = ()
 
