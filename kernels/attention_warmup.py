@@ -52,38 +52,45 @@ def q_len_classes(group: int) -> list[int]:
     return sorted(best.values())
 
 
+def variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: int, max_q_len: int,
+             sms: int) -> list[tuple[int, int]]:
+    """(q_len, splits) of one launch per compiled variant (module doc): q_len 1 (the decode
+    kernel), one per BLOCK_R class of the multi-query kernel, one past MAX_ROWS / G (the
+    prefill kernel, splits 1), each decode / multi-query one at every split class up to
+    the largest split count (a batch of one at max_model_len; sms: the device's SMs).
+    max_q_len bounds q_len (the token budget)."""
+    g = num_heads // num_kv_heads
+    block_n = 64 if triton.next_power_of_2(head_dim) <= 128 else 32
+    # decode_splits and multi_query_splits share the formula min(tiles, cdiv(4 SMs, b x KVH)):
+    # most at b = 1 and max_model_len
+    top = multi_query_splits(1, num_kv_heads, max_model_len, sms, block_n)
+    out = [(q, s) for q in [1] + [q for q in q_len_classes(g) if q <= max_q_len] for s in split_classes(top)]
+    if MAX_ROWS // g + 1 <= max_q_len:
+        out.append((MAX_ROWS // g + 1, 1))
+    return out
+
+
 def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
                       max_model_len: int, max_q_len: int) -> int:
-    """Launch every variant of `paged_attention_triton` a step can meet (module doc) once.
+    """Launch every variant of `paged_attention_triton` a step can meet (`variants`) once:
+    one seq of q_len zero queries over blocks 0.. of the cache, splits forced.
 
     k_cache, v_cache: one layer's cache [num_blocks, block_size, KVH, D] (read only);
     num_heads: query heads (a multiple of KVH); dtype: the queries' dtype; max_model_len:
     the longest context; max_q_len: the most queries a seq has in a step (the token
-    budget), bounding the multi-query and prefill variants. Returns the number of launches.
+    budget). Returns the number of launches.
     """
     dev = k_cache.device
     kvh, d = k_cache.shape[2], k_cache.shape[3]
-    g = num_heads // kvh
-    block_n = 64 if triton.next_power_of_2(d) <= 128 else 32
-    n_tiles = max(1, triton.cdiv(max_model_len, block_n))
-    # a batch of one seq at max_model_len gets the most splits (decode_splits and
-    # multi_query_splits share the formula: min(tiles, cdiv(4 SMs, b x KVH)))
-    top = multi_query_splits(1, kvh, max_model_len, num_sms(dev), block_n)
-    q_lens = [1] + [q for q in q_len_classes(g) if q <= max_q_len]
-    if MAX_ROWS // g + 1 <= max_q_len:
-        q_lens.append(MAX_ROWS // g + 1)  # the prefill kernel (its launch fixes no split)
-    n = 0
-    for q in q_lens:
-        prefill = q * g > MAX_ROWS
+    todo = variants(num_heads, kvh, d, max_model_len, max_q_len, num_sms(dev))
+    for q, s in todo:
         q_t = torch.zeros((q, num_heads, d), dtype=dtype, device=dev)
         cu = torch.tensor([0, q], dtype=torch.int32, device=dev)
         lens = torch.tensor([q], dtype=torch.int32, device=dev)
-        width = triton.cdiv(q, k_cache.shape[1])  # blocks 0.. of the cache, read only
+        width = triton.cdiv(q, k_cache.shape[1])
         tables = torch.arange(width, dtype=torch.int32, device=dev).clamp(max=k_cache.shape[0] - 1)[None]
-        for s in ([1] if prefill else split_classes(min(top, n_tiles))):
-            paged_attention_triton(q_t, k_cache, v_cache, cu, lens, tables, 1.0, max_q_len=q,
-                                   max_seq_len=max_model_len, decode_config={"splits": s})
-            n += 1
+        paged_attention_triton(q_t, k_cache, v_cache, cu, lens, tables, 1.0, max_q_len=q,
+                               max_seq_len=max_model_len, decode_config={"splits": s})
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return n
+    return len(todo)
