@@ -11,7 +11,9 @@
 #   kestrel-serve-bench-*.log   the servers' logs, only when the run failed
 # Run from the repo root:  bash scripts/gpu_spec_serve.sh [more spec_serve.py flags]
 # Limit (seconds, environment): SERVE_TIMEOUT 540 (the device allows 600 s per command; the
-# default run takes about 300 s). Uses the system python3 with PYTHONPATH=. and the carried
+# default run, 8x/4x the concurrency in requests at c32/c256 and 3 rounds, is estimated at
+# about 170 s: 2 start-ups, warm-up, about 45 s a round). spec_serve.txt's last columns: the
+# worker compiles after ready (plain/spec) and the spec runs' seconds per round. Uses the system python3 with PYTHONPATH=. and the carried
 # wheels from .whl/ installed into /tmp/site, as scripts/gpu_spec_check.sh does.
 set -u
 # shellcheck source=scripts/gpu_env.sh

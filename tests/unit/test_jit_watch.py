@@ -14,7 +14,7 @@ import pytest
 from services.worker import jit_watch
 from shared import protocol as P
 from tests.unit.test_spec_policy import cpu_like
-from tests.unit.test_spec_scheduler import outputs, pair, run, spec_json
+from tests.unit.test_spec_scheduler import pair, run, spec_json
 
 triton = pytest.importorskip("triton")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -106,9 +106,8 @@ def test_the_engine_counts_reported_compiles_and_keeps_those_steps_out_of_the_co
     assert s["worker_jit_compiles"] == 2 * s["num_steps"] > 0
     assert s["spec_policy_inputs"]["cost_plain"] == [] and s["spec_policy_inputs"]["cost_spec"] == []
     core2, worker2 = pair(spec_json(4, "adaptive"), 0.0, 1, step_cost=cpu_like, max_model_len=200, max_num_seqs=2)
-    got = outputs(run(core2, worker2, reqs, False), reqs)
+    run(core2, worker2, reqs, False)  # the same requests without compiles: their steps are timed
     assert core2.stats()["worker_jit_compiles"] == 0 and core2.stats()["spec_policy_inputs"]["cost_plain"]
-    assert got  # the same requests ran without compiles
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,max_model_len,sms",

@@ -68,7 +68,7 @@ def test_a_real_change_of_cost_is_taken_after_a_run_of_spikes():
     for _ in range(10):
         c.observe(8, cost(8))
     slow = 10 * cost(8)  # e.g. contexts grew tenfold
-    for i in range(SPIKE_RUN):
+    for _ in range(SPIKE_RUN):
         c.observe(8, slow)
     assert c.dropped == SPIKE_RUN - 1
     for _ in range(5):
