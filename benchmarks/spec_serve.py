@@ -40,7 +40,8 @@ records its wall time and the Triton compiles / CUDA graph captures its server's
 met during it (`worker_jit_compiles` of the engine stats, services/worker/jit_watch.py),
 so that a stall shows in the JSON: per row `rounds` {plain, spec}: [{output_tok_per_s,
 wall_s, jit_compiles, steps}, ...] in round order, and per server `jit_compiles_warmup`
-(during the warm-up; 0 from the first run on is the startup warm-ups' promise).
+(during the warm-up; 0 from the first run on is the startup warm-ups' promise); a server
+whose worker compiled keeps its log (its warnings name the kernels), listed in `server_logs`.
 
 Per level and kind (benchmarks/spec_stats.py `serve_row`): per side, the medians over
 rounds of output tok/s, TTFT p50 and TPOT p50 (benchmarks/serve_stats.py), requests and
@@ -270,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.stop()  # first: requests still in flight then fail at once and the pool can end
         pool.shutdown(wait=True, cancel_futures=True)
+    compiled = {side: sum(x.get("jit_compiles") or 0 for c in rounds for k in rounds[c] for x in rounds[c][k][side])
+                + (jit_warmup.get(side) or 0) for side in SIDES}
     if complete:
-        for srv in servers.values():  # a run that got here needs no server log
-            os.unlink(srv.log_path)
+        for side, srv in servers.items():  # a run that got here needs no server log, unless its
+            if not compiled[side]:         # worker compiled after ready (the warnings name the kernels)
+                os.unlink(srv.log_path)
     levels = []
     rows: dict = {}
     for c in a.concurrency:
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
            "verdict": st.verdict(rows, a.check_levels, a.threshold), "policy_final_stats": final_stats,
            "server_startup_seconds": {k: s.startup_seconds for k, s in servers.items()},
            "jit_compiles_warmup": jit_warmup,
-           "server_logs": None if complete else {k: s.log_path for k, s in servers.items()},
+           "server_logs": {k: s.log_path for k, s in servers.items() if not complete or compiled[k]} or None,
            "wall_seconds": round(time.monotonic() - t0, 1), "complete": complete, "notes": a.notes}
     emit_json(res, a.out)
     print(table(res))
