@@ -21,8 +21,10 @@ each its own row. With a real model: chat completions of the texts. With a confi
 folder: /v1/completions of token ids, the text through `hashed_token_ids` (one id per
 word, punctuation mark and line break, equal pieces equal ids) after --prefix-len (8)
 random ids that make every request distinct. Per level c (--concurrency, default 1 32
-256; 1 is a sanity point), max(c x --requests-per-concurrency (2), --min-requests (8))
-requests per kind, the same set for both servers, c in flight (benchmarks/serve_client.py),
+256; 1 is a sanity point), max(c x R, --min-requests (8)) requests per kind, R =
+--requests-per-concurrency, by default 8 up to c = 32 and 4 above (`requests_for`: a round
+of c32 was 64 requests, 0.6-1.2 s on the H200, so one compile stall of 0.2-0.5 s halved
+it; at 8x and 4x a round lasts about 2-3 s at c32 and 4-5 s at c256), the same set for both servers, c in flight (benchmarks/serve_client.py),
 max_tokens --max-tokens (128) with ignore_eos (every request emits exactly that many),
 temperature --temperature (0: greedy, as n-gram speculation is mostly used).
 What dummy weights mean: the output is garbage whatever the prompt, so "copy" is not
@@ -33,7 +35,13 @@ is switched off, so spec >= 0.97x plain) at that acceptance, not n-gram's gain o
 Order: first a warm-up per server (every level once, both kinds mixed, --warmup-tokens
 (32) each; not measured; it also gives the adaptive policy its step-cost measurements),
 then --repeats (3) rounds of every level and kind, each a pair of runs back to back on
-the two servers, plain first or spec first alternately (by round and by row).
+the two servers, plain first or spec first alternately (by round and by row). Each run
+records its wall time and the Triton compiles / CUDA graph captures its server's worker
+met during it (`worker_jit_compiles` of the engine stats, services/worker/jit_watch.py),
+so that a stall shows in the JSON: per row `rounds` {plain, spec}: [{output_tok_per_s,
+wall_s, jit_compiles, steps}, ...] in round order, and per server `jit_compiles_warmup`
+(during the warm-up; 0 from the first run on is the startup warm-ups' promise); a server
+whose worker compiled keeps its log (its warnings name the kernels), listed in `server_logs`.
 
 Per level and kind (benchmarks/spec_stats.py `serve_row`): per side, the medians over
 rounds of output tok/s, TTFT p50 and TPOT p50 (benchmarks/serve_stats.py), requests and
@@ -44,8 +52,10 @@ spec_decode counters read around each spec run (GET /metrics `kestrel:spec_decod
 GET /internal/stats); per side the engine's steps, generated tokens, and for spec its
 proposals, probes and k histogram over the rounds. verdict: whether every row of the
 --check-levels (32 256) that ran meets the threshold.
-Cost on an H200 (default settings): two server start-ups plus warm-up, then 3 rounds x 3
-levels x 2 kinds x 2 sides; see scripts/gpu_spec_serve.sh for the device command.
+Cost on an H200 (default settings): two server start-ups (about 10 s each) plus warm-up,
+then 3 rounds x 3 levels x 2 kinds x 2 sides, about 45 s a round (estimated from the
+2-round c32/c256 run of 2026-12-02: 67 s in all with 2x requests); see
+scripts/gpu_spec_serve.sh for the device command.
 JSON (settings, device, levels, verdict, the spec policy's final stats, --notes; "complete":
 false when SIGTERM or Ctrl-C cut the rounds short) to --out and stdout, a table last. Exit
 status 1 if a request failed or the run was cut short.
@@ -78,9 +88,17 @@ from benchmarks.spec_prompts import SETS, hashed_token_ids  # noqa: E402
 
 SIDES = ("plain", "spec")
 ENGINE_KEYS = ("num_steps", "num_generated_tokens", "num_preemptions", "spec_decode_num_proposals",
-               "spec_decode_num_empty_proposals", "spec_decode_num_probes", "spec_decode_k_hist")
+               "spec_decode_num_empty_proposals", "spec_decode_num_probes", "spec_decode_k_hist",
+               "worker_jit_compiles")
 TINY = {"config": "tiny-qwen3", "device": "cpu", "concurrency": [1, 4], "max_tokens": 16,
-        "repeats": 2, "warmup_tokens": 8, "check_levels": [4]}
+        "repeats": 2, "warmup_tokens": 8, "check_levels": [4], "requests_per_concurrency": 2.0}
+
+
+def requests_for(c: int, per_concurrency: float | None, min_requests: int) -> int:
+    """Requests per kind at concurrency c: c x per_concurrency, by default 8 up to c = 32 and
+    4 above (module doc), at least min_requests."""
+    r = per_concurrency if per_concurrency is not None else (8.0 if c <= 32 else 4.0)
+    return max(int(c * r + 0.5), min_requests)
 
 
 def request_set(kind: str, n: int, chat: bool, vocab_size: int, prefix_len: int, seed: int) -> list:
@@ -106,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--check-levels", type=int, nargs="*", default=[32, 256], help="levels of the verdict")
     ap.add_argument("--threshold", type=float, default=0.97)
-    ap.add_argument("--requests-per-concurrency", type=float, default=2.0)
+    ap.add_argument("--requests-per-concurrency", type=float, default=None,
+                    help="requests per kind / concurrency; default 8 up to c=32, 4 above")
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -142,7 +161,7 @@ def table(res: dict) -> str:
              f"k={sc['num_speculative_tokens']} {sc.get('policy', 'adaptive')}, {res['settings']['api']}, "
              f"{res['settings']['max_tokens']} tokens, {res['settings']['repeats']} rounds",
              f"{'conc':>5} {'kind':>7} {'plain tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'>=thr':>6} "
-             f"{'L':>6} {'TTFT p50 ms':>15} {'TPOT p50 ms':>15} {'err':>5}"]
+             f"{'L':>6} {'TTFT p50 ms':>15} {'TPOT p50 ms':>15} {'err':>5} {'jit p/s':>9}  spec s/round"]
     for lv in res["levels"]:
         for kind, r in lv["kinds"].items():
             p, s = r["plain"], r["spec"]
@@ -150,12 +169,19 @@ def table(res: dict) -> str:
             lines.append(f"{lv['concurrency']:>5} {kind:>7} {p['output_tok_per_s']!s:>11} "
                          f"{s['output_tok_per_s']!s:>11} {r['ratio']!s:>6} {r['meets_' + str(r['threshold'])]!s:>6} "
                          f"{acc!s:>6} {p['ttft_p50_ms']!s:>7}/{s['ttft_p50_ms']!s:<7} "
-                         f"{p['tpot_p50_ms']!s:>7}/{s['tpot_p50_ms']!s:<7} {p['errors'] + s['errors']:>5}")
+                         f"{p['tpot_p50_ms']!s:>7}/{s['tpot_p50_ms']!s:<7} {p['errors'] + s['errors']:>5} "
+                         f"{_jit(r, 'plain')!s:>4}/{_jit(r, 'spec')!s:<4} "
+                         + " ".join(str(x.get("wall_s")) for x in r.get("rounds", {}).get("spec", [])))
     v = res["verdict"]
     lines.append(f"verdict: spec >= {v['threshold']} x plain at {v['levels']}: {v['meets']}"
                  + (f" (failing {v['failing']})" if v["failing"] else "")
                  + ("" if res["complete"] else " [run cut short]"))
     return "\n".join(lines)
+
+
+def _jit(row: dict, side: str) -> int | None:
+    """Worker compiles over a row's rounds on one side (None: the server did not report them)."""
+    return row.get("engine", {}).get(side, {}).get("worker_jit_compiles")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,12 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     servers = {side: ServeProcess([*common, *(["--gpu-memory-utilization", str(share[side])] if cuda else []),
                                    *(["--speculative-config", json.dumps(spec)] if side == "spec" else [])])
                for side in SIDES}
-    nreq = {c: max(int(c * a.requests_per_concurrency + 0.5), a.min_requests) for c in a.concurrency}
+    nreq = {c: requests_for(c, a.requests_per_concurrency, a.min_requests) for c in a.concurrency}
     reqs = {c: {kind: request_set(kind, nreq[c], chat, vocab, a.prefix_len, a.seed * 1000003 + 10 * c + i)
                 for i, kind in enumerate(a.kinds)} for c in a.concurrency}
     runs: dict = {c: {k: {s: [] for s in SIDES} for k in a.kinds} for c in a.concurrency}
     counters: dict = {c: {k: [] for k in a.kinds} for c in a.concurrency}
     engine: dict = {c: {k: {s: [] for s in SIDES} for k in a.kinds} for c in a.concurrency}
+    rounds: dict = {c: {k: {s: [] for s in SIDES} for k in a.kinds} for c in a.concurrency}
+    jit_warmup: dict = {}
     body = {"max_tokens": a.max_tokens, "temperature": a.temperature, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     url_path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -203,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                                                  for k in a.kinds)) for r in pair][:max(c, 2)]
                     run_level(pool, procs, servers[side].base_url + url_path,
                               {**body, "max_tokens": a.warmup_tokens}, mixed, c, a.request_timeout)
-        print(f"servers up and warm after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        jit_warmup = {side: servers[side].engine_stats().get("worker_jit_compiles") for side in SIDES}
+        print(f"servers up and warm after {time.monotonic() - t0:.1f} s (worker compiles since ready: "
+              f"{jit_warmup})", file=sys.stderr, flush=True)
         for rnd in range(a.repeats):
             for row, (c, kind) in enumerate((c, k) for c in a.concurrency for k in a.kinds):
                 order = SIDES if (rnd + row) % 2 == 0 else SIDES[::-1]
@@ -211,16 +241,23 @@ def main(argv: list[str] | None = None) -> int:
                     srv = servers[side]
                     before = srv.engine_stats()
                     c_before = srv.spec_counters()[0] if side == "spec" else None
+                    w0 = time.monotonic()
                     recs = run_level(pool, procs, srv.base_url + url_path, body, reqs[c][kind], c, a.request_timeout)
+                    wall = time.monotonic() - w0
                     after = srv.engine_stats()
                     if side == "spec":
                         c_after, source = srv.spec_counters()
                         if c_before is not None and c_after is not None:
                             counters[c][kind].append(st.counters_delta(c_after, c_before))
                     runs[c][kind][side].append(summarize(recs))
-                    engine[c][kind][side].append(st.stats_delta(after, before, ENGINE_KEYS))
+                    delta = st.stats_delta(after, before, ENGINE_KEYS)
+                    engine[c][kind][side].append(delta)
                     s = runs[c][kind][side][-1]
-                    print(f"round {rnd} c={c} {kind} {side}: {s['output_tok_per_s']} tok/s, {s['errors']} errors "
+                    rounds[c][kind][side].append({"output_tok_per_s": s["output_tok_per_s"], "wall_s": round(wall, 3),
+                                                  "jit_compiles": delta.get("worker_jit_compiles"),
+                                                  "steps": delta.get("num_steps")})
+                    print(f"round {rnd} c={c} {kind} {side}: {s['output_tok_per_s']} tok/s in {wall:.2f} s, "
+                          f"{s['errors']} errors, {delta.get('worker_jit_compiles')} worker compiles "
                           f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
         final_stats = {k: v for k, v in servers["spec"].engine_stats().items() if k.startswith("spec")}
         complete = True
@@ -234,9 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.stop()  # first: requests still in flight then fail at once and the pool can end
         pool.shutdown(wait=True, cancel_futures=True)
+    compiled = {side: sum(x.get("jit_compiles") or 0 for c in rounds for k in rounds[c] for x in rounds[c][k][side])
+                + (jit_warmup.get(side) or 0) for side in SIDES}
     if complete:
-        for srv in servers.values():  # a run that got here needs no server log
-            os.unlink(srv.log_path)
+        for side, srv in servers.items():  # a run that got here needs no server log, unless its
+            if not compiled[side]:         # worker compiled after ready (the warnings name the kernels)
+                os.unlink(srv.log_path)
     levels = []
     rows: dict = {}
     for c in a.concurrency:
@@ -247,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             kinds[kind] = {**st.serve_row(runs[c][kind]["plain"][:n], runs[c][kind]["spec"][:n],
                                           counters[c][kind][:n], a.threshold),
-                           "engine": {s: st.stats_sum(engine[c][kind][s][:n]) for s in SIDES}}
+                           "engine": {s: st.stats_sum(engine[c][kind][s][:n]) for s in SIDES},
+                           "rounds": {s: rounds[c][kind][s][:n] for s in SIDES}}
         if kinds:
             rows[c] = kinds
             levels.append({"concurrency": c, "requests": nreq[c], "kinds": kinds})
@@ -266,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
            "counter_source": source, "levels": levels,
            "verdict": st.verdict(rows, a.check_levels, a.threshold), "policy_final_stats": final_stats,
            "server_startup_seconds": {k: s.startup_seconds for k, s in servers.items()},
-           "server_logs": None if complete else {k: s.log_path for k, s in servers.items()},
+           "jit_compiles_warmup": jit_warmup,
+           "server_logs": {k: s.log_path for k, s in servers.items() if not complete or compiled[k]} or None,
            "wall_seconds": round(time.monotonic() - t0, 1), "complete": complete, "notes": a.notes}
     emit_json(res, a.out)
     print(table(res))

@@ -38,7 +38,8 @@ MAX_ROWS = 64
 MQ_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None}
 
 
-@triton.jit(do_not_specialize=["s_bt"])
+# s_bt and n_splits vary from step to step: not specialised (`kernels.attention_warmup`)
+@triton.jit(do_not_specialize=["s_bt", "n_splits"])
 def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                         ks_ptr, vs_ptr, sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                         n_splits, n_heads, head_dim, G: tl.constexpr, BLOCK_R: tl.constexpr,

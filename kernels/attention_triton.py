@@ -123,7 +123,9 @@ def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, 
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["s_bt"])
+# s_bt (the block tables' width) and n_splits (from the batch and the context) vary from step
+# to step: not specialised, so eager steps compile no new variant (`kernels.attention_warmup`)
+@triton.jit(do_not_specialize=["s_bt", "n_splits"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
                    ks_ptr, vs_ptr, sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                    n_splits, n_heads, head_dim, G: tl.constexpr,

@@ -180,7 +180,7 @@ if triton is not None:
             out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], out, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the step's rows: no variant per row count
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, nw_ptr, r_ptr, cnt_ptr, M, N, K,
                        sx_m, sw_n, sy_m, sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr,
                        NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr,

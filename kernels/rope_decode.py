@@ -108,7 +108,7 @@ if triton is not None:
         out = tl.where(first, xf * cos[None, :] - xpf * sin[None, :], xf * cos[None, :] + xpf * sin[None, :])
         return out.to(x.dtype)
 
-    @triton.jit(do_not_specialize=["s_bt"])
+    @triton.jit(do_not_specialize=["s_bt", "n_splits"])  # both vary from step to step
     def _rope_decode_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qn_ptr, kn_ptr, slot_ptr,
                             kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
                             ks_ptr, vs_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, cs_stride, sc_b, sc_s, sc_h, s_bt,

@@ -367,6 +367,9 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # step (0..num_propose tokens, following the seq's last sampled token).
     num_sampled: list[int] = []
     draft_token_ids: dict[str, list[int]] = {}
+    # Triton compiles and CUDA graph captures the worker met during this step, after it was
+    # ready (services/worker/jit_watch.py): such a step's duration is not its cost.
+    jit_compiles: int = 0
 
 
 class WorkerHeartbeat(msgspec.Struct, tag="whb", array_like=True):

@@ -107,6 +107,8 @@ class EngineCore:
         self.rng = random.Random(cfg.seed if seed is None else seed)
         self.pending_aborts: list[PendingAbort] = []
         self.num_steps = 0  # steps whose result was applied (transfer-only plans excluded)
+        # Triton compiles / CUDA graph captures the worker reported after ready (StepResult.jit_compiles)
+        self.num_jit_compiles = 0
         self.clock = clock
         self._last_result_at = 0.0  # when the last step's result was taken up
         self._busy_since: float | None = None  # a result taken up with work left (step_cost.py)
@@ -251,10 +253,13 @@ class EngineCore:
         plan, or from the previous result when it was planned ahead of it, to now; a step
         planned with nothing in flight whose result is taken up only after a later plan went
         out is not timed (its result may have waited: an in-process executor runs a plan
-        when it is submitted)."""
+        when it is submitted). Nor is a step in which the worker compiled a kernel or captured
+        a graph (`result.jit_compiles`, counted in `num_jit_compiles`): its time is not its cost."""
         now = self.clock()
         self._in_flight = max(0, self._in_flight - 1)
-        if self.spec is not None and not result.error and (out.planned_ahead or not self._in_flight):
+        self.num_jit_compiles += result.jit_compiles
+        if (self.spec is not None and not result.error and not result.jit_compiles
+                and (out.planned_ahead or not self._in_flight)):
             self.spec.observe_step(out.total_tokens, now - max(out.planned_at, self._last_result_at),
                                    out.speculative)
         self._last_result_at = now
@@ -284,6 +289,7 @@ class EngineCore:
     def finish_transfer(self, plan: P.StepPlan, result: P.StepResult) -> None:
         """Complete a transfer-only plan's stores (dropped if the worker could not copy)."""
         assert self.connector is not None, "transfer plans exist only with tiers"
+        self.num_jit_compiles += result.jit_compiles
         if result.kv_store_error or result.error:
             log.warning("transfer step %d: KV stores dropped: %s", plan.step_id,
                         result.kv_store_error or result.error)
@@ -324,7 +330,8 @@ class EngineCore:
                 "kv_usage": s.bm.usage(), "num_running": len(s.running),
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
                 "num_preemptions": s.num_preemptions,
-                "num_generated_tokens": s.num_generated_tokens, **s.bm.stats(),
+                "num_generated_tokens": s.num_generated_tokens,
+                "worker_jit_compiles": self.num_jit_compiles, **s.bm.stats(),
                 **(self.connector.stats() if self.connector is not None else {}),
                 **(self.spec.stats() if self.spec is not None else {})}
 

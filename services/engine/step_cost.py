@@ -12,14 +12,24 @@ Two curves are kept, because the two kinds of step differ by more than their tok
   duration is the pipeline's cycle (the engine's own work overlaps the device's);
 - "spec" steps (a seq verifies or proposes): the device's time for the step, proposer
   included (verify steps may run eagerly where a plain decode replays a CUDA graph).
-Each curve is a set of buckets over the token count (exact up to 16 tokens, then 25% wide);
-a bucket keeps exponential moving averages of the token counts and durations that fell in
-it (a sample far from its bucket's mean is clipped to half or twice it, so one stall does
-not swing the estimate). An estimate interpolates linearly between bucket means, made
-non-decreasing in tokens (a running maximum), and extrapolates past the ends with the slope
-of the nearest segment; with one bucket only, in proportion to the tokens (the pessimistic
-guess: speculation then waits for a second measured size rather than assuming drafts are
-free). Units: seconds, tokens.
+Each curve is a set of buckets over the token count (exact up to 16 tokens, then 25% wide).
+A bucket's point is, over its first WARM (3) samples, their smallest duration and from then
+on exponential moving averages of the token counts and durations that fell in it (a sample
+far from its bucket's mean is clipped to half or twice it). Stalls (a Triton compile or a
+graph capture, 0.1-0.5 s among 2-20 ms steps on the H200; a page fault; the host
+descheduled) are kept out three ways: a step in which the worker compiled or captured
+never gets here (`EngineCore.finish_step` skips a result with `jit_compiles`); a sample
+more than SPIKE (4) times the curve's current estimate at its tokens is dropped (`dropped`
+counts them), so a stall on the first step of a new size does not become that size's point;
+and a stall on a curve's very first step is forgotten at the next sample of its bucket (the
+minimum). The SPIKE_RUN-th (3rd) spike in a row in one bucket is taken and restarts its bucket: the cost
+really changed (longer contexts, a new load). A median of the last samples was tried in
+place of the moving averages: it followed the simulated loads of tests/unit/test_spec_policy.py
+more slowly (fewer k = 4 steps at full acceptance). An estimate interpolates linearly between
+bucket points, made non-decreasing in tokens (a running maximum), and extrapolates past the
+ends with the slope of the nearest segment; with one bucket only, in proportion to the
+tokens (the pessimistic guess: speculation then waits for a second measured size rather
+than assuming drafts are free). Units: seconds, tokens.
 
 The in-process executor (services/engine/executor.py) runs a plan when it is submitted, so
 under async scheduling the result taken up next carries the following step's time: time
@@ -35,7 +45,9 @@ import math
 SMALL = 16        # token counts up to this have a bucket each
 GROWTH = 1.25     # past SMALL, a bucket spans 25% more tokens than the last
 ALPHA = 0.2       # weight of a new sample in its bucket's moving averages
-WARM = 3          # samples before a bucket clips outliers
+WARM = 3          # a bucket's first samples: its point is their minimum; after, clipped EMAs
+SPIKE = 4.0       # a sample over SPIKE x the curve's estimate is dropped ..
+SPIKE_RUN = 3     # .. unless it is its bucket's SPIKE_RUN-th in a row (the bucket starts over)
 
 
 def bucket_of(tokens: int) -> int:
@@ -46,14 +58,19 @@ def bucket_of(tokens: int) -> int:
 
 
 class CostCurve:
-    """Duration (seconds) against tokens for one kind of step (module doc)."""
+    """Duration (seconds) against tokens for one kind of step (module doc).
 
-    __slots__ = ("tokens", "seconds", "count", "_xs", "_ys")
+    tokens, seconds: bucket -> its point (moving averages; module doc); count: bucket ->
+    samples taken; dropped: samples dropped as spikes."""
+
+    __slots__ = ("tokens", "seconds", "count", "dropped", "_run", "_xs", "_ys")
 
     def __init__(self) -> None:
         self.tokens: dict[int, float] = {}   # bucket -> moving average of token counts
         self.seconds: dict[int, float] = {}  # bucket -> moving average of durations
         self.count: dict[int, int] = {}
+        self.dropped = 0
+        self._run: dict[int, int] = {}       # bucket -> spikes in a row in it
         self._xs: list[float] | None = None  # the interpolation points, built lazily
         self._ys: list[float] = []
 
@@ -61,19 +78,29 @@ class CostCurve:
         return bool(self.seconds)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """One step of `tokens` tokens took `seconds`."""
+        """One step of `tokens` tokens took `seconds` (a spike may be dropped: module doc)."""
         if tokens <= 0 or not seconds >= 0.0:
             return
         b = bucket_of(tokens)
+        est = self.estimate(tokens)
         n = self.count.get(b, 0)
+        if est is not None and est > 0.0 and seconds > SPIKE * est:
+            self._run[b] = self._run.get(b, 0) + 1
+            if self._run[b] < SPIKE_RUN:
+                self.dropped += 1
+                return
+            n = 0  # the cost changed: the bucket starts over from this sample
+        self._run[b] = 0
         if n == 0:
             self.tokens[b], self.seconds[b] = float(tokens), seconds
         else:
             mean = self.seconds[b]
-            if n >= WARM:
-                seconds = min(max(seconds, 0.5 * mean), 2.0 * mean)
             self.tokens[b] += ALPHA * (tokens - self.tokens[b])
-            self.seconds[b] = mean + ALPHA * (seconds - mean)
+            if n < WARM:  # the smallest so far: one stall among the first samples is forgotten
+                self.seconds[b] = min(mean, seconds)
+            else:
+                seconds = min(max(seconds, 0.5 * mean), 2.0 * mean)
+                self.seconds[b] = mean + ALPHA * (seconds - mean)
         self.count[b] = n + 1
         self._xs = None
 
@@ -148,6 +175,8 @@ class StepCostModel:
         return self.plain.estimate(tokens) if t is None else t
 
     def stats(self) -> dict:
-        """The curves' points and the overhead (for the engine's stats)."""
+        """The curves' points, their dropped spikes ([plain, spec]) and the overhead (for the
+        engine's stats)."""
         return {"cost_plain": self.plain.points(), "cost_spec": self.spec.points(),
+                "cost_dropped": [self.plain.dropped, self.spec.dropped],
                 "engine_overhead_s": self.overhead}

@@ -28,6 +28,9 @@ frontend):
   checkpoints loaded from a tier, docs/ARCHITECTURE.md §4.7; only for a hybrid model)
 - `kestrel:prefix_cache_queries_total`, `kestrel:prefix_cache_hits_total` (counters, tokens
   looked up / found in the prefix cache since the engine started).
+- `kestrel:worker_jit_compiles_total` (counter): Triton compiles and CUDA graph captures the
+  worker met after it was ready (services/worker/jit_watch.py; 0 when the startup warm-ups
+  covered every launch, always 0 on the CPU's torch references).
 - `kestrel:engine_up` (gauge): 1 when the last stats call answered.
 - Speculative decoding (only when the engine runs with `--speculative-config`;
   docs/ARCHITECTURE.md §5.5), counters as vLLM's: `kestrel:spec_decode_num_drafts` (seqs
@@ -191,7 +194,10 @@ class _EngineCollector:
                     ("prefix_cache_queries", "prefix_cache_queries",
                      "Prompt tokens looked up in the prefix cache."),
                     ("prefix_cache_hits", "prefix_cache_hits",
-                     "Prompt tokens found in the prefix cache.")):
+                     "Prompt tokens found in the prefix cache."),
+                    ("worker_jit_compiles", "worker_jit_compiles",
+                     "Triton kernel compiles and CUDA graph captures in the worker after it was "
+                     "ready (each one stalls its step).")):
                 c = CounterMetricFamily("kestrel:" + name, doc, labels=["model_name"])
                 c.add_metric(m, float(s.get(key, 0)))
                 yield c

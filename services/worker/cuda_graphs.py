@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from kernels.pending_ids import resolve_pending_ids
+from services.worker import jit_watch
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.state_cache import StateCache, StepState
 
@@ -112,6 +113,7 @@ class DecodeGraphs:
                     self.outputs[bs] = self._forward(bs, forward, meta, state)
                 pool = g.pool()
                 self.graphs[bs] = g
+                jit_watch.WATCH.note_capture(f"decode graph batch {bs}")  # counted once serving
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - t0
 

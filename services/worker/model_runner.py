@@ -24,6 +24,7 @@ import torch
 from kernels import attention as attn_kernels
 from kernels import cpu_linear, cpu_quant_linear, fp8_linear, w4a16_linear
 from kernels.pending_ids import encode_pending
+from services.worker import jit_watch
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.fusion import FusionPlan
 from services.worker.gpu_memory import profile_kv_budget
@@ -107,6 +108,7 @@ class ModelRunner:
 
     def __init__(self, cfg: KestrelConfig):
         t0 = time.perf_counter()
+        self.jit_hooks = jit_watch.install()  # Triton compile counts (jit_watch.py), armed when ready
         dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if cfg.num_threads > 0:  # resolved by the config builder (shared.cpu_budget)
             torch.set_num_threads(cfg.num_threads)
@@ -217,6 +219,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.use_ref_attention:
             from kernels.sampling_triton import warm_up_sampler  # compile now, not mid-serving
             warm_up_sampler(self.spec.vocab_size, cfg.max_num_seqs, self.device)
+            # every launch variant eager steps can meet (verify steps past the verify graphs,
+            # prefill chunks with decodes): kernels/attention_warmup.py
+            from kernels.attention_warmup import warm_up_attention
+            a0 = module.attention_specs()[0] if self.kv.k else None
+            if a0 is not None:
+                warm_up_attention(self.kv.k[0], self.kv.v[0], a0.num_heads, self.dtype, self.max_model_len,
+                                  cfg.max_num_batched_tokens)
         self.plan_state = PlanState()  # what the engine sends once per request
         self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
         # the proposer's token history (spec/history.py), fed here: None unless it reads the context
@@ -228,6 +237,7 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self._last_kept: DecodeGraphs | None = None  # the graphs whose `last` holds that draw
         self.load_seconds = time.perf_counter() - t0
+        jit_watch.WATCH.arm()  # ready: from here a compile or capture is a serving stall
 
     def _fp8_mode(self, cfg: KestrelConfig, dtype: str) -> str:
         """Decide FP8 weights (docs/ARCHITECTURE.md §6.3): set `kernels.fp8_linear.MODE`
@@ -324,6 +334,8 @@ class ModelRunner:
             "state_checkpoint_bytes": self.kv_transfer.state_bytes,
             "speculative": proposer_report(self.proposer, self.num_speculative_tokens, self.draft_kv,
                                            self.draft_block_bytes),
+            # Triton compiles before ready and where the compile hooks sit (jit_watch.py)
+            "jit_startup_compiles": jit_watch.WATCH.startup_compiles, "jit_hooks": self.jit_hooks,
             # verify steps' CUDA graphs (verify_graphs.py), only when captured
             **({"verify_graphs": self.verify_graphs.report()} if self.verify_graphs else {}),
         }
@@ -351,6 +363,7 @@ class ModelRunner:
             self._last_sampled = self._last_kept = None  # a later plan's pending tokens cannot come from here
             raise
         result.kv_store_error = self.kv_transfer.after_step(plan)
+        result.jit_compiles = jit_watch.WATCH.take()
         return result
 
     def _forget(self, request_ids: list[str]) -> None:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from services.worker import jit_watch
 from services.worker.cuda_graphs import capture_sizes, stage_tables
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.verify_layout import VerifyLayout, graph_k, verify_layout
@@ -178,6 +179,7 @@ class VerifyGraphs:
             self.failed.append((bs, k, repr(e)))
             return pool
         self.graphs[(bs, k)] = g
+        jit_watch.WATCH.note_capture(f"verify graph batch {bs} k {k}")  # counted once serving
         self.outputs[(bs, k)] = out
         return g.pool()
 
