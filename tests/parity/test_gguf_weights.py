@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -75,6 +76,22 @@ def test_fetch_model_records_the_kept_gguf(tmp_path):
     assert fetch_model(models, name="tiny-llama") == folder
     assert gguf_file_of(folder) == os.path.normpath(kept)
     assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == before
+
+
+def test_fetch_model_records_a_given_gguf_in_a_folder_without_one(tmp_path):
+    # a folder copied elsewhere without its record nor the kept GGUF: `--gguf FILE` keeps and
+    # records FILE (it used to print "already there" and record nothing)
+    folder = tiny_model_folder(str(tmp_path / "a"))
+    src = gguf_file_of(folder)
+    other = str(tmp_path / "b")
+    os.makedirs(other)
+    copy = os.path.join(other, os.path.basename(folder))
+    shutil.copytree(folder, copy)
+    os.remove(os.path.join(copy, POINTER_FILE))
+    from services.worker.fetch_model import fetch_model
+    assert fetch_model(other, name=os.path.basename(folder), gguf_path=src) == copy
+    kept = os.path.join(other, ".gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert gguf_file_of(copy) == os.path.normpath(kept) and os.path.isfile(kept)
 
 
 def test_gguf_weights_serve_the_dequantized_models_logits(tiny):
