@@ -48,6 +48,7 @@ from typing import Any
 from services.frontend.anthropic_fields import (Thinking, check_known_fields,
                                                 parse_output_config, parse_thinking)
 from services.frontend.errors import InvalidRequest
+from services.frontend.schema_limits import depth_message, too_deep
 from services.frontend.strict_json import load_json
 from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 from shared.protocol import StructuredSpec
@@ -240,6 +241,7 @@ def _tools(body: dict, req: MessagesRequest) -> None:
             _need(name not in req.tool_schemas, f"{p}.name", f"Tool names must be unique ({name!r}).")
             schema = t.get("input_schema")
             _need(isinstance(schema, dict), f"{p}.input_schema", "Field required (a JSON schema object).")
+            _need(not too_deep(schema), f"{p}.input_schema", depth_message())
             desc = t.get("description")
             _need(desc is None or isinstance(desc, str), f"{p}.description", "Input should be a string.")
             fn = {"name": name, "parameters": schema}

@@ -17,8 +17,8 @@ field in `param` otherwise):
 - ignore_eos, skip_special_tokens: booleans;
 - response_format: {"type": "text"} | {"type": "json_object"} |
   {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; a schema that
-  xgrammar cannot compile, or nested too deeply to serialize (orjson's limit, about 255
-  levels), is a 400 on `response_format.json_schema.schema`;
+  xgrammar cannot compile, or nested more than 64 levels of objects and arrays
+  (services/frontend/schema_limits.py), is a 400 on `response_format.json_schema.schema`;
 - stream, and stream_options (an object, only with stream: true) with the booleans
   include_usage (a final usage chunk) and vLLM's continuous_usage_stats (with include_usage,
   usage on every chunk too).
@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from services.frontend.errors import InvalidRequest
+from services.frontend.schema_limits import depth_message, too_deep
 from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 from shared.grammar_errors import grammar_error_text
 from shared.protocol import SamplingParams, StructuredSpec
@@ -242,13 +243,15 @@ def _check_schema(schema_text: str, param: str = "response_format.json_schema.sc
 def json_schema_constraint(schema: dict[str, Any], param: str) -> StructuredSpec:
     """The StructuredSpec (kind json_schema) of a JSON schema object, checked with xgrammar
     (the engine's compiler): Raises InvalidRequest(param) when the schema is nested too
-    deeply to serialize (orjson's limit, about 255 levels) or cannot be compiled. Shared by
+    deeply (more than `schema_limits.MAX_SCHEMA_DEPTH` levels) or cannot be compiled. Shared by
     OpenAI's response_format and Anthropic's output_config.format. Call it off the event
     loop (see `_check_schema`)."""
+    if too_deep(schema):  # xgrammar would take seconds (services/frontend/schema_limits.py)
+        raise InvalidRequest(param, depth_message(param))
     try:
         text = orjson.dumps(schema).decode()
     except orjson.JSONEncodeError:  # "Recursion limit reached": nested past ~255 levels
-        raise InvalidRequest(param, f"'{param}' is nested too deeply.") from None
+        raise InvalidRequest(param, depth_message(param)) from None
     _check_schema(text, param)
     return StructuredSpec(kind="json_schema", spec=text)
 

@@ -25,6 +25,7 @@ from typing import Any
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import get_bool
 from services.frontend.parsers.tool_choice import forced_call_constraint
+from services.frontend.schema_limits import depth_message, too_deep
 from shared.protocol import StructuredSpec
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -82,6 +83,8 @@ def _tool(j: int, t: Any, req: ToolRequest) -> None:
     if params is not None and not isinstance(params, dict):
         raise InvalidRequest(f"{p}.function.parameters",
                              "'parameters' must be a JSON schema object.")
+    if params is not None and too_deep(params):  # services/frontend/schema_limits.py
+        raise InvalidRequest(f"{p}.function.parameters", depth_message(f"{p}.function.parameters"))
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise InvalidRequest(f"{p}.function.strict", "'strict' must be a boolean.")
     clean: dict[str, Any] = {"name": name}

@@ -206,14 +206,25 @@ def test_a_deeply_nested_response_format_schema_is_a_400_not_a_500(stack, stream
 
 
 @pytest.mark.parametrize("forced", [False, True])
-def test_a_deeply_nested_tool_parameters_schema_is_not_an_internal_error(stack, forced):
-    """Tool schemas are serialized with Python's json (no 255-level limit): a depth-400
-    schema is rendered (and, forced, sent to the engine as the constraint)."""
-    body = {"model": MODEL, "messages": HI, "max_tokens": 4, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": _deep_array_schema(400)}}]}
-    if forced:
-        body["tool_choice"] = {"type": "function", "function": {"name": "f"}}
-    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+def test_a_deeply_nested_tool_parameters_schema_is_a_400_before_the_engine(stack, forced):
+    """xgrammar took 18 s on a 300-level forced tool schema in the engine, with other
+    requests waiting: past 64 levels of objects and arrays a tool schema is a 400 naming it
+    (services/frontend/schema_limits.py), never sent; 60 levels still pass."""
+    def body(depth: int) -> dict:
+        b = {"model": MODEL, "messages": HI, "max_tokens": 4, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": _deep_array_schema(depth)}}]}
+        if forced:
+            b["tool_choice"] = {"type": "function", "function": {"name": "f"}}
+        return b
+    n_added = len(stack.engine.added)
+    for depth in (64, 400):  # 65 / 401 nested objects
+        r = httpx.post(f"{stack.url}/v1/chat/completions", json=body(depth), timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"]) == ("invalid_request_error", "tools[0].function.parameters")
+        assert "nested too deeply" in err["message"]
+    assert len(stack.engine.added) == n_added  # never reached the engine
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body(59), timeout=30)  # 60 levels
     assert r.status_code == 200, r.text
 
 
