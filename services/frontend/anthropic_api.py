@@ -58,7 +58,7 @@ from starlette.responses import Response, StreamingResponse
 from services.frontend.anthropic_blocks import Blocks, sse_event
 from services.frontend.anthropic_errors import (anthropic_error_body, anthropic_error_response,
                                                 new_request_id)
-from services.frontend.anthropic_protocol import MessagesRequest, parse_messages_request
+from services.frontend.anthropic_protocol import MessagesRequest, is_prefill, parse_messages_request
 from services.frontend.body import read_body
 from services.frontend.context import ServingContext
 from services.frontend.engine_client import EngineUnavailable
@@ -142,8 +142,9 @@ class AnthropicServing:
             raise InternalError("The model has no chat template.")
         tools = req.tools if req.tool_choice != "none" and req.tools else None
         kwargs = self.features.template_kwargs() | {"enable_thinking": req.thinking.on}
-        prompt = self.template.render(req.messages, add_generation_prompt=True, tools=tools,
-                                      **kwargs)
+        prefill = is_prefill(req.messages)  # the answer continues the final assistant text
+        prompt = self.template.render(req.messages, add_generation_prompt=not prefill, tools=tools,
+                                      continue_final_message=prefill, **kwargs)
         return prompt, self.tokenizer.encode(prompt)
 
     async def count_tokens(self, request: Request) -> Response:

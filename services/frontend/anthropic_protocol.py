@@ -90,6 +90,16 @@ class MessagesRequest:
     output_format: StructuredSpec | None = None
 
 
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether the template messages end with an assistant message of text (no tool calls):
+    Anthropic's prefill, which the answer continues (rendered with the chat template's
+    `continue_final_message`); the response holds the continuation only."""
+    final = messages[-1] if messages else {}
+    text = final.get("content")
+    return (final.get("role") == "assistant" and not final.get("tool_calls")
+            and isinstance(text, str) and bool(text.strip()))
+
+
 def _type_name(v: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
             type(None): "null"}.get(type(v), "a number")
@@ -296,6 +306,9 @@ def parse_messages_request(raw: bytes, count_only: bool = False,
             messages.append({"role": "system", "content": text})
     for i, m in enumerate(msgs):
         messages += _message(i, m)
+    if is_prefill(messages):  # Anthropic refuses a prefill's trailing whitespace
+        text = messages[-1]["content"]
+        _need(text == text.rstrip(), "messages", "final assistant content cannot end with trailing whitespace")
     req = MessagesRequest(model=model, messages=messages,
                           max_tokens=None if count_only else max_tokens)
     stops = body.get("stop_sequences")

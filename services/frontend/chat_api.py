@@ -167,9 +167,9 @@ class ChatServing:
         if ctx.template is None:
             raise InternalError("The model has no chat template.")
         kwargs = self.features.template_kwargs() | req.chat_template_kwargs
-        prompt = ctx.template.render(req.messages, add_generation_prompt=True,
+        prompt = ctx.template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                      tools=req.tools.tools if req.tools.active else None,
-                                     **kwargs)
+                                     continue_final_message=req.continue_final_message, **kwargs)
         prompt_ids = ctx.tokenizer.encode(prompt)
         n, max_tokens = len(prompt_ids), req.sampling.max_tokens
         max_model_len = ctx.limits.max_model_len

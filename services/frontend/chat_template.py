@@ -30,7 +30,8 @@ from services.frontend.errors import InvalidRequest
 from services.frontend.tool_prompt import ToolSupport, probe_tool_support, with_fallback
 
 # Render variables the renderer sets itself; a request's chat_template_kwargs may not.
-RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "tool_call_format")
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "tool_call_format",
+            "continue_final_message")
 
 
 def check_template_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -109,11 +110,17 @@ class ChatTemplate:
             lambda messages, tools: self._render(messages, True, tools, {}))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+               **kwargs: Any) -> str:
         """The prompt text for `messages` (dicts with "role" and "content", content a string).
 
         add_generation_prompt: end with the header of an assistant turn, so that the model
-        answers. tools: [{"type": "function", "function": {...}}] or None; a template that
+        answers. continue_final_message: the prompt ends inside the final (assistant)
+        message, right after its text, so that the model continues it (Anthropic's prefill,
+        vLLM's and transformers' `continue_final_message`): the conversation is rendered
+        without a generation prompt and cut after the last occurrence of that message's
+        stripped text (transformers' rule); add_generation_prompt is then ignored.
+        tools: [{"type": "function", "function": {...}}] or None; a template that
         does not render them (or the messages' tool calls) gets them through the fallback
         of `tool_prompt.py`, in the `tool_call_format` kwarg's format ("json" default).
         kwargs become extra template variables (a request's chat_template_kwargs, checked by
@@ -128,7 +135,20 @@ class ChatTemplate:
                                  "'chat_template_kwargs' cannot set 'documents'.")
         messages, tools = with_fallback(self.support, messages, tools,
                                         str(kwargs.get("tool_call_format", "json")))
-        return self._render(messages, add_generation_prompt, tools, kwargs)
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, tools, kwargs)
+        final = messages[-1] if messages else {}
+        text = final.get("content")
+        if final.get("role") != "assistant" or not isinstance(text, str) or not text.strip():
+            raise InvalidRequest("messages", "Continuing the final message needs a final "
+                                 "assistant message with text.")
+        prompt = self._render(messages, False, tools, kwargs)
+        tail = text.strip()
+        at = prompt.rfind(tail)
+        if at < 0:
+            raise InvalidRequest("messages", "The chat template does not render the final "
+                                 "assistant message's text as given, so it cannot be continued.")
+        return prompt[:at + len(tail)]
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ Follows the OpenAI API reference for the request bodies. Chat: model, messages (
 system, developer (sent to the template as system), user, assistant (with `tool_calls`),
 tool (with `tool_call_id`); content a string or a list of text parts), logprobs,
 top_logprobs (0-20, needs logprobs), chat_template_kwargs (an object; not the keys the
-renderer sets itself, `chat_template.RESERVED`), tools / tool_choice /
+renderer sets itself, `chat_template.RESERVED`), vLLM's add_generation_prompt (default
+true) and continue_final_message (default false; the prompt ends right after the final
+assistant message's text, which the answer continues; not both true), tools / tool_choice /
 parallel_tool_calls (`openai_tools`), and the shared sampling fields of `openai_sampling`
 (n, seed, penalties, logit_bias, stop, response_format, stream, stream_options, vLLM's
 top_k/min_p/min_tokens/...).
@@ -53,6 +55,8 @@ class ChatCompletionRequest:
     logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolRequest = field(default_factory=ToolRequest)
+    add_generation_prompt: bool = True      # vLLM's extensions: the template's flags
+    continue_final_message: bool = False
 
     @property
     def thinking(self) -> bool:
@@ -168,6 +172,11 @@ def parse_chat_request(raw: bytes, vocab_size: int,
     if top is not None and top > 0 and not want_logprobs:
         raise InvalidRequest("top_logprobs", "'top_logprobs' requires 'logprobs' to be true.")
     kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    cont = get_bool(body, "continue_final_message", False)
+    if add_gen and cont:  # vLLM's rule: one or the other
+        raise InvalidRequest("continue_final_message", "'continue_final_message' and "
+                             "'add_generation_prompt' cannot both be true.")
     tools = parse_tools(body)
     sampling = parse_sampling(body, vocab_size, defaults=defaults)
     if tools.forced:
@@ -178,7 +187,8 @@ def parse_chat_request(raw: bytes, vocab_size: int,
     return ChatCompletionRequest(
         model=body["model"], messages=messages, sampling=sampling,
         logprobs=(top or 0) if want_logprobs else None,
-        chat_template_kwargs=kwargs, tools=tools)
+        chat_template_kwargs=kwargs, tools=tools, add_generation_prompt=bool(add_gen),
+        continue_final_message=bool(cont))
 
 
 def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:

@@ -103,6 +103,10 @@ CHAT_REQUEST = {"type": "object", "required": ["model", "messages"], "properties
                      "description": "needs logprobs: true"},
     "chat_template_kwargs": {"type": ["object", "null"],
                              "description": "enable_thinking: reasoning on/off"},
+    "add_generation_prompt": {"type": ["boolean", "null"], "description": "vLLM's; default true"},
+    "continue_final_message": {"type": ["boolean", "null"],
+                               "description": "vLLM's: continue the final assistant message "
+                                              "(needs add_generation_prompt false)"},
     **_TOOLS,
     **SAMPLING_PROPS}}
 

@@ -291,3 +291,20 @@ def test_a_deeply_nested_input_schema_is_a_400_and_a_60_level_one_serves(stack, 
     assert "nested too deeply" in err["message"]
     r = _post(stack, "/v1/messages", body(59))
     assert r.status_code == 200, r.text
+
+
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues(stack):
+    """Anthropic's prefill: the prompt ends right after the final assistant text (no end of
+    turn, no new assistant header), and a prefill ending in whitespace is a 400 as
+    Anthropic's API answers it."""
+    msgs = [{"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    r = _post(stack, "/v1/messages", json.dumps(OK | {"messages": msgs}).encode())
+    assert r.status_code == 200, r.text
+    prompt = stack.engine.tokenizer.decode(stack.engine.added[-1].prompt_token_ids,
+                                           skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\nThe capital of France is"), prompt
+    msgs[-1]["content"] = "The capital of France is "
+    r = _post(stack, "/v1/messages", json.dumps(OK | {"messages": msgs}).encode())
+    assert r.status_code == 400, r.text
+    assert "trailing whitespace" in r.json()["error"]["message"]

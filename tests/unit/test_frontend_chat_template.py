@@ -77,3 +77,32 @@ def test_sandbox_refuses_to_mutate_messages():
 def test_template_that_does_not_compile_is_a_value_error():
     with pytest.raises(ValueError):
         ChatTemplate("{% for m in messages %}")
+
+
+PREFILL = [{"role": "user", "content": "Capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, FEATURE_TEMPLATE])
+def test_continue_final_message_matches_transformers(tmp_path, template):
+    """The prompt ends right after the final assistant text (Anthropic's prefill, vLLM's
+    continue_final_message): transformers' apply_chat_template is the truth."""
+    transformers = pytest.importorskip("transformers")
+    path = build_model_dir(str(tmp_path), template)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json",
+                                              bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    expected = hf.apply_chat_template(PREFILL, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True, chat_template=template)
+    tok = Tokenizer(path)
+    ours = ChatTemplate(template, {**tok.special_tokens, "bos_token": "<|endoftext|>"})
+    got = ours.render(PREFILL, add_generation_prompt=False, continue_final_message=True)
+    assert got == expected and got.endswith("The capital of France is")
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Capital of France?"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "  "}]])
+def test_continue_final_message_needs_a_final_assistant_text(messages):
+    with pytest.raises(InvalidRequest) as e:
+        ChatTemplate(CHATML_TEMPLATE).render(messages, continue_final_message=True)
+    assert e.value.param == "messages" and e.value.status == 400

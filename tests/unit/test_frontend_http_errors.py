@@ -259,3 +259,27 @@ def test_to_params_makes_tiny_temperature_greedy_and_clamps_tiny_top_p():
     assert params(top_p=1e-300).top_p == 1e-6
     assert params(top_p=0.5).top_p == 0.5
     assert params().temperature == 1.0 and params().top_p == 1.0
+
+
+def test_continue_final_message_continues_the_assistant_text_and_refuses_both_flags(stack):
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends
+    right after the final assistant text; both flags true is a 400 naming the field."""
+    msgs = [{"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 2, "continue_final_message": True,
+            "add_generation_prompt": False}
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    prompt = stack.engine.tokenizer.decode(stack.engine.added[-1].prompt_token_ids,
+                                           skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\nThe capital of France is"), prompt
+    r = httpx.post(f"{stack.url}/v1/chat/completions",
+                   json=body | {"add_generation_prompt": True}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "continue_final_message"
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json={"model": MODEL, "messages": msgs,
+                   "max_tokens": 2}, timeout=10)  # default: a new assistant turn after it
+    assert r.status_code == 200, r.text
+    prompt = stack.engine.tokenizer.decode(stack.engine.added[-1].prompt_token_ids,
+                                           skip_special_tokens=False)
+    assert prompt.endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n"), prompt
