@@ -189,7 +189,8 @@ class SpecPolicy:
 
     def _spec_rate(self, drafts: int, gain: float) -> float | None:
         t = self.cost.spec_cost(self._n + drafts)
-        return None if t is None else (self._b + gain) / (t + self.cost.overhead)
+        # a measured 0 s (a coarse or fake clock) counts as a nanosecond: free, not a fault
+        return None if t is None else (self._b + gain) / max(t + self.cost.overhead, 1e-9)
 
     def break_even_acceptance(self) -> float:
         """The least per-draft acceptance at which one request verifying some k drafts
