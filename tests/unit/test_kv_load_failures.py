@@ -1,0 +1,170 @@
+"""A failed KV tier load costs a recompute, never a request (docs/ARCHITECTURE.md §4.5;
+vLLM's kv_load_failure_policy "recompute").
+
+Scheduler side: the tier rig (tests/unit/kv_tier_rig.py: the real Scheduler, BlockManager
+and KVStoreConnector, a real kvstore on a thread, a toy worker copying its paged KV through
+the store's pool) with the worker's loads made to fail once after a prefix was stored; the
+failed copy leaves garbage in the blocks (and, for a hybrid, the checkpoint slot) it was
+filling, and the toy model checks every KV entry a request reads, so a garbage block that
+reached the prefix cache, or a result computed on one, fails the run. The truth is each
+request run alone with no cache anywhere (`test_prefix_cache.reference`).
+
+Engine side: the engine core's step pipeline, synchronous and async (a step planned on top
+of the failed one, whose results for the failed step's requests are garbage), against the
+scheduler run without failures (tests/unit/test_scheduler.py's toy model); and the
+worker's `KVTransfer.before_step` with a pool that cannot be copied from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.engine.executor import InProcessExecutor
+from services.engine.request import RequestStatus
+from services.frontend.metrics import MetricsEndpoint, RequestMetrics
+from services.worker.kv_cache import KVCache, PagedKVSpec
+from services.worker.kv_transfer import KVTransfer
+from shared.kv_layout import KVLayout
+from shared import protocol as P
+from tests.unit.engine_rig import Outbox, drive
+from tests.unit.kv_tier_rig import BS, TierRig
+from tests.unit.test_engine_async import ToyRunner, _check, _core
+from tests.unit.test_kv_tiers_engine import outputs, tokens, warm_tier
+from tests.unit.test_prefix_cache import reference, req
+from tests.unit.test_spec_metrics import StatsEngine
+
+
+@pytest.fixture
+def rigs():
+    made: list[TierRig] = []
+
+    def make(**kw) -> TierRig:
+        made.append(TierRig(**kw))
+        return made[-1]
+
+    yield make
+    for rig in made:
+        rig.close()
+
+
+def park_then_fail(rig: TierRig, running, hit) -> None:
+    """`running` runs; `hit` waits for its tier lookup's answer while `running` decodes;
+    then the next step, which admits `hit` with its loads beside `running`, fails them."""
+    rig.sched.add(running)
+    rig.step()
+    rig.sched.add(hit)
+    rig.step()
+    assert hit.status is RequestStatus.WAITING_FOR_KV
+    rig.wait(lambda: hit.status is RequestStatus.WAITING, "the tier's answer")
+    rig.worker.fail_loads = 1
+
+
+def test_a_failed_block_load_recomputes_the_request_and_spares_the_others(rigs):
+    rig = rigs()
+    prompt = tokens(1, 5 * BS + 2)
+    names = warm_tier(rig, prompt)
+    other = req("other", tokens(2, 7), 9)
+    b = req("b", prompt, 6)
+    park_then_fail(rig, other, b)
+    rig.drain()
+    assert outputs(b, other) == reference([req("b", prompt, 6), req("other", tokens(2, 7), 9)])
+    assert [{r.request_id for r in back} for back in rig.load_failures] == [{"other", "b"}]
+    assert b.no_tier_loads and not other.no_tier_loads
+    failed = [p for p in rig.plans if p.kv_loads]
+    assert len(failed) == 1 and len(failed[0].kv_loads) == len(names), "b never loads again"
+    assert b.num_preemptions == 1 and b.num_cached_tokens == len(names) * BS
+    # the blocks of the failed load never entered the prefix cache: a request reading the
+    # prefix now hits b's recomputed blocks locally, and the toy checks every entry
+    again = req("again", prompt, 6)
+    rig.sched.add(again)
+    rig.drain()
+    assert outputs(again) == reference([req("again", prompt, 6)])
+    assert len([p for p in rig.plans if p.kv_loads]) == 1
+    assert rig.bm.num_free_blocks == rig.bm.num_blocks
+
+
+def test_a_failed_checkpoint_load_of_a_hybrid_recomputes_and_frees_its_slots(rigs):
+    rig = rigs(hybrid=True)
+    prompt = tokens(3, 3 * BS + 1)
+    warm = req("warm", prompt, 6)
+    rig.sched.add(warm)
+    rig.drain()
+    assert rig.sched.reset_prefix_cache()
+    rig.worker.states = [(-1, -1)] * len(rig.worker.states)  # the local checkpoints' bytes are gone too
+    b, c = req("b", prompt, 6), req("c", tokens(4, 6), 5)
+    park_then_fail(rig, c, b)
+    rig.drain()
+    assert outputs(b, c) == reference([req("b", prompt, 6), req("c", tokens(4, 6), 5)])
+    failed = [p for p in rig.plans if p.kv_loads or p.state_loads]
+    assert len(failed) == 1 and failed[0].state_loads, "the checkpoint load failed once, never again"
+    assert [{r.request_id for r in back} for back in rig.load_failures] == [{"c", "b"}]
+    assert b.no_tier_loads and not c.no_tier_loads
+    assert rig.slots.num_free == rig.slots.num_slots, "state slots all given back"
+    # the failed checkpoint slot was dropped, so b's recompute saved its own checkpoint: a new
+    # request resumes from it locally and loads nothing
+    full = (len(prompt) - 1) // BS
+    assert rig.slots.checkpoint_of(b.block_hashes[full - 1]) is not None
+    again = req("again", prompt, 6)
+    rig.sched.add(again)
+    rig.drain()
+    assert outputs(again) == reference([req("again", prompt, 6)])
+    assert len([p for p in rig.plans if p.kv_loads or p.state_loads]) == 1
+
+
+class LoadFailRunner(ToyRunner):
+    """The toy runner whose steps in `fail` report failed tier loads as the worker does: the
+    KV the step should have written is garbage, the step samples nothing, and the draw a
+    later plan's pending token reads is the dummy 0 (`ModelRunner._dummy_draw`)."""
+
+    def __init__(self, block_size: int, fail: set[int]):
+        super().__init__(block_size)
+        self.fail = fail
+
+    def execute(self, plan: P.StepPlan) -> P.StepResult:
+        if plan.step_id not in self.fail:
+            return super().execute(plan)
+        self.model.execute(plan)
+        for s in plan.seqs:
+            cache = self.model.kv[s.request_id]
+            cache[s.start_pos:] = [0] * (len(cache) - s.start_pos)
+        self.model.last = {s.request_id: 0 for s in plan.seqs if s.sample}
+        return P.StepResult(plan.step_id, [], kv_load_error="OSError: the pool is unavailable (test)")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_core_recomputes_the_requests_of_steps_whose_loads_failed(async_scheduling):
+    core = _core(async_scheduling)
+    runner = LoadFailRunner(block_size=4, fail={3, 8})
+    outbox = Outbox()
+    drive(core, InProcessExecutor(runner), async_scheduling, outbox)
+    _check(outbox)  # every request completes, token for token as without failures
+    assert not any(o.error for outs in outbox.outputs.values() for o in outs)
+    assert core.num_kv_load_failures == 2 and core.stats()["kv_load_failures"] == 2
+    if async_scheduling:
+        assert runner.model.pending_fed > 0
+    metrics = RequestMetrics()
+    metrics.set_model("toy")
+    resp = asyncio.run(MetricsEndpoint(StatsEngine(core), metrics, None)(None))  # type: ignore[arg-type]
+    assert "kestrel:kv_load_failures_total{model_name=\"toy\"} 2.0" in resp.body.decode()
+
+
+def test_the_worker_reports_a_load_it_cannot_copy_instead_of_raising():
+    """KVTransfer.before_step on a real KV cache: a pool that is gone (a kvstore that died
+    and was not restarted yet) and checkpoint loads for a dense model are reported, not
+    raised; a plan without loads reports nothing."""
+    spec = PagedKVSpec(1, 8)
+    kv = KVCache([spec, spec], 4, 2, torch.float32, "cpu")
+    lay = KVLayout(block_size=2, num_layers=2, num_kv_heads=1, head_dim=8, kv_dtype="float32",
+                   elem_bytes=4, model_identity=bytes(32))
+    xfer = KVTransfer(kv, lay)
+    try:
+        gone = P.StepPlan(5, [], kv_loads=[(0, 1)], kv_pool="kestrel-gone-kvpool", kv_pool_pid=1)
+        assert xfer.before_step(gone).startswith("FileNotFoundError")
+        assert xfer.before_step(P.StepPlan(6, [])) == ""
+        dense = P.StepPlan(7, [], state_loads=[(0, 1)], state_pool="x", kv_pool_pid=1)
+        assert xfer.before_step(dense).startswith("ValueError")
+    finally:
+        xfer.detach()
