@@ -263,7 +263,7 @@ class EngineCore:
         now = self.clock()
         self._in_flight = max(0, self._in_flight - 1)
         self.num_jit_compiles += result.jit_compiles
-        if (self.spec is not None and not result.error and not result.jit_compiles
+        if (self.spec is not None and not result.error and not result.jit_compiles and not result.kv_load_error
                 and (out.planned_ahead or not self._in_flight)):
             self.spec.observe_step(out.total_tokens, now - max(out.planned_at, self._last_result_at),
                                    out.speculative)

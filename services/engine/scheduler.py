@@ -24,6 +24,9 @@ ends at the last block with a state checkpoint, local or the connector's
 (`tier_checkpoint`, brought into a checkpoint slot by the plan's state_loads); the
 checkpoints a plan fills become readable at its result (`update`, which hands the saved ones
 to the connector to store) or are dropped when its step failed (`step_failed`).
+A step whose tier loads failed in the workers (nothing ran) sends its requests back to
+recompute (`loads_failed`, docs/ARCHITECTURE.md §4.5); a plan made before that result came
+back is void for them (`Request.void_epoch`), and those whose loads failed never load again.
 
 Under memory pressure the newest running request is preempted: its blocks are freed (the
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to

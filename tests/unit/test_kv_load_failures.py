@@ -168,3 +168,39 @@ def test_the_worker_reports_a_load_it_cannot_copy_instead_of_raising():
         assert xfer.before_step(dense).startswith("ValueError")
     finally:
         xfer.detach()
+
+
+@pytest.fixture(scope="module")
+def runner():
+    import shutil
+
+    from benchmarks.common import model_dir
+    from services.worker.model_runner import ModelRunner
+    from shared.config import build_config
+
+    folder = model_dir("tiny-qwen3")
+    try:
+        cfg = build_config(cli={"model": folder, "load_format": "dummy", "device": "cpu",
+                                "dtype": "float32", "kv_cache_gib": 0.05, "max_model_len": 512}, env={})
+        yield ModelRunner(cfg)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the temporary model folder (config.json only)
+
+
+def test_the_runner_skips_the_forward_of_a_step_whose_loads_failed_and_a_plan_on_top_still_runs(runner):
+    """ModelRunner.execute (tiny Qwen3, dummy weights): loads from a pool that is gone are
+    reported in kv_load_error, nothing is sampled and no KV is written; the next plan's
+    pending tokens of that step's seqs read a dummy draw instead of failing that plan."""
+    sp = P.SamplingParams(temperature=0.0)
+    first = runner.execute(P.StepPlan(0, [P.ScheduledSeq("a", [5, 6, 7], 0, [0], True, sp)]))
+    assert len(first.sampled_token_ids) == 1 and not first.kv_load_error
+    k0 = runner.kv.k[0]
+    before = k0[0].clone(), k0[1].clone()
+    failed = runner.execute(P.StepPlan(1, [P.ScheduledSeq("a", [first.sampled_token_ids[0]], 3, [0], True, sp, 1),
+                                           P.ScheduledSeq("b", [8, 9], 0, [1], True, sp)],
+                                       kv_loads=[(0, 2)], kv_pool="kestrel-gone-kvpool", kv_pool_pid=1))
+    assert failed.kv_load_error.startswith("FileNotFoundError") and failed.sampled_token_ids == []
+    assert torch.equal(k0[0], before[0]) and torch.equal(k0[1], before[1]), "no forward ran"
+    on_top = runner.execute(P.StepPlan(2, [P.ScheduledSeq("b", [P.PENDING_TOKEN], 2, [1], True, sp, 1),
+                                           P.ScheduledSeq("c", [4, 4, 4], 0, [3], True, sp)]))
+    assert not on_top.error and not on_top.kv_load_error and len(on_top.sampled_token_ids) == 2
