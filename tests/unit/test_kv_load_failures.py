@@ -11,8 +11,11 @@ request run alone with no cache anywhere (`test_prefix_cache.reference`).
 
 Engine side: the engine core's step pipeline, synchronous and async (a step planned on top
 of the failed one, whose results for the failed step's requests are garbage), against the
-scheduler run without failures (tests/unit/test_scheduler.py's toy model); and the
-worker's `KVTransfer.before_step` with a pool that cannot be copied from.
+scheduler run without failures (tests/unit/test_scheduler.py's toy model); the worker's
+`KVTransfer.before_step` with a pool that cannot be copied from, and `ModelRunner.execute`
+(tiny Qwen3, dummy weights) skipping the forward. End to end in one process: the engine
+core, that runner and a real kvstore, the runner's pool copy made to fail once (monkeypatch),
+against a cold run of the same runner.
 """
 
 from __future__ import annotations
@@ -204,3 +207,96 @@ def test_the_runner_skips_the_forward_of_a_step_whose_loads_failed_and_a_plan_on
     on_top = runner.execute(P.StepPlan(2, [P.ScheduledSeq("b", [P.PENDING_TOKEN], 2, [1], True, sp, 1),
                                            P.ScheduledSeq("c", [4, 4, 4], 0, [3], True, sp)]))
     assert not on_top.error and not on_top.kv_load_error and len(on_top.sampled_token_ids) == 2
+
+
+def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(runner, tmp_path, monkeypatch):
+    """EngineCore + the tiny Qwen3 runner in process + a real kvstore (CPU tier) on a thread:
+    a prompt is stored in the tier, the GPU-local cache emptied, and the runner's pool copy
+    made to fail once. The request that loads, and one running beside it, give the tokens of
+    a cold run (the same runner, no cache anywhere); the failure is counted once."""
+    import time
+    from types import SimpleNamespace
+    from typing import cast
+
+    import zmq
+
+    from services.engine.core import EngineCore
+    from services.engine.kv_calls import PingCall
+    from services.engine.kv_tiers import KVStoreConnector
+    from services.engine.pipeline import StepPipeline
+    from services.kvstore.server import serve_in_thread
+    from services.kvstore.settings import StoreSetup
+    from services.worker import kv_transfer
+    from shared.config import KestrelConfig
+    from tests.unit.engine_rig import core_config
+
+    cfg = core_config(model=runner.spec.path, load_format="dummy", dtype="float32", max_model_len=512,
+                      block_size=runner.block_size, max_num_batched_tokens=64)
+    info = runner.spec
+    layout = KVLayout.for_model(info, runner.block_size)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 10000, (3 * runner.block_size + 5,), generator=g).tolist()
+    other = torch.randint(3, 10000, (9,), generator=g).tolist()
+    sp = P.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(core: EngineCore, conn: KVStoreConnector | None, adds: list[tuple[str, list[int]]]) -> dict:
+        outbox = Outbox()
+        for rid, ids in adds:
+            assert core.add(b"fe", P.AddRequest(rid, ids, sp, 0.0)) is None
+        pipeline = StepPipeline(core, InProcessExecutor(runner), True)
+        deadline = time.monotonic() + 60
+        def tier_busy() -> bool:  # stores or loads in flight with the store (kv_tier_rig.quiet)
+            return conn is not None and bool(
+                core.scheduler.waiting_for_kv or conn.stores.queued_blocks or conn.has_stores()
+                or core.scheduler.bm.store_pins
+                or any(not isinstance(c, PingCall) for c in conn.pending.values()))
+
+        while pipeline.busy() or tier_busy():
+            assert time.monotonic() < deadline, "engine loop stalled"
+            if conn is not None:
+                conn.service()
+            if pipeline.busy() or (conn is not None and conn.has_stores()):  # a store-only plan too
+                outbox.take(pipeline.advance())
+            else:
+                time.sleep(0.002)
+        assert not any(o.error for outs in outbox.outputs.values() for o in outs)
+        return {rid: outbox.tokens(rid) for rid, _ in adds}
+
+    cold = run(EngineCore(core_config(model=runner.spec.path, load_format="dummy", dtype="float32",
+                                      max_model_len=512, block_size=runner.block_size,
+                                      enable_prefix_caching=False), info, runner.num_blocks),
+               None, [("eb", prompt), ("eo", other)])
+    address = f"ipc://{tmp_path}/kvstore.sock"
+    store_cfg = cast(KestrelConfig, SimpleNamespace(instance_id="klf" + tmp_path.name[-8:], kvstore_address=address))
+    server, thread = serve_in_thread(store_cfg, StoreSetup(layout.model_identity, layout.slot_bytes, 32, None, 0))
+    ctx = zmq.Context()
+    conn = KVStoreConnector(address, layout.model_identity, layout.slot_bytes, ctx, ping_s=0.05, retry_s=0.2)
+    try:
+        core = EngineCore(cfg, info, runner.num_blocks, root_hash=layout.model_identity, connector=conn)
+        deadline = time.monotonic() + 10
+        while not conn.connected:
+            assert time.monotonic() < deadline, "no answer to the hello"
+            conn.service()
+            time.sleep(0.002)
+        run(core, conn, [("ewarm", prompt)])
+        assert conn.stats()["kv_tier_store_blocks"] == 3
+        assert core.reset_prefix_cache()
+        real, calls = kv_transfer.PoolCopier.load, []
+
+        def flaky(self, name, pid, pairs):
+            calls.append(len(pairs))
+            if len(calls) == 1:
+                raise OSError("the pool is unavailable (test)")
+            return real(self, name, pid, pairs)
+
+        monkeypatch.setattr(kv_transfer.PoolCopier, "load", flaky)
+        got = run(core, conn, [("eo", other), ("eb", prompt)])
+        assert got == cold
+        assert calls == [3] and core.stats()["kv_load_failures"] == 1
+        assert core.requests == {}
+    finally:
+        conn.close()
+        server.stopping = True
+        thread.join(5)
+        server.close()
+        ctx.destroy(linger=0)
