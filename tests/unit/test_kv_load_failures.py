@@ -14,8 +14,9 @@ of the failed one, whose results for the failed step's requests are garbage), ag
 scheduler run without failures (tests/unit/test_scheduler.py's toy model); the worker's
 `KVTransfer.before_step` with a pool that cannot be copied from, and `ModelRunner.execute`
 (tiny Qwen3, dummy weights) skipping the forward. End to end in one process: the engine
-core, that runner and a real kvstore, the runner's pool copy made to fail once (monkeypatch),
-against a cold run of the same runner.
+core, a real runner (that tiny Qwen3, or the seeded tiny Qwen3-Next hybrid of
+tests/hybrid_checkpoint.py: blocks or its state checkpoint) and a real kvstore, the
+runner's pool copy made to fail once (monkeypatch), against a cold run of the same runner.
 """
 
 from __future__ import annotations
@@ -209,11 +210,27 @@ def test_the_runner_skips_the_forward_of_a_step_whose_loads_failed_and_a_plan_on
     assert not on_top.error and not on_top.kv_load_error and len(on_top.sampled_token_ids) == 2
 
 
-def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(runner, tmp_path, monkeypatch):
-    """EngineCore + the tiny Qwen3 runner in process + a real kvstore (CPU tier) on a thread:
-    a prompt is stored in the tier, the GPU-local cache emptied, and the runner's pool copy
-    made to fail once. The request that loads, and one running beside it, give the tokens of
-    a cold run (the same runner, no cache anywhere); the failure is counted once."""
+@pytest.fixture(scope="module")
+def hybrid_runner(tmp_path_factory):
+    from services.worker.model_runner import ModelRunner
+    from shared.config import build_config
+    from tests.hybrid_checkpoint import write_tiny_qwen3_next
+
+    path = write_tiny_qwen3_next(tmp_path_factory.mktemp("loadfail_hybrid"))
+    cfg = build_config(cli={"model": str(path), "device": "cpu", "dtype": "float32", "kv_cache_gib": 0.05,
+                            "max_model_len": 512}, env={})
+    return ModelRunner(cfg)
+
+
+@pytest.mark.parametrize("model,fail", [("dense", "block"), ("hybrid", "block"), ("hybrid", "state checkpoint")])
+def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(model, fail, request, tmp_path,
+                                                                                 monkeypatch):
+    """EngineCore + a runner in process (tiny Qwen3 with dummy weights, or the seeded tiny
+    Qwen3-Next hybrid) + a real kvstore (CPU tier, and the state pool for the hybrid) on a
+    thread: a prompt is stored in the tier, the GPU-local cache emptied, and the runner's
+    pool copy (of blocks, or of the hybrid's state checkpoint) made to fail once. The
+    request that loads, and one running beside it, give the tokens of a cold run (the same
+    runner, no cache anywhere); the failure is counted once and never retried."""
     import time
     from types import SimpleNamespace
     from typing import cast
@@ -228,15 +245,20 @@ def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(
     from services.kvstore.settings import StoreSetup
     from services.worker import kv_transfer
     from shared.config import KestrelConfig
+    from shared.state_layout import StateLayout
     from tests.unit.engine_rig import core_config
 
-    cfg = core_config(model=runner.spec.path, load_format="dummy", dtype="float32", max_model_len=512,
-                      block_size=runner.block_size, max_num_batched_tokens=64)
+    runner = request.getfixturevalue("runner" if model == "dense" else "hybrid_runner")
     info = runner.spec
-    layout = KVLayout.for_model(info, runner.block_size)
+    bs = runner.block_size
+    settings = dict(model=info.path, load_format="dummy" if model == "dense" else "auto", dtype="float32",
+                    max_model_len=512, block_size=bs, max_num_batched_tokens=64)
+    layout = KVLayout.for_model(info, bs)
+    state = StateLayout.for_model(info, layout)
+    vocab = min(info.vocab_size, 10000)
     g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(3, 10000, (3 * runner.block_size + 5,), generator=g).tolist()
-    other = torch.randint(3, 10000, (9,), generator=g).tolist()
+    prompt = torch.randint(3, vocab, (3 * bs + 5,), generator=g).tolist()
+    other = torch.randint(3, vocab, (9,), generator=g).tolist()
     sp = P.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def run(core: EngineCore, conn: KVStoreConnector | None, adds: list[tuple[str, list[int]]]) -> dict:
@@ -244,13 +266,14 @@ def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(
         for rid, ids in adds:
             assert core.add(b"fe", P.AddRequest(rid, ids, sp, 0.0)) is None
         pipeline = StepPipeline(core, InProcessExecutor(runner), True)
-        deadline = time.monotonic() + 60
+
         def tier_busy() -> bool:  # stores or loads in flight with the store (kv_tier_rig.quiet)
             return conn is not None and bool(
-                core.scheduler.waiting_for_kv or conn.stores.queued_blocks or conn.has_stores()
-                or core.scheduler.bm.store_pins
+                core.scheduler.waiting_for_kv or conn.stores.queued_blocks or conn.stores.queued_states
+                or conn.has_stores() or core.scheduler.bm.store_pins
                 or any(not isinstance(c, PingCall) for c in conn.pending.values()))
 
+        deadline = time.monotonic() + 60
         while pipeline.busy() or tier_busy():
             assert time.monotonic() < deadline, "engine loop stalled"
             if conn is not None:
@@ -262,17 +285,19 @@ def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(
         assert not any(o.error for outs in outbox.outputs.values() for o in outs)
         return {rid: outbox.tokens(rid) for rid, _ in adds}
 
-    cold = run(EngineCore(core_config(model=runner.spec.path, load_format="dummy", dtype="float32",
-                                      max_model_len=512, block_size=runner.block_size,
-                                      enable_prefix_caching=False), info, runner.num_blocks),
+    cold = run(EngineCore(core_config(**settings, enable_prefix_caching=False), info, runner.num_blocks),
                None, [("eb", prompt), ("eo", other)])
     address = f"ipc://{tmp_path}/kvstore.sock"
     store_cfg = cast(KestrelConfig, SimpleNamespace(instance_id="klf" + tmp_path.name[-8:], kvstore_address=address))
-    server, thread = serve_in_thread(store_cfg, StoreSetup(layout.model_identity, layout.slot_bytes, 32, None, 0))
+    sid, sbytes = (state.state_identity, state.state_bytes) if state is not None else (b"", 0)
+    setup = StoreSetup(layout.model_identity, layout.slot_bytes, 32, None, 0, sid, sbytes, 8 if sbytes else 0)
+    server, thread = serve_in_thread(store_cfg, setup)
     ctx = zmq.Context()
-    conn = KVStoreConnector(address, layout.model_identity, layout.slot_bytes, ctx, ping_s=0.05, retry_s=0.2)
+    conn = KVStoreConnector(address, layout.model_identity, layout.slot_bytes, ctx, ping_s=0.05, retry_s=0.2,
+                            state_identity=sid, state_bytes=sbytes)
     try:
-        core = EngineCore(cfg, info, runner.num_blocks, root_hash=layout.model_identity, connector=conn)
+        core = EngineCore(core_config(**settings), info, runner.num_blocks, root_hash=layout.model_identity,
+                          connector=conn)
         deadline = time.monotonic() + 10
         while not conn.connected:
             assert time.monotonic() < deadline, "no answer to the hello"
@@ -284,16 +309,17 @@ def test_an_engine_with_a_real_runner_and_kvstore_recomputes_a_failed_pool_load(
         real, calls = kv_transfer.PoolCopier.load, []
 
         def flaky(self, name, pid, pairs):
-            calls.append(len(pairs))
-            if len(calls) == 1:
+            calls.append((self.what, len(pairs)))
+            if self.what == fail and sum(c[0] == fail for c in calls) == 1:
                 raise OSError("the pool is unavailable (test)")
             return real(self, name, pid, pairs)
 
         monkeypatch.setattr(kv_transfer.PoolCopier, "load", flaky)
         got = run(core, conn, [("eo", other), ("eb", prompt)])
         assert got == cold
-        assert calls == [3] and core.stats()["kv_load_failures"] == 1
-        assert core.requests == {}
+        want = [("block", 3)] + ([("state checkpoint", 1)] if fail != "block" else [])
+        assert calls == want, "one load, failed, and none again"
+        assert core.stats()["kv_load_failures"] == 1 and core.requests == {}
     finally:
         conn.close()
         server.stopping = True
