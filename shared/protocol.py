@@ -358,7 +358,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # chunk's tokens after its first, plus its first (scored by the previous chunk's last row).
     prompt_logprobs: dict[str, list[TokenLogprob]] = {}
     # Set when the step's kv_stores could not be copied (the pool is unavailable): the
-    # engine drops those stores. A failed kv_load fails the step instead (`error`).
+    # engine drops those stores. A failed load is `kv_load_error` below.
     kv_store_error: str = ""
     # Speculative decoding (docs/ARCHITECTURE.md §5.5). num_sampled: one count per seq with
     # sample=True (plan order), 1..num_draft+1, when any seq of the plan had drafts;
@@ -370,6 +370,11 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # Triton compiles and CUDA graph captures the worker met during this step, after it was
     # ready (services/worker/jit_watch.py): such a step's duration is not its cost.
     jit_compiles: int = 0
+    # Set when the step's tier loads (kv_loads or state_loads) could not be copied: the
+    # worker ran no forward and sampled nothing (a later plan's pending tokens of this step's
+    # seqs read a dummy draw). The engine emits nothing for the step and sends its requests
+    # back to recompute (docs/ARCHITECTURE.md §4.5, vLLM's kv_load_failure_policy "recompute").
+    kv_load_error: str = ""
 
 
 class WorkerHeartbeat(msgspec.Struct, tag="whb", array_like=True):

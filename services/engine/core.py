@@ -13,6 +13,7 @@ are off). Its verbs each return the outputs to send (`Emitted`, services/engine/
 - `admit_compiled(attached)`: admit the requests whose grammar compiled.
 - `plan_step()` -> the next `SchedulerOutput` (with its tier copies), `finish_step(out,
   result)` applies the workers' `StepResult`; a failed step fails its requests only.
+  A step whose KV tier loads failed costs a recompute of its requests, never a failure.
   `plan_transfer()` / `finish_transfer()`: a plan with only tier stores.
 - `fail_all(reason)`: fail everything (shutdown or restart: error_kind "unavailable").
 
@@ -113,6 +114,7 @@ class EngineCore:
         self._last_result_at = 0.0  # when the last step's result was taken up
         self._busy_since: float | None = None  # a result taken up with work left (step_cost.py)
         self._in_flight = 0  # plans made whose results were not applied yet
+        self.num_kv_load_failures = 0  # steps whose tier loads failed (their requests recomputed)
 
     # ------------------------------------------------------------------ requests in
 
@@ -248,7 +250,10 @@ class EngineCore:
 
     def finish_step(self, out: SchedulerOutput, result: P.StepResult) -> Emitted:
         """Apply a step's result. A failed step (result.error) fails its requests, with an
-        "internal" error naming the worker's fault; the other requests are untouched.
+        "internal" error naming the worker's fault; the other requests are untouched. A step
+        whose tier loads failed (result.kv_load_error: the workers ran nothing) emits nothing
+        and sends its requests back to recompute (`Scheduler.loads_failed`; counted in
+        `num_kv_load_failures`), once its loads and stores are completed with the connector.
         With speculation on, the step's duration goes to the policy's cost model: from its
         plan, or from the previous result when it was planned ahead of it, to now; a step
         planned with nothing in flight whose result is taken up only after a later plan went
@@ -258,7 +263,7 @@ class EngineCore:
         now = self.clock()
         self._in_flight = max(0, self._in_flight - 1)
         self.num_jit_compiles += result.jit_compiles
-        if (self.spec is not None and not result.error and not result.jit_compiles
+        if (self.spec is not None and not result.error and not result.jit_compiles and not result.kv_load_error
                 and (out.planned_ahead or not self._in_flight)):
             self.spec.observe_step(out.total_tokens, now - max(out.planned_at, self._last_result_at),
                                    out.speculative)
@@ -269,6 +274,13 @@ class EngineCore:
                 log.warning("step %d: KV stores dropped: %s", out.plan.step_id,
                             result.kv_store_error)
             self.scheduler.transfers_done(out.plan, not result.error and not result.kv_store_error)
+        if result.kv_load_error and not result.error:  # recompute, never fail (§4.5)
+            back = self.scheduler.loads_failed(out)
+            self.num_kv_load_failures += 1
+            log.warning("step %d: KV tier loads failed (%s); %d requests recompute: %s",
+                        out.plan.step_id, result.kv_load_error, len(back),
+                        " ".join(r.request_id for r in back[:8]) + (" ..." if len(back) > 8 else ""))
+            return Emitted()
         if result.error:
             log.error("step %d failed in the worker: %s", out.plan.step_id, result.error)
             self.scheduler.step_failed(out.plan)  # a hybrid's checkpoints it filled are dropped
@@ -331,7 +343,8 @@ class EngineCore:
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
                 "num_preemptions": s.num_preemptions,
                 "num_generated_tokens": s.num_generated_tokens,
-                "worker_jit_compiles": self.num_jit_compiles, **s.bm.stats(),
+                "worker_jit_compiles": self.num_jit_compiles,
+                "kv_load_failures": self.num_kv_load_failures, **s.bm.stats(),
                 **(self.connector.stats() if self.connector is not None else {}),
                 **(self.spec.stats() if self.spec is not None else {})}
 

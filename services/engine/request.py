@@ -59,6 +59,10 @@ class Request:
     or proposed drafts is in flight (the next plan must wait for its result); spec is the
     speculation policy's per-request state (`services.engine.spec_policy.SpecState`), None
     while speculation is off.
+    KV tier load failures (docs/ARCHITECTURE.md §4.5): void_epoch is the epoch from which
+    results count; a plan made before a failed load's step returned (older epoch) was
+    built on garbage for this request and its results are dropped. no_tier_loads: a load of
+    this request failed; it never loads from the tiers again (it recomputes instead).
     """
 
     __slots__ = ("request_id", "frontend", "prompt_token_ids", "output_token_ids", "sampling",
@@ -67,7 +71,7 @@ class Request:
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
                  "worker_blocks", "inflight", "epoch", "draft_token_ids", "spec_inflight", "spec",
-                 "state_slot")
+                 "state_slot", "void_epoch", "no_tier_loads")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -99,6 +103,8 @@ class Request:
         self.spec_inflight = False  # a seq that verified or proposed is in flight
         self.spec: SpecState | None = None  # the speculation policy's state (spec_policy.py)
         self.state_slot = -1  # a hybrid model's recurrent-state slot while running (state_slots.py)
+        self.void_epoch = 0  # results of plans of an older epoch are dropped (a failed tier load)
+        self.no_tier_loads = False  # a tier load of it failed: it recomputes, never loads again
 
     @property
     def has_penalty(self) -> bool:

@@ -24,6 +24,9 @@ ends at the last block with a state checkpoint, local or the connector's
 (`tier_checkpoint`, brought into a checkpoint slot by the plan's state_loads); the
 checkpoints a plan fills become readable at its result (`update`, which hands the saved ones
 to the connector to store) or are dropped when its step failed (`step_failed`).
+A step whose tier loads failed in the workers (nothing ran) sends its requests back to
+recompute (`loads_failed`, docs/ARCHITECTURE.md §4.5); a plan made before that result came
+back is void for them (`Request.void_epoch`), and those whose loads failed never load again.
 
 Under memory pressure the newest running request is preempted: its blocks are freed (the
 full ones stay cached until evicted) and it goes back to the front of the waiting queue to
@@ -240,7 +243,7 @@ class Scheduler:
                     self.connector.release(req)
             else:
                 hit_blocks, hit_tokens = self.bm.get_computed_blocks(req)
-                if connector is not None:
+                if connector is not None and not req.no_tier_loads:  # (a failed load: recompute)
                     answer = connector.lookup(req, len(hit_blocks))
                     if answer is None:  # asked: it waits off the step for the answer
                         self.waiting.popleft()
@@ -249,7 +252,8 @@ class Scheduler:
                         continue
                     num_load = answer
                 if (hit_blocks or num_load) and self.slots is not None:  # a hybrid resumes from a checkpoint
-                    tier_ck = connector.tier_checkpoint(req) if connector is not None else None
+                    tier_ck = (connector.tier_checkpoint(req)
+                               if connector is not None and not req.no_tier_loads else None)
                     hit_blocks, num_load, restore, from_tier = self._checkpointed_hit(
                         req, hit_blocks, num_load, tier_ck)
                     hit_tokens = len(hit_blocks) * self.bm.block_size
@@ -428,13 +432,17 @@ class Scheduler:
         slot = self.slots.new_checkpoint(name)
         return -1 if slot is None else slot
 
-    def _checkpoints_back(self, plan: StepPlan, ok: bool) -> None:
+    def _checkpoints_back(self, plan: StepPlan, ok: bool, void: frozenset[int] = frozenset()) -> None:
         """`plan`'s result came back (ok) or its step failed: the checkpoints it filled (its
         saves and tier loads) become readable, or are dropped (their bytes are unreliable).
-        The saved ones go to the connector to be stored."""
+        void: indexes of seqs whose results are dropped (a failed tier load under them):
+        their saves are dropped too. The saved ones go to the connector to be stored."""
         if self.slots is None:
             return
-        saves = [s.state_save for s in plan.seqs if s.state_save >= 0]
+        for i in void:
+            if plan.seqs[i].state_save >= 0:
+                self.slots.drop(plan.seqs[i].state_save)
+        saves = [s.state_save for i, s in enumerate(plan.seqs) if s.state_save >= 0 and i not in void]
         loads = [c for _, c in plan.state_loads]
         if not ok:
             for slot in saves + loads:
@@ -450,6 +458,43 @@ class Scheduler:
         """`plan`'s step failed in the workers (its requests are failed by the caller): the
         checkpoints it was filling are dropped."""
         self._checkpoints_back(plan, ok=False)
+
+    def loads_failed(self, out: SchedulerOutput) -> list[Request]:
+        """The workers could not copy `out`'s tier loads and ran nothing (kv_load_failure_policy
+        "recompute", docs/ARCHITECTURE.md §4.5): the checkpoints the step was filling are
+        dropped (`step_failed`), and every unfinished request of the step goes back to the
+        front of the waiting queue to recompute from token 0 as a preempted one does (blocks
+        freed, state slot given back, outputs kept). The blocks the loads filled were never
+        named, so none of them enters the prefix cache. Results of plans made before this
+        one came back (async scheduling) are dropped for these requests (`void_epoch`).
+        The requests whose blocks or checkpoint the loads were filling never load from the
+        tiers again (`no_tier_loads`). Returns the requests sent back."""
+        self.step_failed(out.plan)
+        plan = out.plan
+        loaded = {b for _, b in plan.kv_loads}
+        ck_loaded = {c for _, c in plan.state_loads}
+        back: list[Request] = []
+        for req, seq in zip(out.requests, plan.seqs):
+            if seq.sample:
+                req.inflight = max(0, req.inflight - 1)
+            if seq.num_draft or seq.num_propose:
+                req.spec_inflight = False
+            if req.is_finished:
+                continue
+            if (seq.state_restore >= 0 and seq.state_restore in ck_loaded) or not loaded.isdisjoint(req.block_ids):
+                req.no_tier_loads = True
+                if self.connector is not None:
+                    self.connector.release(req)
+            if req.status == RequestStatus.RUNNING:
+                self._preempt(req)
+            req.void_epoch = req.epoch
+            back.append(req)
+        # _preempt put them first in reverse order: keep the step's order at the front
+        if back:
+            ids = {id(r) for r in back}
+            rest = [r for r in self.waiting if id(r) not in ids]
+            self.waiting = deque([r for r in back if r.status == RequestStatus.WAITING] + rest)
+        return back
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block name and, for a hybrid model, every state checkpoint
@@ -488,10 +533,11 @@ class Scheduler:
         prompt_logprobs = prompt_logprobs or {}
         drafts = draft_token_ids or {}
         counts = sampled_counts(out.plan, len(sampled), num_sampled or None)
-        self._checkpoints_back(out.plan, ok=True)
+        epochs = out.epochs or [r.epoch for r in out.requests]
+        void = frozenset(i for i, (r, e) in enumerate(zip(out.requests, epochs)) if e < r.void_epoch)
+        self._checkpoints_back(out.plan, ok=True, void=void)
         changed = []
         pos = j = 0
-        epochs = out.epochs or [r.epoch for r in out.requests]
         for req, seq, epoch in zip(out.requests, out.plan.seqs, epochs):
             n = 0
             if seq.sample:
@@ -502,11 +548,12 @@ class Scheduler:
             spec = bool(seq.num_draft or seq.num_propose)
             if spec:
                 req.spec_inflight = False
-                if self.spec is not None:
+                if self.spec is not None and epoch >= req.void_epoch:
                     self.spec.observe_result(req, seq.num_draft, n - 1, seq.num_propose,
                                              len(drafts.get(req.request_id, ())))
-            if req.is_finished:
-                continue  # e.g. a decode planned before its previous token ended the request
+            if req.is_finished or epoch < req.void_epoch:
+                continue  # a decode planned before its previous token ended the request; or
+                # planned on top of a step whose tier loads failed: built on garbage, dropped
             current = epoch == req.epoch and req.status == RequestStatus.RUNNING
             done = seq.start_pos + len(seq.token_ids)  # prompt/context tokens computed by this plan
             # Prompt logprobs of a plan made before a preemption still count while the

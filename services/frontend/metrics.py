@@ -24,6 +24,8 @@ frontend):
 - `kestrel:kv_cache_usage_perc` (gauge, fraction 0..1 of KV blocks held by requests).
 - `kestrel:kv_tier_hits_total{tier}` (counter, tokens loaded from the kvstore's "cpu" or
   "disk" tier; only when the engine runs with the kvstore)
+- `kestrel:kv_load_failures_total` (counter, steps whose tier loads failed in the worker:
+  their requests were recomputed instead, docs/ARCHITECTURE.md §4.5; 0 without the kvstore)
 - `kestrel:kv_tier_state_hits_total{tier}` (counter, a hybrid model's recurrent-state
   checkpoints loaded from a tier, docs/ARCHITECTURE.md §4.7; only for a hybrid model)
 - `kestrel:prefix_cache_queries_total`, `kestrel:prefix_cache_hits_total` (counters, tokens
@@ -197,7 +199,10 @@ class _EngineCollector:
                      "Prompt tokens found in the prefix cache."),
                     ("worker_jit_compiles", "worker_jit_compiles",
                      "Triton kernel compiles and CUDA graph captures in the worker after it was "
-                     "ready (each one stalls its step).")):
+                     "ready (each one stalls its step)."),
+                    ("kv_load_failures", "kv_load_failures",
+                     "Steps whose kvstore tier loads failed in the worker; their requests were "
+                     "recomputed.")):
                 c = CounterMetricFamily("kestrel:" + name, doc, labels=["model_name"])
                 c.add_metric(m, float(s.get(key, 0)))
                 yield c

@@ -205,15 +205,25 @@ class KVTransfer:
         self.blocks.store(name, pid, pairs)
 
     # ------------------------------------------------------------ step hooks
-    def before_step(self, plan: StepPlan) -> None:
-        """Loads of `plan` (before its forward): blocks, then checkpoints. A failure
-        raises: the step fails."""
-        if plan.kv_loads:
-            self.load(plan.kv_pool, plan.kv_pool_pid, plan.kv_loads)
-        if plan.state_loads:
-            if self.states is None:
-                raise ValueError("state checkpoint loads for a model without recurrent state")
-            self.states.load(plan.state_pool, plan.kv_pool_pid, plan.state_loads)
+    def before_step(self, plan: StepPlan) -> str:
+        """Loads of `plan` (before its forward): blocks, then checkpoints. Returns "" or why
+        they failed; then the blocks and checkpoint slots they were filling hold garbage, the
+        forward must not run, and the engine recomputes the step's requests
+        (`StepResult.kv_load_error`)."""
+        if not plan.kv_loads and not plan.state_loads:
+            return ""
+        try:
+            if plan.kv_loads:
+                self.load(plan.kv_pool, plan.kv_pool_pid, plan.kv_loads)
+            if plan.state_loads:
+                if self.states is None:
+                    raise ValueError("state checkpoint loads for a model without recurrent state")
+                self.states.load(plan.state_pool, plan.kv_pool_pid, plan.state_loads)
+            return ""
+        except Exception as e:
+            log.warning("step %d: KV tier loads failed (%d blocks, %d checkpoints): %s; its "
+                        "requests recompute", plan.step_id, len(plan.kv_loads), len(plan.state_loads), e)
+            return f"{type(e).__name__}: {e}"
 
     def after_step(self, plan: StepPlan) -> str:
         """Stores of `plan` (after its forward): blocks, then checkpoints. Returns "" or why

@@ -356,7 +356,13 @@ class ModelRunner:
         self.plan_state.resolve(plan)  # whole block tables and sampling params (plan_state.py)
         if self.history is not None:
             self.history.write(plan.seqs)
-        self.kv_transfer.before_step(plan)
+        load_error = self.kv_transfer.before_step(plan)
+        if load_error:  # the inputs are garbage: no forward; the engine recomputes (§4.5)
+            result = StepResult(plan.step_id, [], kv_load_error=load_error)
+            self._dummy_draw(plan)
+            result.kv_store_error = self.kv_transfer.after_step(plan)
+            result.jit_compiles = jit_watch.WATCH.take()
+            return result
         try:
             result = self._step(plan)
         except BaseException:
@@ -365,6 +371,15 @@ class ModelRunner:
         result.kv_store_error = self.kv_transfer.after_step(plan)
         result.jit_compiles = jit_watch.WATCH.take()
         return result
+
+    def _dummy_draw(self, plan: StepPlan) -> None:
+        """After a step whose tier loads failed: a draw of token 0 for each of its sampled
+        seqs, so that a plan made on top of it (async scheduling) still runs; the engine
+        discards what such a plan computes for these requests (they recompute)."""
+        sampled = [s.request_id for s in plan.seqs if s.sample]
+        ids = torch.zeros(len(sampled), dtype=torch.long, device=self.device)
+        self._last_sampled = (ids, {rid: j for j, rid in enumerate(sampled)})
+        self._last_kept = None
 
     def _forget(self, request_ids: list[str]) -> None:
         """Drop what the runner and its proposer keep for requests that ended."""

@@ -64,14 +64,38 @@ class ToyWorker:
 
     fail_stores: when True the stores of a plan are not copied and reported failed, as the
     real worker reports a pool it cannot map (`StepResult.kv_store_error`).
+    fail_loads: the next so many plans with tier loads fail them as a broken pool would, half
+    way: the blocks (and checkpoint slots) they fill get garbage; the step runs no forward
+    and reports `load_error` (`StepResult.kv_load_error`). load_error: the last plan's.
     """
 
     def __init__(self, bm: BlockManager):
         self.model = BlockKVModel(bm.block_size, bm)
         self.fail_stores = False
+        self.fail_loads = 0
+        self.load_error = ""
+
+    def failed_loads(self, plan: StepPlan) -> bool:
+        """Whether this plan's loads fail (`fail_loads`); if so its blocks get garbage."""
+        self.load_error = ""
+        if not (plan.kv_loads or plan.state_loads) or self.fail_loads <= 0:
+            return False
+        self.fail_loads -= 1
+        self.load_error = "OSError: the pool is unavailable (test)"
+        for _, blk in plan.kv_loads:  # a copy cut short: wrong entries in every block
+            for off in range(BS):
+                self.model.kv[(blk, off)] = (off, 1, 12345)
+        return True
+
+    @staticmethod
+    def dropped_stores(plan: StepPlan) -> str:
+        """The store error of a plan whose loads failed: its stores are not copied here."""
+        return "OSError: stores skipped after the failed loads (test)" if plan.kv_stores or plan.state_stores else ""
 
     def execute(self, plan: StepPlan) -> tuple[list[int], str]:
         """Loads, forward, stores. Returns (sampled tokens, store error or "")."""
+        if self.failed_loads(plan):
+            return [], self.dropped_stores(plan)
         self.load(plan)
         return self.forward_and_store(plan)
 
@@ -119,6 +143,10 @@ class HybridToyWorker(ToyWorker):
         self.restores = 0
 
     def execute(self, plan: StepPlan) -> tuple[list[int], str]:
+        if self.failed_loads(plan):
+            for _, ck in plan.state_loads:
+                self.states[ck] = (1, 12345)
+            return [], self.dropped_stores(plan)
         self.load(plan)
         if plan.state_loads:  # before the step, before any restore reads them
             pool = KVPool.attach(plan.state_pool)
@@ -181,6 +209,7 @@ class TierRig:
         self.state_identity, self.state_bytes = (STATE_IDENTITY, STATE.size) if hybrid else (b"", 0)
         self._engine_args = (num_blocks, budget, max_num_seqs, reply_timeout_s, hybrid)
         self.plans: list[StepPlan] = []
+        self.load_failures: list[list[Request]] = []  # per step whose loads failed: the requests sent back
         self.held: list = []
         self._hold_kinds: tuple = ()
         self.start_store()
@@ -275,7 +304,9 @@ class TierRig:
         assert written.isdisjoint(b for b, _ in plan.kv_stores), "a step writes a block it stores"
         sampled, store_error = self.worker.execute(plan)
         self.sched.transfers_done(plan, not store_error)
-        if out is not None:
+        if out is not None and self.worker.load_error:  # as EngineCore.finish_step: recompute
+            self.load_failures.append(self.sched.loads_failed(out))
+        elif out is not None:
             self.sched.update(out, sampled)
         check_blocks(self.bm, self.sched)
         self.plans.append(plan)
