@@ -71,14 +71,16 @@ def variants(num_heads: int, num_kv_heads: int, head_dim: int, max_model_len: in
 
 
 def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
-                      max_model_len: int, max_q_len: int) -> int:
+                      max_model_len: int, max_q_len: int, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> int:
     """Launch every variant of `paged_attention_triton` a step can meet (`variants`) once:
     one seq of q_len zero queries over blocks 0.. of the cache, splits forced.
 
     k_cache, v_cache: one layer's cache [num_blocks, block_size, KVH, D] (read only);
     num_heads: query heads (a multiple of KVH); dtype: the queries' dtype; max_model_len:
     the longest context; max_q_len: the most queries a seq has in a step (the token
-    budget). Returns the number of launches.
+    budget); k_scale, v_scale: the layer's scales of an fp8_e4m3 cache (its variants compile
+    apart from the model dtype's), else None. Returns the number of launches.
     """
     dev = k_cache.device
     kvh, d = k_cache.shape[2], k_cache.shape[3]
@@ -90,7 +92,8 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
         width = triton.cdiv(q, k_cache.shape[1])
         tables = torch.arange(width, dtype=torch.int32, device=dev).clamp(max=k_cache.shape[0] - 1)[None]
         paged_attention_triton(q_t, k_cache, v_cache, cu, lens, tables, 1.0, max_q_len=q,
-                               max_seq_len=max_model_len, decode_config={"splits": s})
+                               max_seq_len=max_model_len, decode_config={"splits": s},
+                               k_scale=k_scale, v_scale=v_scale)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return len(todo)

@@ -33,9 +33,12 @@ def kv_tile(x, like, KV_FP8: tl.constexpr):
     """A loaded cache tile in the compute dtype (that of the tensor `like`, the kernel's q):
     the e4m3 bytes (uint8) of an fp8 cache bitcast and widened exactly (through fp16); a
     model-dtype tile unchanged."""
+    # one return after a static if/else: Triton 3.6 refuses early returns of two types
     if KV_FP8:
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(like.dtype)
-    return x
+        y = x.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(like.dtype)
+    else:
+        y = x
+    return y
 
 
 @triton.jit
@@ -51,9 +54,11 @@ def fp8_bytes(x, scale):
 def kv_cast_store(x, scale, KV_FP8: tl.constexpr):
     """A K or V row to store: `fp8_bytes` for an fp8 cache, else x unchanged (the store
     casts to the cache's dtype)."""
-    if KV_FP8:
-        return fp8_bytes(x, scale)
-    return x
+    if KV_FP8:  # one return (see kv_tile)
+        y = fp8_bytes(x, scale)
+    else:
+        y = x
+    return y
 
 
 def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,

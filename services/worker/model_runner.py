@@ -225,7 +225,7 @@ class ModelRunner:
             a0 = module.attention_specs()[0] if self.kv.k else None
             if a0 is not None:
                 warm_up_attention(self.kv.k[0], self.kv.v[0], a0.num_heads, self.dtype, self.max_model_len,
-                                  cfg.max_num_batched_tokens)
+                                  cfg.max_num_batched_tokens, self.kv.k_scale[0], self.kv.v_scale[0])
         self.plan_state = PlanState()  # what the engine sends once per request
         self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
         # the proposer's token history (spec/history.py), fed here: None unless it reads the context
