@@ -11,6 +11,8 @@ moves the logits by several units (tests/parity/test_gguf_weights.py: 66-79% of 
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -38,7 +40,11 @@ def test_served_gguf_scores_the_prompt_as_the_fp32_model(folder):
         body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
         r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        log = srv.log_tail(200)
+        # the supervisor prints the startup report once /health first answers: it may come
+        # after this request's answer, so wait for it (a deadline against a hang only)
+        deadline = time.monotonic() + 120
+        while "gguf tensors: " not in (log := srv.log_tail(400)) and time.monotonic() < deadline:
+            time.sleep(0.2)
     got = r.json()["choices"][0]["logprobs"]["token_logprobs"]
     assert got[0] is None and len(got) == len(PROMPT)
     errs = [abs(a - b) for a, b in zip(got[1:], want)]
