@@ -8,9 +8,11 @@ code (benchmarks/serve_bench.py's client processes) can import this module cheap
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
+import shutil
 import tempfile
 import time
 
@@ -21,11 +23,13 @@ def model_dir(config_name: str, tokenizer: bool = False) -> str:
     """A temporary model folder holding benchmarks/configs/<config_name>.json as its
     config.json (for `--load-format dummy`). The in-process benchmarks feed token ids and
     need no tokenizer; `tokenizer=True` adds a synthetic one (`write_synthetic_tokenizer`)
-    for a server, whose frontend cannot start without tokenizer.json."""
+    for a server, whose frontend cannot start without tokenizer.json. The folder is removed
+    when the calling process exits."""
     src = os.path.join(ROOT, "benchmarks", "configs", config_name + ".json")
     with open(src) as fh:
         cfg = json.load(fh)
     d = tempfile.mkdtemp(prefix=f"kestrel-{config_name}-")
+    atexit.register(shutil.rmtree, d, True)  # removed when the benchmark's process exits
     with open(os.path.join(d, "config.json"), "w") as fh:
         json.dump(cfg, fh)
     if tokenizer:  # a multimodal config nests its text model's fields (text_config)

@@ -19,17 +19,12 @@ Skipped when triton is not installed.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from tests.interp_runner import run_interp_checks
 
 pytest.importorskip("triton")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "float16": 3e-3}
 READERS = ["attn_decode_gqa_splitk", "attn_decode_one_split", "attn_decode_prefetch", "attn_decode_graph_bound_hd24",
            "attn_prefill_varlen_prefix", "attn_mixed_prefill_decode", "attn_multi_query_verify",
@@ -38,12 +33,7 @@ READERS = ["attn_decode_gqa_splitk", "attn_decode_one_split", "attn_decode_prefe
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, float]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/unit/kv_fp8_interp_checks.py")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks("tests/unit/kv_fp8_interp_checks.py")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -13,17 +13,12 @@ measured). Skipped when triton is not installed.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from tests.interp_runner import run_interp_checks
 
 pytest.importorskip("triton")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "float16": 2e-3}
 CASES = ["m1_g32_awq", "m1_split3_gptq", "m1_g24_gather", "m1_perchannel", "m5_awq", "m16_gptq",
          "m37_gemm_awq", "m70_gemm_g24"]
@@ -31,12 +26,7 @@ CASES = ["m1_g32_awq", "m1_split3_gptq", "m1_g24_gather", "m1_perchannel", "m5_a
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, float]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/unit/w4a16_interp_checks.py")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks("tests/unit/w4a16_interp_checks.py")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
