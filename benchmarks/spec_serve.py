@@ -41,7 +41,8 @@ met during it (`worker_jit_compiles` of the engine stats, services/worker/jit_wa
 so that a stall shows in the JSON: per row `rounds` {plain, spec}: [{output_tok_per_s,
 wall_s, jit_compiles, steps}, ...] in round order, and per server `jit_compiles_warmup`
 (during the warm-up; 0 from the first run on is the startup warm-ups' promise); a server
-whose worker compiled keeps its log (its warnings name the kernels), listed in `server_logs`.
+whose worker compiled keeps its log (its warnings name the kernels), listed in `server_logs`, and those
+warnings themselves are in `jit_serving_compiles` (each names what differs from the closest earlier compile).
 
 Per level and kind (benchmarks/spec_stats.py `serve_row`): per side, the medians over
 rounds of output tok/s, TTFT p50 and TPOT p50 (benchmarks/serve_stats.py), requests and
@@ -179,6 +180,17 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _serving_compile_lines(path: str, limit: int = 16) -> list[str]:
+    """The worker's "compiled ... while serving" / "captured while serving" warnings in a
+    server log (services/worker/jit_watch.py: each names what differs from the kernel's
+    closest earlier compile), at most `limit`; [] where the log is gone."""
+    try:
+        with open(path, errors="replace") as f:
+            return [ln.strip()[-600:] for ln in f if "while serving" in ln][:limit]
+    except OSError:
+        return []
+
+
 def _jit(row: dict, side: str) -> int | None:
     """Worker compiles over a row's rounds on one side (None: the server did not report them)."""
     return row.get("engine", {}).get(side, {}).get("worker_jit_compiles")
@@ -273,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.shutdown(wait=True, cancel_futures=True)
     compiled = {side: sum(x.get("jit_compiles") or 0 for c in rounds for k in rounds[c] for x in rounds[c][k][side])
                 + (jit_warmup.get(side) or 0) for side in SIDES}
+    jit_lines = {side: _serving_compile_lines(srv.log_path) for side, srv in servers.items() if compiled[side]}
     if complete:
         for side, srv in servers.items():  # a run that got here needs no server log, unless its
             if not compiled[side]:         # worker compiled after ready (the warnings name the kernels)
@@ -307,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
            "counter_source": source, "levels": levels,
            "verdict": st.verdict(rows, a.check_levels, a.threshold), "policy_final_stats": final_stats,
            "server_startup_seconds": {k: s.startup_seconds for k, s in servers.items()},
-           "jit_compiles_warmup": jit_warmup,
+           "jit_compiles_warmup": jit_warmup, "jit_serving_compiles": jit_lines or None,
            "server_logs": {k: s.log_path for k, s in servers.items() if not complete or compiled[k]} or None,
            "wall_seconds": round(time.monotonic() - t0, 1), "complete": complete, "notes": a.notes}
     emit_json(res, a.out)

@@ -19,6 +19,14 @@ Triton's disk cache too (that still costs the load, and says the key was not war
 Under the interpreter (TRITON_INTERPRET=1) and on the CPU's torch references nothing
 compiles, so the counts stay 0. Captures are reported by the capture sites (`note_capture`).
 
+What a compile is keyed on is described from the hook's `compile` dict (its `signature`: each
+argument's type, its `configs[0]`: the attributes Triton specialised on, `tt.divisibility` 16
+for an aligned pointer or an int divisible by 16, `tt.equal_to` for an int equal to 1), not
+from its `repr`, whose argument list Triton 3.6+ builds by zipping the parameters with a
+character of the string cache key (so it names single characters). A serving compile's log
+line names what differs from the closest earlier compile of the same kernel (`describe`,
+`difference`): the argument whose alignment or value class changed, or the constexpr.
+
 `ModelRunner` installs the hooks before loading, `arm`s the watch when its warm-ups are
 done (the server is ready), and puts `take()` (compiles and captures since the last step)
 in each `StepResult.jit_compiles`; the first `LOG_FIRST` after arming are logged as a
@@ -50,6 +58,8 @@ class JitWatch:
         self.logged = 0
         self._taken = 0
         self._started: dict[Any, float] = {}
+        self._seen: dict[str, list[dict]] = {}  # kernel name -> descriptions of its compiles
+        self.serving: list[str] = []  # the first LOG_FIRST serving compiles, as logged
         self._lock = threading.Lock()
 
     def arm(self) -> None:
@@ -62,11 +72,17 @@ class JitWatch:
         """Triton is about to compile `key` (times the compile)."""
         self._started[_hashable(key)] = time.perf_counter()
 
-    def compiled(self, name: str, signature: str, constexprs: Any, key: Any = None) -> None:
-        """Triton compiled kernel `name` (its launch repr `signature`, its `constexprs`)."""
+    def compiled(self, name: str, signature: str, constexprs: Any, key: Any = None,
+                 desc: dict | None = None) -> None:
+        """Triton compiled kernel `name` (its launch repr `signature`, its `constexprs`, and
+        `desc`: what the compile is keyed on, from `describe`)."""
         t0 = self._started.pop(_hashable(key), None)
         seconds = time.perf_counter() - t0 if t0 is not None else 0.0
         with self._lock:
+            seen = self._seen.setdefault(name, [])
+            diff = difference(desc, seen) if desc is not None else None
+            if desc is not None and len(seen) < 64:
+                seen.append(desc)
             if not self.armed:
                 self.startup_compiles += 1
                 return
@@ -74,9 +90,13 @@ class JitWatch:
             self.compile_seconds += seconds
             first = self.logged < LOG_FIRST
             self.logged += first
+            if first:
+                line = (f"Triton compiled {name} while serving ({seconds:.3f} s; compile {self.compiles} after "
+                        f"ready): " + (f"differs from its closest earlier compile in {diff}" if diff is not None
+                                      else f"{signature} constexprs {constexprs}"))
+                self.serving.append(line)
         if first:
-            log.warning("Triton compiled %s while serving (%.3f s; compile %d after ready): %s constexprs %s",
-                        name, seconds, self.compiles, signature, constexprs)
+            log.warning("%s", line)
 
     def note_capture(self, what: str) -> None:
         """A CUDA graph `what` was captured (counted only after arming)."""
@@ -99,7 +119,50 @@ class JitWatch:
     def stats(self) -> dict:
         """Counts for the startup report / stats: startup, serving compiles and captures."""
         return {"startup_compiles": self.startup_compiles, "compiles": self.compiles,
-                "captures": self.captures, "compile_seconds": round(self.compile_seconds, 3)}
+                "captures": self.captures, "compile_seconds": round(self.compile_seconds, 3),
+                "serving": list(self.serving)}
+
+
+def describe(comp: dict) -> dict | None:
+    """What a compile is keyed on, from the hooks' `compile` dict (Triton 3.4+): {argument name
+    or index: its type plus the specialised attributes ("*bf16 div16", "i32 eq1"), constexpr
+    name: value}; None where the dict has no signature (older Triton)."""
+    sig = comp.get("signature")
+    if not isinstance(sig, dict):
+        return None
+    names = list(sig)
+    attrs: dict[str, list[str]] = {}
+    configs = comp.get("configs") or [{}]
+    for path, values in (configs[0] or {}).items():
+        idx = path[0] if isinstance(path, tuple) and path else path
+        name = names[idx] if isinstance(idx, int) and idx < len(names) else str(path)
+        for v in values or []:
+            a, val = (v[0], v[1]) if isinstance(v, (list, tuple)) and len(v) > 1 else (v, "")
+            attrs.setdefault(name, []).append({"tt.divisibility": f"div{val}", "tt.equal_to": f"eq{val}"}
+                                              .get(str(a), f"{a}={val}"))
+    out = {n: " ".join([str(t)] + attrs.get(n, [])) for n, t in sig.items()}
+    for k, v in (comp.get("constants") or {}).items():
+        idx = k[0] if isinstance(k, tuple) and k else k
+        out[f"{names[idx] if isinstance(idx, int) and idx < len(names) else idx}="] = repr(v)
+    for opt in ("num_warps", "num_stages"):
+        if opt in comp:
+            out[opt] = str(comp[opt])
+    return out
+
+
+def difference(desc: dict, earlier: list[dict]) -> str:
+    """The entries of `desc` that differ from the closest of `earlier` (the fewest
+    differences), as "name: old -> new; ..."; "no earlier compile" when there is none, and
+    "nothing (the same key again: a cache miss)" when one equals it."""
+    if not earlier:
+        return "nothing: no earlier compile of this kernel"
+    best: list[str] | None = None
+    for e in earlier:
+        d = [f"{k}: {e.get(k)} -> {desc.get(k)}" for k in sorted(set(desc) | set(e), key=str)
+             if e.get(k) != desc.get(k)]
+        if best is None or len(d) < len(best):
+            best = d
+    return "; ".join(best) if best else "nothing (the same key again: a cache miss)"
 
 
 def _hashable(key: Any) -> Any:
@@ -138,7 +201,7 @@ def post_compile_hook(prev=None):
     def hook(*args, **kwargs):
         comp = kwargs.get("compile") or {}
         WATCH.compiled(_name(kwargs.get("fn")), str(kwargs.get("repr", "")),
-                       comp.get("constants", comp.get("constexprs")), kwargs.get("key"))
+                       comp.get("constants", comp.get("constexprs")), kwargs.get("key"), describe(comp))
         return prev(*args, **kwargs) if prev is not None else None
     return hook
 

@@ -151,3 +151,33 @@ def test_the_warm_up_runs_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_a_real_compile_is_described_and_a_new_alignment_is_named(monkeypatch):
+    """The watch describes a compile from Triton's own hook arguments (this machine's Triton,
+    compiling for real is not possible without a GPU, so the hook is called with the
+    `compile` dict `JITFunction._call_hook` builds: signature, constants and the attrs of
+    `backend.parse_attr`), and a second compile that differs only in one pointer's
+    alignment names that argument."""
+    from triton.backends.compiler import BaseBackend
+    w = jit_watch.JitWatch()
+    monkeypatch.setattr(jit_watch, "WATCH", w)
+    pre, post = jit_watch.cache_hook(), jit_watch.post_compile_hook()
+    sig = {"x_ptr": "*bf16", "cu_ptr": "*i64", "n": "i32", "BLOCK": "constexpr"}
+
+    def comp(cu_aligned: bool) -> dict:
+        attrs = {(0,): BaseBackend.parse_attr("D"), (2,): BaseBackend.parse_attr("D")}
+        if cu_aligned:
+            attrs[(1,)] = BaseBackend.parse_attr("D")
+        return {"key": str(cu_aligned), "signature": sig, "constants": {(3,): 64}, "configs": [attrs],
+                "num_warps": 4, "num_stages": 2}
+
+    for aligned, key in ((True, "a"), (False, "b")):
+        kw = {"key": key, "repr": "x", "fn": FakeFn(), "compile": comp(aligned)}
+        pre(**kw)
+        post(**kw)
+        w.arm()
+    assert w.compiles == 1
+    line = w.stats()["serving"][0]
+    assert "cu_ptr: *i64 div16 -> *i64" in line, line
+    assert "x_ptr" not in line and "BLOCK" not in line  # what did not change is not named
