@@ -21,6 +21,15 @@ rewrites its KV.
 --fused-layers off keeps the norms as their own kernels at one row;
 --gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
+--ab old new [--ab-rounds 2] measures graphs TPOT only, in one process, for each round the
+variants named in turn (A B A B), the decode graphs captured again before each
+(`ModelRunner.recapture_graphs`; the switches are read at capture), each checked by the logits
+of one graph step against the first variant's (`check_logits_rel_vs_first`,
+`check_argmax_same`): old = the MoE block's five launches after the router projection and
+decode attention's second merge launch (the path before the decode fusion), new = the
+three-launch MoE decode path (`kernels.moe.DECODE_FUSED`) and the in-kernel merge
+(fused_merge), moe / merge = one of the two alone. The JSON's "ab" lists every round,
+"ab_median" the median per variant; the file is rewritten after each round.
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
 bytes held (fp8 projections, the bf16 embedding, lm_head and norms). --quantization awq / gptq
@@ -30,6 +39,7 @@ loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A1
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
+       [--ab old new moe merge ...] [--ab-rounds 2]
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gemv, pdl, rope_decode  # noqa: E402
+from kernels import gemv, moe, pdl, rope_decode  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
@@ -56,6 +66,14 @@ from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
+# --ab variants: (kernels.moe.DECODE_FUSED, the decode kernels' fused_merge)
+AB_VARIANTS = {"old": (False, False), "new": (True, True), "moe": (True, False), "merge": (False, True)}
+
+
+def apply_variant(name: str) -> None:
+    """Set the switches of an --ab variant (read when the decode graphs are captured)."""
+    moe.DECODE_FUSED, fused = AB_VARIANTS[name]
+    rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = fused
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -131,7 +149,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--moe-launches", choices=["one", "torch"], default="one",
                     help="MoE routing, alignment and the sum over k: one Triton launch each (kernels.moe_triton's "
-                         "topk_softmax_triton, moe_align_triton, _sum_k_kernel) or the torch ops (the A/B baseline)")
+                         "topk_softmax_triton, moe_align_triton, _sum_k_kernel) or the torch ops (the A/B baseline; "
+                         "also turns the three-launch decode path off, kernels.moe.DECODE_FUSED)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                     help="the runner's share of GPU memory (weights, state and KV); 0.3 suits the dense "
                          "configs, a 61 GB MoE shape needs about 0.75, qwen3.5-35b-a3b (69 GB) 0.8")
@@ -149,6 +168,10 @@ def main() -> None:
     ap.add_argument("--attn", default=None,
                     help="JSON overrides of kernels.rope_decode.ROPE_DECODE_DEFAULTS (or of the unfused "
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
+    ap.add_argument("--ab", nargs="+", choices=sorted(AB_VARIANTS), default=None,
+                    help="graphs-only A/B in one process: these variants in turn, --ab-rounds times, the "
+                         "graphs captured again before each (module doc)")
+    ap.add_argument("--ab-rounds", type=int, default=2)
     ap.add_argument("--quantization", choices=["none", "fp8", "awq", "gptq"], default="none",
                     help="weights: bf16 (none), fp8 e4m3 quantized at load (kernels/fp8_linear.py), or awq / "
                          "gptq: random packed 4-bit weights, group 128 (W4A16, kernels/w4a16_linear.py)")
@@ -157,6 +180,7 @@ def main() -> None:
     if a.moe_launches == "torch":
         from kernels import moe_triton
         moe_triton.ROUTER_TRITON, moe_triton.ALIGN_MAX_PAIRS, moe_triton.SUM_K_TRITON = False, 0, False
+        moe.DECODE_FUSED = False  # the three-launch decode path has none of those torch ops
     fusion.FUSE_ONE_ROW = a.fused_layers == "on"  # read when the runner chooses its FusionPlan
     if a.attn:
         (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
@@ -179,6 +203,8 @@ def main() -> None:
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
            "quantization": a.quantization, "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv,
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
+           "moe_decode_fused": moe.DECODE_FUSED,
+           "fused_merge": (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS)["fused_merge"],
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
     # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
     # mean context (K and V, every attention layer) + a hybrid's recurrent state, read and
@@ -187,6 +213,9 @@ def main() -> None:
     bytes_per_token = roof_bytes["total"]
     roof = bytes_per_token / bw
     res.update(bytes_per_token=bytes_per_token, roofline_bytes=roof_bytes, roofline_ms=round(roof * 1e3, 4))
+    if a.ab:
+        run_ab(runner, a, res, prompt, table, replay_table, roof)
+        return
     graphs = runner.graphs
     for mode in (["graphs"] if graphs else []) + ["eager"]:
         runner.graphs = graphs if mode == "graphs" else None
@@ -202,6 +231,44 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)
+
+
+def run_ab(runner, a, res: dict, prompt, table, replay_table, roof: float) -> None:
+    """The --ab rounds (module doc): per round and variant, apply it, capture the graphs
+    again, warm up 8 steps, time a.steps; res["ab"] gets one row each, res["ab_median"] the
+    median TPOT / GPU time per variant. Writes a.out after every round."""
+    if runner.graphs is None:
+        raise SystemExit("--ab needs decode graphs (CUDA, not --enforce-eager)")
+    res["ab"], res["ab_variants"] = [], {v: dict(zip(("moe_decode_fused", "fused_merge"), AB_VARIANTS[v]))
+                                         for v in a.ab}
+    # a correctness check per round: the graph step's logits for token 1 right after the prompt
+    # (the same inputs for every variant: the prompt's KV comes from the prefill, which no
+    # variant changes) against the first variant's; not for a hybrid (its state moves on)
+    check = StepPlan(10 ** 6, [ScheduledSeq("chk", [1], len(prompt), table, True, GREEDY, 1)])
+    first: torch.Tensor | None = None
+    for rnd in range(a.ab_rounds):
+        for v in a.ab:
+            apply_variant(v)
+            cap = runner.recapture_graphs()
+            decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
+            walls, gpus = decode_steps(runner, prompt, table, a.steps, replay_table)
+            tpot, gpu = statistics.median(walls), statistics.median(gpus)
+            row = {"round": rnd, "variant": v, "capture_s": round(cap, 3),
+                   "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
+                   "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)}
+            if runner.state_cache is None:
+                lg = step_logits(runner, check).float()
+                first = lg if first is None else first
+                row["check_logits_rel_vs_first"] = float((lg - first).norm() / first.norm().clamp_min(1e-30))
+                row["check_argmax_same"] = bool(torch.equal(lg.argmax(-1), first.argmax(-1)))
+            res["ab"].append(row)
+            print(json.dumps(res["ab"][-1]), flush=True)
+        res["ab_median"] = {v: {k: round(statistics.median(r[k] for r in res["ab"] if r["variant"] == v), 4)
+                                for k in ("tpot_ms", "gpu_forward_ms", "fraction_of_roofline")} for v in a.ab}
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+    print(json.dumps(res["ab_median"], indent=1))
 
 
 if __name__ == "__main__":

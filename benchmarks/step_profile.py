@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
-from kernels import pdl, sampling, sampling_noise  # noqa: E402
+from kernels import moe, pdl, rope_decode, sampling, sampling_noise  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
@@ -81,35 +81,9 @@ def old_generator_sample(logits, temp, seeds):
     return (probs / noise).argmax(dim=-1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="qwen3-0.6b")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                    help="the runner's share of GPU memory; a 61 GB MoE shape needs about 0.8")
-    ap.add_argument("--pdl", choices=["on", "off"], default="on")
-    a = ap.parse_args()
-    pdl.ENABLED = a.pdl == "on"
-    cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
-           "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
-           "gpu_memory_utilization": a.gpu_memory_utilization}
-    runner = ModelRunner(build_config(cli=cli, env={}))
-    res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl}
-    nbps = -(-1100 // runner.block_size)
-    p1, p256 = plan(1, 1024, nbps), plan(256, 1024, nbps)
-    graphs = runner.graphs
-    runner.graphs = None
-    res["eager_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
-    runner.graphs = graphs
-    res["graph_b256_kernels"] = kernel_table(lambda: runner.execute(p256))
-    res["graph_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
-    # a prefill step of the offline workload's size: 16 prompts of 1024 tokens (16,384 tokens)
-    pf = StepPlan(0, [ScheduledSeq(f"p{i}", list(range(1, 1025)), 0,
-                                   list(range(i * nbps, (i + 1) * nbps)), True, SAMP, 0, state_slot=i)
-                    for i in range(16)])
-    res["prefill_16x1024_kernels"] = kernel_table(lambda: runner.execute(pf))
-    res["prefill_16x1024_ms"] = round(median_ms(lambda: runner.execute(pf), reps=5), 3)
-    # phases of the batch-1 graph step
+def b1_phases(runner, graphs, p1: StepPlan) -> dict:
+    """Phases of the batch-1 graph step in ms: host prepare and launch, graph replay, logits,
+    sampling (GPU, events) and the whole execute (wall)."""
     seqs = p1.seqs
     t_host = []
     for _ in range(50):
@@ -120,13 +94,69 @@ def main() -> None:
     g1 = graphs.graphs[1]
     hidden = graphs.outputs[1]
     logits = runner.model.compute_logits(hidden)
-    res["b1_phases_ms"] = {
+    return {
         "host_prepare_and_launch": round(statistics.median(t_host) * 1e3, 4),
         "graph_replay_gpu": round(median_ms(g1.replay), 4),
         "logits_gpu": round(median_ms(lambda: runner.model.compute_logits(hidden)), 4),
         "sample_gpu": round(median_ms(lambda: runner.sampler.sample(logits, seqs)), 4),
         "execute_wall": round(median_ms(lambda: runner.execute(p1)), 4),
     }
+
+
+def report(res: dict) -> None:
+    """Print the kernel tables and phases that res holds."""
+    for k in ("eager_b1_kernels", "graph_b1_kernels", "graph_b256_kernels", "prefill_16x1024_kernels"):
+        if k in res:
+            print(f"== {k}")
+            for r in res[k]:
+                print(f"{r['us']:>10.1f} us {r['calls']:>5}  {r['name']}")
+    for k in ("b1_phases_ms", "sampler_256_ms"):
+        if k in res:
+            print(k, json.dumps(res[k]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="qwen3-0.6b")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                    help="the runner's share of GPU memory; a 61 GB MoE shape needs about 0.8")
+    ap.add_argument("--pdl", choices=["on", "off"], default="on")
+    ap.add_argument("--parts", choices=["all", "b1"], default="all")
+    a = ap.parse_args()
+    pdl.ENABLED = a.pdl == "on"
+    b1_only = a.parts == "b1"
+    cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
+           "max_num_seqs": 8 if b1_only else 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
+           "gpu_memory_utilization": a.gpu_memory_utilization}
+    runner = ModelRunner(build_config(cli=cli, env={}))
+    res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl,
+                 "parts": a.parts, "moe_decode_fused": moe.DECODE_FUSED,
+                 "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"]}
+    nbps = -(-1100 // runner.block_size)
+    p1 = plan(1, 1024, nbps)
+    graphs = runner.graphs
+    runner.graphs = None
+    res["eager_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
+    runner.graphs = graphs
+    if not b1_only:
+        res["graph_b256_kernels"] = kernel_table(lambda: runner.execute(plan(256, 1024, nbps)))
+    res["graph_b1_kernels"] = kernel_table(lambda: runner.execute(p1))
+    if b1_only:
+        res["b1_phases_ms"] = b1_phases(runner, graphs, p1)
+        report(res)
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+        return
+    # a prefill step of the offline workload's size: 16 prompts of 1024 tokens (16,384 tokens)
+    pf = StepPlan(0, [ScheduledSeq(f"p{i}", list(range(1, 1025)), 0,
+                                   list(range(i * nbps, (i + 1) * nbps)), True, SAMP, 0, state_slot=i)
+                    for i in range(16)])
+    res["prefill_16x1024_kernels"] = kernel_table(lambda: runner.execute(pf))
+    res["prefill_16x1024_ms"] = round(median_ms(lambda: runner.execute(pf), reps=5), 3)
+    res["b1_phases_ms"] = b1_phases(runner, graphs, p1)
+    logits = runner.model.compute_logits(graphs.outputs[1])
     # the sampler alone, 256 rows of the model's vocab
     vocab = logits.shape[1]
     lg = torch.randn(256, vocab, device="cuda") * 3
@@ -139,12 +169,7 @@ def main() -> None:
         "hashed_triton": round(median_ms(lambda: sampling.sample(lg, temp, z, o, zf, seeds, False)), 4),
         "top_p_0.9_path": round(median_ms(lambda: sampling.sample(lg, temp, z, torch.full((256,), 0.9, device="cuda"), zf, seeds, True), 5), 4),
     }
-    for k in ("eager_b1_kernels", "graph_b1_kernels", "graph_b256_kernels", "prefill_16x1024_kernels"):
-        print(f"== {k}")
-        for r in res[k]:
-            print(f"{r['us']:>10.1f} us {r['calls']:>5}  {r['name']}")
-    print("b1_phases_ms", json.dumps(res["b1_phases_ms"]))
-    print("sampler_256_ms", json.dumps(res["sampler_256_ms"]))
+    report(res)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention_multi_query import MQ_DEFAULTS, fits_multi_query, multi_query_attention_triton
-from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
+from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
+                                  merge_counters, merge_splits, split_buffers)
 from kernels.device_info import num_sms
 from kernels.kv_quant_triton import kv_cast_store, kv_operands, kv_tile
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
@@ -39,14 +40,16 @@ _LOG2E = 1.4426950408889634
 # prefetch_max_block_n: with PDL, tiles up to this many keys load their first tile before the
 # wait (b=1 1K context, 28 layers in a graph: 32-key tiles 7.0 -> 6.1 us per layer; 64-key
 # tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200).
-# fused_merge: the last split program of each (seq, kv_head) merges the partials itself
-# (`kernels.decode_merge._merge_if_last`) instead of a `_merge_kernel` launch after the
-# kernel; off, as in kernels.rope_decode, where it measured slower.
+# fused_merge: the last live split program of each (seq, kv_head) merges the partials itself,
+# and a context in one live partition stores its output directly (`kernels.decode_merge.
+# _finish_fused`), instead of a `_merge_kernel` launch after the kernel (False: the launch,
+# the A/B baseline; see kernels.rope_decode). min_split_tiles: a partition holds at least
+# this many key tiles (short contexts then take fewer live splits; 1: as many as the grid).
 # multi_query: steps of 2 .. a few queries per seq (verify steps) run the split-K kernel of
 # `kernels.attention_multi_query` instead of the prefill kernel
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
-                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False,
-                         "multi_query": True}
+                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": True,
+                         "min_split_tiles": 1, "multi_query": True}
 
 
 @triton.jit
@@ -131,9 +134,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
                    n_splits, n_heads, head_dim, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr):
-    # no program returns early: with FUSED_MERGE each one, empty partitions too, must arrive
-    # on its (seq, kv_head) counter in `_merge_if_last`
+                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr,
+                   MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr):
+    # no program returns early: with FUSED_MERGE the live ones arrive on their (seq, kv_head)
+    # counter in `_finish_fused` (after the PDL wait)
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,7 +153,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
     seq_len = tl.load(seqlen_ptr + seq)
     # each sequence spreads its own context over the n_splits partitions (whole BLOCK_N
     # tiles), so the grid fixed at capture serves every context length fully
-    partition = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), n_splits) * BLOCK_N
+    partition, n_live = _partition(seq_len, n_splits, BLOCK_N, MIN_TILES)
     start = split * partition
     end = tl.minimum(start + partition, seq_len)
     gg = tl.arange(0, BLOCK_G)
@@ -182,11 +186,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
                                   dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8)
     if KV_FP8:  # fp32 partial times the V scale, before the split merge
         acc = acc * tl.load(vs_ptr)
-    _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
-                   n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
     if FUSED_MERGE:  # (never with ONE_SPLIT)
-        _merge_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, seq, kvh, so_t, so_h, n_heads, n_splits,
-                       head_dim, G, BLOCK_S, BLOCK_D)
+        _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
+                      so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S, BLOCK_D)
+    else:
+        _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                       n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
 
 
 @triton.jit(do_not_specialize=["s_bt"])
@@ -308,8 +313,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
                                          BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl,
                                          PREFETCH=_prefetch(dc, pdl, block_n), FUSED_MERGE=cnt is not None,
-                                         BLOCK_S=1 if cnt is None else triton.next_power_of_2(splits),
-                                         KV_FP8=fp8, num_warps=dc["num_warps"],
+                                         KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
+                                         **fused_merge_constants(h, kvh, d, splits, cnt is not None),
+                                         num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
                                          **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)

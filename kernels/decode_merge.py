@@ -5,21 +5,26 @@ partition of the context and keeps, per query head, the running max m of its sco
 Milakov & Gimelshein 2018); the partitions are then combined by their log-sum-exp as in
 FlashDecoding (Dao et al. 2023).
 
+Each sequence spreads its context over the n_splits programs in whole tiles (`_partition`):
+with a context shorter than the grid, the partitions past the context's end are empty, and
+n_live of them hold keys (by the launch rules, b=1 Qwen3-30B-A3B at 1K context in a graph
+captured for 4K: 66 splits, 32 live; a context of one tile, or MIN_TILES = "min_split_tiles" tiles, one live).
+
 Two ways to combine them (DECODE_DEFAULTS / ROPE_DECODE_DEFAULTS "fused_merge"):
-- in the decode kernel (`_merge_if_last`): each program stores its partial, then arrives on
-  a per-(seq, kv_head) int32 counter with an acq_rel atomic, as `kernels.gemv` sums its
-  split K; the last program to arrive merges the partials of all splits, in split order
-  (deterministic whichever program it is), writes out and sets the counter back to 0. This
-  saves the second launch (~2.4 us per layer at batch 1 on the H200, Qwen3-0.6B, on the
-  step's critical path).
-- a second kernel (`_merge_kernel`, one program per (seq, head)) after the decode kernel.
-Both run the same math (`_merge_head`). With one split the decode kernel stores the
-normalised output itself and there is nothing to merge. The merging program holds one
-[next_pow2(splits), D] fp32 tile per head, as `_merge_kernel` does (b=1, Qwen3-0.6B: 33
-splits in `kernels.rope_decode`, a 64 x 128 tile; 66 in the plain decode kernel, 128 x
-128). Measured on the H200 (Qwen3-0.6B, batch 1, 1K context) the in-kernel merge is the
-slower one: decode_latency.py TPOT 0.92 against 0.87-0.88 ms with the second launch, so
-both decode kernels default to the launch (fused_merge False).
+- in the decode kernel (`_finish_fused`, the default): with one live partition its program
+  stores the normalised output itself (no partial, no counter, no merge); else each live
+  program stores its partial and arrives on a per-(seq, kv_head) int32 counter with an
+  acq_rel atomic, as `kernels.gemv` sums its split K; the last of the live programs to
+  arrive merges the live partials of the G heads of its KV head (`_merge_live`, in chunks of
+  splits, in split order: deterministic whichever program it is), writes out and sets the
+  counter back to 0. Empty programs store nothing and do not arrive. No second launch.
+- a second kernel (`_merge_kernel`, one program per (seq, head)) after the decode kernel,
+  over all n_splits partials (empty ones weigh 0): fused_merge False, the A/B baseline.
+With one split at launch (ONE_SPLIT) the decode kernel stores the normalised output itself.
+An earlier in-kernel merge (every program arrived; the last merged all n_splits partials
+of each head in one [next_pow2(splits), D] fp32 tile, heads one after the other) measured
+slower than the second launch on the H200 (Qwen3-0.6B, batch 1, 1K context: decode_latency.py
+TPOT 0.92 against 0.87-0.88 ms); the live-split, chunked merge here is not measured yet.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kernels.pdl import launch_args, pdl_release, pdl_wait
 # leaves its counters zero. A pool of its own (16 KB) keeps the index ranges of the two
 # users apart, so neither has to know the other's, nor can a fault in one reach the other.
 MERGE_POOL = "decode_merge"
+MERGE_CHUNK_ELEMS = 4096  # fp32 acc values of one chunk of the in-kernel merge (`fused_merge_constants`)
 
 
 @triton.jit
@@ -81,23 +87,78 @@ def _merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, seq, h, so_t, so_h, n_heads, n_s
 
 
 @triton.jit
-def _merge_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, seq, kvh, so_t, so_h, n_heads, n_splits,
-                   head_dim, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The split merge inside a decode kernel of grid (seqs, kv_heads, n_splits > 1), after
-    `_store_partial`: the program arrives on the int32 counter cnt_ptr[seq * kv_heads + kvh]
-    (acq_rel, as `kernels.gemv`); the last of the n_splits to arrive merges the G heads of
-    its KV head into out (`_merge_head`) and sets the counter back to 0 for the next launch.
-    Every program of the grid must call it, empty partitions included (a program that
-    returned early would leave the output unwritten and the counter non-zero), and after
-    its PDL wait (the counters' previous user has then finished)."""
-    tl.debug_barrier()  # every thread's partial is stored before the release below
-    cnt = cnt_ptr + seq * tl.num_programs(1) + kvh
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_splits - 1:
-        for g in tl.static_range(G):  # G (constexpr, small) heads one after the other
-            _merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, seq, kvh * G + g, so_t, so_h, n_heads, n_splits,
-                        head_dim, BLOCK_S, BLOCK_D)
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch (graph replay)
+def _partition(seq_len, n_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """(keys a partition, live partitions) of one sequence over the n_splits programs of its
+    (seq, kv_head): whole BLOCK_N tiles, cdiv(tiles, n_splits) a partition but at least
+    MIN_TILES; the live ones (split < n_live) hold keys, the rest are empty. A row of seq_len
+    0 (CUDA-graph padding) has one live, empty partition."""
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    per = tl.maximum(tl.cdiv(tiles, n_splits), MIN_TILES)
+    return per * BLOCK_N, tl.maximum(tl.cdiv(tiles, per), 1)
+
+
+@triton.jit
+def _merge_live(m_ptr, l_ptr, acc_ptr, out_ptr, seq, kvh, so_t, so_h, n_heads, n_splits, n_live, head_dim,
+                G: tl.constexpr, MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """out of the G heads of KV head kvh from the partials of the n_live live splits (the
+    log-sum-exp merge of `_merge_head`, all G heads at once): the max and the weighted l-sum
+    from [MERGE_G, BLOCK_S] tiles of m and l, then acc in [MERGE_G, CHUNK_S, BLOCK_D] chunks
+    of splits, in split order (deterministic whichever program merges; the register tile is
+    a chunk, not all splits). Partials read past L1 (.cg): other SMs wrote them."""
+    hh = tl.arange(0, MERGE_G)
+    hv = hh < G
+    base = (seq * n_heads + kvh * G + hh) * n_splits  # [MERGE_G] rows of split 0
+    ss = tl.arange(0, BLOCK_S)
+    msk = hv[:, None] & (ss < n_live)[None, :]
+    m = tl.load(m_ptr + base[:, None] + ss[None, :], mask=msk, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(l_ptr + base[:, None] + ss[None, :], mask=msk, other=0.0, cache_modifier=".cg")
+    mx = tl.max(m, 1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.sum(l * tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx[:, None])), 1)
+    dd = tl.arange(0, BLOCK_D)
+    dv = dd < head_dim
+    o = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_live, CHUNK_S):
+        cs = s0 + tl.arange(0, CHUNK_S)
+        cm = hv[:, None] & (cs < n_live)[None, :]
+        rows = base[:, None] + cs[None, :]
+        mc = tl.load(m_ptr + rows, mask=cm, other=float("-inf"), cache_modifier=".cg")
+        wc = tl.where(mc == float("-inf"), 0.0, tl.exp2(mc - mx[:, None]))
+        a = tl.load(acc_ptr + rows[:, :, None] * head_dim + dd[None, None, :],
+                    mask=cm[:, :, None] & dv[None, None, :], other=0.0, cache_modifier=".cg")
+        o += tl.sum(a * wc[:, :, None], 1)
+    o = o / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + seq * so_t + (kvh * G + hh)[:, None] * so_h + dd[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hv[:, None] & dv[None, :])
+
+
+@triton.jit
+def _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
+                  so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G: tl.constexpr, MERGE_G: tl.constexpr,
+                  BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The end of a decode program of grid (seqs, kv_heads, n_splits > 1) that merges its
+    splits itself, with n_live from `_partition`: one live split (a short context, or a
+    padding row) stores the normalised output directly, no partial and no counter; else each
+    live program stores its partial and arrives on the int32 counter cnt_ptr[seq * kv_heads +
+    kvh] (acq_rel, as `kernels.gemv`), and the last of the n_live to arrive merges them
+    (`_merge_live`) and sets the counter back to 0 for the next launch. Empty programs (split
+    >= n_live) store nothing and do not arrive. Called after the program's PDL wait (the
+    counters' previous user has then finished)."""
+    if n_live == 1:
+        if split == 0:
+            _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                           n_heads, n_splits, split, head_dim, G, True)
+    elif split < n_live:
+        _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                       n_heads, n_splits, split, head_dim, G, False)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        cnt = cnt_ptr + seq * tl.num_programs(1) + kvh
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_live - 1:
+            _merge_live(m_ptr, l_ptr, acc_ptr, out_ptr, seq, kvh, so_t, so_h, n_heads, n_splits, n_live, head_dim,
+                        G, MERGE_G, BLOCK_S, CHUNK_S, BLOCK_D)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next launch (graph replay)
 
 
 @triton.jit(do_not_specialize=["n_splits"])
@@ -120,9 +181,22 @@ def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.T
     return m, torch.empty_like(m), torch.empty((b, h, splits, d), dtype=torch.float32, device=out.device)
 
 
+def fused_merge_constants(num_heads: int, kv_heads: int, head_dim: int, splits: int, fused: bool) -> dict:
+    """The merge constexprs of a decode kernel launch: MERGE_G = next_pow2(G) heads merged at
+    once, BLOCK_S = next_pow2(splits) (the m / l tile), CHUNK_S splits of acc a chunk
+    (MERGE_G x CHUNK_S x next_pow2(head_dim) <= MERGE_CHUNK_ELEMS fp32 values, at least one
+    split); all 1 when the kernel does
+    not merge (fused False), so that path compiles one variant."""
+    if not fused:
+        return {"MERGE_G": 1, "BLOCK_S": 1, "CHUNK_S": 1}
+    mg = triton.next_power_of_2(num_heads // kv_heads)
+    return {"MERGE_G": mg, "BLOCK_S": triton.next_power_of_2(splits),
+            "CHUNK_S": max(1, MERGE_CHUNK_ELEMS // (mg * triton.next_power_of_2(head_dim)))}
+
+
 def merge_counters(out: torch.Tensor, kv_heads: int, splits: int, fused: bool) -> torch.Tensor | None:
     """The zeroed int32 arrival counters (one per (seq, kv_head), pool MERGE_POOL) of a
-    decode kernel that merges its splits itself (`_merge_if_last`) into out [B, H, D]; None
+    decode kernel that merges its splits itself (`_finish_fused`) into out [B, H, D]; None
     for the two-launch path: fused False, one split (the kernel stores out directly), or
     counters that would have to be allocated inside CUDA-graph capture."""
     if not fused or splits == 1:

@@ -11,6 +11,9 @@ each expert's group is padded to a multiple of the GEMM's M tile (`moe_align`), 
 every M tile of the sorted list belongs to one expert and one launch covers all experts.
 The Triton path (`kernels/moe_triton.py`) runs two such launches: gate_up with SiLU-and-mul
 in its epilogue, then down with the routing weight in its epilogue, then a sum over k.
+A decode step of a few tokens takes `kernels/moe_decode_triton.py` instead (`moe_block`):
+the router's top-k and the alignment in one program, gate_up, and a down projection that
+sums each token's k experts itself.
 
 - `fused_moe`: the dispatcher. CUDA tensors with Triton importable take `fused_moe_triton`;
   everything else (CPU tensors always) takes `fused_moe_ref`.
@@ -20,6 +23,10 @@ in its epilogue, then down with the routing weight in its epilogue, then a sum o
   host sync (CUDA-graph capturable).
 - `fused_moe_triton`: the Triton path on any device Triton runs on (the interpreter checks
   call it on CPU tensors); None when Triton does not import.
+- `topk_softmax` / `topk_softmax_ref`: the router's softmax top-k (dispatcher, torch truth).
+- `moe_block`: router top-k and experts from the router logits; CUDA steps of up to
+  `moe_decode_triton.MAX_TOKENS` tokens take the three-launch decode path when
+  `DECODE_FUSED` is on, everything else `topk_softmax` then `fused_moe`.
 
 Rounding (both paths): gate_up and the down projection's output are rounded to x's dtype
 as a torch matmul in that dtype rounds them, silu(gate) and its product with up likewise;
@@ -36,11 +43,17 @@ import torch
 import torch.nn.functional as F
 
 try:  # the grouped-GEMM kernels; absent without triton (CPU-only installs)
+    from kernels import moe_decode_triton as _moe_decode
     from kernels import moe_triton as _moe_triton
 except ImportError:  # pragma: no cover
     _moe_triton = None  # type: ignore[assignment]
+    _moe_decode = None  # type: ignore[assignment]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# a CUDA step of at most moe_decode_triton.MAX_TOKENS tokens runs the MoE block in three launches
+# (router top-k + alignment, gate_up, down with the sum over k); False: the router launch, then
+# `fused_moe` (alignment, gate_up, down, sum over k): the A/B baseline of benchmarks/decode_latency.py
+DECODE_FUSED = True
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -187,3 +200,41 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if x.is_cuda and fused_moe_triton is not None:
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def topk_softmax_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing in torch: probabilities softmax(logits) in fp32 over all E
+    experts, the k largest, renormalised to sum 1 when `renormalize` (config
+    `norm_topk_prob`). logits [T, E] any float dtype -> (topk_weights [T, k] fp32,
+    topk_ids [T, k] int64). Ties go to torch.topk's order. Source: the Qwen3-MoE router of
+    Hugging Face's `modeling_qwen3_moe.py`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatcher of `topk_softmax_ref` (same arguments and outputs): CUDA logits take one
+    Triton launch (`moe_triton.topk_softmax_triton`, the lowest index among ties) when
+    Triton imports, `moe_triton.ROUTER_TRITON` is on and E <= ROUTER_MAX_EXPERTS."""
+    if logits.is_cuda and _moe_triton is not None and _moe_triton.ROUTER_TRITON \
+            and logits.shape[-1] <= _moe_triton.ROUTER_MAX_EXPERTS:
+        return _moe_triton.topk_softmax_triton(logits, top_k, renormalize)
+    return topk_softmax_ref(logits, top_k, renormalize)
+
+
+def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """The MoE MLP from the router's logits: `fused_moe(x, w13, w2, *topk_softmax(router_logits,
+    top_k, renormalize))`. x [T, H], router_logits [T, E], w13 / w2 as `fused_moe_ref`.
+    Returns [T, H] in x's dtype. CUDA x of a few tokens (`moe_decode_triton.fits`) with
+    `DECODE_FUSED` on takes `moe_decode_triton.fused_moe_decode` (three launches, no host
+    sync); the result differs from the other path's by summation order only.
+    Raises ValueError for shapes or dtypes that do not fit."""
+    if (x.is_cuda and DECODE_FUSED and _moe_decode is not None and x.dim() == 2
+            and _moe_decode.fits(x.shape[0], w13.shape[0], top_k)):
+        return _moe_decode.fused_moe_decode(x, router_logits, w13, w2, top_k, renormalize)
+    weights, ids = topk_softmax(router_logits, top_k, renormalize)
+    return fused_moe(x, w13, w2, weights, ids)

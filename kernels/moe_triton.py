@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, pdl_release, pdl_wait
+
 # (m_bucket, N, K) -> config dict (keys of `default_config`), from the JSON files that
 # benchmarks/moe_tune.py writes into kernels/moe_configs/ (read once, at import)
 TUNED_CONFIGS: dict[tuple[int, int, int], dict[str, Any]] = {}
@@ -119,10 +121,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, tw_ptr, num_
                      stride_am, stride_we, stride_wn, stride_om, up_offset,
                      A_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                     GROUP_M: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # out[p, n] for the pairs p of one M tile: A [rows, K] (row p // A_DIV), W [E, *, K]
     # (row n of expert e at e * stride_we + n * stride_wn; with GATED the up row n at
     # + up_offset), out [num_pairs, N]. Grid: num_m_blocks * cdiv(N, BLOCK_N) programs.
+    # USE_PDL (the decode path of kernels.moe_decode_triton only): launched with PDL, waits
+    # for the router kernel before reading the tile's expert, then lets the down kernel start
+    pdl_wait(USE_PDL)
+    pdl_release(USE_PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n_blocks
@@ -287,10 +293,13 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, expert_of_block, post_pad
 
 
-def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
-            expert_of_block: torch.Tensor, tw: torch.Tensor, n: int, a_div: int, gated: bool,
-            cfg: dict[str, Any]) -> None:
-    """One grouped GEMM launch (module doc) writing out [T*k, n]."""
+def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                expert_of_block: torch.Tensor, tw: torch.Tensor, n: int, a_div: int, gated: bool,
+                cfg: dict[str, Any], pdl: bool = False) -> None:
+    """One grouped GEMM launch (module doc) writing out [T*k, n]: A = a (row of pair p:
+    p // a_div), the weight w [E, *, K], gated (gate_up, SiLU-and-mul) or weighted by tw
+    [T*k] (down). pdl: launch with programmatic dependent launch (`kernels.pdl`; the
+    decode path, `kernels.moe_decode_triton`); the prefill path launches without."""
     num_m_blocks = sorted_ids.shape[0] // cfg["BLOCK_M"]
     grid = (num_m_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
@@ -298,8 +307,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: tor
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), n * w.stride(1) if gated else 0,
         A_DIV=a_div, GATED=gated, WEIGHTED=not gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl))
 
 
 def fused_moe_aligned(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -326,9 +334,9 @@ def fused_moe_aligned(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     if tw.stride(0) != 1:
         tw = tw.contiguous()
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    _launch(x, w13, act, sorted_ids, expert_of_block, tw, inter, top_k, True, cfg)
+    launch_gemm(x, w13, act, sorted_ids, expert_of_block, tw, inter, top_k, True, cfg)
     part = torch.empty((pairs, h), dtype=torch.float32 if FP32_PARTIALS else x.dtype, device=x.device)
-    _launch(act, w2, part, sorted_ids, expert_of_block, tw, h, 1, False, cfg)
+    launch_gemm(act, w2, part, sorted_ids, expert_of_block, tw, h, 1, False, cfg)
     if top_k == 1:
         return part.to(x.dtype)
     if not SUM_K_TRITON:

@@ -4,7 +4,7 @@ KV-cache write of the step's token fused in: one kernel where a decode layer ran
 `rope_paged_decode` is `rotary_and_store_kv` followed by `paged_attention` for a decode-only
 step (every sequence has one new token, its last): same inputs, same result. On CUDA with
 full rotary it is one launch of `_rope_decode_kernel`, whose last program of each (seq,
-kv_head) to finish merges the splits' partials (`kernels.decode_merge`; with fused_merge
+kv_head) to finish merges the live splits' partials (`kernels.decode_merge`; with fused_merge
 False a second launch, `_merge_kernel`, merges them); otherwise the two dispatchers in turn
 (the reference on the CPU).
 
@@ -51,14 +51,17 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # splits None = programs_per_sm programs per SM over seqs * kv_heads, at most a tile each
 # (b=1: 33 splits, 8.1 us; 64 splits 8.9; all timed before fused_merge existed); prefetch:
 # see kernels.attention_triton; max_seqs: larger batches run the rotary kernel and attention
-# apart (None: no limit). fused_merge: the kernel's last program of each (seq, kv_head) merges
-# the splits (kernels.decode_merge) instead of a second launch. Off: it measured slower, the
-# one merging program's serial tail costs more than the launch it saves (H200, Qwen3-0.6B,
-# decode_latency.py TPOT on / off in one call: 0.917, 0.923, 0.918, 0.956 / 0.871, 0.876 ms;
-# another call 0.921 / 0.876, 0.878; offline_throughput.py 18,752 / 19,084 tok/s)
+# apart (None: no limit). fused_merge: the kernel's last live program of each (seq, kv_head)
+# merges the splits, and a context in one live partition stores its output directly
+# (kernels.decode_merge._finish_fused), instead of a second launch (False: the launch, the
+# A/B baseline). The earlier in-kernel merge (every program arrived, the last merged every
+# split head by head) measured slower than the launch (H200, Qwen3-0.6B, decode_latency.py
+# TPOT on / off in one call: 0.917, 0.923, 0.918, 0.956 / 0.871, 0.876 ms; another call
+# 0.921 / 0.876, 0.878; offline_throughput.py 18,752 / 19,084 tok/s); the live-split, chunked
+# merge is not measured yet. min_split_tiles: as in kernels.attention_triton.DECODE_DEFAULTS.
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
-                              "max_seqs": None, "fused_merge": False}
+                              "max_seqs": None, "fused_merge": True, "min_split_tiles": 1}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
 
@@ -88,7 +91,8 @@ rope_decode_triton = None  # set below when Triton imports: the CUDA path (below
 
 if triton is not None:
     from kernels.attention_triton import _LOG2E, _attend_range, _attend_tile, _kv_offsets, _prefetch
-    from kernels.decode_merge import _merge_if_last, _store_partial, merge_counters, merge_splits, split_buffers
+    from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
+                                      merge_counters, merge_splits, split_buffers)
     from kernels.device_info import num_sms
     from kernels.kv_quant_triton import fp8_bytes, kv_operands, kv_tile
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
@@ -116,10 +120,11 @@ if triton is not None:
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
                             USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                            BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr):
+                            BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr, MERGE_G: tl.constexpr,
+                            CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr):
         # no program returns early (a padding row, seq_len 0, and an empty partition run
-        # through with m -inf, l 0): with FUSED_MERGE each must arrive on its (seq, kv_head)
-        # counter in `_merge_if_last`, after the PDL wait
+        # through with m -inf, l 0): with FUSED_MERGE the live ones arrive on their (seq,
+        # kv_head) counter in `_finish_fused`, after the PDL wait
         seq = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -152,7 +157,7 @@ if triton is not None:
             qwp = cos
             kw = cos
             kwp = cos
-        partition = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), n_splits) * BLOCK_N
+        partition, n_live = _partition(seq_len, n_splits, BLOCK_N, MIN_TILES)
         start = split * partition
         end = tl.minimum(start + partition, seq_len)
         if PREFETCH:  # the first tile of cached keys, the step's token masked out
@@ -198,11 +203,13 @@ if triton is not None:
                                       kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8)
         if KV_FP8:
             acc = acc * v_sc
-        _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
-                       n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
         if FUSED_MERGE:  # (never with ONE_SPLIT)
-            _merge_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, seq, kvh, so_t, so_h, n_heads, n_splits,
-                           head_dim, G, BLOCK_S, BLOCK_D)
+            _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
+                          so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S,
+                          BLOCK_D)
+        else:
+            _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+                           n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
 
     def rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
                            block_tables, scale, max_seq_len=None, q_norm=None, k_norm=None, eps=1e-6,
@@ -240,7 +247,8 @@ if triton is not None:
             out.stride(0), out.stride(1), scale * _LOG2E, k_cache.shape[1], splits, h, d, eps,
             G=h // kvh, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n, BLOCK_D=bd,
             NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
-            FUSED_MERGE=cnt is not None, BLOCK_S=1 if cnt is None else triton.next_power_of_2(splits),
-            KV_FP8=fp8, num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
+            FUSED_MERGE=cnt is not None, KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
+            **fused_merge_constants(h, kvh, d, splits, cnt is not None),
+            num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out

@@ -15,9 +15,17 @@
 #   moe_tune/*.json       with part "tune" only: benchmarks/moe_tune.py's tuned configs (copy them
 #                         into kernels/moe_configs/ to use them), then moe_kernel_tuned.json and
 #                         decode_qwen3-30b-a3b_tuned.json timed with them in place
-# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|hybrid|tune]
+#   decode_ab_qwen3-30b-a3b.json  with part "ab" only: batch-1 decode TPOT in graphs, old path / new path
+#                         (kernels.moe.DECODE_FUSED and decode attention's fused_merge off / on) in one
+#                         process, A B A B, the graphs captured again before each (decode_latency.py --ab)
+#   step_profile_qwen3-30b-a3b.json  with part "ab": the kernel table of one batch-1 step on the new path
+#                         (step_profile.py --parts b1 --pdl off: each kernel's own time)
+#   decode_ab_qwen3-0.6b.json  with part "ab_dense" only: the same A/B on a dense model (there only the
+#                         attention merge differs)
+# Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|hybrid|tune|ab|ab_dense]
 # (parts may be combined in one call: for p in decode tune; do bash scripts/gpu_moe_check.sh $p; done)
-# Limits (seconds, environment): TEST_TIMEOUT 150, KERNEL_TIMEOUT 120, DECODE_TIMEOUT 300.
+# Limits (seconds, environment): TEST_TIMEOUT 150, KERNEL_TIMEOUT 120, DECODE_TIMEOUT 300; part ab:
+# AB_TIMEOUT 130, PROFILE_TIMEOUT 100 (the part within 240 s); ab_dense: AB_TIMEOUT 130.
 set -u
 PART=${1:-all}
 # shellcheck source=scripts/gpu_env.sh
@@ -54,4 +62,15 @@ if [ "$PART" = tune ]; then
     run decode_qwen3-30b-a3b_tuned "${DECODE_TIMEOUT:-300}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
       --gpu-memory-utilization 0.75 --steps 64 --out "$OUT/decode_qwen3-30b-a3b_tuned.json"
   fi
+fi
+if [ "$PART" = ab ]; then
+  # the A/B writes its JSON after every round, so a timeout still leaves the rounds done
+  run decode_ab_qwen3-30b-a3b "${AB_TIMEOUT:-130}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
+    --gpu-memory-utilization 0.75 --steps 64 --ab old new --ab-rounds 2 --out "$OUT/decode_ab_qwen3-30b-a3b.json"
+  run step_profile_qwen3-30b-a3b "${PROFILE_TIMEOUT:-100}" python3 benchmarks/step_profile.py --config qwen3-30b-a3b \
+    --gpu-memory-utilization 0.75 --parts b1 --pdl off --out "$OUT/step_profile_qwen3-30b-a3b.json"
+fi
+if [ "$PART" = ab_dense ]; then
+  run decode_ab_qwen3-0.6b "${AB_TIMEOUT:-130}" python3 benchmarks/decode_latency.py --config qwen3-0.6b \
+    --steps 64 --ab old new --ab-rounds 2 --out "$OUT/decode_ab_qwen3-0.6b.json"
 fi

@@ -340,6 +340,22 @@ class ModelRunner:
             **({"verify_graphs": self.verify_graphs.report()} if self.verify_graphs else {}),
         }
 
+    def recapture_graphs(self) -> float:
+        """Capture the decode graphs again, for the benchmarks' A/B rounds: kernel switches
+        (`kernels.moe.DECODE_FUSED`, the decode kernels' launch defaults) are read while a
+        graph is captured, so a graph keeps the path of its capture. The old graphs (and
+        their memory pool) are dropped first; sizes and buffers as at start-up. Returns the
+        capture seconds; 0.0 (nothing done) without decode graphs."""
+        if self.graphs is None:
+            return 0.0
+        max_bs = self.graphs.max_bs
+        self.graphs, self._last_kept = None, None
+        self._graph_aux.clear()
+        torch.cuda.empty_cache()
+        self.graphs = DecodeGraphs(self._graph_forward, max_bs, self.max_model_len, self.block_size,
+                                   self.device, self.state_cache)
+        return self.graphs.capture_seconds
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step and return its full result: the tokens of each ScheduledSeq with

@@ -6,7 +6,10 @@ Tolerances (relative norm error vs the reference run in fp32 on the upcast input
 tests/gpu/test_kernels_gpu.py): bf16 2e-2 (the bf16 reference itself is ~4e-3 off its fp32
 run: tests/unit/test_moe_ref.py), fp32 2e-3 (tl.dot runs as tf32). Also: the dispatcher
 picks Triton, int32 ids, T = 0, and a CUDA-graph capture of the whole op (moe_align
-included: no host sync) replayed on new inputs. Skipped without CUDA or triton.
+included: no host sync) replayed on new inputs. The decode path (`kernels.moe.moe_block` at
+T = 1, 4, 8: router + alignment, gate_up, the down projection with the sum over k) against the
+same reference on the torch routing, against the five-launch path (DECODE_FUSED off), and in a
+CUDA graph. Skipped without CUDA or triton.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import moe  # noqa: E402
+from kernels import moe, moe_decode_triton  # noqa: E402
 
 E, K, H, INTER = 128, 8, 2048, 768
 TOL = {torch.bfloat16: 2e-2, torch.float32: 2e-3}
@@ -93,3 +96,47 @@ def test_cuda_graph_capture_and_replay(weights):
         graph.replay()
         assert torch.equal(out, moe.fused_moe(x, w13, w2, w, ids))
 
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_decode_block_matches_reference_on_torch_routing(weights, t):
+    w13, w2 = weights
+    g = torch.Generator(device="cuda").manual_seed(100 + t)
+    x = torch.randn(t, H, device="cuda", generator=g)
+    # distinct logits, exact in bf16 (multiples of 1/16 below 8): no ties, the same experts
+    # whichever dtype routes
+    logits = torch.stack([torch.randperm(E, device="cuda", generator=g) for _ in range(t)]).float() / 16
+    assert moe_decode_triton.fits(t, E, K)
+    w, ids = moe.topk_softmax_ref(logits, K, True)
+    truth = moe.fused_moe_ref(x, w13, w2, w, ids)
+    xb, w13b, w2b = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    got = moe.moe_block(xb, logits.bfloat16(), w13b, w2b, K, True)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, H)
+    assert rel(got, truth) < TOL[torch.bfloat16]
+    # the five-launch path on the same bf16 logits: equal but for summation order
+    saved = moe.DECODE_FUSED
+    moe.DECODE_FUSED = False
+    try:
+        five = moe.moe_block(xb, logits.bfloat16(), w13b, w2b, K, True)
+    finally:
+        moe.DECODE_FUSED = saved
+    assert rel(got, five) < 1e-2
+    # fp32 operands: the products are fp32 (no tensor cores in the down kernel)
+    assert rel(moe.moe_block(x, logits, w13, w2, K, True), truth) < TOL[torch.float32]
+
+
+def test_decode_block_in_a_cuda_graph(weights):
+    w13, w2 = (w.bfloat16() for w in weights)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(1, H, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(1, E, device="cuda", generator=g).bfloat16()
+    moe.moe_block(x, logits, w13, w2, K, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_block(x, logits, w13, w2, K, True)
+    for seed in (12, 13):
+        g.manual_seed(seed)
+        x.copy_(torch.randn(1, H, device="cuda", generator=g))
+        logits.copy_(torch.randn(1, E, device="cuda", generator=g))
+        graph.replay()
+        assert torch.equal(out, moe.moe_block(x, logits, w13, w2, K, True))

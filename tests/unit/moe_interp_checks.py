@@ -18,7 +18,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from kernels import moe, moe_triton  # noqa: E402
+from kernels import moe, moe_decode_triton, moe_triton  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,6 +86,86 @@ def router_checks(gen: torch.Generator) -> dict[str, float]:
     return res
 
 
+# name, T, E, k, renormalize, block_m, logits dtype: the router + alignment program
+ROUTE_ALIGN_CASES = [
+    ("route_align_t1_e128_k8", 1, 128, 8, True, 16, torch.float32),  # Qwen3-30B-A3B's batch-1 decode
+    ("route_align_t8_e60_k4_raw", 8, 60, 4, False, 16, torch.float16),  # E not a power of two
+    ("route_align_t5_e8_k3_bm1", 5, 8, 3, True, 1, torch.float32),  # experts shared by tokens, tile of 1
+    ("route_align_t3_e8_k1", 3, 8, 1, True, 32, torch.float32),
+    ("route_align_t6_e4_k4_ties", 6, 4, 4, True, 16, torch.float32),  # every expert every token; equal logits
+]
+
+
+def route_align_checks(gen: torch.Generator) -> dict[str, float]:
+    """{name: max abs weight difference, inf unless the ids and the alignment are exactly
+    torch's}: moe_decode_triton.route_align_triton against the torch routing then
+    moe.moe_align (the same sorted_ids, order within an expert included, tile experts and
+    padded length). The routing truth is moe.topk_softmax_ref's math with the top k taken by
+    a stable descending sort, so that ties go to the lowest index (torch.topk leaves their
+    order open); without ties it is topk_softmax_ref itself."""
+    res = {}
+    for name, t, e, k, renorm, bm, dt in ROUTE_ALIGN_CASES:
+        logits = torch.randn(t, e, generator=gen).to(dt)
+        if name.endswith("ties"):
+            logits[1] = 0.5  # one token with all-equal logits
+        probs = torch.softmax(logits.float(), dim=-1)
+        w_ref, i_ref = (v[:, :k] for v in torch.sort(probs, dim=-1, descending=True, stable=True))
+        if renorm:
+            w_ref = w_ref / w_ref.sum(dim=-1, keepdim=True)
+        if not name.endswith("ties"):
+            assert torch.equal(i_ref, moe.topk_softmax_ref(logits, k, renorm)[1])
+        s_ref, b_ref, n_ref = moe.moe_align(i_ref, e, bm)
+        w, i, s, b, n = moe_decode_triton.route_align_triton(logits, k, renorm, bm)
+        same = (i.dtype == torch.int64 and torch.equal(i, i_ref) and w.dtype == torch.float32
+                and torch.equal(s, s_ref) and torch.equal(b, b_ref) and torch.equal(n, n_ref))
+        res[name] = float((w - w_ref).abs().max()) if same else float("inf")
+    return res
+
+
+# name, T, H, I, E, k, renormalize, gate_up config, down plan (None: down_plan's)
+DECODE_CASES = [
+    ("decode_t1", 1, 48, 40, 16, 4, True, cfg(16, 16, 32), None),  # one row, I not a power of two
+    ("decode_t3_shared", 3, 40, 24, 4, 3, False, cfg(16, 32, 16), (4, 32, 4)),  # experts shared by tokens
+    ("decode_t8_kloop", 8, 33, 70, 6, 2, True, cfg(16, 16, 32, 2), (8, 32, 4)),  # down K over 3 tiles
+    ("decode_t2_k1", 2, 32, 16, 8, 1, True, None, None),
+]
+
+
+def decode_checks(gen: torch.Generator) -> dict[str, float]:
+    """{name_dtype: relative error}: moe_decode_triton.fused_moe_decode (router + alignment,
+    gate_up, the down projection with the sum over k) against fused_moe_ref on the torch
+    routing; and the down kernel alone against a float64 sum (poisoned output: every element
+    written once)."""
+    res = {}
+    for name, t, h, inter, e, k, renorm, conf, plan in DECODE_CASES:
+        x = torch.randn(t, h, generator=gen)
+        logits = torch.randn(t, e, generator=gen)
+        w13 = torch.randn(e, 2 * inter, h, generator=gen) / h ** 0.5
+        w2 = torch.randn(e, h, inter, generator=gen) / inter ** 0.5
+        routing = moe.topk_softmax_ref(logits, k, renorm)
+        for dt in (torch.float32, torch.float16):
+            xd, w13d, w2d = x.to(dt), w13.to(dt), w2.to(dt)
+            got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, config=conf, down=plan)
+            assert got.dtype == dt
+            ref = moe.fused_moe_ref(xd, w13d, w2d, *moe.topk_softmax_ref(logits.to(dt), k, renorm))
+            res[f"{name}_{str(dt).removeprefix('torch.')}"] = rel(got, ref)
+        # the down kernel alone, fp32: sum_j w[t, j] * w2[e] @ act[t * k + j] in float64
+        w, ids = routing
+        act = torch.randn(t * k, inter, generator=gen)
+        truth = torch.zeros(t, h, dtype=torch.float64)
+        for tt in range(t):
+            for j in range(k):
+                truth[tt] += float(w[tt, j]) * (w2[int(ids[tt, j])].double() @ act[tt * k + j].double())
+        saved = torch.empty
+        torch.empty = lambda *a, _e=saved, **kw: _e(*a, **kw).fill_(float("nan"))  # poison the output
+        try:
+            got = moe_decode_triton.moe_down_sum_triton(act, w2, w, ids.int(), plan)
+        finally:
+            torch.empty = saved
+        res[f"{name}_down_only"] = rel(got, truth)
+    return res
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
@@ -123,6 +203,8 @@ def main() -> None:
     out["poisoned_workspace_float32"] = rel(got, moe.fused_moe_ref(x, w13, w2, w, ids))
     out.update(align_checks(gen))
     out.update(router_checks(gen))
+    out.update(route_align_checks(gen))
+    out.update(decode_checks(gen))
     print("RESULT " + json.dumps(out))
 
 

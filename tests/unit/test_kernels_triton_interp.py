@@ -41,7 +41,7 @@ KERNELS = ["rms_norm", "fused_add_rms_norm", "rms_norm_strided", "silu_and_mul",
            "attn_multi_query_verify", "attn_multi_query_one_split", "attn_multi_query_graph_bound",
            "attn_multi_query_off",
            "sample_gumbel", "sample_gumbel_chunked", "skinny_linear", "gemv", "rotary_qk_norm", "rope_decode",
-           "rope_decode_fused_merge", "pending_ids"]
+           "rope_decode_fused_merge", "decode_live_split_merge", "pending_ids"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

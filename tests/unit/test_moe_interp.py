@@ -3,6 +3,11 @@ on CPU tensors (no GPU needed): one token, k = 1, T*k / E above BLOCK_M (an expe
 several M tiles), an expert no token picks and one every token picks, H and I that are not
 whole tiles, int32 and int64 ids, the grouped program order, the default config, and
 workspaces poisoned with NaN (padding rows must store nothing, every pair's row once).
+The decode path (`kernels/moe_decode_triton.py`): the router + alignment program against the
+torch routing and `moe_align` (ids and layout exactly; ties; E not a power of two; shared
+experts), the three-launch block against `fused_moe_ref` on the torch routing (one row, shared
+experts, the down projection's K loop, k = 1, the default configs), the down kernel alone
+against a float64 sum into a NaN-poisoned output.
 
 The checks run in one subprocess (`moe_interp_checks.py`) with TRITON_INTERPRET=1 set before
 triton is imported. Tolerances (relative norm error, METHOD.md): fp32 1e-5 (summation
@@ -47,3 +52,21 @@ def test_one_program_alignment_matches_torch(interp_results, case):
 @pytest.mark.parametrize("case", ["router_e128_k8", "router_e60_k4_raw", "router_e8_k1"])
 def test_one_launch_router_matches_torch_topk_softmax(interp_results, case):
     assert interp_results[case] <= 1e-6, f"{case}: {interp_results[case]} (inf: other experts chosen)"
+
+
+@pytest.mark.parametrize("case", ["route_align_t1_e128_k8", "route_align_t8_e60_k4_raw", "route_align_t5_e8_k3_bm1",
+                                  "route_align_t3_e8_k1", "route_align_t6_e4_k4_ties"])
+def test_router_and_alignment_program_matches_torch_routing_then_moe_align(interp_results, case):
+    assert interp_results[case] <= 1e-6, f"{case}: {interp_results[case]} (inf: ids or layout differ)"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])
+def test_three_launch_decode_block_matches_reference_on_torch_routing(interp_results, case, dtype):
+    err = interp_results[f"{case}_{dtype}"]
+    assert err <= TOL[dtype], f"{case} {dtype}: relative error {err}"
+
+
+@pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])
+def test_down_projection_sums_the_k_experts_into_each_row(interp_results, case):
+    assert interp_results[f"{case}_down_only"] <= TOL["float32"], interp_results[f"{case}_down_only"]

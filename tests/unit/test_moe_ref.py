@@ -98,6 +98,21 @@ def test_shape_errors():
         moe.fused_moe_ref(x, w13, w2, w, ids.float())
 
 
+@pytest.mark.parametrize("renorm", [True, False])
+def test_routed_block_on_cpu_is_torch_routing_then_the_reference(renorm):
+    # moe_block (the layer's entry) keeps CPU tensors on the torch routing and fused_moe_ref,
+    # whatever DECODE_FUSED says; the routing against softmax then topk by hand
+    x, w13, w2, _, _ = make_case(3, 40, 24, 8, 2, torch.float32, seed=9)
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    probs = torch.softmax(logits.double(), dim=-1)
+    top = probs.topk(2, dim=-1)
+    w, ids = moe.topk_softmax_ref(logits, 2, renorm)
+    want_w = top.values / top.values.sum(-1, keepdim=True) if renorm else top.values
+    assert torch.equal(ids, top.indices) and torch.allclose(w.double(), want_w, atol=1e-6)
+    assert torch.equal(moe.moe_block(x, logits, w13, w2, 2, renorm), moe.fused_moe_ref(x, w13, w2, w, ids))
+    assert rel(moe.moe_block(x, logits, w13, w2, 2, renorm), naive_moe(x, w13, w2, w, ids)) < TOL[torch.float32]
+
+
 # ---------------------------------------------------------------- moe_align
 
 def check_alignment(ids: torch.Tensor, e: int, bm: int) -> None:

@@ -51,13 +51,13 @@ def paged_case(seqs, h, kvh, d, bs, dtype, gen):
     return q, kc, vc, cu_t, sl, bt, ref
 
 
-def rope_decode_case(lens, bs, norm_on, kw, dt, gen, runs=1):
+def rope_decode_case(lens, bs, norm_on, kw, dt, gen, runs=1, hq=4, hk=2):
     """`rope_decode_triton` (decode_config kw) on sequences of lengths lens (0: a CUDA-graph
     padding row, slot -1), run `runs` times from the same caches and inputs, against
     `rotary_and_store_kv_ref` then `paged_attention_ref` over the rows of length > 0: the
     largest relative error of the output and the caches; inf if a padding row's output is
-    not zero."""
-    b, hq, hk, d = len(lens), 4, 2, 16
+    not zero. hq / hk: query and KV heads."""
+    b, d = len(lens), 16
     nb = sum(-(-n // bs) for n in lens) + 3
     perm = torch.randperm(nb, generator=gen).tolist()
     width = max(1, max(-(-n // bs) for n in lens))
@@ -91,6 +91,31 @@ def rope_decode_case(lens, bs, norm_on, kw, dt, gen, runs=1):
             return float("inf")
         err = max([err] + [rel(a, b_) for a, b_ in zip((o[ok], kc, vc), want)])
     return err
+
+
+def live_split_checks(dt, gen) -> float:
+    """The in-kernel merge over live splits (`kernels.decode_merge._finish_fused`) at G = 4
+    query heads a KV head, one split a merge chunk (MERGE_CHUNK_ELEMS lowered), so the merge
+    loops over many chunks; contexts that leave most of 12 splits empty, one that fits one
+    tile (stored directly), min_split_tiles 4 (a 40-token context in one live partition, 300
+    tokens in 5), a padding row: both decode kernels, each run twice (counters back at 0).
+    Returns the largest relative error (inf if a merge launch ran or a counter stayed set)."""
+    errs, merges = [], LaunchCount(dm._merge_kernel)
+    dm._merge_kernel, saved = merges, dm.MERGE_CHUNK_ELEMS
+    dm.MERGE_CHUNK_ELEMS = 64
+    try:
+        for kw in ({"splits": 12, "block_n": 16}, {"splits": 12, "block_n": 16, "min_split_tiles": 4},
+                   {"splits": 7, "block_n": 16, "prefetch": True}):
+            kw = {**kw, "fused_merge": True}
+            errs.append(rope_decode_case([300, 40, 0, 9], 16, True, kw, dt, gen, runs=2, hq=8, hk=2))
+            q, kc, vc, _, sl, bt, ref = paged_case([(299, 1), (39, 1), (8, 1)], 8, 2, 16, 16, dt, gen)
+            cu = torch.arange(4, dtype=torch.int32)
+            for _ in range(2):
+                errs.append(rel(at.paged_attention_triton(q, kc, vc, cu, sl, bt, 16 ** -0.5, 1, None, kw), ref))
+        errs.append(0.0 if merges.n == 0 else float("inf"))
+    finally:
+        dm._merge_kernel, dm.MERGE_CHUNK_ELEMS = merges.kernel, saved
+    return max(errs) if merge_counters_zero() else float("inf")
 
 
 class LaunchCount:
@@ -307,6 +332,7 @@ def main() -> None:
         finally:
             dm._merge_kernel = merges.kernel
         out[f"rope_decode_fused_merge_{name}"] = max(errs) if merge_counters_zero() else float("inf")
+        out[f"decode_live_split_merge_{name}"] = live_split_checks(dt, gen)
     print("RESULT " + json.dumps(out))
 
 

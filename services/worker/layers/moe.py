@@ -1,6 +1,7 @@
 """Mixture-of-experts MLP: a top-k router and the experts' SwiGLU MLPs in stacked weights,
-run by one fused kernel call (`kernels.moe.fused_moe`: the torch reference on the CPU, a
-grouped GEMM over expert-sorted tokens in Triton on the GPU; docs/ARCHITECTURE.md §6.3).
+run by one fused kernel call (`kernels.moe.moe_block`: the torch reference on the CPU, a
+grouped GEMM over expert-sorted tokens in Triton on the GPU, three launches in all for a
+decode step of a few tokens; docs/ARCHITECTURE.md §6.3, §6.4).
 
 Source: Shazeer et al. 2017 (sparsely-gated MoE, arXiv 1701.06538) for the top-k router;
 the Qwen3-MoE router as Hugging Face's `modeling_qwen3_moe.py` defines it (softmax over
@@ -18,13 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe import fused_moe
+from kernels.moe import fused_moe, moe_block, topk_softmax
 from services.worker.layers.linear import Linear
 
-try:  # the GPU router kernel; absent without triton (CPU-only installs)
-    from kernels import moe_triton as _moe_triton
-except ImportError:  # pragma: no cover
-    _moe_triton = None  # type: ignore[assignment]
+__all__ = ["EXPERT_PARAMS", "FusedMoE", "SparseMoeBlock", "expert_shard", "topk_softmax"]
 
 # checkpoint projection name inside `experts.<e>.` -> (our parameter, shard of its rows)
 EXPERT_PARAMS: dict[str, tuple[str, int | None]] = {
@@ -72,27 +70,16 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
-
-def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing: probabilities softmax(logits) in fp32 over all E experts, the
-    k largest, renormalised to sum 1 when `renormalize` (config `norm_topk_prob`).
-    logits [T, E] any float dtype -> (topk_weights [T, k] fp32, topk_ids [T, k] int64).
-    Ties go to torch.topk's order. CUDA logits take one Triton launch
-    (`kernels.moe_triton.topk_softmax_triton`, the lowest index among ties) when Triton
-    imports and `ROUTER_TRITON` is on."""
-    if logits.is_cuda and _moe_triton is not None and _moe_triton.ROUTER_TRITON \
-            and logits.shape[-1] <= _moe_triton.ROUTER_MAX_EXPERTS:
-        return _moe_triton.topk_softmax_triton(logits, top_k, renormalize)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    def routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """forward with the routing done here: the softmax top-k of router_logits [T, E]
+        (`kernels.moe.topk_softmax`), renormalised when `renormalize`, then the experts; on
+        CUDA a few tokens take the three-launch decode path (`kernels.moe.moe_block`)."""
+        return moe_block(x, router_logits, self.w13_weight, self.w2_weight, top_k, renormalize)
 
 
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MoE MLP: the router's projection `gate` (a Linear [E, H], no
-    bias), softmax top-k routing (`topk_softmax`) and the experts (`FusedMoE`); the
+    bias), softmax top-k routing (`kernels.moe.topk_softmax`) and the experts (`FusedMoE`); the
     parameter names are the Qwen3-MoE checkpoints' (`mlp.gate.weight`, `mlp.experts.<e>.*`
     into `mlp.experts.w13_weight` / `w2_weight`). forward(x [T, H]) -> [T, H].
     Raises ValueError when top_k is not in 1..num_experts."""
@@ -107,5 +94,4 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = topk_softmax(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.experts(x, weights, ids)
+        return self.experts.routed(x, self.gate(x), self.top_k, self.norm_topk_prob)
