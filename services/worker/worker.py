@@ -20,7 +20,8 @@ import zmq
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.liveness import Beacon
-from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, freeze_gc, on_stop_signals, set_title,
+                             setup_logging)
 from shared.runtime_dir import write_private_file
 from shared.shm_ring import RingClosed, ShmRingReader
 from shared.zmq_utils import make_socket, safe_decode
@@ -107,6 +108,7 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     hb = threading.Thread(target=_heartbeats, args=(ctx, cfg.worker_address, rank, stopping),
                           daemon=True, name="heartbeat")
     hb.start()
+    freeze_gc()  # the model and startup's objects out of the serving loop's collections
     serving.set()
     code = 0
     try:
