@@ -258,9 +258,10 @@ def _tier_connector(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.Worker
 
 
 def _record_refusal(cfg: KestrelConfig, why: object) -> None:
-    """Write the refused configuration's reason where the supervisor looks for it."""
+    """Write the refused configuration's reason where the supervisor looks for it (it is
+    `kestrel serve`'s last line)."""
     try:
-        write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"{why}\n")
+        write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"the engine refused its configuration: {why}\n")
     except OSError as err:
         log.warning("could not record the refused configuration: %s", err)
 

@@ -89,7 +89,8 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
         # the engine's refusals (the supervisor reads CONFIG_REFUSED and does not restart)
         log.error("the worker refused its configuration: %s", e)
         try:
-            write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"worker {rank}: {e}\n")
+            write_private_file(cfg.runtime_dir, CONFIG_REFUSED,
+                               f"worker {rank} refused its configuration: {e}\n")
         except OSError as err:
             log.warning("could not record the refused configuration: %s", err)
         return EXIT_CONFIG
