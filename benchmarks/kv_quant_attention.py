@@ -47,9 +47,11 @@ from benchmarks.common import device_name, emit_json, model_dir  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 MIN_ROUND_BYTES = 512 << 20
 KERNELS = ("decode_kernel", "rope_decode_kernel")
-# key tiles of the --variants sweep: (block_n, num_warps, num_stages); "base": the kernel's bf16 ones
-TILES: dict = {"base": None, "n64w4s3": (64, 4, 3), "n128w4s3": (128, 4, 3), "n128w8s3": (128, 8, 3),
-               "n128w8s4": (128, 8, 4)}
+# key tiles of the --variants sweep: (block_n, num_warps, num_stages, programs_per_sm or None for
+# the kernel's own); "base": the kernel's bf16 ones
+TILES: dict = {"base": None, "n64w4s3": (64, 4, 3, None), "n128w4s1": (128, 4, 1, None),
+               "n128w4s2": (128, 4, 2, None), "n128w4s3": (128, 4, 3, None), "n128w4s3p8": (128, 4, 3, 8),
+               "n128w8s3": (128, 8, 3, None), "n256w4s2": (256, 4, 2, None), "n256w8s2": (256, 8, 2, None)}
 
 
 def _variants(kname: str) -> dict[str, dict]:
@@ -62,8 +64,9 @@ def _variants(kname: str) -> dict[str, dict]:
     out = {}
     for dot in FP8_DOTS:
         for tname, tile in TILES.items():
-            bn, nw, ns = tile or (base["block_n"], base["num_warps"], base["num_stages"])
-            out[f"{dot}/{tname}"] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns}
+            bn, nw, ns, pps = tile or (base["block_n"], base["num_warps"], base["num_stages"], None)
+            out[f"{dot}/{tname}"] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns,
+                                     "programs_per_sm": pps or base["programs_per_sm"]}
     return out
 
 
