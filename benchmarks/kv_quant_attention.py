@@ -49,9 +49,9 @@ MIN_ROUND_BYTES = 512 << 20
 KERNELS = ("decode_kernel", "rope_decode_kernel")
 # key tiles of the --variants sweep: (block_n, num_warps, num_stages, programs_per_sm or None for
 # the kernel's own); "base": the kernel's bf16 ones
-TILES: dict = {"base": None, "n64w4s3": (64, 4, 3, None), "n128w4s1": (128, 4, 1, None),
-               "n128w4s2": (128, 4, 2, None), "n128w4s3": (128, 4, 3, None), "n128w4s3p8": (128, 4, 3, 8),
-               "n128w8s3": (128, 8, 3, None), "n256w4s2": (256, 4, 2, None), "n256w8s2": (256, 8, 2, None)}
+TILES: dict = {"base": None, "n64w4s1": (64, 4, 1, None), "n128w4s1": (128, 4, 1, None),
+               "n128w4s2": (128, 4, 2, None), "n128w4s3": (128, 4, 3, None), "n128w4s1p8": (128, 4, 1, 8),
+               "n128w8s1": (128, 8, 1, None), "n256w4s1": (256, 4, 1, None), "n256w8s1": (256, 8, 1, None)}
 
 
 def _variants(kname: str) -> dict[str, dict]:

@@ -54,8 +54,8 @@ DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "spli
 # class of the launch, seqs x kv_heads below the SMs ("few") or not ("many")
 # (`kernels.kv_quant_triton.fp8_overrides`; docs/ARCHITECTURE.md §4.6); one byte a value
 # halves a tile's bytes, so the key tiles are larger than bf16's
-DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 3},
-                             "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 3}}
+DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
+                             "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1}}
 
 
 @triton.jit

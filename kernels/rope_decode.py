@@ -62,8 +62,8 @@ ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, 
                               "max_seqs": None, "fused_merge": False, "fp8_dot": "q"}
 # an fp8_e4m3 cache: overrides of ROPE_DECODE_DEFAULTS (under the caller's decode_config) by
 # the launch's class, as kernels.attention_triton.DECODE_FP8_DEFAULTS (docs/ARCHITECTURE.md §4.6)
-ROPE_DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 3},
-                                  "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 3}}
+ROPE_DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
+                                  "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 2}}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
 
