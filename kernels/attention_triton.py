@@ -52,8 +52,12 @@ DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "spli
                          "multi_query": True, "programs_per_sm": 4, "fp8_dot": "q"}
 # an fp8_e4m3 cache: overrides of DECODE_DEFAULTS (under the caller's decode_config) by the
 # class of the launch, seqs x kv_heads below the SMs ("few") or not ("many")
-# (`kernels.kv_quant_triton.fp8_overrides`; docs/ARCHITECTURE.md §4.6); one byte a value
-# halves a tile's bytes, so the key tiles are larger than bf16's
+# (`kernels.kv_quant_triton.fp8_overrides`; docs/ARCHITECTURE.md §4.6). Picked by
+# benchmarks/kv_quant_attention.py --variants (H200, Llama-3.1-8B heads, one run, 27 variants;
+# benchmarks/results/2026-12-02_h200_kv_quant_attention_variants.json): fp16 dots, 128-key
+# tiles, 4 warps and one stage (no software pipelining) were best in every case, bf16 / fp8
+# 1.06 / 1.04 at 8K / 32K batch 1 and 1.24 / 1.25 at batch 64; 3 stages 0.82-0.97, 8 warps
+# 0.57-0.68, the "q" format (bf16 dots) 0.98-1.00, "fp16_bits" 0.98-1.17 at one stage.
 DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
                              "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1}}
 
