@@ -21,6 +21,15 @@ rewrites its KV.
 --fused-layers off keeps the norms as their own kernels at one row;
 --gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
+--variants A B A B ... runs one runner's graphs TPOT once per named variant, in that order,
+the decode graphs recaptured for each (one model load for an A/B; the eager mode is then not
+run). Variants (`VARIANTS`): "in_place" (the defaults: a hybrid's decode updates its state
+slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row projections up to
+kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the step's states
+gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
+one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
+earlier projection routing) and "in_place_bv32" (in place, 32 value columns and 4 warps a
+program of the recurrent kernel instead of 8 and 1).
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
 bytes held (fp8 projections, the bf16 embedding, lm_head and norms). --quantization awq / gptq
@@ -30,6 +39,7 @@ loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A1
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
+       [--variants gathered in_place gathered in_place]
 """
 
 from __future__ import annotations
@@ -47,7 +57,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gemv, pdl, rope_decode  # noqa: E402
+from kernels import gdn_decode, gemv, linear, norm, pdl, rope_decode  # noqa: E402
+from services.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
@@ -56,6 +68,24 @@ from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
+# --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
+# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps)
+KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
+         "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"]}
+VARIANTS = {"in_place": {},
+            "gathered": {"in_place_decode": False, "gated_norm_triton": False,
+                         "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
+            "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
+            "in_place_bv32": {"block_v": 32, "rec_warps": 4}}  # one warp would spill (ptxas, sm90)
+
+
+def set_knobs(name: str) -> dict:
+    """Set the knobs of variant `name` (the others at KNOBS' values); returns them."""
+    k = {**KNOBS, **VARIANTS[name]}
+    gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
+    linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
+    gdn_decode.TUNING.update(block_v=k["block_v"], rec_warps=k["rec_warps"])
+    return k
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -123,6 +153,28 @@ def decode_steps(runner, prompt, table, steps, replay_table) -> tuple[list[float
     return walls, gpus
 
 
+def run_variants(runner, names, max_num_seqs, prompt, table, replay_table, steps, roof) -> list[dict]:
+    """Graphs TPOT per variant of `VARIANTS`, in the order named: set the variant's knobs,
+    recapture the decode graphs (the old ones freed first), warm up, time `steps` steps.
+    The knobs are left at the last variant's."""
+    out = []
+    for name in names:
+        knobs = set_knobs(name)
+        runner.graphs = runner._last_kept = None  # the old graphs (and their pool) go
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        runner.graphs = DecodeGraphs(runner._graph_forward, max_num_seqs, runner.max_model_len, runner.block_size,
+                                     runner.device, runner.state_cache)
+        decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
+        walls, gpus = decode_steps(runner, prompt, table, steps, replay_table)
+        tpot, gpu = statistics.median(walls), statistics.median(gpus)
+        out.append({"variant": name, **knobs, "capture_seconds": round(runner.graphs.capture_seconds, 3),
+                    "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
+                    "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="qwen3-0.6b")
@@ -152,6 +204,9 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["none", "fp8", "awq", "gptq"], default="none",
                     help="weights: bf16 (none), fp8 e4m3 quantized at load (kernels/fp8_linear.py), or awq / "
                          "gptq: random packed 4-bit weights, group 128 (W4A16, kernels/w4a16_linear.py)")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
+                    help="graphs TPOT once per variant, in this order, recapturing the graphs (e.g. gathered "
+                         "in_place gathered in_place: an A/B in one model load); no eager run then")
     a = ap.parse_args()
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
     if a.moe_launches == "torch":
@@ -187,8 +242,13 @@ def main() -> None:
     bytes_per_token = roof_bytes["total"]
     roof = bytes_per_token / bw
     res.update(bytes_per_token=bytes_per_token, roofline_bytes=roof_bytes, roofline_ms=round(roof * 1e3, 4))
+    if a.variants:
+        if runner.graphs is None:
+            raise SystemExit("--variants needs CUDA graphs")
+        res["variants"] = run_variants(runner, a.variants, cli["max_num_seqs"], prompt, table, replay_table,
+                                       a.steps, roof)
     graphs = runner.graphs
-    for mode in (["graphs"] if graphs else []) + ["eager"]:
+    for mode in ((["graphs"] if graphs else []) + ["eager"]) if not a.variants else []:
         runner.graphs = graphs if mode == "graphs" else None
         decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
         walls, gpus = decode_steps(runner, prompt, table, a.steps, replay_table)

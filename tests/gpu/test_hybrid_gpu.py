@@ -1,6 +1,6 @@
 """A hybrid model (Qwen3-Next: gated DeltaNet + gated attention + MoE) end to end on CUDA:
-the GPU path (fla's chunked and fused-recurrent gated delta rule, the fused MoE Triton
-kernel, the Triton attention) against Kestrel's CPU path (torch references), which the CI
+the GPU path (fla's chunked gated delta rule for prefill, kernels/gdn_decode.py's in-place
+decode kernels, the fused MoE Triton kernel, the Triton attention) against Kestrel's CPU path (torch references), which the CI
 parity tests hold to transformers (tests/parity/test_qwen3_next_parity.py). Transformers
 is not the truth here because, with fla-core installed, its Qwen3-Next takes fla's Triton
 kernels on CPU tensors too.
