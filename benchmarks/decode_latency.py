@@ -19,7 +19,8 @@ rewrites its KV.
 
 --pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
 --fused-layers off keeps the norms as their own kernels at one row;
---gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
+--gemv-plans takes the plans gemv_sweep.py found (--w4-plans those of w4a16_sweep.py, for the
+W4A16 decode kernels); --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
 --variants A B A B ... runs one runner's graphs TPOT once per named variant, in that order,
 the decode graphs recaptured for each (one model load for an A/B; the eager mode is then not
@@ -38,6 +39,7 @@ loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A1
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
+       [--w4-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
        [--variants gathered in_place gathered in_place]
 """
@@ -57,7 +59,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gdn_decode, gemv, linear, norm, pdl, rope_decode  # noqa: E402
+from kernels import gdn_decode, gemv, linear, norm, pdl, rope_decode, w4a16_gemv  # noqa: E402
 from services.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
@@ -193,6 +195,8 @@ def main() -> None:
                     help="the one-row matrix-vector kernel (kernels.gemv) for batch-1 projections")
     ap.add_argument("--gemv-plans", default=None,
                     help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
+    ap.add_argument("--w4-plans", default=None,
+                    help="JSON whose 'plans' are {'M,N,K': config} for kernels.w4a16_gemv.PLANS (w4a16_sweep.py --out)")
     ap.add_argument("--fused-layers", choices=["on", "off"], default="on",
                     help="the fused decoder layer at one row (services.worker.fusion.FUSE_ONE_ROW: norms and residual "
                          "adds inside the gemv projections)")
@@ -219,6 +223,11 @@ def main() -> None:
         with open(a.gemv_plans) as fh:
             for key, plan in json.load(fh).items():
                 gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
+    if a.w4_plans:
+        with open(a.w4_plans) as fh:
+            for key, cfg in json.load(fh)["plans"].items():
+                m, n, k = (int(v) for v in key.split(","))
+                w4a16_gemv.PLANS[(m, n, k)] = cfg
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 4096,
            "gpu_memory_utilization": a.gpu_memory_utilization, "quantization": a.quantization}
@@ -234,7 +243,8 @@ def main() -> None:
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
            "quantization": a.quantization, "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv,
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
-           "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
+           "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
+           "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()}}
     # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
     # mean context (K and V, every attention layer) + a hybrid's recurrent state, read and
     # written per layer
