@@ -9,7 +9,8 @@ graph; time per launch = median replay time / L (`kernel_sweep.graph_time`) of
 - bf16: `kernels.linear.linear` (the model's dispatcher: `kernels.gemv` at one row, the
   skinny kernel or cuBLAS beyond), the baseline of the same run;
 - W4A16: `w4a16_gemv.w4_gemv_triton` with each launch variant (a config of
-  `w4a16_gemv.CONFIG_KEYS`: tiles, warps, pipeline stages, K split, split sum, PDL), the
+  `w4a16_gemv.CONFIG_KEYS`: tiles, warps, pipeline stages, K split, split sum, PDL, the
+  dot kernel's dequantization), the
   heuristic default ("default") first; random packed weights, group 128
   (`W4Weight.random`, as the decode benchmark's dummy awq weights).
 Per row: us, GB/s (the bytes a launch must read: packed values, scales and zeros for W4A16,
@@ -69,7 +70,8 @@ def per_launch_us(fn, items: list) -> float:
 def variants(m: int, n: int, k: int, quick: bool) -> list[tuple[str, dict]]:
     """(name, config) launch variants of w4_gemv_triton for x [m, k], W [n, k]: the default
     first, then each tile config at the heuristic's split, half and twice it; for the
-    default tiles also the second-kernel split sum and no PDL."""
+    default tiles also the second-kernel split sum, no PDL and (2+ rows) the dot kernel's
+    fp32 dequantization instead of the 16-bit magic numbers."""
     out: list[tuple[str, dict]] = [("default", {})]
     tiles = GEMV1_TILES if m == 1 else DOT_TILES
     for i, (bn, bk, nw, ns) in enumerate(tiles[:2] if quick else tiles):
@@ -78,9 +80,12 @@ def variants(m: int, n: int, k: int, quick: bool) -> list[tuple[str, dict]]:
         splits = sorted({max(1, auto // 2), auto, min(auto * 2, k // bk)})
         for sp in splits:
             out.append((f"bn{bn}_bk{bk}_w{nw}_s{ns}_sp{sp}", {**base, "split": sp}))
+        tag = f"bn{bn}_bk{bk}_w{nw}_s{ns}_sp{auto}"
         if i == 0 and auto > 1:
-            out.append((f"bn{bn}_bk{bk}_w{nw}_s{ns}_sp{auto}_sumkernel", {**base, "split": auto, "split_sum": "kernel"}))
-            out.append((f"bn{bn}_bk{bk}_w{nw}_s{ns}_sp{auto}_nopdl", {**base, "split": auto, "pdl": False}))
+            out.append((f"{tag}_sumkernel", {**base, "split": auto, "split_sum": "kernel"}))
+            out.append((f"{tag}_nopdl", {**base, "split": auto, "pdl": False}))
+        if i == 0 and m > 1:
+            out.append((f"{tag}_fp32dequant", {**base, "split": auto, "magic16": False}))
     return out
 
 

@@ -33,8 +33,9 @@ BLOCK_K divides G where a power of two >= 16 does (ONE_GROUP: one scale and zero
   shifted word with the 16-bit magic numbers 0x4300 / 0x6400 in both halves: 128 + q /
   1024 + q exactly. x's [16, BLOCK_K] tile is permuted the same way in registers; tl.dot
   (fp32 accumulation) takes the tile transposed, and the tile's product minus (128 or
-  1024) + z times the sum of x is scaled by s per column. fp32 x (and gathered groups)
-  take q - z (or (q - z) s) in fp32 from the magic number 2^23 instead, rounded to x's dtype.
+  1024) + z times the sum of x is scaled by s per column. fp32 x, gathered groups and
+  config magic16 False take q - z (or (q - z) s) in fp32 from the magic number 2^23
+  instead, rounded to x's dtype (exact for q - z).
 K splits (a grid too small to fill the GPU otherwise) store fp32 partials [SPLIT, M, N]; the
 last program of a column tile to arrive (acq_rel atomic on the shared counters of
 `kernels.device_info.tile_counters`, as `kernels.gemv`) sums them in split order
@@ -63,10 +64,11 @@ from kernels.pdl import launch_args, use_pdl
 GEMV1_DEFAULTS: dict = {"block_n": 128, "block_k": 64, "num_warps": 1, "num_stages": 3, "programs_per_sm": 8,
                         "max_split": 32, "split_sum": "atomic"}
 DOT_DEFAULTS: dict = {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
-                      "max_split": 16, "split_sum": "atomic"}
+                      "max_split": 16, "split_sum": "atomic", "magic16": True}
 # (rows bucket, N, K) -> config overrides (keys of CONFIG_KEYS); rows bucket: 1, 2, 4, 8, 16
 PLANS: dict[tuple[int, int, int], dict] = {}
-CONFIG_KEYS = ("block_n", "block_k", "split", "num_warps", "num_stages", "split_sum", "pdl")
+# magic16 (dot kernel): bf16 / fp16 pairs from the 16-bit magic numbers, else q - z in fp32
+CONFIG_KEYS = ("block_n", "block_k", "split", "num_warps", "num_stages", "split_sum", "pdl", "magic16")
 XA = 96  # x is scaled by 2^(XA - 4i) in the one-row kernel (module docstring)
 
 try:
@@ -108,7 +110,7 @@ def gemv_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
     one = m == 1 and pick_block_k(group_size, {**GEMV1_DEFAULTS, **(config or {})}["block_k"])[1]
     kern = "gemv1" if one else "dot"
     d = GEMV1_DEFAULTS if one else DOT_DEFAULTS
-    cfg: dict = {**d, "split": None, "pdl": None}
+    cfg: dict = {"magic16": True, **d, "split": None, "pdl": None}
     cfg.update(PLANS.get((rows_bucket(m), n, k), {}))
     cfg.update(config or {})
     bk, one_group = pick_block_k(group_size, cfg["block_k"])
@@ -223,25 +225,22 @@ if triton is not None:
                 1, N, N, pid_n, pid_k, HAS_BIAS, SPLIT, ATOMIC_SUM, BLOCK_N)
 
     @triton.jit
-    def _nibble_pair(u, zc, sg, zg, j: tl.constexpr, ONE_GROUP: tl.constexpr, DT: tl.constexpr):
+    def _nibble_pair(u, zc, sg, zg, j: tl.constexpr, MAGIC16: tl.constexpr, DT: tl.constexpr):
         """Nibbles j and j + 4 (j < 4) of the words u ([BLOCK_N, KP] uint32), joined ([BLOCK_N,
-        KP, 2]) in dtype DT. bf16 / fp16 with ONE_GROUP: 128 + q / 1024 + q exactly, both of a
-        word in one AND and OR (the 16-bit magic numbers 0x4300 / 0x6400 in each half: the
-        caller subtracts (128 or 1024) + z times the sum of x); else in fp32 (2^23 + q by the
-        magic 0x4B000000, minus 2^23 + z: q - z exactly; times sg per element without
-        ONE_GROUP), rounded to DT."""
+        KP, 2]) in dtype DT. MAGIC16 (bf16 / fp16, one group a tile): 128 + q / 1024 + q
+        exactly, both of a word in one AND and OR (the 16-bit magic numbers 0x4300 / 0x6400
+        in each half: the caller subtracts (128 or 1024) + z times the sum of x); else in fp32
+        (2^23 + q by the magic 0x4B000000, minus 2^23: q), then q - zc (one group a tile: sg
+        is None) or (q - zg) sg per element, rounded to DT."""
         v = u >> (4 * j) if j > 0 else u
-        if DT == tl.bfloat16 and ONE_GROUP:
-            v = (v & 0x000F000F) | 0x43004300
-        elif DT == tl.float16 and ONE_GROUP:
-            v = (v & 0x000F000F) | 0x64006400
-        if (DT == tl.bfloat16 or DT == tl.float16) and ONE_GROUP:
+        if MAGIC16:
+            v = (v & 0x000F000F) | (0x43004300 if DT == tl.bfloat16 else 0x64006400)
             lo = (v & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
             hi = (v >> 16).to(tl.uint16).to(DT, bitcast=True)
         else:
             lo = ((v & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
             hi = (((v >> 16) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            if ONE_GROUP:
+            if sg is None:
                 lo = (lo - zc).to(DT)
                 hi = (hi - zc).to(DT)
             else:
@@ -251,7 +250,7 @@ if triton is not None:
 
     @triton.jit
     def _dot_tile(acc, p, s, z, x_ptr, s_ptr, z_ptr, k0, k_hi, rn, nmask, rm, mmask, N, G, sx_m,
-                  KP: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+                  KP: tl.constexpr, ONE_GROUP: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr):
         """acc [16, BLOCK_N] plus x tile [16, 8 KP] @ W tile on tensor cores (module docstring).
         The tile is built [BLOCK_N, BLOCK_K] in registers, each word's 8 nibbles at 8
         consecutive positions 2j + h (nibble j + 4h: no data moves between halves of a
@@ -265,9 +264,10 @@ if triton is not None:
         # natural order 8r + 4h + j -> the tile's 8r + 2j + h
         xv = tl.reshape(tl.permute(tl.reshape(xn, (16, KP, 2, 4)), (0, 1, 3, 2)), (16, BLOCK_K))
         dt: tl.constexpr = xv.dtype
+        m16: tl.constexpr = MAGIC and ONE_GROUP and (dt == tl.bfloat16 or dt == tl.float16)
         zc = z[:, None]
         if ONE_GROUP:
-            sg = zc
+            sg = None
             zg = zc
         else:
             rkp = k0 // 8 + tl.arange(0, KP)
@@ -276,11 +276,11 @@ if triton is not None:
             sg = tl.load(s_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
             zg = tl.load(z_ptr + goff, mask=gmask, other=0).to(tl.float32)
         # [BN, KP, h, j0, j1] (j = j0 + 2 j1) -> [BN, KP, j1, j0, h] -> position 8r + 2j + h
-        wt = tl.join(tl.join(_nibble_pair(u, zc, sg, zg, 0, ONE_GROUP, dt), _nibble_pair(u, zc, sg, zg, 1, ONE_GROUP, dt)),
-                     tl.join(_nibble_pair(u, zc, sg, zg, 2, ONE_GROUP, dt), _nibble_pair(u, zc, sg, zg, 3, ONE_GROUP, dt)))
+        wt = tl.join(tl.join(_nibble_pair(u, zc, sg, zg, 0, m16, dt), _nibble_pair(u, zc, sg, zg, 1, m16, dt)),
+                     tl.join(_nibble_pair(u, zc, sg, zg, 2, m16, dt), _nibble_pair(u, zc, sg, zg, 3, m16, dt)))
         wt = tl.reshape(tl.permute(wt, (0, 1, 4, 3, 2)), (BLOCK_N, BLOCK_K))
         d = tl.dot(xv, tl.trans(wt))
-        if (dt == tl.bfloat16 or dt == tl.float16) and ONE_GROUP:
+        if m16:
             bias: tl.constexpr = 128.0 if dt == tl.bfloat16 else 1024.0
             d -= tl.sum(xn.to(tl.float32), axis=1)[:, None] * (z + bias)[None, :]
         if ONE_GROUP:
@@ -328,8 +328,8 @@ if triton is not None:
     @triton.jit
     def _w4_dot_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, sx_m, sy_m, k_per_split,
                        G: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_SUM: tl.constexpr,
-                       ONE_GROUP: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       ONE_GROUP: tl.constexpr, EVEN: tl.constexpr, MAGIC16: tl.constexpr, USE_PDL: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # grid (N tiles, K splits); x [M, K] (M <= 16), y [M, N]; ws [SPLIT, M, N] fp32 partials;
         # cnt: int32 per N tile (ATOMIC_SUM). EVEN: N % BLOCK_N == 0 and whole K tiles (no masks)
         pid_n = tl.program_id(0)
@@ -349,13 +349,13 @@ if triton is not None:
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
         acc = _dot_tile(tl.zeros([16, BLOCK_N], tl.float32), p, s, z, x_ptr, s_ptr, z_ptr, k_lo, k_hi, rn, nmask,
-                        rm, mmask, N, G, sx_m, KP, ONE_GROUP, BLOCK_N)
+                        rm, mmask, N, G, sx_m, KP, ONE_GROUP, MAGIC16, BLOCK_N)
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             qw += KP * N
             p, s, z = _load_t(qw, s_ptr + (k0 // G) * N + rn, z_ptr + (k0 // G) * N + rn,
                               k0 // 8 + tl.arange(0, KP) < k_hi // 8, nmask, EVEN, ONE_GROUP)
             acc = _dot_tile(acc, p, s, z, x_ptr, s_ptr, z_ptr, k0, k_hi, rn, nmask, rm, mmask, N, G, sx_m,
-                            KP, ONE_GROUP, BLOCK_N)
+                            KP, ONE_GROUP, MAGIC16, BLOCK_N)
         _finish(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rm, mmask, rn, nmask, M, N, sy_m, pid_n, pid_k,
                 HAS_BIAS, SPLIT, ATOMIC_SUM, BLOCK_N)
 
@@ -425,7 +425,7 @@ if triton is not None:
         else:
             _w4_dot_kernel[(n_tiles, sp)](x, qweight, zeros, scales, b, y, ws, cnt, m, n, k, x.stride(0),
                                           y.stride(0), c["k_per_split"], G=group_size, ONE_GROUP=c["one_group"],
-                                          EVEN=c["one_group"] and n % bn == 0, **common)
+                                          EVEN=c["one_group"] and n % bn == 0, MAGIC16=bool(c["magic16"]), **common)
         if sp > 1 and not atomic:
             blk = 1024
             _w4_split_sum_kernel[(m, _cdiv(n, blk))](ws, b, y, m, n, y.stride(0), sp, HAS_BIAS=bias is not None,

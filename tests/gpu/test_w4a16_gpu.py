@@ -6,7 +6,8 @@ kernels/w4a16_gemm.py; docs/ARCHITECTURE.md §6.4):
   per-channel group and a group size that needs gathered scales, against
   `w4a16_linear_ref` (fp32 product of the dequantized weight), with forced K splits (both
   split sums, the in-kernel one and the second kernel's, giving the same bits), with and
-  without programmatic dependent launch, and the dispatcher's choice by M;
+  without programmatic dependent launch, the dot kernel with its fp32 dequantization
+  instead of the bf16 magic numbers, and the dispatcher's choice by M;
 - all of them in a CUDA graph: replays equal eager;
 - a tiny AWQ checkpoint (tests/unit/test_w4a16_checkpoint.py's writer) found from its
   config.json on CUDA (--quantization none): packed weights, logits against its meaning in bf16;
@@ -71,6 +72,10 @@ def test_kernels_match_reference(m, n, k, g, record_property):
                     other = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias,
                                                       config={"split": split, **cfg})
                     assert torch.equal(other, got), cfg
+            if m > 1:  # the dot kernel's fp32 dequantization instead of the bf16 magic numbers
+                alt = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias,
+                                                config={"split": split, "magic16": False})
+                assert rel(alt, want) < TOL
     else:
         assert rel(w4a16_gemm.w4_gemm_triton(x, w.qweight, w.zeros, w.scales, g, bias,
                                              tuning={"block_m": 32, "block_n": 128, "block_k": 32}), want) < TOL

@@ -2,7 +2,8 @@
 `kernels.w4a16_linear.w4a16_linear_ref` under the Triton interpreter on CPU tensors (no GPU
 needed): the one-row kernel (one group a tile, a forced ragged K split, per channel, a ragged
 N with 27 splits; bf16 x as int32 pairs), the dot kernel (gathered scales for a group size of
-24 at 1 and 8 rows, per channel, 2..16 rows split and not, ragged N), the GEMM kernel at 37
+24 at 1 and 8 rows, per channel, 2..16 rows split and not, ragged N, the fp32 dequantization
+instead of the 16-bit magic numbers), the GEMM kernel at 37
 and 70 rows, AWQ and GPTQ weights, with and without bias; and the K splits' two sums (in the
 kernel, by the last program to arrive; by a second kernel) giving the same bits.
 
@@ -25,7 +26,7 @@ pytest.importorskip("triton")
 
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 6e-3}
 CASES = ["m1_g32_awq", "m1_split3_gptq", "m1_g24_gather", "m1_perchannel", "m1_ragged_n_split27",
-         "m2_perchannel_dot", "m3_ragged_split3_dot", "m5_awq", "m8_g24_gather_dot", "m16_gptq",
+         "m2_perchannel_dot", "m3_ragged_split3_dot", "m5_awq", "m5_fp32_dequant_dot", "m8_g24_gather_dot", "m16_gptq",
          "m37_gemm_awq", "m70_gemm_g24"]
 BF16 = ["m1_g32_awq", "m1_split3_gptq", "m1_perchannel", "m1_ragged_n_split27"]
 SPLIT = ["m1_split3_gptq", "m1_g24_gather", "m1_ragged_n_split27", "m3_ragged_split3_dot", "m5_awq",

@@ -36,7 +36,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # name, M, N, K, group size, format, kernel ("gemv" / "gemm"), config: one row through the
 # one-row kernel (one group a tile, a forced ragged split, per channel G = K, a ragged N with
 # 27 splits), through the dot kernel (a group size no power of two >= 16 divides: gathered
-# scales), 2..16 rows (the dot kernel: split and not, per channel, gathered), larger M
+# scales), 2..16 rows (the dot kernel: split and not, per channel, gathered, the fp32
+# dequantization instead of the 16-bit magic numbers), larger M
 # through the GEMM kernel (ragged tiles)
 CASES = [
     ("m1_g32_awq", 1, 40, 256, 32, "awq", "gemv", {}),
@@ -47,6 +48,7 @@ CASES = [
     ("m2_perchannel_dot", 2, 48, 256, 256, "gptq", "gemv", {"block_n": 32}),
     ("m3_ragged_split3_dot", 3, 104, 384, 128, "awq", "gemv", {"split": 3, "block_n": 64, "block_k": 64}),
     ("m5_awq", 5, 40, 256, 64, "awq", "gemv", {"split": 2}),
+    ("m5_fp32_dequant_dot", 5, 40, 256, 64, "awq", "gemv", {"split": 2, "magic16": False}),
     ("m8_g24_gather_dot", 8, 48, 192, 24, "gptq", "gemv", {"split": 2}),
     ("m16_gptq", 16, 24, 128, 32, "gptq", "gemv", {"split": 1}),
     ("m37_gemm_awq", 37, 72, 256, 128, "awq", "gemm", {}),
