@@ -19,7 +19,8 @@ rewrites its KV.
 
 --pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
 --fused-layers off keeps the norms as their own kernels at one row;
---gemv-plans takes the plans gemv_sweep.py found; --rope-decode off runs the rotary kernel
+--gemv-plans takes the plans gemv_sweep.py found (--w4-plans those of w4a16_sweep.py, for the
+W4A16 decode kernels); --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
 --ab old new [--ab-rounds 2] measures graphs TPOT only, in one process, for each round the
 variants named in turn (A B A B), the decode graphs captured again before each
@@ -30,6 +31,16 @@ decode attention's second merge launch (the path before the decode fusion), new 
 three-launch MoE decode path (`kernels.moe.DECODE_FUSED`) and the in-kernel merge
 (fused_merge), moe / merge = one of the two alone. The JSON's "ab" lists every round,
 "ab_median" the median per variant; the file is rewritten after each round.
+--variants A B A B ... runs one runner's graphs TPOT once per named variant, in that order,
+the decode graphs recaptured for each (one model load for an A/B; the eager mode is then not
+run). Variants (`VARIANTS`): "in_place" (the defaults: a hybrid's decode updates its state
+slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row projections up to
+kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the step's states
+gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
+one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
+earlier projection routing) and "in_place_bv32" (in place, 32 value columns and 4 warps a
+program of the recurrent kernel instead of 8 and 1).
+--variants and --ab are exclusive (both re-capture the graphs, `ModelRunner.recapture_graphs`).
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
 bytes held (fp8 projections, the bf16 embedding, lm_head and norms). --quantization awq / gptq
@@ -38,8 +49,10 @@ loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A1
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
+       [--w4-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
        [--ab old new moe merge ...] [--ab-rounds 2]
+       [--variants gathered in_place gathered in_place]
 """
 
 from __future__ import annotations
@@ -57,7 +70,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gemv, moe, pdl, rope_decode  # noqa: E402
+from kernels import gdn_decode, gemv, linear, moe, norm, pdl, rope_decode, w4a16_gemv  # noqa: E402
+from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
@@ -74,6 +88,26 @@ def apply_variant(name: str) -> None:
     """Set the switches of an --ab variant (read when the decode graphs are captured)."""
     moe.DECODE_FUSED, fused = AB_VARIANTS[name]
     rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = fused
+
+
+# --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
+# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps)
+KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
+         "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"]}
+VARIANTS = {"in_place": {},
+            "gathered": {"in_place_decode": False, "gated_norm_triton": False,
+                         "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
+            "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
+            "in_place_bv32": {"block_v": 32, "rec_warps": 4}}  # one warp would spill (ptxas, sm90)
+
+
+def set_knobs(name: str) -> dict:
+    """Set the knobs of variant `name` (the others at KNOBS' values); returns them."""
+    k = {**KNOBS, **VARIANTS[name]}
+    gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
+    linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
+    gdn_decode.TUNING.update(block_v=k["block_v"], rec_warps=k["rec_warps"])
+    return k
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -141,6 +175,25 @@ def decode_steps(runner, prompt, table, steps, replay_table) -> tuple[list[float
     return walls, gpus
 
 
+def run_variants(runner, names, prompt, table, replay_table, steps, roof) -> list[dict]:
+    """Graphs TPOT per variant of `VARIANTS`, in the order named: set the variant's knobs,
+    recapture the decode graphs (the old ones freed first), warm up, time `steps` steps.
+    The knobs are left at the last variant's."""
+    out = []
+    for name in names:
+        knobs = set_knobs(name)
+        torch.cuda.synchronize()
+        runner.recapture_graphs()  # the old graphs (and their pool) go first
+        decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
+        walls, gpus = decode_steps(runner, prompt, table, steps, replay_table)
+        tpot, gpu = statistics.median(walls), statistics.median(gpus)
+        out.append({"variant": name, **knobs, "capture_seconds": round(runner.graphs.capture_seconds, 3),
+                    "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
+                    "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="qwen3-0.6b")
@@ -160,6 +213,8 @@ def main() -> None:
                     help="the one-row matrix-vector kernel (kernels.gemv) for batch-1 projections")
     ap.add_argument("--gemv-plans", default=None,
                     help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
+    ap.add_argument("--w4-plans", default=None,
+                    help="JSON whose 'plans' are {'M,N,K': config} for kernels.w4a16_gemv.PLANS (w4a16_sweep.py --out)")
     ap.add_argument("--fused-layers", choices=["on", "off"], default="on",
                     help="the fused decoder layer at one row (services.worker.fusion.FUSE_ONE_ROW: norms and residual "
                          "adds inside the gemv projections)")
@@ -175,7 +230,12 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["none", "fp8", "awq", "gptq"], default="none",
                     help="weights: bf16 (none), fp8 e4m3 quantized at load (kernels/fp8_linear.py), or awq / "
                          "gptq: random packed 4-bit weights, group 128 (W4A16, kernels/w4a16_linear.py)")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
+                    help="graphs TPOT once per variant, in this order, recapturing the graphs (e.g. gathered "
+                         "in_place gathered in_place: an A/B in one model load); no eager run then")
     a = ap.parse_args()
+    if a.ab and a.variants:
+        ap.error("--ab and --variants are exclusive")
     pdl.ENABLED, gemv.ENABLED, rope_decode.ENABLED = a.pdl == "on", a.gemv == "on", a.rope_decode == "on"
     if a.moe_launches == "torch":
         from kernels import moe_triton
@@ -188,6 +248,11 @@ def main() -> None:
         with open(a.gemv_plans) as fh:
             for key, plan in json.load(fh).items():
                 gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
+    if a.w4_plans:
+        with open(a.w4_plans) as fh:
+            for key, cfg in json.load(fh)["plans"].items():
+                m, n, k = (int(v) for v in key.split(","))
+                w4a16_gemv.PLANS[(m, n, k)] = cfg
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8, "max_num_batched_tokens": 2048, "max_model_len": 4096,
            "gpu_memory_utilization": a.gpu_memory_utilization, "quantization": a.quantization}
@@ -205,7 +270,8 @@ def main() -> None:
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
            "moe_decode_fused": moe.DECODE_FUSED,
            "fused_merge": (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS)["fused_merge"],
-           "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()}}
+           "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
+           "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()}}
     # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
     # mean context (K and V, every attention layer) + a hybrid's recurrent state, read and
     # written per layer
@@ -216,8 +282,13 @@ def main() -> None:
     if a.ab:
         run_ab(runner, a, res, prompt, table, replay_table, roof)
         return
+    if a.variants:
+        if runner.graphs is None:
+            raise SystemExit("--variants needs CUDA graphs")
+        res["variants"] = run_variants(runner, a.variants, prompt, table, replay_table,
+                                       a.steps, roof)
     graphs = runner.graphs
-    for mode in (["graphs"] if graphs else []) + ["eager"]:
+    for mode in ((["graphs"] if graphs else []) + ["eager"]) if not a.variants else []:
         runner.graphs = graphs if mode == "graphs" else None
         decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
         walls, gpus = decode_steps(runner, prompt, table, a.steps, replay_table)

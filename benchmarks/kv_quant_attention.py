@@ -14,17 +14,29 @@ fp8 output's relative error against the bf16 one on the same K/V (quantization o
 1.0 on N(0, 1) data), and the KV capacity in tokens of `--kv-gib` GiB for Llama-3.1-8B
 (`shared.kv_layout.KVLayout`, all 32 layers).
 
+The fp8 kernels run with their fp8 defaults (`DECODE_FP8_DEFAULTS`,
+`ROPE_DECODE_FP8_DEFAULTS`: a config by the launch's class, seqs x kv_heads below the SMs
+"few", else "many"). --variants also times every fp8 variant in the same run, each kernel's
+fp8 dot format (`kernels.kv_quant_triton.FP8_DOTS`: "q" widens to bf16, "fp16", "fp16_bits")
+crossed with key tiles (TILES: "base" the kernel's bf16 tiles, else block_n / num_warps /
+num_stages), each with its bf16 / fp8 ratio and its output's relative error against the
+bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
+kernel and class the variant of the best geometric-mean ratio ("best": what to put in the
+FP8 defaults tables).
+
 Writes <--out>/kv_quant_attention.json (--out: a folder, made if missing) and prints it.
 Usage: python benchmarks/kv_quant_attention.py [--out DIR] [--contexts 8192 32768]
-       [--batches 1 64] [--reps 10] [--replays 5] [--kv-gib 40]
+       [--batches 1 64] [--reps 10] [--replays 5] [--kv-gib 40] [--variants]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +46,28 @@ from benchmarks.common import device_name, emit_json, model_dir  # noqa: E402
 
 H, KVH, D, BS = 32, 8, 128, 16
 MIN_ROUND_BYTES = 512 << 20
+KERNELS = ("decode_kernel", "rope_decode_kernel")
+# key tiles of the --variants sweep: (block_n, num_warps, num_stages, programs_per_sm or None for
+# the kernel's own); "base": the kernel's bf16 ones
+TILES: dict = {"base": None, "n64w4s1": (64, 4, 1, None), "n128w4s1": (128, 4, 1, None),
+               "n128w4s2": (128, 4, 2, None), "n128w4s3": (128, 4, 3, None), "n128w4s1p8": (128, 4, 1, 8),
+               "n128w8s1": (128, 8, 1, None), "n256w4s1": (256, 4, 1, None), "n256w8s1": (256, 8, 1, None)}
+
+
+def _variants(kname: str) -> dict[str, dict]:
+    """name -> the decode_config of each fp8 variant of a kernel (module doc)."""
+    from kernels import attention_triton as at
+    from kernels import rope_decode
+    from kernels.kv_quant_triton import FP8_DOTS
+
+    base = at.DECODE_DEFAULTS if kname == "decode_kernel" else rope_decode.ROPE_DECODE_DEFAULTS
+    out = {}
+    for dot in FP8_DOTS:
+        for tname, tile in TILES.items():
+            bn, nw, ns, pps = tile or (base["block_n"], base["num_warps"], base["num_stages"], None)
+            out[f"{dot}/{tname}"] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns,
+                                     "programs_per_sm": pps or base["programs_per_sm"]}
+    return out
 
 
 def _capacity(kv_gib: float) -> dict:
@@ -77,7 +111,7 @@ def _time_graph(fn, reps: int, replays: int) -> float:
     return statistics.median(times)
 
 
-def _case(ctx: int, batch: int, reps: int, replays: int) -> dict:
+def _case(ctx: int, batch: int, reps: int, replays: int, variants: bool) -> dict:
     from kernels import kv_quant, rope_decode, rotary
     from kernels import attention_triton as at
 
@@ -102,36 +136,71 @@ def _case(ctx: int, batch: int, reps: int, replays: int) -> dict:
     shape = (batch * nb_seq, BS, KVH, D)
     bf16 = [(torch.randn(shape, device=dev, generator=g, dtype=torch.bfloat16),
              torch.randn(shape, device=dev, generator=g, dtype=torch.bfloat16)) for _ in range(layers)]
-    for name in ("bf16", "fp8_e4m3"):
-        # the fp8 caches hold the bf16 ones' values, rounded to e4m3 (scale 1.0: N(0, 1) data)
-        caches = bf16 if name == "bf16" else [(kv_quant.quantize_fp8(k, one), kv_quant.quantize_fp8(v, one))
-                                              for k, v in bf16]
-        scales = (one, one) if name == "fp8_e4m3" else (None, None)
 
-        def attn(caches=caches, scales=scales):
+    def call(kname, kc, vc, scales, cfg):
+        if kname == "decode_kernel":
+            return at.paged_attention_triton(q, kc, vc, cu, sl, bt, D ** -0.5, 1, ctx, cfg, *scales)
+        return rope_decode.rope_decode_triton(q, k_new, v_new, pos, table, kc, vc, slots, sl, bt, D ** -0.5, ctx,
+                                              None, None, 1e-6, cfg, *scales)
+
+    def timed(kname, name, caches, scales, cfg=None) -> dict:
+        def fn():
             for kc, vc in caches:
-                at.paged_attention_triton(q, kc, vc, cu, sl, bt, D ** -0.5, 1, ctx, None, *scales)
+                call(kname, kc, vc, scales, cfg)
+        us = 1000 * _time_graph(fn, reps, replays) / (reps * layers)
+        return {"us_per_call": round(us, 2), "gb_per_s": round(res["kv_bytes_per_call"][name] / us / 1e3, 1)}
 
-        def fused(caches=caches, scales=scales):
-            for kc, vc in caches:
-                rope_decode.rope_decode_triton(q, k_new, v_new, pos, table, kc, vc, slots, sl, bt, D ** -0.5, ctx,
-                                               None, None, 1e-6, None, *scales)
-
-        outs[name] = at.paged_attention_triton(q, *caches[0], cu, sl, bt, D ** -0.5, 1, ctx, None, *scales).float()
-        for kname, fn in (("decode_kernel", attn), ("rope_decode_kernel", fused)):
-            ms = _time_graph(fn, reps, replays)
-            us = 1000 * ms / (reps * layers)
-            res.setdefault(kname, {})[name] = {"us_per_call": round(us, 2),
-                                               "gb_per_s": round(res["kv_bytes_per_call"][name] / us / 1e3, 1)}
-        del caches
-    del bf16
-    torch.cuda.empty_cache()
-    for kname in ("decode_kernel", "rope_decode_kernel"):
+    # the fp8 caches hold the bf16 ones' values, rounded to e4m3 (scale 1.0: N(0, 1) data)
+    fp8 = [(kv_quant.quantize_fp8(k, one), kv_quant.quantize_fp8(v, one)) for k, v in bf16]
+    for name, caches, scales in (("bf16", bf16, (None, None)), ("fp8_e4m3", fp8, (one, one))):
+        outs[name] = call("decode_kernel", *caches[0], scales, None).float()
+        for kname in KERNELS:
+            res.setdefault(kname, {})[name] = timed(kname, name, caches, scales)
+    for kname in KERNELS:
         r = res[kname]
         r["bf16_over_fp8"] = round(r["bf16"]["us_per_call"] / r["fp8_e4m3"]["us_per_call"], 3)
+        ref = outs["bf16"] if kname == "decode_kernel" else call(kname, *bf16[0], (None, None), None).float()
+        if variants:
+            r["variants"] = {}
+            for vname, cfg in _variants(kname).items():
+                v = timed(kname, "fp8_e4m3", fp8, (one, one), cfg)
+                v["bf16_over_fp8"] = round(r["bf16"]["us_per_call"] / v["us_per_call"], 3)
+                got = call(kname, *fp8[0], (one, one), cfg).float()
+                v["rel_err_vs_bf16"] = round(float((got - ref).norm() / ref.norm()), 5)
+                r["variants"][vname] = v
+    del bf16, fp8
+    torch.cuda.empty_cache()
     # the caches differ only by the fp8 rounding of the same N(0, 1) values
     res["fp8_vs_bf16_output_rel_err"] = float((outs["fp8_e4m3"] - outs["bf16"]).norm() / outs["bf16"].norm())
     return res
+
+
+def _best(cases: list[dict]) -> dict:
+    """Per kernel and launch class (seqs x kv_heads below the SMs: "few", else "many"), the
+    variant of the best geometric mean of bf16 / fp8 over the class's cases, with its
+    ratios, and the defaults' geometric mean beside it."""
+    from kernels.device_info import num_sms
+
+    sms = num_sms(torch.device("cuda"))
+    out: dict = {}
+    for kname in KERNELS:
+        for cls in ("few", "many"):
+            mine = [c for c in cases if (c["batch"] * KVH < sms) == (cls == "few") and "variants" in c[kname]]
+            if not mine:
+                continue
+
+            def gmean(xs):
+                return round(math.exp(sum(math.log(x) for x in xs) / len(xs)), 3)
+
+            names = list(mine[0][kname]["variants"])
+            scored = {n: gmean([c[kname]["variants"][n]["bf16_over_fp8"] for c in mine]) for n in names}
+            top = max(scored, key=lambda n: scored[n])
+            out.setdefault(kname, {})[cls] = {
+                "variant": top, "gmean_bf16_over_fp8": scored[top],
+                "ratios": {f"{c['context']}x{c['batch']}": c[kname]["variants"][top]["bf16_over_fp8"] for c in mine},
+                "defaults_gmean_bf16_over_fp8": gmean([c[kname]["bf16_over_fp8"] for c in mine]),
+                "ranking": sorted(scored.items(), key=lambda kv: -kv[1])[:6]}
+    return out
 
 
 def main() -> None:
@@ -142,7 +211,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--kv-gib", type=float, default=40.0)
+    ap.add_argument("--variants", action="store_true", help="time every fp8 variant too (module doc)")
     args = ap.parse_args()
+    t0 = time.time()
     result: dict = {"benchmark": "kv_quant_attention", "device": device_name(),
                     "shape": {"num_heads": H, "num_kv_heads": KVH, "head_dim": D, "block_size": BS},
                     "kv_capacity": {"kv_gib": args.kv_gib, **_capacity(args.kv_gib)}, "cases": []}
@@ -151,8 +222,16 @@ def main() -> None:
     else:
         for ctx in args.contexts:
             for b in args.batches:
-                result["cases"].append(_case(ctx, b, args.reps, args.replays))
-                print(result["cases"][-1], flush=True)
+                result["cases"].append(_case(ctx, b, args.reps, args.replays, args.variants))
+                print({k: v for k, v in result["cases"][-1].items() if k not in KERNELS},
+                      {k: result["cases"][-1][k]["bf16_over_fp8"] for k in KERNELS}, flush=True)
+        if args.variants:
+            result["best"] = _best(result["cases"])
+        from kernels import attention_triton, rope_decode
+
+        result["fp8_defaults"] = {"decode_kernel": attention_triton.DECODE_FP8_DEFAULTS,
+                                  "rope_decode_kernel": rope_decode.ROPE_DECODE_FP8_DEFAULTS}
+    result["wall_s"] = round(time.time() - t0, 1)
     path = None
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -8,7 +8,9 @@ Diagnostic, not a target benchmark. Writes JSON to --out and prints a table. Wit
 programmatic dependent launch (`kernels.pdl`, on by default) a kernel starts before the one
 before it ends and waits inside, so its profiled time includes that wait: `--pdl off` gives
 each kernel's own time.
-Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--out FILE]
+--decode-fusion on profiles the MoE decode path and the in-kernel split merge (off by default).
+Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--parts all|b1]
+       [--decode-fusion on|off] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
+from kernels import attention_triton as at  # noqa: E402
 from kernels import moe, pdl, rope_decode, sampling, sampling_noise  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from shared.config import build_config  # noqa: E402
@@ -123,8 +126,14 @@ def main() -> None:
                     help="the runner's share of GPU memory; a 61 GB MoE shape needs about 0.8")
     ap.add_argument("--pdl", choices=["on", "off"], default="on")
     ap.add_argument("--parts", choices=["all", "b1"], default="all")
+    ap.add_argument("--decode-fusion", choices=["on", "off"], default="off",
+                    help="on: the MoE decode path (kernels.moe.DECODE_FUSED) and the decode kernels' in-kernel "
+                         "split merge (fused_merge), both off by default (docs/ARCHITECTURE.md §6.4)")
     a = ap.parse_args()
     pdl.ENABLED = a.pdl == "on"
+    if a.decode_fusion == "on":  # read when the runner captures its graphs
+        moe.DECODE_FUSED = True
+        rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = True
     b1_only = a.parts == "b1"
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8 if b1_only else 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
@@ -132,7 +141,7 @@ def main() -> None:
     runner = ModelRunner(build_config(cli=cli, env={}))
     res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl,
                  "parts": a.parts, "moe_decode_fused": moe.DECODE_FUSED,
-                 "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"]}
+                 "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "decode_fusion": a.decode_fusion}
     nbps = -(-1100 // runner.block_size)
     p1 = plan(1, 1024, nbps)
     graphs = runner.graphs

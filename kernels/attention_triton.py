@@ -8,8 +8,8 @@ this file is split off to keep each file near the 300-line mark of CONVENTIONS.m
   G = num_heads / num_kv_heads query heads of one KV head (GQA: K/V are read once per KV
   head) over one partition of the context with an online softmax (Milakov & Gimelshein
   2018); the partitions are merged by their log-sum-exp (`kernels.decode_merge`): by the
-  last program of each (seq, kv_head) to finish, in the kernel, or by a second kernel with
-  DECODE_DEFAULTS["fused_merge"] False. Other steps run a varlen causal kernel in the
+  last program of each (seq, kv_head) to finish, in the kernel, with
+  DECODE_DEFAULTS["fused_merge"] (off by default), or by a second kernel. Other steps run a varlen causal kernel in the
   manner of FlashAttention-2 (Dao 2023): program (query tile, seq, head) walks the key
   tiles up to its causal limit on top of the cached prefix.
   Keys are gathered token by token through the block table, so any block size works.
@@ -30,7 +30,8 @@ from kernels.attention_multi_query import MQ_DEFAULTS, fits_multi_query, multi_q
 from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                   merge_counters, merge_splits, split_buffers)
 from kernels.device_info import num_sms
-from kernels.kv_quant_triton import kv_cast_store, kv_operands, kv_tile
+from kernels.kv_quant_triton import (FP8_DOTS, fp8_dot_q, fp8_overrides, fp8_read_scale, kv_cast_store, kv_dot_tile,
+                                     kv_operands, kv_tile)
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -42,14 +43,27 @@ _LOG2E = 1.4426950408889634
 # tiles 7.6 -> 11.3 us, their prefetched K and V tiles spill: gemv_sweep.py, H200).
 # fused_merge: the last live split program of each (seq, kv_head) merges the partials itself,
 # and a context in one live partition stores its output directly (`kernels.decode_merge.
-# _finish_fused`), instead of a `_merge_kernel` launch after the kernel (False: the launch,
-# the A/B baseline; see kernels.rope_decode). min_split_tiles: a partition holds at least
+# _finish_fused`), instead of a `_merge_kernel` launch after the kernel. Off (the launch) by
+# default until measured: the earlier in-kernel merge measured slower on Qwen3-0.6B, this
+# one is unmeasured (scripts/gpu_moe_check.sh ab; see kernels.rope_decode). min_split_tiles: a partition holds at least
 # this many key tiles (short contexts then take fewer live splits; 1: as many as the grid).
 # multi_query: steps of 2 .. a few queries per seq (verify steps) run the split-K kernel of
-# `kernels.attention_multi_query` instead of the prefill kernel
+# `kernels.attention_multi_query` instead of the prefill kernel. programs_per_sm: the split
+# count's target (`decode_splits`). fp8_dot: the dots' format over an fp8_e4m3 cache
+# (`kernels.kv_quant_triton.FP8_DOTS`; ignored for other caches).
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
-                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": True,
-                         "min_split_tiles": 1, "multi_query": True}
+                         "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False,
+                         "min_split_tiles": 1, "multi_query": True, "programs_per_sm": 4, "fp8_dot": "q"}
+# an fp8_e4m3 cache: overrides of DECODE_DEFAULTS (under the caller's decode_config) by the
+# class of the launch, seqs x kv_heads below the SMs ("few") or not ("many")
+# (`kernels.kv_quant_triton.fp8_overrides`; docs/ARCHITECTURE.md §4.6). Picked by
+# benchmarks/kv_quant_attention.py --variants (H200, Llama-3.1-8B heads, one run, 27 variants;
+# benchmarks/results/2026-12-02_h200_kv_quant_attention_variants.json): fp16 dots, 128-key
+# tiles, 4 warps and one stage (no software pipelining) were best in every case, bf16 / fp8
+# 1.06 / 1.04 at 8K / 32K batch 1 and 1.24 / 1.25 at batch 64; 3 stages 0.82-0.97, 8 warps
+# 0.57-0.68, the "q" format (bf16 dots) 0.98-1.00, "fp16_bits" 0.98-1.17 at one stage.
+DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
+                             "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1}}
 
 
 @triton.jit
@@ -111,17 +125,19 @@ def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
 
 @triton.jit
 def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dd, dmask,
-                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
+                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+                  FP8_DOT: tl.constexpr):
     """The key tiles lo, lo + BLOCK_N, .. below end of one sequence and KV head, gathered
     through its block table row: returns the updated (m_i, l_i, acc) of `_attend_tile`.
-    KV_FP8: the caches are e4m3 bytes, widened to q's dtype (their scales are the caller's)."""
+    KV_FP8: the caches are e4m3 bytes, widened for the dots with q (`kv_dot_tile`, format
+    FP8_DOT; their scales are the caller's)."""
     for n0 in range(lo, end, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
-        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
+        k = kv_dot_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8, FP8_DOT)
+        v = kv_dot_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8, FP8_DOT)
         m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
     return m_i, l_i, acc
 
@@ -135,7 +151,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
                    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr,
-                   MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr):
+                   MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr,
+                   FP8_DOT: tl.constexpr):
     # no program returns early: with FUSED_MERGE the live ones arrive on their (seq, kv_head)
     # counter in `_finish_fused` (after the PDL wait)
     seq = tl.program_id(0).to(tl.int64)
@@ -171,6 +188,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         pdl_release(USE_PDL)
     q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dd[None, :],
                 mask=(gg < G)[:, None] & dmask[None, :], other=0.0)
+    # an fp8 cache: q in the dots' format, its scaling and the widening's undone on the scores
+    q, q_undo = fp8_dot_q(q, KV_FP8, FP8_DOT)
+    qk_scale = qk_scale * (q_undo * fp8_read_scale(KV_FP8, FP8_DOT))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -179,13 +199,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         new = (nm & (nn == seq_len - 1))[:, None] & dmask[None, :]
         k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dd[None, :], mask=new, other=0), k0)
         v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0), v0)
-        m_i, l_i, acc = _attend_tile(q, kv_tile(k0, q, KV_FP8), kv_tile(v0, q, KV_FP8), nm,
-                                     m_i, l_i, acc, qk_scale)
+        m_i, l_i, acc = _attend_tile(q, kv_dot_tile(k0, q, KV_FP8, FP8_DOT), kv_dot_tile(v0, q, KV_FP8, FP8_DOT),
+                                     nm, m_i, l_i, acc, qk_scale)
         lo = start + BLOCK_N
     m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh,
-                                  dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8)
-    if KV_FP8:  # fp32 partial times the V scale, before the split merge
-        acc = acc * tl.load(vs_ptr)
+                                  dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8, FP8_DOT)
+    if KV_FP8:  # fp32 partial times the V scale (and the widening's factor), before the split merge
+        acc = acc * (tl.load(vs_ptr) * fp8_read_scale(KV_FP8, FP8_DOT))
     if FUSED_MERGE:  # (never with ONE_SPLIT)
         _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
                       so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S, BLOCK_D)
@@ -254,15 +274,15 @@ def _prefetch(dc: dict, pdl: bool, block_n: int) -> bool:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                  block_n: int = 64) -> int:
-    """Number of split-K partitions of the decode: about four programs per SM, at most one
-    per block_n tile of max_seq_len. Depends only on host ints, so a CUDA graph captured
+                  block_n: int = 64, programs_per_sm: int = 4) -> int:
+    """Number of split-K partitions of the decode: about programs_per_sm programs per SM, at
+    most one per block_n tile of max_seq_len. Depends only on host ints, so a CUDA graph captured
     with max_seq_len = max_model_len stays valid for every shorter context; the kernel
     sizes each sequence's partitions from its own length (on the device), so a short
     context still uses every split (round 1 sized them by max_seq_len: a 1K context in a
     graph captured for 4K used a quarter of the grid)."""
     n_tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    return max(1, min(n_tiles, triton.cdiv(4 * num_sms(device), num_seqs * num_kv_heads)))
+    return max(1, min(n_tiles, triton.cdiv(programs_per_sm * num_sms(device), num_seqs * num_kv_heads)))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -278,9 +298,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         for a few queries per seq (verify steps), the prefill kernel otherwise. A larger max_seq_len than the true one is
         valid (CUDA graphs pass max_model_len): empty partitions exit at once.
     decode_config: overrides of the decode kernel's launch (keys of `DECODE_DEFAULTS`), for
-        the benchmarks and tests; None = `DECODE_DEFAULTS`.
+        the benchmarks and tests; None = `DECODE_DEFAULTS` (and for an fp8 cache
+        `DECODE_FP8_DEFAULTS` over them).
     k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
-    Raises ValueError if num_heads is not a multiple of num_kv_heads, and as `kv_operands`.
+    Raises ValueError if num_heads is not a multiple of num_kv_heads, or for an unknown
+    fp8_dot, and as `kv_operands`.
     """
     t, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -301,9 +323,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1))
     if max_q_len == 1:
-        dc = {**DECODE_DEFAULTS, **(decode_config or {})}
+        dc = {**DECODE_DEFAULTS, **(fp8_overrides(DECODE_FP8_DEFAULTS, b, kvh, d, q.device) if fp8 else {}),
+              **(decode_config or {})}
+        if dc["fp8_dot"] not in FP8_DOTS:
+            raise ValueError(f"fp8_dot {dc['fp8_dot']!r}: one of {sorted(FP8_DOTS)}")
         block_n = dc["block_n"] or (64 if bd <= 128 else 32)
-        splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n)
+        splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n, dc["programs_per_sm"])
         pdl = use_pdl(q.device)
         m, l_, acc = split_buffers(out, splits)
         cnt = merge_counters(out, kvh, splits, dc["fused_merge"])
@@ -315,6 +340,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          PREFETCH=_prefetch(dc, pdl, block_n), FUSED_MERGE=cnt is not None,
                                          KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
                                          **fused_merge_constants(h, kvh, d, splits, cnt is not None),
+                                         FP8_DOT=FP8_DOTS[dc["fp8_dot"]] if fp8 else 0,
                                          num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
                                          **launch_args(pdl))

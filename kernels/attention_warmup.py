@@ -19,6 +19,13 @@ services/worker/jit_watch.py counts them). `warm_up_attention` runs one tiny lau
 variant (one seq of q_len queries over the first block of the real cache, splits forced
 through the launch config) so every compile happens at startup. It reads the cache and
 writes only its own output.
+
+Triton also keys a compile on each pointer's element type, so the warm-up's metadata
+(cu_seqlens_q, seq_lens, block tables) has the dtype the eager steps pass: `META_DTYPE`,
+int64, as services/worker/step_inputs.py packs every integer input into one int64 copy.
+(Warmed with int32 metadata, every eager verify and mixed step compiled its kernel again
+once serving, 0.5-0.8 s each on the H200: the JIT watch named `cu_ptr: *i32 -> *i64`.)
+The CUDA graphs' own launches (int32 cu_seqlens_q) compile at capture, before ready.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import triton
 from kernels.attention_multi_query import MAX_ROWS, multi_query_splits
 from kernels.attention_triton import paged_attention_triton
 from kernels.device_info import num_sms
+
+META_DTYPE = torch.long  # the eager steps' metadata dtype (services/worker/step_inputs.py packs int64)
 
 
 def split_classes(max_splits: int) -> list[int]:
@@ -87,10 +96,10 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
     todo = variants(num_heads, kvh, d, max_model_len, max_q_len, num_sms(dev))
     for q, s in todo:
         q_t = torch.zeros((q, num_heads, d), dtype=dtype, device=dev)
-        cu = torch.tensor([0, q], dtype=torch.int32, device=dev)
-        lens = torch.tensor([q], dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, q], dtype=META_DTYPE, device=dev)
+        lens = torch.tensor([q], dtype=META_DTYPE, device=dev)
         width = triton.cdiv(q, k_cache.shape[1])
-        tables = torch.arange(width, dtype=torch.int32, device=dev).clamp(max=k_cache.shape[0] - 1)[None]
+        tables = torch.arange(width, dtype=META_DTYPE, device=dev).clamp(max=k_cache.shape[0] - 1)[None]
         paged_attention_triton(q_t, k_cache, v_cache, cu, lens, tables, 1.0, max_q_len=q,
                                max_seq_len=max_model_len, decode_config={"splits": s},
                                k_scale=k_scale, v_scale=v_scale)

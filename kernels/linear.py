@@ -67,6 +67,12 @@ SKINNY_MAX_ROWS = 16  # rows of x up to which CUDA inputs take the skinny kernel
 # weights of at most this many elements take it: larger ones (Llama-3.1-8B's) stream at
 # 3.7 TB/s through cuBLAS already, against 3.5 here (benchmarks/kernel_sweep.py, H200)
 SKINNY_MAX_WEIGHT = 16 << 20
+# ... except a single row, which takes `kernels.gemv` up to this many: Qwen3.5-35B-A3B's and
+# Qwen3-Next's gated-DeltaNet in_proj_qkvz [12288, 2048] (25.2M) and gated-attention qkv
+# [9216, 2048] (18.9M) fell to a cuBLAS GEMM at batch 1 (0.61 ms in 40 calls of a 5.84 ms
+# graph step on the H200, benchmarks/results/2026-12-02_h200_step_profile_qwen3.5-35b-a3b.json),
+# which PDL cannot overlap with the kernel before; lm_heads (over 100M) stay on cuBLAS.
+GEMV_MAX_WEIGHT = 32 << 20
 _HALF = (torch.bfloat16, torch.float16)
 # The SiLU-and-mul prologue runs inside the projection's kernel at one row only (the gemv
 # kernel); at 2..16 rows `linear` runs `silu_and_mul` first, then the skinny kernel. H200,
@@ -77,14 +83,17 @@ SILU_IN_KERNEL_ROWS = 1
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight, ...)` runs the skinny Triton kernel: CUDA x with
-    1..SKINNY_MAX_ROWS rows, bf16/fp16 (fp32 stays on cuBLAS: the kernel's dot would run as
-    tf32), weight of x's dtype with unit stride along K and at most SKINNY_MAX_WEIGHT
-    elements, Triton importable."""
-    return (x.is_cuda and skinny_linear_triton is not None and x.dim() == 2
+    """Whether `linear(x, weight, ...)` runs our Triton kernels (one row: `kernels.gemv`,
+    else the skinny kernel): CUDA x with 1..SKINNY_MAX_ROWS rows, bf16/fp16 (fp32 stays on
+    cuBLAS: the kernel's dot would run as tf32), weight of x's dtype with unit stride along
+    K and at most SKINNY_MAX_WEIGHT elements (GEMV_MAX_WEIGHT for one row with the gemv on),
+    Triton importable."""
+    if not (x.is_cuda and skinny_linear_triton is not None and x.dim() == 2
             and 0 < x.shape[0] <= SKINNY_MAX_ROWS and weight.stride(1) == 1
-            and x.dtype in _HALF and weight.dtype == x.dtype
-            and weight.numel() <= SKINNY_MAX_WEIGHT)
+            and x.dtype in _HALF and weight.dtype == x.dtype):
+        return False
+    one_row = x.shape[0] == 1 and gemv.ENABLED
+    return weight.numel() <= (max(GEMV_MAX_WEIGHT, SKINNY_MAX_WEIGHT) if one_row else SKINNY_MAX_WEIGHT)
 
 
 def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:

@@ -1,7 +1,8 @@
 """RMSNorm, alone, fused with the residual add, and gated (`rms_norm_gated`, gated DeltaNet).
 
-Dispatchers `rms_norm` and `fused_add_rms_norm` pick the torch references (`*_ref`) on the
-CPU and `*_triton` (bottom of this file) on CUDA tensors when Triton imports.
+Dispatchers `rms_norm`, `fused_add_rms_norm` and `rms_norm_gated` pick the torch references
+(`*_ref`) on the CPU and `*_triton` (bottom of this file) on CUDA tensors when Triton imports
+(`rms_norm_gated`: also `GATED_TRITON`).
 
 Algorithm: RMSNorm (Zhang & Sennrich 2019), y = x / sqrt(mean(x^2) + eps) * w, computed in
 fp32 and cast back before the weight multiply, in the order of Hugging Face's LlamaRMSNorm
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 rms_norm_triton = None  # set by the GPU issue: same signature as rms_norm_ref
 fused_add_rms_norm_triton = None  # same signature as fused_add_rms_norm_ref
+rms_norm_gated_triton = None  # same signature as rms_norm_gated_ref
+GATED_TRITON = True  # False: rms_norm_gated keeps the reference on CUDA (the A/B baseline)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,7 +58,10 @@ def rms_norm_gated_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Dispatcher for `rms_norm_gated_ref` (see there): the reference on every device for now."""
+    """Dispatcher for `rms_norm_gated_ref` (see there): `rms_norm_gated_triton` on CUDA
+    tensors (when Triton imports and `GATED_TRITON`; weight in x's dtype), else the reference."""
+    if x.is_cuda and GATED_TRITON and rms_norm_gated_triton is not None and weight.dtype == x.dtype:
+        return rms_norm_gated_triton(x, gate, weight, eps)
     return rms_norm_gated_ref(x, gate, weight, eps)
 
 
@@ -136,3 +142,50 @@ if triton is not None:
                                              x2.shape[1], eps, HAS_RES=True, USE_PDL=pdl,
                                              BLOCK=triton.next_power_of_2(x2.shape[1]), **launch_args(pdl))
         return out.view(x.shape), res_out.view(x.shape)
+
+    @triton.jit
+    def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, out_ptr, sx_t, sx_h, sg_t, sg_h, n_cols, eps,
+                               H: tl.constexpr, BLOCK: tl.constexpr):
+        # grid (tokens, heads): one head's row of x [T, H, D] and gate (strided), out [T, H, D]
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        x = tl.load(x_ptr + t * sx_t + h * sx_h + cols, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)).to(x.dtype)
+        y = (y.to(tl.float32) * w.to(tl.float32)).to(x.dtype)  # weight * normed, in the dtype
+        g = tl.load(g_ptr + t * sg_t + h * sg_h + cols, mask=m, other=0.0).to(tl.float32)
+        out = y.to(tl.float32) * (g / (1.0 + tl.exp(-g)))  # times silu(gate) in fp32, one rounding
+        tl.store(out_ptr + (t * H + h) * n_cols + cols, out.to(x.dtype), mask=m)
+
+    def _heads(x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] as [rows, heads, dim] with unit column stride: [T, H, D] as it is, a
+        2-D x as [T, 1, D], more dimensions flattened into the rows (copies only when they must)."""
+        if x.dim() == 3:
+            x3 = x
+        elif x.dim() == 2:
+            x3 = x[:, None]
+        elif x.dim() == 1:
+            x3 = x.view(1, 1, -1)
+        else:
+            x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+        return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+    def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Triton `rms_norm_gated_ref` (same shapes and rounding), a program per (token, head).
+        x and gate [..., dim] of one shape may be strided views (e.g. the gate z sliced out of
+        a projection's output); weight [dim] in x's dtype (the product with it is rounded to
+        that dtype, as the reference's is then). Returns a contiguous tensor of x's shape.
+        Raises ValueError when x and gate differ in shape or weight is not [dim]."""
+        if x.shape != gate.shape or weight.shape != (x.shape[-1],):
+            raise ValueError(f"rms_norm_gated: x {tuple(x.shape)}, gate {tuple(gate.shape)}, "
+                             f"weight {tuple(weight.shape)}")
+        x3, g3 = _heads(x), _heads(gate)
+        t, h, d = x3.shape
+        out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+        if t and h and d:
+            _rms_norm_gated_kernel[(t, h)](x3, g3, weight, out, x3.stride(0), x3.stride(1), g3.stride(0),
+                                           g3.stride(1), d, eps, H=h, BLOCK=triton.next_power_of_2(d))
+        return out.view(x.shape)

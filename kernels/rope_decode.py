@@ -53,15 +53,25 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # see kernels.attention_triton; max_seqs: larger batches run the rotary kernel and attention
 # apart (None: no limit). fused_merge: the kernel's last live program of each (seq, kv_head)
 # merges the splits, and a context in one live partition stores its output directly
-# (kernels.decode_merge._finish_fused), instead of a second launch (False: the launch, the
-# A/B baseline). The earlier in-kernel merge (every program arrived, the last merged every
-# split head by head) measured slower than the launch (H200, Qwen3-0.6B, decode_latency.py
-# TPOT on / off in one call: 0.917, 0.923, 0.918, 0.956 / 0.871, 0.876 ms; another call
-# 0.921 / 0.876, 0.878; offline_throughput.py 18,752 / 19,084 tok/s); the live-split, chunked
-# merge is not measured yet. min_split_tiles: as in kernels.attention_triton.DECODE_DEFAULTS.
+# (kernels.decode_merge._finish_fused), instead of a second launch. Off (the launch) by
+# default until measured: the earlier in-kernel merge (every program arrived, the last merged
+# every split head by head) measured slower than the launch, its one merging program's serial
+# tail costing more than the launch it saved (H200, Qwen3-0.6B, decode_latency.py TPOT on /
+# off in one call: 0.917, 0.923, 0.918, 0.956 / 0.871, 0.876 ms; another call 0.921 / 0.876,
+# 0.878; offline_throughput.py 18,752 / 19,084 tok/s); this live-split, chunked merge is not
+# measured yet (scripts/gpu_moe_check.sh ab turns it on for its "new" variant).
+# min_split_tiles: as in kernels.attention_triton.DECODE_DEFAULTS.
+# fp8_dot: the dots' format over an fp8_e4m3 cache (`kernels.kv_quant_triton.FP8_DOTS`).
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
-                              "max_seqs": None, "fused_merge": True, "min_split_tiles": 1}
+                              "max_seqs": None, "fused_merge": False, "min_split_tiles": 1, "fp8_dot": "q"}
+# an fp8_e4m3 cache: overrides of ROPE_DECODE_DEFAULTS (under the caller's decode_config) by
+# the launch's class, as kernels.attention_triton.DECODE_FP8_DEFAULTS (docs/ARCHITECTURE.md §4.6).
+# From the same sweep: "few" fp16 dots, 128-key tiles, one stage: bf16 / fp8 1.22 (8K) and
+# 1.45 (32K) at batch 1 (the "q" format 1.33 / 1.39); "many" two stages: 0.961 / 0.975 at batch
+# 64 (one stage 0.88 / 0.89)
+ROPE_DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
+                                  "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 2}}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
 
@@ -94,7 +104,8 @@ if triton is not None:
     from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                       merge_counters, merge_splits, split_buffers)
     from kernels.device_info import num_sms
-    from kernels.kv_quant_triton import fp8_bytes, kv_operands, kv_tile
+    from kernels.kv_quant_triton import (FP8_DOTS, fp8_bytes, fp8_dot_q, fp8_overrides, fp8_read_scale, kv_dot_tile,
+                                         kv_operands)
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
@@ -121,7 +132,7 @@ if triton is not None:
                             BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
                             USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
                             BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr, MERGE_G: tl.constexpr,
-                            CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr):
+                            CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr, FP8_DOT: tl.constexpr):
         # no program returns early (a padding row, seq_len 0, and an empty partition run
         # through with m -inf, l 0): with FUSED_MERGE the live ones arrive on their (seq,
         # kv_head) counter in `_finish_fused`, after the PDL wait
@@ -137,7 +148,7 @@ if triton is not None:
         if KV_FP8:  # the layer's scales (set at load): K's on the scores, V's on acc below
             k_sc = tl.load(ks_ptr)
             v_sc = tl.load(vs_ptr)
-            qk_scale = qk_scale * k_sc
+            qk_scale = qk_scale * (k_sc * fp8_read_scale(KV_FP8, FP8_DOT))
         pos = tl.load(pos_ptr + seq).to(tl.int64)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         half = head_dim // 2
@@ -176,11 +187,14 @@ if triton is not None:
         k_new = _rope_rows(k_ptr, seq * sk_t + kvh * sk_h, dd, pd, dmask[None, :],
                            cos, sin, kw, kwp, eps, head_dim, NORM)  # [1, BLOCK_D]
         v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dd[None, :], mask=dmask[None, :], other=0.0)
-        if KV_FP8:  # the token as stored: e4m3 bytes, and their values in q's dtype for the tile
+        # an fp8 cache: q in the dots' format, its scaling undone on the scores
+        q, q_undo = fp8_dot_q(q, KV_FP8, FP8_DOT)
+        qk_scale = qk_scale * q_undo
+        if KV_FP8:  # the token as stored: e4m3 bytes, and their values in the dots' format for the tile
             k_st = fp8_bytes(k_new, k_sc)
             v_st = fp8_bytes(v_new, v_sc)
-            k_new = kv_tile(k_st, q, True)
-            v_new = kv_tile(v_st, q, True)
+            k_new = kv_dot_tile(k_st, q, True, FP8_DOT)
+            v_new = kv_dot_tile(v_st, q, True, FP8_DOT)
         else:
             k_st = k_new
             v_st = v_new
@@ -195,14 +209,14 @@ if triton is not None:
         lo = start
         if PREFETCH:
             is_new = (nn == last)[:, None]
-            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_tile(k0, q, KV_FP8)),
-                                         tl.where(is_new, v_new, kv_tile(v0, q, KV_FP8)), nm,
+            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_dot_tile(k0, q, KV_FP8, FP8_DOT)),
+                                         tl.where(is_new, v_new, kv_dot_tile(v0, q, KV_FP8, FP8_DOT)), nm,
                                          m_i, l_i, acc, qk_scale)
             lo = start + BLOCK_N
         m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
-                                      kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8)
+                                      kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8, FP8_DOT)
         if KV_FP8:
-            acc = acc * v_sc
+            acc = acc * (v_sc * fp8_read_scale(KV_FP8, FP8_DOT))
         if FUSED_MERGE:  # (never with ONE_SPLIT)
             _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
                           so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S,
@@ -215,10 +229,11 @@ if triton is not None:
                            block_tables, scale, max_seq_len=None, q_norm=None, k_norm=None, eps=1e-6,
                            decode_config: dict | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
         """The CUDA path of `rope_paged_decode` (full rotary: cos_sin [positions, D]).
-        decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits, fused_merge, ..).
+        decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits, fused_merge,
+        fp8_dot, ..; for an fp8 cache ROPE_DECODE_FP8_DEFAULTS come between the two).
         k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
-        Raises ValueError for a strided last dim or num_heads not a multiple of num_kv_heads,
-        and as `kv_operands`."""
+        Raises ValueError for a strided last dim, num_heads not a multiple of num_kv_heads or
+        an unknown fp8_dot, and as `kv_operands`."""
         b, h, d = q.shape
         kvh = k_cache.shape[2]
         if h % kvh or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -229,7 +244,11 @@ if triton is not None:
             return out
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        dc = {**ROPE_DECODE_DEFAULTS, **(decode_config or {})}
+        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
+        dc = {**ROPE_DECODE_DEFAULTS, **(fp8_overrides(ROPE_DECODE_FP8_DEFAULTS, b, kvh, d, q.device) if fp8 else {}),
+              **(decode_config or {})}
+        if dc["fp8_dot"] not in FP8_DOTS:
+            raise ValueError(f"fp8_dot {dc['fp8_dot']!r}: one of {sorted(FP8_DOTS)}")
         block_n = dc["block_n"] or (32 if b * kvh < num_sms(q.device) else 64)
         n_tiles = triton.cdiv(max(1, max_seq_len), block_n)
         splits = dc["splits"] or max(1, min(n_tiles, triton.cdiv(dc["programs_per_sm"] * num_sms(q.device), b * kvh)))
@@ -238,7 +257,6 @@ if triton is not None:
         norm = q_norm is not None
         pdl = use_pdl(q.device)
         bd = triton.next_power_of_2(d)
-        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
         _rope_decode_kernel[(b, kvh, splits)](
             q, k, v, positions, cos_sin, q_norm if norm else q, k_norm if norm else q, slot_mapping,
             kc, vc, block_tables, seq_lens, out, m, l_, acc, out if cnt is None else cnt, ks, vs,
@@ -249,6 +267,7 @@ if triton is not None:
             NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
             FUSED_MERGE=cnt is not None, KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
             **fused_merge_constants(h, kvh, d, splits, cnt is not None),
-            num_warps=dc["num_warps"], num_stages=dc["num_stages"], **launch_args(pdl))
+            FP8_DOT=FP8_DOTS[dc["fp8_dot"]] if fp8 else 0, num_warps=dc["num_warps"],
+            num_stages=dc["num_stages"], **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out

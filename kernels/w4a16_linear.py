@@ -7,14 +7,16 @@ s[k // G, n]), read from either format at load. Products (`w4a16_linear`), by th
 - CPU tensors: `w4a16_linear_ref` (the truth: W dequantized in fp32, x @ W.T in fp32,
   rounded once to x's dtype). The CPU serves AWQ / GPTQ checkpoints dequantized at load into
   the model dtype instead (the loader), so this path is for tests.
-- CUDA, M <= SKINNY_MAX_ROWS (decode): `kernels.w4a16_gemm.w4_gemv_triton` (one row: fp32
-  FMAs; 2..16 rows: tl.dot on 16-row tiles), K split over programs until the GPU is full,
-  fp32 partials summed in split order by a second kernel. A decode step reads the packed
-  weight, a quarter of bf16's bytes.
+- CUDA, M <= SKINNY_MAX_ROWS (decode): `kernels.w4a16_gemv.w4_gemv_triton` (one row: fp32
+  FMAs on the nibbles read in place; 2..16 rows: tl.dot on a 16-row tile), K split over
+  programs until the GPU is full, fp32 partials summed in a fixed order. A decode step
+  reads the packed weight, a quarter of bf16's bytes.
 - CUDA, larger M (prefill): `kernels.w4a16_gemm.w4_gemm_triton`, tiles of 64 rows: each K
   tile of W is dequantized in registers to x's dtype and fed to tl.dot (fp32 accumulation).
-The kernels round each dequantized element to x's dtype (bf16 / fp16) before the tensor-core
-dot (2+ rows); the one-row kernel keeps fp32. Activations are never quantized.
+The tensor-core kernels (2+ rows) feed the dot exact small integers (q - z, or 128 + q /
+1024 + q for bf16 / fp16 with the zero subtracted after) and scale after it, or (the GEMM)
+round each dequantized element to x's dtype; the one-row kernel keeps fp32. Activations are
+never quantized.
 
 `MODE` (set by the model runner before it builds the model): "off"; "checkpoint" (the Linear
 layers whose checkpoint tensors are AWQ / GPTQ keep them packed: services/worker/layers/w4a16.py);
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import w4a16_formats as fmt
-from kernels import w4a16_gemm
+from kernels import w4a16_gemm, w4a16_gemv
 
 MODE = "off"  # "off" | "checkpoint" | "dummy" (module docstring)
 MODES = ("off", "checkpoint", "dummy")
@@ -137,11 +139,11 @@ def w4a16_linear(x: torch.Tensor, w: W4Weight, bias: torch.Tensor | None = None)
     n, k = w.out_features, w.in_features
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"w4a16 linear: x {tuple(x.shape)} does not fit weight ({n}, {k})")
-    if not x.is_cuda or w4a16_gemm.w4_gemv_triton is None:
+    if not x.is_cuda or w4a16_gemv.w4_gemv_triton is None or w4a16_gemm.w4_gemm_triton is None:
         return w4a16_linear_ref(x, w, bias)
     if x.shape[0] == 0:
         return x.new_empty((0, n))
     xc = x if x.stride(1) == 1 else x.contiguous()
     if x.shape[0] <= SKINNY_MAX_ROWS:
-        return w4a16_gemm.w4_gemv_triton(xc, w.qweight, w.zeros, w.scales, w.group_size, bias)
+        return w4a16_gemv.w4_gemv_triton(xc, w.qweight, w.zeros, w.scales, w.group_size, bias)
     return w4a16_gemm.w4_gemm_triton(xc, w.qweight, w.zeros, w.scales, w.group_size, bias)

@@ -9,8 +9,12 @@
 #   tests_fp8kv_gpu.xml       its junit XML: the measured errors (record_property), to tighten bounds
 #   kv_quant_attention.json   the benchmark's figures (us per call, GB/s, ratios, capacity)
 #   bench.log                 the benchmark's output tail and exit code
-# Run from the repo root:  bash scripts/gpu_fp8kv_check.sh [all|tests|bench]
-# Limits (seconds, environment): TEST_TIMEOUT 140, BENCH_TIMEOUT 100.
+# Part `sweep` (a call of its own, not in `all`): the same benchmark with --variants, bf16 and
+# every fp8 variant of the two decode kernels (dot format x key tiles) in one run, and the best
+# variant per kernel and launch class, for kernels' DECODE_FP8_DEFAULTS / ROPE_DECODE_FP8_DEFAULTS:
+#   variants/kv_quant_attention.json, sweep.log
+# Run from the repo root:  bash scripts/gpu_fp8kv_check.sh [all|tests|bench|sweep]
+# Limits (seconds, environment): TEST_TIMEOUT 140, BENCH_TIMEOUT 100, SWEEP_TIMEOUT 200.
 set -u
 PART=${1:-all}
 # shellcheck source=scripts/gpu_env.sh
@@ -26,4 +30,15 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
   { echo "== kv_quant_attention: rc=$rc (124: timeout) in $(( $(date +%s) - t0 )) s"; tail -30 "$OUT/.bench.log"; } \
     | tee -a "$OUT/bench.log"
   rm -f "$OUT/.bench.log"
+fi
+if [ "$PART" = sweep ]; then
+  t0=$(date +%s)
+  timeout "${SWEEP_TIMEOUT:-200}" python3 benchmarks/kv_quant_attention.py --variants --out "$OUT/variants" \
+    >"$OUT/.sweep.log" 2>&1
+  rc=$?
+  { echo "== kv_quant_attention --variants: rc=$rc (124: timeout) in $(( $(date +%s) - t0 )) s"; \
+    grep -v '^ ' "$OUT/.sweep.log" | tail -12; } | tee -a "$OUT/sweep.log"
+  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1])).get('best'), indent=1))" \
+    "$OUT/variants/kv_quant_attention.json" 2>&1 | tee -a "$OUT/sweep.log"
+  rm -f "$OUT/.sweep.log"
 fi

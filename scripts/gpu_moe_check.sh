@@ -19,7 +19,8 @@
 #                         (kernels.moe.DECODE_FUSED and decode attention's fused_merge off / on) in one
 #                         process, A B A B, the graphs captured again before each (decode_latency.py --ab)
 #   step_profile_qwen3-30b-a3b.json  with part "ab": the kernel table of one batch-1 step on the new path
-#                         (step_profile.py --parts b1 --pdl off: each kernel's own time)
+#                         (step_profile.py --parts b1 --pdl off --decode-fusion on: each kernel's own time)
+#                         (both new paths are off by default; --ab's "new" and --decode-fusion on turn them on)
 #   decode_ab_qwen3-0.6b.json  with part "ab_dense" only: the same A/B on a dense model (there only the
 #                         attention merge differs)
 # Run from the repo root:  bash scripts/gpu_moe_check.sh [all|tests|kernel|decode|hybrid|tune|ab|ab_dense]
@@ -68,7 +69,7 @@ if [ "$PART" = ab ]; then
   run decode_ab_qwen3-30b-a3b "${AB_TIMEOUT:-130}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
     --gpu-memory-utilization 0.75 --steps 64 --ab old new --ab-rounds 2 --out "$OUT/decode_ab_qwen3-30b-a3b.json"
   run step_profile_qwen3-30b-a3b "${PROFILE_TIMEOUT:-100}" python3 benchmarks/step_profile.py --config qwen3-30b-a3b \
-    --gpu-memory-utilization 0.75 --parts b1 --pdl off --out "$OUT/step_profile_qwen3-30b-a3b.json"
+    --gpu-memory-utilization 0.75 --parts b1 --pdl off --decode-fusion on --out "$OUT/step_profile_qwen3-30b-a3b.json"
 fi
 if [ "$PART" = ab_dense ]; then
   run decode_ab_qwen3-0.6b "${AB_TIMEOUT:-130}" python3 benchmarks/decode_latency.py --config qwen3-0.6b \

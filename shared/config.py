@@ -76,6 +76,7 @@ class KestrelConfig:
     frontends: int
     shutdown_timeout: float
     header_timeout: float
+    body_timeout: float
     max_incomplete_connections: int
     engine_standby: bool
     restart_max: int
@@ -261,7 +262,7 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     combinations, and sampling defaults that resolve. Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
                 "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib",
-                "header_timeout", "max_incomplete_connections")
+                "header_timeout", "body_timeout", "max_incomplete_connections")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"setting {name}: must be positive, got {getattr(cfg, name)!r}")

@@ -90,6 +90,8 @@ FIELDS: list[Field] = [
           "then they end with an error (503 / error event)"),
     Field("header_timeout", float, 10.0, "seconds a client has to send a request's headers "
           "(from its connect, or from the first byte of its next request); then 408 and closed"),
+    Field("body_timeout", float, 30.0, "seconds a client has to send a request's body once its "
+          "headers are in; then 408 in the API's error envelope and closed"),
     Field("max_incomplete_connections", int, 256, "connections per frontend still sending "
           "their headers; a new one beyond closes the one waiting longest"),
     Field("engine_standby", parse_bool, True, "keep a pre-imported spare engine and worker "

@@ -5,11 +5,16 @@ loader (services/worker/gguf_loader.py).
 The record is `<folder>/kestrel_gguf.json`: {"gguf_file": "<path>"}, the path relative to the
 folder (fetch-model writes "../.gguf/SmolLM2-135M-Instruct.Q4_1.gguf": the folder and the kept
 GGUF move together, as in compose.yaml's ./models mount) or absolute. A folder converted
-elsewhere can be given one by hand. No `gguf` import here: the config builder runs in every
+elsewhere can be given one by hand. No `gguf` reader here: the config builder runs in every
 process, and the `gguf` package's reader parses every metadata array field by field (7 s for
 SmolLM2's tokenizer on the loaded 2-core VM): `read_header` walks the header (GGUF v2/v3,
 ggml-org/ggml docs/gguf.md) and returns the scalar metadata and the tensor table in ~0.1 s;
-`gguf_architecture` stops after the first keys.
+`gguf_architecture` stops after the first keys (the config builder's check). `tensor_bytes`
+takes the block sizes from the `gguf` package's type table (`gguf.constants`, imported when
+it is called); with it `require_gguf(folder, data=True)` also checks that every tensor's data
+lies inside the file (`kestrel serve` runs it before any process starts, so a truncated
+download is refused in a second, not after the worker's imports; the worker's loader checks
+the same).
 """
 
 from __future__ import annotations
@@ -142,6 +147,42 @@ def read_header(path: str, max_keys: int | None = None, tensors: bool = True) ->
             return head
 
 
+def tensor_bytes(t: TensorInfo, path: str) -> int:
+    """Bytes of tensor `t`'s data: its values (the product of its dims) in blocks of its GGML
+    type (`gguf.constants.GGML_QUANT_SIZES`: values and bytes per block). Raises ValueError
+    naming the tensor and the file `path` for an unknown type, or rows (ne[0]) that are not
+    whole blocks."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        gtype = GGMLQuantizationType(t.ggml_type)
+    except ValueError:
+        raise ValueError(f"tensor {t.name} in {path}: unknown GGML type {t.ggml_type}") from None
+    per_block, block_bytes = GGML_QUANT_SIZES[gtype]
+    if not t.dims or t.dims[0] % per_block:
+        raise ValueError(f"tensor {t.name} in {path}: {gtype.name} rows of {t.dims[0] if t.dims else 0} "
+                         f"values are not whole blocks of {per_block}")
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n // per_block * block_bytes
+
+
+def check_tensor_data(head: GGUFHeader, path: str, size: int) -> None:
+    """Check that every tensor of `head` (read from `path`, `size` bytes) has its data inside
+    the file (`tensor_bytes`). Raises ValueError naming the file: a type or row length as
+    `tensor_bytes` does, or a file cut short (the first tensor whose data runs past its end,
+    and the bytes the file would need)."""
+    need, last = 0, None
+    for t in head.tensors:
+        end = t.offset + tensor_bytes(t, path)
+        if end > size and end > need:
+            need, last = end, t.name
+    if last is not None:
+        raise ValueError(f"{path} is cut short: {size} bytes, and its tensor table needs {need} "
+                         f"(tensor {last}'s data runs past the end; an interrupted download or copy?)")
+
+
 def gguf_architecture(path: str, max_keys: int = 64) -> str | None:
     """`general.architecture` of a GGUF file, from the header's first `max_keys` metadata
     keys (writers put it first), None when it is not among them. Raises ValueError as
@@ -177,9 +218,11 @@ def gguf_file_of(folder: str) -> str | None:
     return os.path.normpath(os.path.join(folder, rec["gguf_file"]))
 
 
-def require_gguf(folder: str) -> str:
+def require_gguf(folder: str, data: bool = False) -> str:
     """The GGUF file `--quantization gguf` loads for a model folder: recorded
-    (`gguf_file_of`), present, a GGUF, of an architecture in ARCHITECTURES.
+    (`gguf_file_of`), a file (not missing, not a folder), a GGUF, of an architecture in
+    ARCHITECTURES; with `data`, also its whole header read and every tensor's data inside the
+    file (`check_tensor_data`: ~0.1 s for SmolLM2's; the config builder leaves it out).
     Raises ValueError naming the setting, `kestrel fetch-model` and the alternatives."""
     head = "setting quantization: 'gguf' loads the linear weights from the quantized blocks of the GGUF"
     try:
@@ -191,11 +234,21 @@ def require_gguf(folder: str) -> str:
         raise ValueError(f"{head} the model folder was converted from, and {folder!r} records none (no "
                          f"{POINTER_FILE}): run `kestrel fetch-model` (it keeps the default model's GGUF "
                          f"under models/.gguf/ and records it in the folder), {_ALTERNATIVES}")
+    if os.path.isdir(path):
+        raise ValueError(f"{head} the model folder records, {path!r}, which is a folder, not a file: "
+                         f"its {POINTER_FILE} must name the .gguf file itself; run `kestrel fetch-model "
+                         f"--force` to record it again, {_ALTERNATIVES}")
     if not os.path.isfile(path):
         raise ValueError(f"{head} the model folder records, {path!r}, which is missing: run `kestrel "
                          f"fetch-model` to fetch it again (--force also rebuilds the folder), {_ALTERNATIVES}")
     try:
-        arch = gguf_architecture(path)
+        if data:
+            header = read_header(path)
+            check_tensor_data(header, path, os.path.getsize(path))
+            arch = header.metadata.get("general.architecture")
+            arch = arch if isinstance(arch, str) else None
+        else:
+            arch = gguf_architecture(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{head} the model folder records, and {e}; run `kestrel fetch-model --force`, "
                          f"{_ALTERNATIVES}") from None

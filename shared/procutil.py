@@ -115,6 +115,22 @@ def await_activation(title: str) -> bool:
     return sys.stdin.readline().strip() == "go"
 
 
+def freeze_gc() -> None:
+    """Once a process is ready to serve: collect, then move every object alive into the
+    collector's permanent generation (`gc.freeze`), so that the full collections the serving
+    loop's allocations trigger no longer walk the modules, the model and the startup's
+    objects (a worker holds hundreds of thousands: a full pass paused a step for
+    milliseconds); the young generation's threshold is raised from 700 to 10,000
+    allocations, so that a step's short-lived objects are mostly freed by reference
+    counting before a pass runs. Cycles made later are still collected
+    (docs/ARCHITECTURE.md §2.6)."""
+    import gc
+    gc.collect()
+    gc.freeze()
+    _, g1, g2 = gc.get_threshold()
+    gc.set_threshold(10_000, g1, g2)
+
+
 def exit_now(code: int) -> NoReturn:
     """End this process with exit status `code` once its own cleanup is done: run the atexit
     handlers, flush the logs and stdio, then `os._exit`. It skips the interpreter's teardown

@@ -22,7 +22,7 @@ def _secs(v: Any) -> str:
 
 
 _KNOWN = {"device", "dtype", "threads", "attention", "kernels", "weight_bytes", "kv_bytes",
-          "quantization", "weight_bytes_held", "weight_format", "gguf_tensors",
+          "quantization", "weight_bytes_held", "weight_format", "gguf_file", "gguf_tensors",
           "num_blocks", "block_size", "kv_tokens", "max_model_len", "load_seconds",
           "kv_alloc_seconds", "startup_s", "graph_sizes", "cuda_graph_sizes",
           "gpu_memory_bytes", "device_name", "rank", "pid", "kv_cache_dtype", "kv_scales"}
@@ -40,7 +40,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
     (added by the supervisor) since the supervisor started the processes.
     Lines: device and memory, kernels, weight and KV memory (with the KV dtype and its
     scales' source when the worker reports them), the weight format when it is FP8 (or an
-    FP8 checkpoint dequantized), KV blocks and tokens, graph
+    FP8 checkpoint dequantized), the GGUF file and what its tensors became (under
+    --quantization gguf), KV blocks and tokens, graph
     sizes, time per phase, then any other worker facts.
     """
     lines = []
@@ -71,6 +72,8 @@ def format_startup_report(report: dict[str, Any]) -> list[str]:
                      f"KV cache {_gib(w.get('kv_bytes'))}{kv_fmt}")
         if w.get("weight_format"):  # FP8 weights, or an FP8 checkpoint dequantized (§6.3)
             lines.append(f"{tag} weights: {w['weight_format']}")
+        if w.get("gguf_file"):  # the GGUF the weights came from (--quantization gguf)
+            lines.append(f"{tag} gguf file: {w['gguf_file']}")
         gguf = w.get("gguf_tensors")
         if isinstance(gguf, dict):  # what each GGUF tensor became (services/worker/gguf_loader.py)
             lines.append(f"{tag} gguf tensors: " + ", ".join(f"{k} x{v}" for k, v in gguf.items()))

@@ -23,6 +23,21 @@ def no_runtime_folder_left_behind():
         pytest.fail(f"the test session left runtime folders behind: {left}", pytrace=False)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """After a session that passed, its servers' logs (tests/e2e/server.py `LOGS`, one
+    /tmp/kestrel-serve-*.log per server) are removed; a failed session keeps them."""
+    import os
+    import sys
+
+    mod = sys.modules.get("tests.e2e.server")
+    if exitstatus == 0 and mod is not None:
+        for path in mod.LOGS:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 @pytest.fixture(autouse=True)
 def plain_weight_schemes():
     """A `ModelRunner` built in the test process sets process-wide weight schemes

@@ -63,6 +63,8 @@ class DraftScheduler:
         `budget` or its grammar) and the drafts it asks for next, blocks allocated; None
         when it verifies and asks none, or the blocks are short: then it runs plain."""
         drafts = req.draft_token_ids
+        if not drafts and not self.spec.may_ask(req):
+            return None  # it runs plain: the common step of a request with nothing to copy
         n = end - req.num_computed_tokens
         declined = bool(drafts) and k == 0  # the policy's choice (not the budget's)
         k = max(0, min(k, len(drafts), budget - n))

@@ -44,7 +44,8 @@ from shared.config import KestrelConfig
 from shared.liveness import Beacon
 from shared.kv_layout import KVLayout
 from shared.model_spec import ModelSpec, model_spec_for
-from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, freeze_gc, on_stop_signals, set_title,
+                             setup_logging)
 from shared.runtime_dir import write_private_file
 from shared.state_layout import StateLayout
 from shared.zmq_utils import make_socket, safe_decode
@@ -118,7 +119,9 @@ class EngineProcess:
         write_startup_report(cfg, workers, num_blocks, kv_tokens, core.max_model_len,
                              {"engine wait for workers": t_workers,
                               "engine ready": time.monotonic() - t0})
-        return cls(cfg, ctx, core, executor, router, beacon, stop)
+        proc = cls(cfg, ctx, core, executor, router, beacon, stop)
+        freeze_gc()  # startup's objects out of the serving loop's collections
+        return proc
 
     # ------------------------------------------------------------------ sockets
 
@@ -255,9 +258,10 @@ def _tier_connector(cfg: KestrelConfig, ctx: zmq.Context, workers: list[P.Worker
 
 
 def _record_refusal(cfg: KestrelConfig, why: object) -> None:
-    """Write the refused configuration's reason where the supervisor looks for it."""
+    """Write the refused configuration's reason where the supervisor looks for it (it is
+    `kestrel serve`'s last line)."""
     try:
-        write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"{why}\n")
+        write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"the engine refused its configuration: {why}\n")
     except OSError as err:
         log.warning("could not record the refused configuration: %s", err)
 

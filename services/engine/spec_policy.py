@@ -277,6 +277,16 @@ class SpecPolicy:
                      "rate_plain": self._base, "rate_chosen": best_rate}
         return ks
 
+    def may_ask(self, req: Request) -> bool:
+        """Whether `req`, holding no drafts, could ask for some after this step (`num_propose`
+        with k 0 and a positive limit would be > 0): the scheduler's cheap test, so that a
+        step in which nobody speculates costs the engine nearly what a plain one does."""
+        if self.fixed or self._probe_step:
+            return True
+        st = req.spec
+        a = self.acceptance if st is None else st.acceptance
+        return (st is None or st.empty < EMPTY_RUN) and a > self.break_even_acceptance()
+
     def num_propose(self, req: Request, k: int, limit: int, declined: bool = False) -> int:
         """Drafts `req` asks for after this step's seq (which verifies k drafts); at most
         `limit` (what it could still use). declined: it held drafts and `choose` took none

@@ -63,7 +63,7 @@ from services.frontend.body import read_body
 from services.frontend.context import ServingContext
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import (APIError, InternalError, InvalidRequest, NotFound,
-                                      ServiceUnavailable, engine_error)
+                                      ServiceUnavailable, engine_error, error_headers)
 from services.frontend.fanout import until_disconnect
 from services.frontend.generation import TextDelta, generate
 from services.frontend.guard import CLIENT_CLOSED
@@ -130,7 +130,8 @@ class AnthropicServing:
             err.status = 405
             raise err
         # 413 past --max-request-body-bytes (the OpenAI routes' reader and limit)
-        body = await read_body(request, self.ctx.limits.max_body_bytes)
+        body = await read_body(request, self.ctx.limits.max_body_bytes,
+                               self.ctx.limits.body_timeout_s)
         # parsing, rendering and tokenizing scale with the body: off the event loop
         return await asyncio.to_thread(parse_messages_request, body, count_only,
                                        self.ctx.defaults)
@@ -178,16 +179,15 @@ class AnthropicServing:
                                  f"{self.max_model_len})")
 
     def _error(self, request_id: str, e: APIError) -> Response:
-        """The response of `e` in Anthropic's envelope (503 -> 529 overloaded_error, with
-        Retry-After for ServiceUnavailable / Overloaded)."""
+        """The response of `e` in Anthropic's envelope (503 -> 529 overloaded_error), with its
+        `errors.error_headers` (Retry-After for ServiceUnavailable / Overloaded, Connection:
+        close for a body timeout's 408)."""
         status = e.status
         if status >= 500:
             log.error("%s failed: %s", request_id, e.message)
         else:
             log.info("%s rejected (%d): %s", request_id, status, e.message)
-        headers = ({"Retry-After": str(e.retry_after_s)} if isinstance(e, ServiceUnavailable)
-                   else None)
-        return anthropic_error_response(status, e.message, request_id, headers)
+        return anthropic_error_response(status, e.message, request_id, error_headers(e))
 
     async def messages(self, request: Request) -> Response:
         """POST /v1/messages (Anthropic Messages, streaming and not). Errors: 400 bad body,

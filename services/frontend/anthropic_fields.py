@@ -69,6 +69,21 @@ def check_known_fields(body: dict[str, Any]) -> None:
                                                  for k in extra))
 
 
+def check_cache_control(holder: dict[str, Any], param: str | None) -> None:
+    """Check the `cache_control` of `holder` (the body, a block or a tool at `param`; None:
+    the body): absent, null, or an object of type "ephemeral" (other keys, such as `ttl`
+    and Claude Code's `scope`, are not read: the prefix cache is automatic). Raises
+    InvalidRequest naming `<param>.cache_control` otherwise."""
+    cc = holder.get("cache_control")
+    if cc is None:
+        return
+    name = f"{param}.cache_control" if param else "cache_control"
+    if not isinstance(cc, dict):
+        raise InvalidRequest(name, f"{name}: Input should be an object ({{\"type\": \"ephemeral\"}}).")
+    if cc.get("type") != "ephemeral":
+        raise InvalidRequest(f"{name}.type", f"{name}.type: Input should be 'ephemeral'.")
+
+
 @dataclass(frozen=True)
 class Thinking:
     """The request's thinking setting. on: enable_thinking for the chat template and the

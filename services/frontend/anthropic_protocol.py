@@ -14,8 +14,13 @@ output_config (anthropic_fields.py: every documented thinking type; structured o
 output_config.format), and the fields accepted without effect (anthropic_fields'
 IGNORED_FIELDS: cache_control, context_management, service_tier, ...). Any other top-level
 field is a 400 "<field>: Extra inputs are not permitted", as Anthropic answers. Blocks may
-carry keys not read here (cache_control, citations): they are ignored. A null optional
-field is the same as an absent one.
+carry keys not read here (citations): they are ignored; a `cache_control` (top-level, on a
+block or a tool) is checked (an object of type "ephemeral", anthropic_fields'
+`check_cache_control`) and unused. A null optional field is the same as an absent one.
+As Anthropic's API rules: a message's content array is not empty unless it is the final
+assistant message's ("all messages must have non-empty content ..."), a text block's text
+(in messages, system and system messages) is not empty ("text content blocks must be
+non-empty"), a tool's name matches `^[a-zA-Z0-9_-]{1,128}$` and its `strict` is a boolean.
 
 Sampling values go to the engine as on the OpenAI routes (anthropic_api.py, with
 openai_sampling's `engine_temperature` / `engine_top_p`): a temperature below 1e-5 is greedy
@@ -42,10 +47,11 @@ import base64
 import binascii
 import io
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.frontend.anthropic_fields import (Thinking, check_known_fields,
+from services.frontend.anthropic_fields import (Thinking, check_cache_control, check_known_fields,
                                                 parse_output_config, parse_thinking)
 from services.frontend.errors import InvalidRequest
 from services.frontend.schema_limits import depth_message, too_deep
@@ -56,6 +62,8 @@ from shared.protocol import StructuredSpec
 IMAGE_MEDIA_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/gif": "GIF",
                      "image/webp": "WEBP"}
 TOOL_CHOICES = ("auto", "any", "tool", "none")
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")  # Anthropic's rule for a custom tool's name
+EMPTY_CONTENT = "all messages must have non-empty content except for the optional final assistant message"
 MAX_TOP_K = 2**31 - 1  # larger values would overflow the worker's sampler tensors
 
 
@@ -120,9 +128,19 @@ def _text_of(blocks: Any, param: str) -> str:
     for j, b in enumerate(blocks):
         p = f"{param}.{j}"
         _need(isinstance(b, dict) and b.get("type") == "text", p, "Input should be a text block.")
-        _need(isinstance(b.get("text"), str), f"{p}.text", "Field required (a string).")
-        texts.append(b["text"])
+        texts.append(_block_text(b, p))
     return "\n".join(texts)
+
+
+def _block_text(block: dict[str, Any], param: str) -> str:
+    """The text of a text block at `param`, checked as Anthropic checks it: a string, not
+    empty ("text content blocks must be non-empty"), and a well-formed cache_control."""
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{param}.text", f"{param}.text: Field required (a string).")
+    _need(text != "", f"{param}.text", "text content blocks must be non-empty")
+    check_cache_control(block, param)
+    return text
 
 
 def check_image(block: dict[str, Any], param: str) -> None:
@@ -166,6 +184,7 @@ def _tool_result_text(content: Any, param: str) -> str:
     for j, b in enumerate(content):
         p = f"{param}.{j}"
         _need(isinstance(b, dict), p, "Input should be an object.")
+        check_cache_control(b, p)
         if b.get("type") == "image":
             check_image(b, p)
         _need(b.get("type") == "text" and isinstance(b.get("text"), str), p,
@@ -174,8 +193,10 @@ def _tool_result_text(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def _message(i: int, msg: Any) -> list[dict[str, Any]]:
-    """One Anthropic message as template messages (tool results become role "tool")."""
+def _message(i: int, msg: Any, final: bool) -> list[dict[str, Any]]:
+    """One Anthropic message as template messages (tool results become role "tool").
+    final: it is the last of `messages` (only a final assistant message may have no content
+    blocks, as Anthropic's API rules)."""
     param = f"messages.{i}"
     _need(isinstance(msg, dict), param, "Input should be an object.")
     role = msg.get("role")
@@ -188,16 +209,17 @@ def _message(i: int, msg: Any) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     _need(isinstance(content, list), f"{param}.content",
           f"Input should be a string or an array of content blocks, not {_type_name(content)}.")
+    _need(content or (role == "assistant" and final), param, EMPTY_CONTENT)
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, b in enumerate(content):
         p = f"{param}.content.{j}"
         _need(isinstance(b, dict), p, "Input should be a content block object.")
+        check_cache_control(b, p)
         kind = b.get("type")
         if kind == "text":
-            _need(isinstance(b.get("text"), str), f"{p}.text", "Field required (a string).")
-            texts.append(b["text"])
+            texts.append(_block_text(b, p))
         elif kind == "image":
             check_image(b, p)
         elif kind == "tool_use":
@@ -247,13 +269,18 @@ def _tools(body: dict, req: MessagesRequest) -> None:
             _need(t.get("type") in (None, "custom"), f"{p}.type",
                   f"Tool type {t.get('type')!r} is not supported; only custom tools are.")
             name = t.get("name")
-            _need(isinstance(name, str) and name, f"{p}.name", "Field required (a string).")
+            _need(isinstance(name, str), f"{p}.name", "Field required (a string).")
+            _need(TOOL_NAME.match(name), f"{p}.name",
+                  f"String should match pattern '{TOOL_NAME.pattern}'.")
             _need(name not in req.tool_schemas, f"{p}.name", f"Tool names must be unique ({name!r}).")
             schema = t.get("input_schema")
             _need(isinstance(schema, dict), f"{p}.input_schema", "Field required (a JSON schema object).")
             _need(not too_deep(schema), f"{p}.input_schema", depth_message())
             desc = t.get("description")
             _need(desc is None or isinstance(desc, str), f"{p}.description", "Input should be a string.")
+            strict = t.get("strict")
+            _need(strict is None or isinstance(strict, bool), f"{p}.strict", "Input should be a boolean.")
+            check_cache_control(t, p)
             fn = {"name": name, "parameters": schema}
             if desc:
                 fn["description"] = desc
@@ -286,6 +313,7 @@ def parse_messages_request(raw: bytes, count_only: bool = False,
     if not isinstance(body, dict):
         raise InvalidRequest(None, "The request body must be a JSON object.")
     check_known_fields(body)
+    check_cache_control(body, None)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model", "model: Field required (a string).")
@@ -305,7 +333,7 @@ def parse_messages_request(raw: bytes, count_only: bool = False,
         if text:
             messages.append({"role": "system", "content": text})
     for i, m in enumerate(msgs):
-        messages += _message(i, m)
+        messages += _message(i, m, final=i == len(msgs) - 1)
     if is_prefill(messages):  # Anthropic refuses a prefill's trailing whitespace
         text = messages[-1]["content"]
         _need(text == text.rstrip(), "messages", "final assistant content cannot end with trailing whitespace")

@@ -191,7 +191,7 @@ class ChatServing:
             # Off the loop: a big body takes seconds to render and tokenize, and the loop
             # must keep serving other streams and the engine heartbeats meanwhile.
             req, prompt, prompt_ids, max_tokens = await asyncio.to_thread(
-                self._prepare, await read_body(request, ctx.limits.max_body_bytes))
+                self._prepare, await read_body(request, ctx.limits.max_body_bytes, ctx.limits.body_timeout_s))
             sr, tools = req.sampling, req.tools
             reasons = self.features.reasons(req.thinking, tools.forced)
             # Stop strings apply to the content: in the parser when there is reasoning,

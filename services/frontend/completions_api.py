@@ -99,7 +99,7 @@ class CompletionsServing:
         ctx = self.ctx
 
         async def handle() -> Response:
-            raw = await read_body(request, ctx.limits.max_body_bytes)
+            raw = await read_body(request, ctx.limits.max_body_bytes, ctx.limits.body_timeout_s)
 
             def parse() -> tuple[CompletionRequest, list[tuple[list[int], str, int]]]:
                 req = parse_completion_request(raw, ctx.tokenizer.vocab_size, ctx.defaults)

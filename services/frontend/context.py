@@ -35,7 +35,8 @@ class Limits:
 
     max_model_len: tokens of prompt + completion (the engine's). keepalive_s: seconds
     between SSE keep-alives, and how long a stream awaits its first engine output before
-    it starts. max_body_bytes: request bodies above it get 413. max_choices: engine requests
+    it starts. max_body_bytes: request bodies above it get 413. body_timeout_s: seconds a
+    request's body has to arrive once its handler reads it (then 408). max_choices: engine requests
     one HTTP request may open (prompts x n; the engine's waiting-queue bound), 0 for no
     bound.
     """
@@ -44,6 +45,7 @@ class Limits:
     keepalive_s: float
     max_body_bytes: int = 8 << 20
     max_choices: int = 0
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -105,5 +107,5 @@ async def build_context(cfg: KestrelConfig, engine: EngineClient,
         engine=engine, tokenizer=tokenizer, template=template,
         features=ChatFeatures(cfg.tool_call_parser, cfg.reasoning_parser),
         limits=Limits(info.max_model_len, cfg.keepalive_s, cfg.max_request_body_bytes,
-                      info.max_num_waiting),
+                      info.max_num_waiting, cfg.body_timeout),
         model_name=name, defaults=defaults, metrics=metrics)

@@ -80,6 +80,16 @@ class PayloadTooLarge(APIError):
     code = "request_too_large"
 
 
+class RequestTimeout(APIError):
+    """A request body that did not arrive within cfg.body_timeout seconds: HTTP 408, and the
+    connection is closed after the answer (`Connection: close`: the rest of the body is
+    never read)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class Overloaded(ServiceUnavailable):
     """The engine's waiting queue is full: HTTP 503 with a Retry-After header (seconds)."""
 
@@ -132,10 +142,17 @@ def error_body(err: APIError) -> dict[str, Any]:
                       "code": err.code}}
 
 
+def error_headers(err: APIError) -> dict[str, str] | None:
+    """The headers an error's response carries in every API's envelope: Retry-After
+    (seconds) for ServiceUnavailable and Overloaded, Connection: close for RequestTimeout."""
+    if isinstance(err, ServiceUnavailable):
+        return {"Retry-After": str(err.retry_after_s)}
+    if isinstance(err, RequestTimeout):
+        return {"Connection": "close"}
+    return None
+
+
 def error_response(err: APIError) -> Response:
-    """The HTTP response for `err`: its status and the JSON envelope (plus Retry-After,
-    in seconds, for ServiceUnavailable and Overloaded)."""
-    headers = ({"Retry-After": str(err.retry_after_s)} if isinstance(err, ServiceUnavailable)
-               else None)
+    """The HTTP response for `err`: its status, the JSON envelope and `error_headers`."""
     return Response(orjson.dumps(error_body(err)), status_code=err.status,
-                    media_type="application/json", headers=headers)
+                    media_type="application/json", headers=error_headers(err))

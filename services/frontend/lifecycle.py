@@ -17,7 +17,10 @@
   what still runs after FINAL_GRACE_S (those requests are aborted on the engine). A second
   stop signal ends the requests in flight the same way and skips the rest of the drain.
   Under a supervisor (`kestrel serve`) SIGINT is a no-op: a terminal's Ctrl-C reaches the
-  whole process group, and the supervisor drains everything in order.
+  whole process group, and the supervisor drains everything in order. Before the engine
+  has answered (the lifespan's handshake) nothing listens and nothing is in flight: a stop
+  signal ends the process at once (exit 128 + the signal), so a `kestrel serve` whose
+  engine group refused its configuration stops without waiting out the frontend's grace.
 - Watchdog: `beat_forever` beats the process's progress beacon from the event loop, so a
   blocked loop stops the counter and the supervisor's watchdog dumps the stacks.
 """
@@ -37,7 +40,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from services.frontend.header_guard import guarded_protocol
 from shared.config import KestrelConfig
 from shared.liveness import Beacon
-from shared.procutil import supervisor_pid
+from shared.procutil import exit_now, supervisor_pid
 
 log = logging.getLogger("kestrel.frontend")
 
@@ -73,7 +76,8 @@ class DrainingServer(uvicorn.Server):
     keeps serving until no request is in flight or `drain_s` seconds have passed; only then
     does uvicorn close the listener. `ignore_sigint`: SIGINT does nothing (supervised).
     Signals are not re-raised after the server stops (uvicorn would, killing the process
-    by SIGTERM), so a drained frontend exits 0.
+    by SIGTERM), so a drained frontend exits 0. A stop signal before the server started
+    (the lifespan still waits for the engine) ends the process at once, 128 + the signal.
     """
 
     def __init__(self, config: uvicorn.Config, app, drain_s: float, ignore_sigint: bool = False):
@@ -87,6 +91,12 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGINT and self._ignore_sigint:
             return  # the supervisor got it too, and drains us with SIGTERM
+        if not self.started:
+            # still in the lifespan's startup (the engine handshake, up to startup_timeout_s):
+            # nothing listens yet, so nothing is in flight to drain: go now, as a loading
+            # worker does (a SystemExit here would unwind the lifespan into a traceback)
+            log.info("stop signal before the frontend was ready: exiting")
+            exit_now(128 + sig)
         if self._drain_deadline is None:
             self._app.state.draining = True
             self._drain_deadline = time.monotonic() + self._drain_s

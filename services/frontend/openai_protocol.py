@@ -2,7 +2,8 @@
 
 Follows the OpenAI API reference for the request bodies. Chat: model, messages (roles
 system, developer (sent to the template as system), user, assistant (with `tool_calls`),
-tool (with `tool_call_id`); content a string or a list of text parts), logprobs,
+tool (with `tool_call_id`); content a string or a list of text parts, not an empty list in a
+user message: OpenAI's 400 "empty array", code empty_array), logprobs,
 top_logprobs (0-20, needs logprobs), chat_template_kwargs (an object; not the keys the
 renderer sets itself, `chat_template.RESERVED`), vLLM's add_generation_prompt (default
 true) and continue_final_message (default false; the prompt ends right after the final
@@ -92,6 +93,9 @@ def _content(i: int, role: str, content: Any) -> str:
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
+        if not content and role == "user":  # OpenAI's schema: a user turn's parts, minItems 1
+            raise InvalidRequest(param, f"Invalid '{param}': empty array. Expected an array with "
+                                 "minimum length 1, but got an empty array instead.", code="empty_array")
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":

@@ -117,7 +117,7 @@ class ResponsesServing:
 
         async def handle() -> Response:
             req, prompt, ids, max_tokens = await asyncio.to_thread(
-                self._prepare, await read_body(request, ctx.limits.max_body_bytes))
+                self._prepare, await read_body(request, ctx.limits.max_body_bytes, ctx.limits.body_timeout_s))
             sr, tools = req.sampling, req.tools
 
             def wrap(index: int, gen: Deltas) -> Deltas:

@@ -7,7 +7,7 @@ Follows the OpenAI API reference (Responses, `input`) and the openai SDK's
   - messages (`type` "message" or absent, with a `role`): roles user, system, developer
     (sent to the template as system) and assistant; `content` a string or a list of parts
     `input_text` / `output_text` / `text` ({"text"}) and `refusal` ({"refusal"}), joined
-    with newlines. Images, files and audio are rejected (a text-only server).
+    with newlines (an empty list in a user message is a 400, code empty_array, as on chat). Images, files and audio are rejected (a text-only server).
   - `function_call` {"call_id", "name", "arguments": JSON text}: a call the model made,
     attached to the assistant turn before it (a new assistant turn if there is none).
   - `function_call_output` {"call_id", "output": a string or a list of `input_text`
@@ -104,6 +104,10 @@ def _message(param: str, item: dict[str, Any]) -> dict[str, Any]:
     content = item.get("content")
     if content is None and role == "assistant":
         content = ""
+    if content == [] and role == "user":  # as on the chat route (openai_protocol._content)
+        raise InvalidRequest(f"{param}.content", f"Invalid '{param}.content': empty array. Expected "
+                             "an array with minimum length 1, but got an empty array instead.",
+                             code="empty_array")
     text = _text_parts(f"{param}.content", content, "A message's content")
     # OpenAI's "developer" role is the system role of newer models; templates know "system".
     return {"role": "system" if role == "developer" else role, "content": text}

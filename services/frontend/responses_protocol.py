@@ -17,7 +17,8 @@ Follows the OpenAI API reference (Responses, create) and the openai SDK's
   tool_choice forces a call, the call's constraint applies instead (the answer has no text);
 - `reasoning.effort`: "none" turns the template's thinking off (enable_thinking false);
   other efforts and `reasoning.summary` are accepted and change nothing;
-- `stream`; `store` (accepted, treated as false: nothing is kept); `metadata` (echoed).
+- `stream`; `stream_options` (an object; its boolean `include_obfuscation` is accepted and
+  changes nothing); `store` (accepted, treated as false: nothing is kept); `metadata` (echoed).
 Not supported (a 400 naming the field, unless the value is neutral): `previous_response_id`,
 `conversation`, `prompt` and `background: true` (they need stored state), `top_logprobs`
 above 0 and `include: ["message.output_text.logprobs"]`. Other fields (`include`, `user`,
@@ -80,6 +81,11 @@ def _unsupported(body: dict[str, Any]) -> None:
             raise InvalidRequest(name, f"'{name}' is not supported: this server keeps no "
                                  "responses or conversations (store is treated as false); "
                                  "send the whole conversation in 'input'.")
+    stream_options = body.get("stream_options")
+    if stream_options is not None:  # {include_obfuscation}: accepted, nothing to obfuscate here
+        if not isinstance(stream_options, dict):
+            raise InvalidRequest("stream_options", "'stream_options' must be an object.")
+        get_bool(stream_options, "include_obfuscation", False, "stream_options.include_obfuscation")
     if get_bool(body, "background", False):
         raise InvalidRequest("background", "'background' responses are not supported.")
     get_bool(body, "store", False)

@@ -79,8 +79,8 @@ class TokenizeServing:
                                   "tokens": ids, "token_strs": strs})
 
         async def handle() -> Response:
-            return await asyncio.to_thread(work, await read_body(request,
-                                                                 s.limits.max_body_bytes))
+            return await asyncio.to_thread(work, await read_body(
+                request, s.limits.max_body_bytes, s.limits.body_timeout_s))
 
         return await guard(f"tokenize-{uuid.uuid4().hex[:12]}", handle)
 
@@ -101,7 +101,7 @@ class TokenizeServing:
                                                                 skip_special_tokens=False)})
 
         async def handle() -> Response:
-            return await asyncio.to_thread(work, await read_body(request,
-                                                                 s.limits.max_body_bytes))
+            return await asyncio.to_thread(work, await read_body(
+                request, s.limits.max_body_bytes, s.limits.body_timeout_s))
 
         return await guard(f"detokenize-{uuid.uuid4().hex[:12]}", handle)

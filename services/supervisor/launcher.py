@@ -17,9 +17,11 @@ Policies (docs/ARCHITECTURE.md §8):
   per process are in `<runtime_dir>/restarts.json` (shared.restart_counts).
 - An engine that exits with EXIT_CONFIG (2: it refused its configuration, e.g. a
   max_model_len over the KV cache; it also leaves CONFIG_REFUSED in the runtime folder, as
-  its exit code is lost when the supervisor's SIGTERM finds it exiting) would refuse it
-  again: `serve` stops at once and exits 1, and a server that never became ready has no
-  requests to drain (frontends get GRACE_S, not --shutdown-timeout).
+  its exit code is lost when the supervisor's SIGTERM finds it exiting), or a worker that
+  refused its own (a model it cannot load: it leaves the same note), would refuse it
+  again: `serve` stops at once and exits 2 with the note's reason as its last line on
+  stderr, and a server that never became ready has no requests to drain (frontends get
+  GRACE_S, not --shutdown-timeout; one still waiting for the engine exits at once).
 - The kvstore (when kv_offload_cpu_gib > 0; its settings are checked before anything
   starts by the kvstore's own check, which `kestrel serve` hands to `serve`
   (services.kvstore.settings.check): exit 2 with the message when they cannot work) is its
@@ -68,7 +70,8 @@ from services.supervisor.restart import RestartPolicy
 from services.supervisor.standby import STANDBY_DELAY_S, Standby
 from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
 from shared.config import KestrelConfig
-from shared.model_spec import ModelFolderError, model_spec_for
+from shared.gguf_source import require_gguf
+from shared.model_spec import model_spec_for
 from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging,
                              spawn_supervised)
 from shared.restart_counts import write_restart_counts
@@ -191,6 +194,7 @@ class Supervisor:
         self.pending: dict[str, float] = {}  # unit -> time.monotonic() to start it at
         self.gave_up = False
         self.config_refused = False  # gave up because the engine group refused its configuration
+        self.refusal: str | None = None  # then: who refused and why (the CONFIG_REFUSED note)
 
     def start_all(self) -> None:
         """Start every child (kvstore, engine group, frontends) and write the restart counts."""
@@ -234,10 +238,10 @@ class Supervisor:
                     log.error("%s (pid %d) exited with code %s", c.role, *c.exit_info())
                 self._stop_engine_group()  # the engine's own exit code is known after this
                 engine = self.engine_group[0].proc
-                if (engine is not None and engine.returncode == EXIT_CONFIG) or \
-                        os.path.exists(os.path.join(self.cfg.runtime_dir, CONFIG_REFUSED)):
-                    log.error("the engine refused its configuration (exit code %d, see its log "
-                              "above): not restarting it", EXIT_CONFIG)
+                note = _refusal_note(self.cfg.runtime_dir)
+                if note is not None or (engine is not None and engine.returncode == EXIT_CONFIG):
+                    self.refusal = note or f"the engine refused its configuration (exit code {EXIT_CONFIG})"
+                    log.error("%s: not restarting the engine group", self.refusal)
                     self.gave_up = self.config_refused = True
                     return
                 self._schedule("engine")
@@ -291,6 +295,17 @@ class Supervisor:
         # the middle of interpreter shutdown would end one with -15), then signal.
         _stop_group(self.engine_group[1:], GRACE_S, own_exit_s=WORKER_OWN_EXIT_S)
         _stop_group(self.kvstore, GRACE_S)  # last: it finishes its queued disk writes
+
+
+def _refusal_note(runtime_dir: str) -> str | None:
+    """Who refused the configuration and why, from the note the engine or a worker leaves in
+    the runtime folder before it exits EXIT_CONFIG (CONFIG_REFUSED: "the engine refused its
+    configuration: <why>", "worker <rank> refused ..."), or None when there is none."""
+    try:
+        with open(os.path.join(runtime_dir, CONFIG_REFUSED), encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
 
 
 def _stop_group(group: list[Child], grace: float, own_exit_s: float = 0.0) -> None:
@@ -355,8 +370,10 @@ def _private_folders(cfg: KestrelConfig, wc: WatchdogConfig) -> bool | None:
 def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> int:
     """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code:
     0 after a signal, 1 when a process kept failing (restart policy gave up) or the server
-    was not ready within cfg.startup_timeout_s, 2 for a bad model folder, watchdog config or
-    kvstore settings, or a runtime or dump folder that is not private (`_private_folders`). check_kvstore: the kvstore's check of its settings (a summary line;
+    was not ready within cfg.startup_timeout_s, 2 for a bad model folder (under gguf: a GGUF
+    file cut short, `require_gguf(data=True)`), watchdog config or kvstore settings, a runtime
+    or dump folder that is not private (`_private_folders`), or a configuration the engine
+    group refused (its reason is the last line on stderr). check_kvstore: the kvstore's check of its settings (a summary line;
     raises ValueError with the message when they cannot work), run when offload is on; the
     caller passes it so that the supervisor imports no other service."""
     set_title("kestrel:supervisor")
@@ -366,8 +383,11 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
         log.info("%s", cfg.profile_detail)
     try:
         model_spec_for(cfg)
-    except ModelFolderError as e:
+        if cfg.quantization == "gguf":  # the whole file, not only the config builder's header check
+            require_gguf(cfg.model, data=True)
+    except ValueError as e:  # a ModelFolderError, or the GGUF (shared.gguf_source)
         log.error("%s", e)
+        print(f"kestrel serve: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         wc = load_watchdog_config(cfg)
@@ -436,4 +456,6 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
             remove_if_empty(wc.dump_dir)
         _sweep(cfg.instance_id)
     log.info("stopped (exit code %d)", code)
+    if sup.refusal is not None:  # the reason, last: the lines above are the stop's
+        print(f"kestrel serve: {sup.refusal}", file=sys.stderr, flush=True)
     return code

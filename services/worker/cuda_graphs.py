@@ -103,7 +103,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: later graphs reuse its pool
                 meta, state = self.meta(bs), self.state_view(bs)
-                # warm-up: compiles (Triton, fla's recurrent kernel: no autotuner), allocates;
+                # warm-up: compiles (Triton; a hybrid's decode kernels have no autotuner), allocates;
                 # the host rows still hold the padding values, so its state writes hit the
                 # scratch slot only
                 self._forward(bs, forward, meta, state)

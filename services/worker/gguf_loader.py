@@ -24,7 +24,8 @@ VM, against 0.2 s); the tensor data from a read-only memory map, dequantized by 
 package (`gguf.quants.dequantize`, its type table `GGML_QUANT_SIZES`).
 
 Fails loudly as loader.load_weights does: a tensor no parameter takes, a shape mismatch, a
-parameter left unloaded; and a GGUF whose architecture is not llama.
+parameter left unloaded; and a GGUF whose architecture is not llama, or a file cut short or
+with an unknown tensor type (`shared.gguf_source.check_tensor_data`, before any tensor is read).
 """
 
 from __future__ import annotations
@@ -42,16 +43,18 @@ from services.worker.gguf_names import hf_name, rotary_heads, rotary_row_order, 
 from services.worker.layers.embedding import LMHead
 from services.worker.layers.linear import Linear, set_quantized_weight
 from services.worker.loader import Shard, _destination, _shards, _target, process_weights_after_loading
-from shared.gguf_source import read_header
+from shared.gguf_source import check_tensor_data, read_header, tensor_bytes
 
 
 @dataclass
 class GGUFLoad:
-    """What `load_gguf_weights` did: weight_bytes, the parameters' bytes in the model dtype
+    """What `load_gguf_weights` did: file, the GGUF's path (as the model folder's record
+    resolves it); weight_bytes, the parameters' bytes in the model dtype
     (as `loader.load_weights` counts them); tensors, how many GGUF tensors of each type took
     each form ("int4 Q4_1": from the blocks; "int8 Q8_0": a linear weight dequantized, int8
     after loading; "dense F32": dequantized into a parameter kept in the model dtype)."""
 
+    file: str
     weight_bytes: int
     tensors: dict[str, int] = field(default_factory=dict)
 
@@ -77,16 +80,17 @@ def load_gguf_weights(model: nn.Module, path: str) -> GGUFLoad:
     other than llama, an unknown tensor name, a tensor no parameter takes, a shape mismatch,
     or parameters left unloaded (a tied lm_head excepted).
     """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     head = read_header(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    check_tensor_data(head, path, file.size)  # every type known, whole blocks, data inside the file
     arch = head.metadata.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported by --quantization gguf (llama)")
     n_heads = head.integer("llama.attention.head_count")
     n_kv = head.integer("llama.attention.head_count_kv", n_heads)
-    file = np.memmap(path, dtype=np.uint8, mode="r")
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tied_lm_head", False)
@@ -108,10 +112,7 @@ def load_gguf_weights(model: nn.Module, path: str) -> GGUFLoad:
     # a parameter takes int4 blocks when its layer can hold them and all its tensors are int4
     types: dict[str, set[str]] = {}
     for t, _, pname, _ in entries:
-        try:
-            types.setdefault(pname, set()).add(GGMLQuantizationType(t.ggml_type).name)
-        except ValueError:
-            raise ValueError(f"tensor {t.name} in {path}: unknown GGML type {t.ggml_type}") from None
+        types.setdefault(pname, set()).add(GGMLQuantizationType(t.ggml_type).name)  # (known: checked)
     int4 = {p for p, ts in types.items() if ts <= INT4_TYPES.keys() and _int4_module(model, p) is not None}
     groups: dict[str, dict[Shard, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     loaded: set[tuple[str, Shard]] = set()
@@ -125,13 +126,9 @@ def load_gguf_weights(model: nn.Module, path: str) -> GGUFLoad:
         if shape != tuple(dst.shape):
             raise ValueError(f"tensor {t.name} in {path}: shape {shape}, parameter {pname} expects "
                              f"{tuple(dst.shape)}")
-        gtype = GGMLQuantizationType(t.ggml_type)  # (a known type: checked with `types` above)
-        per_block, block_bytes = GGML_QUANT_SIZES[gtype]
-        rows, end = int(np.prod(shape[:-1])), t.offset + int(np.prod(shape)) // per_block * block_bytes
-        if shape[-1] % per_block or end > file.size:
-            raise ValueError(f"tensor {t.name} in {path}: {gtype.name} rows of {shape[-1]} values are not whole "
-                             f"blocks of {per_block}, or its data runs past the end of the file")
-        raw = file[t.offset:end].reshape(rows, -1)
+        gtype = GGMLQuantizationType(t.ggml_type)
+        rows = int(np.prod(shape[:-1]))
+        raw = file[t.offset:t.offset + tensor_bytes(t, path)].reshape(rows, -1)  # (inside the file: checked)
         heads = rotary_heads(name, n_heads, n_kv)
         qtype = gtype.name
         if pname in int4:
@@ -164,4 +161,4 @@ def load_gguf_weights(model: nn.Module, path: str) -> GGUFLoad:
         assert module is not None  # (in `int4`)
         set_quantized_weight(module, pname.rpartition(".")[2], pack_int4(q, s, z))
     process_weights_after_loading(model)
-    return GGUFLoad(weight_bytes, dict(sorted(counts.items())))
+    return GGUFLoad(path, weight_bytes, dict(sorted(counts.items())))

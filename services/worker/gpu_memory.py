@@ -86,9 +86,11 @@ def profile_kv_budget(runner, cfg, kv_specs: list[PagedKVSpec]) -> tuple[int, in
 
 def _decode_peak(runner, max_num_seqs: int, state, layers) -> int:
     """Bytes a decode step of max_num_seqs one-token seqs allocates on top of what is live
-    (a hybrid model: each recurrent layer's gathered states, [max_num_seqs, *shape] per
-    tensor, and their updates), run once eagerly: what the largest decode graph's private
-    pool keeps (services/worker/cuda_graphs.py), beside the eager steps' activations.
+    (a hybrid model's recurrent layers update their slots in place, kernels/gdn_decode.py:
+    only activations; with `gated_deltanet.IN_PLACE_DECODE` off, each layer's gathered
+    states [max_num_seqs, *shape] per tensor and their updates), run once eagerly: what the
+    largest decode graph's private pool keeps (services/worker/cuda_graphs.py), beside the
+    eager steps' activations.
     layers: the temporary KV cache's attention layers (every seq writes slot 0 there)."""
     dev = runner.device
     greedy = SamplingParams(temperature=0.0)

@@ -134,11 +134,13 @@ class ModelRunner:
         with torch.device(self.device), _default_dtype(self.dtype):
             module = model_class(self.spec)(self.spec, self.max_model_len)
         self.gguf_tensors: dict[str, int] | None = None  # what each GGUF tensor became (gguf only)
+        self.gguf_file: str | None = None  # the GGUF loaded from (gguf only)
         if cfg.load_format == "dummy":
             self.weight_bytes = load_dummy_weights(module, cfg.seed)
         elif self.quantization == "gguf":
             loaded = load_gguf_weights(module, require_gguf(cfg.model))
             self.weight_bytes, self.gguf_tensors = loaded.weight_bytes, loaded.tensors
+            self.gguf_file = loaded.file
         else:
             self.weight_bytes = load_weights(module, cfg.model, self.checkpoint_quant)
         module.eval()
@@ -304,8 +306,8 @@ class ModelRunner:
         """Startup facts: device, dtype, weight/KV bytes (and `cpu_one_row_weight_bytes`, the
         dense copies kept beside packed CPU weights, kernels/cpu_linear.py), the weight
         quantization (`quantization`) and the weight bytes held after it (`weight_bytes_held`;
-        `weight_bytes` is the checkpoint's in the model dtype; under gguf, `gguf_tensors`: the
-        GGUF tensors per form and type, `gguf_loader.GGUFLoad`), KV blocks and tokens, load seconds,
+        `weight_bytes` is the checkpoint's in the model dtype; under gguf, `gguf_file` (the path)
+        and `gguf_tensors` (the GGUF tensors per form and type, `gguf_loader.GGUFLoad`)), KV blocks and tokens, load seconds,
         the proposer (`speculative`, None when off), the verify graphs (`verify_graphs`,
         only when captured)."""
         return {
@@ -317,7 +319,8 @@ class ModelRunner:
             "kv_cache_dtype": self.spec.kv_dtype, "kv_scales": self.kv_scales,
             "quantization": self.quantization, "weight_bytes_held": self.held_weight_bytes,
             **({"weight_format": self.weight_format} if self.weight_format else {}),
-            **({"gguf_tensors": self.gguf_tensors} if self.gguf_tensors is not None else {}),
+            **({"gguf_file": self.gguf_file, "gguf_tensors": self.gguf_tensors}
+               if self.gguf_tensors is not None else {}),
             # the dense weights a one-thread speculative CPU worker keeps beside the packed ones
             "cpu_one_row_weight_bytes": self.one_row_weight_bytes,
             "num_blocks": self.num_blocks, "block_size": self.block_size,

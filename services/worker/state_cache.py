@@ -8,7 +8,9 @@ allocates `StateCache(specs, num_slots)`: per layer and per tensor of its spec, 
 and every `ScheduledSeq` carries its request's `state_slot`; per step the runner builds a
 `StepState` (the step's slots, which seqs continue from their slot's state, their token
 offsets) and gives it to the attention backend (`AttentionBackend.state`), through which the
-recurrent layers read and write their slots (models never touch a cache tensor).
+recurrent layers read and write their slots (models never touch a cache tensor): a decode
+step (one token a seq) updates the slots in place through `slots` / `has_initial`
+(kernels/gdn_decode.py), other steps `gather` the seqs' states and `scatter` them back.
 
 A seq continues from its slot's state when start_pos > 0; at start_pos 0 (a new request, or
 one preempted and recomputed) it starts from zeros. Nothing else resets a slot.
@@ -117,10 +119,12 @@ class StepState:
     int32 on the device, the seqs' token offsets in the flattened batch. seq_lens_host:
     the seqs' token counts (host ints, for the CPU references' per-seq loops).
     A CUDA-graph decode step's view (`services.worker.cuda_graphs.DecodeGraphs.state_view`)
-    holds views of the graph's static buffers instead, filled in place before each replay:
-    `gather` and `scatter` are index_select, torch.where and index_copy_ over them (no host
-    sync, no branch on their values); its padding rows name the scratch slot, written by
-    several rows at once (whichever write lands, no request reads it).
+    holds views of the graph's static buffers instead, filled in place before each replay
+    (has_initial: a strided bool view of an int64 row): the recurrent layers' in-place decode
+    kernels read the slots and flags from them (no host sync, no branch on their values); its
+    padding rows name the scratch slot and start from zeros, written by several rows at once
+    (whichever write lands, no request reads it). `gather` and `scatter` (index_select,
+    torch.where, index_copy_) serve the steps that are not plain decodes.
     """
 
     cache: StateCache

@@ -20,7 +20,8 @@ import zmq
 from shared import protocol as P
 from shared.config import KestrelConfig, ring_name
 from shared.liveness import Beacon
-from shared.procutil import CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, on_stop_signals, set_title, setup_logging
+from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, die_with_parent, freeze_gc, on_stop_signals, set_title,
+                             setup_logging)
 from shared.runtime_dir import write_private_file
 from shared.shm_ring import RingClosed, ShmRingReader
 from shared.zmq_utils import make_socket, safe_decode
@@ -88,7 +89,8 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
         # the engine's refusals (the supervisor reads CONFIG_REFUSED and does not restart)
         log.error("the worker refused its configuration: %s", e)
         try:
-            write_private_file(cfg.runtime_dir, CONFIG_REFUSED, f"worker {rank}: {e}\n")
+            write_private_file(cfg.runtime_dir, CONFIG_REFUSED,
+                               f"worker {rank} refused its configuration: {e}\n")
         except OSError as err:
             log.warning("could not record the refused configuration: %s", err)
         return EXIT_CONFIG
@@ -107,6 +109,7 @@ def run_worker(cfg: KestrelConfig, rank: int = 0) -> int:
     hb = threading.Thread(target=_heartbeats, args=(ctx, cfg.worker_address, rank, stopping),
                           daemon=True, name="heartbeat")
     hb.start()
+    freeze_gc()  # the model and startup's objects out of the serving loop's collections
     serving.set()
     code = 0
     try:

@@ -31,6 +31,11 @@ def segments(instance_id: str) -> list[str]:
     return glob.glob(f"/dev/shm/kestrel-{instance_id}-*")
 
 
+# every server log of this session: kept for a failed session (they explain it), removed
+# after one that passed (`tests/conftest.py` pytest_sessionfinish)
+LOGS: list[str] = []
+
+
 class KestrelServer:
     """One `kestrel serve` subprocess. Logs go to a temp file (shown on failure)."""
 
@@ -49,6 +54,7 @@ class KestrelServer:
         self.argv = [KESTREL, "serve", "--model", model_dir, "--host", "127.0.0.1",
                      "--port", str(self.port), "--instance-id", self.instance_id, *own, *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kestrel-serve-", suffix=".log", delete=False)
+        LOGS.append(self.log.name)  # removed after a session that passed (tests/conftest.py)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300.0) -> "KestrelServer":

@@ -11,12 +11,16 @@ moves the logits by several units (tests/parity/test_gguf_weights.py: 66-79% of 
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import time
 
 import httpx
 import pytest
 import torch
 
+from shared.gguf_source import gguf_file_of, write_pointer
 from tests.e2e.server import KestrelServer
 from tests.gguf_tiny import tiny_model_folder
 
@@ -52,3 +56,66 @@ def test_served_gguf_scores_the_prompt_as_the_fp32_model(folder):
             f"{min(want):.2f} .. {max(want):.2f}"
     assert max(errs) <= MAX_ERR and sum(errs) / len(errs) <= MEAN_ERR, facts
     assert "gguf tensors: " in log and "int4 Q4_K x5" in log, log
+    assert f"startup report: worker 0 gguf file: {gguf_file_of(folder)}\n" in log, log
+
+
+def _copy(folder: str, dst, gguf: bytes | None = None) -> str:
+    """A copy of the model folder under dst whose record names `gguf` (bytes) written beside it
+    (default: the kept GGUF, unchanged). Returns the copy."""
+    out = dst / "model"
+    shutil.copytree(folder, out)
+    kept = dst / "kept.gguf"
+    kept.write_bytes(open(gguf_file_of(folder), "rb").read() if gguf is None else gguf)
+    write_pointer(str(out), str(kept))
+    return str(out)
+
+
+def _serve_refused(model: str) -> tuple[int, str]:
+    """`kestrel serve` of `model` (gguf, CPU) that must exit by itself: (exit code, its output)."""
+    srv = KestrelServer(model, "--device", "cpu", "--quantization", "gguf", "--kv-cache-gib", "0.05")
+    srv.proc = subprocess.Popen(srv.argv, stdout=srv.log, stderr=subprocess.STDOUT)
+    try:
+        code = srv.proc.wait(180)
+    finally:
+        srv.stop()
+    return code, srv.log_tail(400)
+
+
+def test_a_gguf_cut_short_is_refused_before_any_process_starts(folder, tmp_path):
+    whole = open(gguf_file_of(folder), "rb").read()
+    model = _copy(folder, tmp_path, whole[:len(whole) // 2])  # the header is whole, the data is not
+    code, log = _serve_refused(model)
+    last = log.rstrip("\n").splitlines()[-1]
+    assert code == 2, log
+    assert last.startswith("kestrel serve: ") and f"{tmp_path / 'kept.gguf'} is cut short: " \
+        f"{len(whole) // 2} bytes, and its tensor table needs {len(whole)}" in last, log
+    assert "started engine" not in log, log  # refused by `serve` itself, before any child
+
+
+def test_a_gguf_record_naming_a_folder_says_it_is_a_folder(folder, tmp_path):
+    model = _copy(folder, tmp_path)
+    kept = tmp_path / "a-folder"
+    kept.mkdir()
+    write_pointer(model, str(kept))
+    code, log = _serve_refused(model)
+    last = log.rstrip("\n").splitlines()[-1]
+    assert code == 2, log
+    assert last.startswith("kestrel serve: ") and f"{str(kept)!r}, which is a folder, not a file" in last, log
+
+
+def test_a_worker_that_cannot_load_the_gguf_ends_serve_at_once_with_its_reason(folder, tmp_path):
+    # a config.json that does not match its GGUF: only the worker's load can tell (the shapes)
+    model = _copy(folder, tmp_path)
+    with open(f"{model}/config.json") as fh:
+        config = json.load(fh)
+    inter = config["intermediate_size"]
+    config["intermediate_size"] = inter // 2
+    with open(f"{model}/config.json", "w") as fh:
+        json.dump(config, fh)
+    code, log = _serve_refused(model)
+    last = log.rstrip("\n").splitlines()[-1]
+    assert code == 2, log
+    assert last.startswith("kestrel serve: worker 0 refused its configuration: tensor blk.0.ffn_gate.weight"), log
+    assert f"shape ({inter}, {config['hidden_size']})" in last, log
+    # the frontend, still waiting for the engine, exited on the stop signal: not killed at the grace's end
+    assert "frontend-0 did not stop" not in log and "stop signal before the frontend was ready" in log, log

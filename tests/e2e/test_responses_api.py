@@ -192,10 +192,15 @@ def test_tool_choice_none_leaves_tools_out_and_never_calls(client):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
                                         "schema": {"type": "nonsense"}}}},
      "text.format.schema"),
+    ({"input": "x", "stream_options": "x"}, "stream_options"),
+    ({"input": "x", "stream_options": {"include_obfuscation": "yes"}}, "stream_options.include_obfuscation"),
+    ({"input": "x", "tools": [{**TOOLS[0], "strict": "yes"}]}, "tools[0].strict"),
+    ({"input": [{"role": "user", "content": []}]}, "input[0].content"),
 ], ids=["empty input", "no input", "bad role", "image", "call without call_id",
         "item reference", "previous_response_id", "hosted tool", "bad tool name",
         "unknown named tool", "required without tools", "zero max_output_tokens",
-        "past the context", "temperature", "bad schema"])
+        "past the context", "temperature", "bad schema", "stream_options a string",
+        "include_obfuscation not a boolean", "strict not a boolean", "user content empty"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_input_gets_400_in_openai_envelope(client, body, param, stream):
     with pytest.raises(openai.BadRequestError) as e:

@@ -6,7 +6,10 @@
 - decode split-K attention (its split merge, one split, prefetch), the varlen prefill, the
   multi-query verify kernel and the fused rotary decode (its token write included) against
   `paged_attention_ref` on the same fp8 cache (the reference dequantizes to fp32), bf16 q,
-  Llama-3.1-8B's attention shape (32 / 8 heads of 128) and awkward lengths;
+  Llama-3.1-8B's attention shape (32 / 8 heads of 128) and awkward lengths; the decode
+  kernels in each fp8 dot format (`kernels.kv_quant_triton.FP8_DOTS`), with their fp8
+  defaults of both launch classes, and with q beyond fp16's range; the integer widening
+  (`e4m3_fp16_bits`) compiled, on all 256 codes against torch's e4m3 -> fp32;
 - a 32K-token decode: the kernel against the fp32 reference on the dequantized cache (the
   fp32 accumulation over tiles and splits keeps long contexts accurate), and the cost of the
   format itself against the unquantized K/V;
@@ -34,8 +37,12 @@ pytest.importorskip("triton")
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("fp8 needs compute capability 8.9+", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
+from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits  # noqa: E402
 from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -125,6 +132,12 @@ def _fp8_paged(seqs, h, kvh, d, bs):
 
 CASES = {
     "decode": ([(1000, 1), (0, 1), (17, 1), (4095, 1)], {}),
+    "decode_many_class": ([(i * 97 % 3000, 1) for i in range(20)], {}),  # 20 x 8 programs >= the SMs
+    **{f"decode_dot_{dot}": ([(1000, 1), (0, 1), (17, 1), (4095, 1)], {"decode_config": {"fp8_dot": dot}})
+       for dot in FP8_DOTS},
+    "decode_fp16_tiles_n128w8s4": ([(1000, 1), (3, 1), (4095, 1)],
+                                   {"decode_config": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 8,
+                                                      "num_stages": 4}}),
     "decode_one_split": ([(300, 1), (33, 1)], {"decode_config": {"splits": 1}}),
     "decode_prefetch_fused_merge": ([(1000, 1), (5, 1)], {"decode_config": {"prefetch": True, "block_n": 32,
                                                                           "fused_merge": True}}),
@@ -146,17 +159,52 @@ def test_attention_kernels_read_fp8_as_the_reference(case, record_property):
     assert rel(disp, ref) < TOL
 
 
-def test_long_context_decode_keeps_its_accuracy(record_property):
+@pytest.mark.parametrize("dot", list(FP8_DOTS))
+def test_long_context_decode_keeps_its_accuracy(dot, record_property):
     """32K keys: the fp32 partials per tile and per split (two levels) against fp32 attention."""
     ctx = 32768
     q, kc, vc, cu, sl, bt, ref, ks, vs = _fp8_paged([(ctx - 1, 1), (ctx // 2, 1)], 32, 8, 128, 16)
-    got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, 128 ** -0.5, k_scale=ks, v_scale=vs)
+    got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, 128 ** -0.5, decode_config={"fp8_dot": dot},
+                                    k_scale=ks, v_scale=vs)
     err = rel(got, ref)
-    record_property("attn_decode_32k", err)
+    record_property(f"attn_decode_32k_{dot}", err)
     assert err < TOL
 
 
-@pytest.mark.parametrize("lens,kw", [([1000, 1, 17, 4096], {}), ([300, 0], {"prefetch": True, "block_n": 32})])
+@pytest.mark.parametrize("dot", list(FP8_DOTS))
+def test_decode_with_q_beyond_fp16_range_matches_the_reference(dot, record_property):
+    """bf16 q up to ~4e5 (fp16's largest is 65504), the softmax scale 1e5 smaller: the fp16
+    formats' power-of-two q scaling keeps the scores finite."""
+    q, kc, vc, cu, sl, bt, _, ks, vs = _fp8_paged([(700, 1), (33, 1)], 32, 8, 128, 16)
+    q = (q.float() * 1e5).bfloat16()
+    sc = 128 ** -0.5 / 1e5
+    ref = attention.paged_attention_ref(q.float(), kc, vc, cu.cpu(), sl.cpu(), bt, sc, None, ks, vs)
+    got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, sc, decode_config={"fp8_dot": dot}, k_scale=ks, v_scale=vs)
+    err = rel(got, ref)
+    record_property(f"attn_decode_big_q_{dot}", err)
+    assert err < TOL
+
+
+@triton.jit
+def _bits_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, e4m3_fp16_bits(tl.load(x_ptr + i)))
+
+
+def test_integer_widening_gives_every_finite_code_exactly():
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    got = torch.empty(256, dtype=torch.float16, device="cuda")
+    _bits_kernel[(1,)](codes, got, BLOCK=256)
+    want = codes.view(F8).float()
+    fin = torch.isfinite(want)
+    assert int(fin.sum()) == 254 and torch.equal(got.float()[fin] * 256, want[fin])
+    assert torch.equal(got.float()[~fin].cpu() * 256, torch.tensor([480.0, -480.0]))  # the NaN codes (never stored)
+
+
+@pytest.mark.parametrize("lens,kw", [([1000, 1, 17, 4096], {}), ([300, 0], {"prefetch": True, "block_n": 32}),
+                                     *[([1000, 1, 17, 4096], {"fp8_dot": dot}) for dot in FP8_DOTS],
+                                     ([300, 5], {"prefetch": True, "block_n": 32, "fp8_dot": "fp16_bits"}),
+                                     ([i * 97 % 3000 + 1 for i in range(20)], {})])
 def test_fused_rotary_decode_writes_and_reads_fp8(lens, kw, record_property):
     ks, vs = _scales()
     b, hq, hk, d, bs = len(lens), 32, 8, 128, 16
@@ -258,6 +306,8 @@ def test_model_with_fp8_kv_end_to_end(model_dir, record_property):
     pb, db = step_logits(bf, prefill), step_logits(bf, decode)
     bf_gen = generate(bf, prompts, 16)
     bf_tokens, bf_block = bf.report()["kv_tokens"], bf.report()["kv_block_bytes"]
+    mem_keys = ("weight_bytes", "kv_bytes", "activation_peak_bytes", "kv_tokens", "kv_block_bytes")
+    bf_mem = {k: bf.report().get(k) for k in mem_keys}
     del bf
     gc.collect()
     torch.cuda.empty_cache()
@@ -269,7 +319,10 @@ def test_model_with_fp8_kv_end_to_end(model_dir, record_property):
     record_property("kv_tokens_fp8_over_bf16", ratio)
     assert 2 * rep["kv_block_bytes"] == bf_block  # one byte an element instead of two
     # the same budget (less what the first runner may leave allocated, and rounding to blocks)
-    assert 1.8 < ratio < 2.1
+    fp8_mem = {k: rep.get(k) for k in mem_keys}
+    free, total = torch.cuda.mem_get_info()
+    assert 1.8 < ratio < 2.1, (f"bf16 {bf_mem}, fp8 {fp8_mem}, device free {free} of {total}, "
+                               f"allocated {torch.cuda.memory_allocated()}")
     with_graphs = generate(r, prompts, 16)
     graphs, r.graphs = r.graphs, None
     assert generate(r, prompts, 16) == with_graphs  # CUDA-graph decode equals eager

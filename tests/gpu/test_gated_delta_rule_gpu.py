@@ -2,7 +2,8 @@
 the torch references on CUDA, at Qwen3-Next's shape (K = V = 128, 16 key heads, 32 value
 heads): a prefill of 1,000 tokens (one sequence, and a varlen batch of three) from nonzero
 initial states, its final states, and one decode step from the carried states. Then the
-`GatedDeltaNet` layer on the fla path against the same layer on the references.
+`GatedDeltaNet` layer on the CUDA path (fla's chunked prefill, kernels/gdn_decode.py's decode) against the
+same layer on the references.
 
 Tolerances: relative norm error against the recurrent reference run in fp32 on the same
 (upcast) inputs: bf16 1e-2, fp32 5e-3 (fla's fp32 dots run in tf32; issue 16 saw 3e-3 and
@@ -24,6 +25,7 @@ from kernels import gated_delta_rule as gdr  # noqa: E402
 if gdr.fla_ops() is None:
     pytest.skip("needs fla-core", allow_module_level=True)
 
+from kernels import gdn_decode, norm  # noqa: E402
 from services.worker.layers.gated_deltanet import GatedDeltaNet  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 5e-3}
@@ -108,7 +110,8 @@ def test_fla_prefill_state_and_decode_match_reference(dtype, lens, fla_calls):
 
 def test_layer_on_fla_matches_layer_on_references(monkeypatch):
     """Qwen3-Next's layer shape (hidden 2048), bf16, random weights: a varlen prefill of three
-    sequences (one continuing a state) and a decode step, fla path against references."""
+    sequences (one continuing a state) and a decode step, the CUDA path (fla's chunked
+    prefill, the in-place decode kernels, the gated-norm kernel) against references."""
     dtype, dev = torch.bfloat16, torch.device("cuda")
     with dev:
         torch.set_default_dtype(dtype)
@@ -140,6 +143,8 @@ def test_layer_on_fla_matches_layer_on_references(monkeypatch):
 
     got = run()
     monkeypatch.setattr(gdr, "_FLA", False)  # the references, on the same device
+    monkeypatch.setattr(gdn_decode, "ENABLED", False)  # ... for the decode step too (kernels/gdn_decode.py)
+    monkeypatch.setattr(norm, "GATED_TRITON", False)
     want = run()
     for a, b in zip(got, want):
         assert rel(a, b) < 2e-2, rel(a, b)

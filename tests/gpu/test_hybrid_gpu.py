@@ -1,6 +1,6 @@
 """A hybrid model (Qwen3-Next: gated DeltaNet + gated attention + MoE) end to end on CUDA:
-the GPU path (fla's chunked and fused-recurrent gated delta rule, the fused MoE Triton
-kernel, the Triton attention) against Kestrel's CPU path (torch references), which the CI
+the GPU path (fla's chunked gated delta rule for prefill, kernels/gdn_decode.py's in-place
+decode kernels, the fused MoE Triton kernel, the Triton attention) against Kestrel's CPU path (torch references), which the CI
 parity tests hold to transformers (tests/parity/test_qwen3_next_parity.py). Transformers
 is not the truth here because, with fla-core installed, its Qwen3-Next takes fla's Triton
 kernels on CPU tensors too.
@@ -68,8 +68,9 @@ def write_tiny(path):
 
 def _runner(path, device: str, **kw) -> ModelRunner:
     cli = {"model": str(path), "device": device, "dtype": "float32", "block_size": 16, "max_num_seqs": 8,
-           "max_model_len": 1024, **kw}
+           "max_model_len": 1024}
     cli.update({"gpu_memory_utilization": 0.1} if device == "cuda" else {"kv_cache_gib": 0.05})
+    cli.update(kw)
     return ModelRunner(build_config(cli=cli, env={}))
 
 
@@ -125,5 +126,8 @@ def test_speculation_on_the_gpu_equals_plain_greedy(tiny, runners):
     # the truth with the prefill chunks the speculative runs take (chunks of 9): fla's chunked
     # kernel rounds differently from one whole prefill (TF32), which can flip a near-tie
     plain = generate(runners[0], prompts, 24, chunk=9)
-    runner = _runner(tiny, "cuda", speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+    # a second CUDA runner in this process: gpu_memory_utilization is the process's share
+    # (vLLM's meaning), and the module's runner already holds 0.1 of the device
+    runner = _runner(tiny, "cuda", speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
+                     gpu_memory_utilization=0.2)
     assert_speculation_is_lossless(runner, plain, prompts, 24, 3, VOCAB)

@@ -1,8 +1,8 @@
 """A hybrid model's decode steps replayed from CUDA graphs (services/worker/cuda_graphs.py
 with a state cache; docs/ARCHITECTURE.md §4.7, §6.5), on a tiny random Qwen3-Next
 (tests/hybrid_checkpoint.py) in fp32 and bf16, against the same runner's eager steps. The
-graphs capture the recurrent layers' decode path (causal_conv1d_update, fla's
-fused_recurrent kernel) over the static state view (slots, has_initial, cu_seqlens).
+graphs capture the recurrent layers' decode path (the in-place convolution and
+recurrent-step kernels of kernels/gdn_decode.py) over the static state view (slots, has_initial).
 Shown, per dtype:
 - greedy decoding with graphs equals eager decoding (prompts fed one token a step, so every
   step is a decode: 5 seqs in the graph of 8, then fewer as requests finish), also with

@@ -9,7 +9,8 @@ picks Triton, int32 ids, T = 0, and a CUDA-graph capture of the whole op (moe_al
 included: no host sync) replayed on new inputs. The decode path (`kernels.moe.moe_block` at
 T = 1, 4, 8: router + alignment, gate_up, the down projection with the sum over k) against the
 same reference on the torch routing, against the five-launch path (DECODE_FUSED off), and in a
-CUDA graph. Skipped without CUDA or triton.
+CUDA graph; those tests set DECODE_FUSED on themselves (it is off by default). Skipped without
+CUDA or triton.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def test_cuda_graph_capture_and_replay(weights):
 
 
 @pytest.mark.parametrize("t", [1, 4, 8])
-def test_decode_block_matches_reference_on_torch_routing(weights, t):
+def test_decode_block_matches_reference_on_torch_routing(monkeypatch, weights, t):
     w13, w2 = weights
+    monkeypatch.setattr(moe, "DECODE_FUSED", True)  # the decode path, whatever the default
     g = torch.Generator(device="cuda").manual_seed(100 + t)
     x = torch.randn(t, H, device="cuda", generator=g)
     # distinct logits, exact in bf16 (multiples of 1/16 below 8): no ties, the same experts
@@ -114,18 +116,16 @@ def test_decode_block_matches_reference_on_torch_routing(weights, t):
     assert got.dtype == torch.bfloat16 and got.shape == (t, H)
     assert rel(got, truth) < TOL[torch.bfloat16]
     # the five-launch path on the same bf16 logits: equal but for summation order
-    saved = moe.DECODE_FUSED
-    moe.DECODE_FUSED = False
-    try:
-        five = moe.moe_block(xb, logits.bfloat16(), w13b, w2b, K, True)
-    finally:
-        moe.DECODE_FUSED = saved
+    monkeypatch.setattr(moe, "DECODE_FUSED", False)
+    five = moe.moe_block(xb, logits.bfloat16(), w13b, w2b, K, True)
+    monkeypatch.setattr(moe, "DECODE_FUSED", True)
     assert rel(got, five) < 1e-2
     # fp32 operands: the products are fp32 (no tensor cores in the down kernel)
     assert rel(moe.moe_block(x, logits, w13, w2, K, True), truth) < TOL[torch.float32]
 
 
-def test_decode_block_in_a_cuda_graph(weights):
+def test_decode_block_in_a_cuda_graph(monkeypatch, weights):
+    monkeypatch.setattr(moe, "DECODE_FUSED", True)
     w13, w2 = (w.bfloat16() for w in weights)
     g = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(1, H, device="cuda", generator=g).bfloat16()

@@ -1,11 +1,14 @@
-"""4-bit weights (W4A16) on CUDA (kernels/w4a16_linear.py, kernels/w4a16_gemm.py;
-docs/ARCHITECTURE.md §6.4):
+"""4-bit weights (W4A16) on CUDA (kernels/w4a16_linear.py, kernels/w4a16_gemv.py,
+kernels/w4a16_gemm.py; docs/ARCHITECTURE.md §6.4):
 
-- the GEMV / skinny kernel (1..16 rows) and the GEMM kernel (17+ rows) at M = 1, 2, 5, 16,
-  17, 64, 300 on Llama-3.1-8B's shapes, a ragged N, a per-channel group and a group size
-  that needs gathered scales, against `w4a16_linear_ref` (fp32 product of the dequantized
-  weight), with forced K splits, and the dispatcher's choice by M;
-- both in a CUDA graph: replays equal eager;
+- the decode kernels (1..16 rows: the one-row kernel, the dot kernel) and the GEMM kernel
+  (17+ rows) at M = 1, 2, 5, 16, 17, 64, 300 on Llama-3.1-8B's shapes, a ragged N, a
+  per-channel group and a group size that needs gathered scales, against
+  `w4a16_linear_ref` (fp32 product of the dequantized weight), with forced K splits (both
+  split sums, the in-kernel one and the second kernel's, giving the same bits), with and
+  without programmatic dependent launch, the dot kernel with its fp32 dequantization
+  instead of the bf16 magic numbers, and the dispatcher's choice by M;
+- all of them in a CUDA graph: replays equal eager;
 - a tiny AWQ checkpoint (tests/unit/test_w4a16_checkpoint.py's writer) found from its
   config.json on CUDA (--quantization none): packed weights, logits against its meaning in bf16;
 - a 4-layer Qwen3-0.6B-shaped model (dummy weights) with --quantization awq: random packed
@@ -28,7 +31,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from kernels import w4a16_gemm  # noqa: E402
+from kernels import w4a16_gemm, w4a16_gemv  # noqa: E402
 from kernels import w4a16_linear as W  # noqa: E402
 from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
 
@@ -47,7 +50,7 @@ def _weight(n: int, k: int, g: int) -> W.W4Weight:
 
 
 def test_dispatcher_has_the_triton_kernels():
-    assert w4a16_gemm.w4_gemv_triton is not None and w4a16_gemm.w4_gemm_triton is not None
+    assert w4a16_gemv.w4_gemv_triton is not None and w4a16_gemm.w4_gemm_triton is not None
 
 
 @pytest.mark.parametrize("m,n,k,g", CASES)
@@ -62,7 +65,17 @@ def test_kernels_match_reference(m, n, k, g, record_property):
     assert got.dtype == torch.bfloat16 and got.shape == (m, n) and err < TOL
     if m <= 16:
         for split in (1, 3):
-            assert rel(w4a16_gemm.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias, split=split), want) < TOL
+            got = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias, config={"split": split})
+            assert rel(got, want) < TOL
+            if split > 1:  # the second-kernel sum, and no PDL: the same bits
+                for cfg in ({"split_sum": "kernel"}, {"pdl": False}):
+                    other = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias,
+                                                      config={"split": split, **cfg})
+                    assert torch.equal(other, got), cfg
+            if m > 1:  # the dot kernel's fp32 dequantization instead of the bf16 magic numbers
+                alt = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias,
+                                                config={"split": split, "magic16": False})
+                assert rel(alt, want) < TOL
     else:
         assert rel(w4a16_gemm.w4_gemm_triton(x, w.qweight, w.zeros, w.scales, g, bias,
                                              tuning={"block_m": 32, "block_n": 128, "block_k": 32}), want) < TOL
@@ -72,12 +85,12 @@ def test_kernels_match_reference(m, n, k, g, record_property):
 def test_dispatcher_picks_by_rows(m):
     w = _weight(1024, 2048, 128)
     x = torch.randn(m, 2048, device="cuda").bfloat16()
-    f = w4a16_gemm.w4_gemv_triton if m <= W.SKINNY_MAX_ROWS else w4a16_gemm.w4_gemm_triton
+    f = w4a16_gemv.w4_gemv_triton if m <= W.SKINNY_MAX_ROWS else w4a16_gemm.w4_gemm_triton
     assert torch.equal(W.w4a16_linear(x, w), f(x, w.qweight, w.zeros, w.scales, 128))
     assert W.w4a16_linear(x[:0], w).shape == (0, 1024)
 
 
-@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("m", [1, 2, 8, 64])
 def test_kernels_replay_in_a_cuda_graph(m):
     w = _weight(4096, 4096, 128)
     x = torch.randn(m, 4096, device="cuda").bfloat16()

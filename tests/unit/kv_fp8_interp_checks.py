@@ -4,13 +4,23 @@ kernels/kv_quant.py and kernels/attention.py, and print one JSON object {check n
 on a line starting "RESULT ".
 
 Run by `tests/unit/test_kv_fp8_interp.py` in a subprocess (the interpreter switch is read
-when triton is first imported). q and the model dtype are fp32 and fp16 only (the
-interpreter's tl.dot on bf16 gives garbage, tests/unit/moe_interp_checks.py).
+when triton is first imported). q and the model dtype are fp32 and fp16 (the interpreter's
+tl.dot on bf16 gives garbage, tests/unit/moe_interp_checks.py), and bf16 for the decode
+kernels' fp16 dot formats (their dots take fp16 operands whatever q's dtype).
 
 Readers (decode split-K with its merge, one split, prefetch, a graph bound; the varlen prefill;
 the multi-query verify kernel; the fused rotary decode): caches quantized by the torch
 reference (`quantize_fp8`, scales != 1), the kernel against `paged_attention_ref` with the
-same scales (it dequantizes to fp32): relative norm error.
+same scales (it dequantizes to fp32): relative norm error. The decode kernels run in each dot
+format of `kernels.kv_quant_triton.FP8_DOTS` ("<check>_<dtype>_<format>") and with their
+fp8 defaults ("..._default": `DECODE_FP8_DEFAULTS` by the launch's class, both classes
+met: the interpreter counts 4 SMs), and once with q beyond fp16's range (x 1e5, fp32 and
+bf16 q; "decode_q_beyond_fp16": the fp16 formats' q scaling keeps it finite).
+
+The dot formats' pieces: "bits_codes" (0 or inf) `e4m3_fp16_bits` on all 256 codes against
+torch's float8_e4m3fn -> fp32 (times 2^8; exact for the 254 finite codes, the two NaN codes
+must read +-480); "q_scale_<magnitude>" the relative error of `fp8_dot_q`'s fp16 q times its
+undo factor against q (fp64), "q_scale_zero" the largest |value| it gives for q = 0.
 
 Writers (the store kernel, the rotary + store kernel, the fused rotary decode's token write):
 triton 3.9's interpreter casts fp32 to e4m3 wrongly at binade edges (31.7 -> 16.0; the GPU
@@ -37,6 +47,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
+from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits, fp8_dot_q  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 
@@ -69,6 +80,43 @@ def interp_cast(x: torch.Tensor) -> torch.Tensor:
 def interp_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`kv_quant.quantize_fp8` with the interpreter's cast in place of torch's."""
     return interp_cast((x.float() / scale).clamp(-kv_quant.FP8_E4M3_MAX, kv_quant.FP8_E4M3_MAX))
+
+
+@triton.jit
+def _bits_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, e4m3_fp16_bits(tl.load(x_ptr + i)))
+
+
+def bits_codes() -> float:
+    """0.0 when `e4m3_fp16_bits` gives value * 2^-8 of every finite e4m3 code exactly (torch's
+    float8_e4m3fn -> fp32 the truth) and +-480 * 2^-8 for the NaN codes 0x7F, 0xFF; else inf."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = torch.empty(256, dtype=torch.float16)
+    _bits_kernel[(1,)](codes, got, BLOCK=256)
+    want = codes.view(F8).float()
+    fin = torch.isfinite(want)
+    nan_ok = torch.equal(got.float()[~fin] * 256, torch.tensor([480.0, -480.0]))
+    return 0.0 if int(fin.sum()) == 254 and torch.equal(got.float()[fin] * 256, want[fin]) and nan_ok else float("inf")
+
+
+@triton.jit
+def _q_kernel(q_ptr, o_ptr, u_ptr, R: tl.constexpr, C: tl.constexpr):
+    rr = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    qd, undo = fp8_dot_q(tl.load(q_ptr + rr), True, 1)
+    tl.store(o_ptr + rr, qd)
+    tl.store(u_ptr, undo)
+
+
+def q_scale(q: torch.Tensor) -> tuple[float, float]:
+    """`fp8_dot_q` on fp32 q [R, C]: (relative error of its fp16 q times the undo factor against
+    q, in fp64; its largest |fp16 value|)."""
+    o = torch.empty(q.shape, dtype=torch.float16)
+    u = torch.empty(1)
+    _q_kernel[(1,)](q.contiguous(), o, u, R=q.shape[0], C=q.shape[1])
+    back = o.double() * float(u)
+    err = float((back - q.double()).norm() / q.double().norm()) if bool((q != 0).any()) else float(back.abs().max())
+    return err, float(o.float().abs().max())
 
 
 def cast_ok() -> bool:
@@ -146,10 +194,70 @@ def rope_decode_fp8_case(lens, bs, norm_on, kw, dt, gen, ks, vs):
     return rel(o[ok], ref), write_err, 0.0 if same else float("inf")
 
 
+DECODE_READERS = {  # (seqs, heads, kv heads, head_dim, block_size, kwargs) of the decode kernel
+    "decode_gqa_splitk": ([(40, 1), (0, 1), (16, 1), (130, 1)], 4, 2, 16, 16, {}),
+    "decode_one_split": ([(40, 1), (7, 1)], 4, 2, 16, 16, {"decode_config": {"splits": 1}}),
+    "decode_prefetch": ([(40, 1), (0, 1), (15, 1), (130, 1)], 4, 2, 16, 16,
+                        {"decode_config": {"prefetch": True, "block_n": 16}}),
+    "decode_graph_bound_hd24": ([(20, 1), (5, 1)], 6, 3, 24, 16, {"max_seq_len": 256}),
+    "decode_long_tiles": ([(300, 1), (129, 1)], 8, 2, 16, 16, {"decode_config": {"block_n": 128}}),
+}
+ROPE_CASES = (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
+              ([17, 0], 16, True, {"block_n": 16, "splits": 1}),
+              ([40, 16, 1, 131, 0], 16, True, {"block_n": 16, "prefetch": True}),
+              ([300, 33], 16, False, {"splits": 2, "prefetch": True, "fused_merge": True}))
+
+
+def _with_dot(kw: dict, dot: str | None, key: str = "decode_config") -> dict:
+    """kw with fp8_dot set in its decode config (None: the kernel's fp8 defaults)."""
+    if dot is None:
+        return kw
+    return {**kw, key: {**kw.get(key, {}), "fp8_dot": dot}}
+
+
+def _dots(dt: torch.dtype) -> list[str | None]:
+    """The dot formats checked with q in dt: all of them and the defaults, bf16 q without "q"
+    (its bf16 dots are the interpreter's garbage)."""
+    return [d for d in [*FP8_DOTS, None] if not (dt == torch.bfloat16 and d == "q")]
+
+
+def decode_readers(out: dict, gen: torch.Generator, ks: torch.Tensor, vs: torch.Tensor) -> None:
+    """The decode kernel and the fused rotary decode in every dot format, fp32 / fp16 / bf16 q."""
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        name = str(dt).removeprefix("torch.")
+        for dot in _dots(dt):
+            tag = dot or "default"
+            for cname, (seqs, h, kvh, d, bs, kw) in DECODE_READERS.items():
+                q, kc, vc, cu, sl, bt, ref = fp8_paged_case(seqs, h, kvh, d, bs, dt, gen, ks, vs)
+                got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, d ** -0.5, **_with_dot(kw, dot),
+                                                k_scale=ks, v_scale=vs)
+                out[f"attn_{cname}_{name}_{tag}"] = rel(got, ref)
+            if dt != torch.float16:  # q beyond fp16's range (1e5 > 65504), the softmax scale 1e5 smaller
+                q, kc, vc, cu, sl, bt, _ = fp8_paged_case([(40, 1), (130, 1)], 4, 2, 16, 16, dt, gen, ks, vs)
+                q = (q.float() * 1e5).to(dt)
+                sc = 16 ** -0.5 / 1e5
+                ref = attention.paged_attention_ref(q.float(), kc, vc, cu, sl, bt, sc, None, ks, vs)
+                got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, sc, **_with_dot({}, dot), k_scale=ks, v_scale=vs)
+                out[f"attn_decode_q_beyond_fp16_{name}_{tag}"] = rel(got, ref)
+            errs, werrs = [], []
+            for lens, bs, norm_on, kw in ROPE_CASES:
+                e, we, r = rope_decode_fp8_case(lens, bs, norm_on, kw if dot is None else {**kw, "fp8_dot": dot},
+                                                dt, gen, ks, vs)
+                errs += [e, r]
+                werrs.append(we)
+            out[f"rope_decode_attn_{name}_{tag}"] = max(errs)
+            if dt != torch.bfloat16:
+                out[f"rope_decode_write_{name}_{tag}"] = max(werrs)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(7)
-    out: dict[str, float] = {"cast_ok": float(cast_ok())}
+    out: dict[str, float] = {"cast_ok": float(cast_ok()), "bits_codes": bits_codes()}
+    for mag in (1e-30, 1e-3, 1.0, 3e4, 1e30):
+        out[f"q_scale_{mag:g}"], out[f"q_scale_{mag:g}_max"] = q_scale(torch.randn(16, 32, generator=gen) * mag)
+    out["q_scale_zero"] = q_scale(torch.zeros(16, 32))[1]
     ks, vs = torch.tensor(0.0625), torch.tensor(0.03)  # real = stored * scale; stored up to ~100
+    decode_readers(out, gen, ks, vs)
     for dt in (torch.float32, torch.float16):
         name = str(dt).removeprefix("torch.")
         # the store kernel: awkward token count, a padding row (slot -1), saturation (x / scale > 448)
@@ -202,13 +310,8 @@ def main() -> None:
             errs += [rel(q2, q), rel(got_k, interp_quantize(k[live], ks).float() * ks),
                      rel(got_v, interp_quantize(v[live], vs).float() * vs)]
         out[f"rotary_store_{name}"] = max(errs)
-        # readers
+        # the other readers (they widen to q's dtype)
         cases = {
-            "decode_gqa_splitk": ([(40, 1), (0, 1), (16, 1), (130, 1)], 4, 2, 16, 16, {}),
-            "decode_one_split": ([(40, 1), (7, 1)], 4, 2, 16, 16, {"decode_config": {"splits": 1}}),
-            "decode_prefetch": ([(40, 1), (0, 1), (15, 1), (130, 1)], 4, 2, 16, 16,
-                                {"decode_config": {"prefetch": True, "block_n": 16}}),
-            "decode_graph_bound_hd24": ([(20, 1), (5, 1)], 6, 3, 24, 16, {"max_seq_len": 256}),
             "prefill_varlen_prefix": ([(0, 7), (16, 20), (33, 70)], 4, 2, 16, 16, {}),
             "mixed_prefill_decode": ([(10, 1), (0, 19), (48, 5)], 6, 3, 24, 16, {}),
             "multi_query_verify": ([(40, 5), (0, 3), (130, 5), (16, 1)], 4, 2, 16, 16, {}),
@@ -218,18 +321,6 @@ def main() -> None:
             q, kc, vc, cu, sl, bt, ref = fp8_paged_case(seqs, h, kvh, d, bs, dt, gen, ks, vs)
             got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, d ** -0.5, **kw, k_scale=ks, v_scale=vs)
             out[f"attn_{cname}_{name}"] = rel(got, ref)
-        # the fused rotary decode: the token's write and the attention over the cache it left
-        errs, werrs, rests = [], [], []
-        for lens, bs, norm_on, kw in (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
-                                      ([17, 0], 16, True, {"block_n": 16, "splits": 1}),
-                                      ([40, 16, 1, 131, 0], 16, True, {"block_n": 16, "prefetch": True}),
-                                      ([300, 33], 16, False, {"splits": 2, "prefetch": True, "fused_merge": True})):
-            e, we, r = rope_decode_fp8_case(lens, bs, norm_on, kw, dt, gen, ks, vs)
-            errs.append(e)
-            werrs.append(we)
-            rests.append(r)
-        out[f"rope_decode_attn_{name}"] = max(errs + rests)
-        out[f"rope_decode_write_{name}"] = max(werrs)
     print("RESULT " + json.dumps(out))
 
 

@@ -320,6 +320,54 @@ def test_a_request_shaped_as_claude_codes_is_served(stack):
         stack.engine.added[-1].prompt_token_ids)
 
 
+# ---------------------------------------------------------------- Anthropic's own 400s
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize("change,param,says", [
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0",
+     "all messages must have non-empty content except for the optional final assistant message"),
+    ({"messages": [*USER, {"role": "assistant", "content": []}, *USER]}, "messages.1",
+     "all messages must have non-empty content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages.0.content.0.text", "text content blocks must be non-empty"),
+    ({"system": [{"type": "text", "text": ""}]}, "system.0.text", "text content blocks must be non-empty"),
+    ({"tools": [{**TOOL, "name": "bad name!"}]}, "tools.0.name",
+     "String should match pattern '^[a-zA-Z0-9_-]{1,128}$'"),
+    ({"tools": [{**TOOL, "name": "f" * 129}]}, "tools.0.name", "String should match pattern"),
+    ({"tools": [{**TOOL, "strict": "yes"}]}, "tools.0.strict", "Input should be a boolean"),
+    ({"cache_control": "yes"}, "cache_control", "Input should be an object"),
+    ({"cache_control": {"type": "forever"}}, "cache_control.type", "Input should be 'ephemeral'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": "yes"}]}]},
+     "messages.0.content.0.cache_control", "Input should be an object"),
+    ({"tools": [{**TOOL, "cache_control": "yes"}]}, "tools.0.cache_control", "Input should be an object"),
+], ids=["user content empty", "middle assistant content empty", "empty text block",
+        "empty system text block", "tool name with a space", "tool name of 129", "strict not a boolean",
+        "cache_control a string", "cache_control of another type", "block cache_control a string",
+        "tool cache_control a string"])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_what_anthropic_refuses_is_a_400_in_its_envelope(client, stack, change, param, says, path):
+    body = OK | change
+    if path.endswith("count_tokens"):
+        body = {k: v for k, v in body.items() if k != "max_tokens"}
+    msg = _error(_post(stack, body, path))
+    assert msg.startswith(f"{param}: ") and says in msg, msg
+    if path == "/v1/messages":  # as the SDK reads it
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(**body)
+        assert e.value.body["error"]["message"] == msg
+
+
+def test_a_final_assistant_message_may_be_empty_and_a_real_tool_name_serves(client, stack):
+    tools = [{**TOOL, "name": "mcp__files-server__read_file", "strict": True,
+              "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    r = client.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=[
+        *USER, {"role": "assistant", "content": []}])
+    assert r.stop_reason in ("end_turn", "max_tokens"), r
+
+
 # ---------------------------------------------------------------- usage
 
 def test_message_delta_usage_is_the_messages_usage(client, stack):

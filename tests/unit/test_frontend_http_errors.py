@@ -57,6 +57,17 @@ BAD_REQUESTS = [
         {"type": "function", "function": {"name": "f"}}],
         "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
      "tool_choice.function.name", None),
+    # OpenAI's schema: a user message's content parts have minItems 1 (its 400: "empty_array")
+    ("user content an empty array", {"model": MODEL, "messages": [{"role": "user", "content": []}]},
+     400, "messages[0].content", "empty_array"),
+    # OpenAI's function names: ^[a-zA-Z0-9_-]{1,64}$; strict: a boolean
+    ("tool name with a space", {"model": MODEL, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "bad name!"}}]}, 400, "tools[0].function.name", None),
+    ("tool name of 65 characters", {"model": MODEL, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f" * 65}}]}, 400, "tools[0].function.name", None),
+    ("tool strict not a boolean", {"model": MODEL, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f", "strict": "yes"}}]}, 400,
+     "tools[0].function.strict", None),
 ]
 
 
@@ -101,6 +112,18 @@ def test_mixed_or_empty_prompt_list_is_a_400_naming_prompt_then_server_still_ser
                         json={"model": MODEL, "prompt": good, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
         assert [c["finish_reason"] for c in ok.json()["choices"]] == ["length"] * n
+
+
+def test_an_empty_user_content_array_is_a_bad_request_in_the_openai_sdk_and_an_assistants_is_not(
+        client, stack):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": []}])
+    assert (e.value.code, e.value.param) == ("empty_array", "messages[0].content")
+    # an assistant turn's empty parts (a call-only turn, as some clients send it) still serve
+    r = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": []},
+        {"role": "user", "content": "again"}])
+    assert r.choices[0].finish_reason == "stop"
 
 
 def test_unknown_model_raises_not_found_in_openai_sdk(client):

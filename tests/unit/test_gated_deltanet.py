@@ -258,3 +258,46 @@ def test_varlen_batch_equals_each_sequence_alone(layers):
         torch.testing.assert_close(states1[1][i:i + 1], ss, **TOL)
     torch.testing.assert_close(out2, torch.cat([want_a[23:28], want_d[:9], want_c[1:5]]), **TOL)
     torch.testing.assert_close(out3, torch.stack([want_a[28], want_d[9], want_c[5]]), **TOL)
+
+
+@pytest.mark.parametrize("layout", GatedDeltaNet.LAYOUTS)
+def test_in_place_decode_equals_the_gathered_decode_on_out_of_order_slots(layout, monkeypatch):
+    """`forward_step` on decode steps updating the state slots in place (kernels/gdn_decode.py's
+    references here; their Triton kernels in test_gdn_decode_interp.py) against the gathered
+    path (gather, decode, scatter; IN_PLACE_DECODE off), over three steps on slots not in
+    order: a new sequence on a slot holding NaN, two fresh rows sharing a slot (padding), and
+    slots no row names (left bit-identical)."""
+    from services.worker.layers import gated_deltanet as gdn_mod
+    from services.worker.state_cache import StateCache, StateSpec, StepState
+
+    layer = GatedDeltaNet.from_hf_config(CFG, layout)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+        layer.A_log.copy_(torch.empty(4).uniform_(0.05, 1.0).log())
+    shapes = layer.state_shapes()
+    spec = StateSpec(tuple(s.shape for s in shapes), tuple(s.dtype for s in shapes))
+    caches = [StateCache([spec], 6, "cpu") for _ in range(2)]
+    for t, twin in zip(caches[0].layers[0], caches[1].layers[0]):
+        t.copy_(torch.randn(t.shape))
+        t[1] = t[6] = float("nan")
+        twin.copy_(t)
+    before = [t.clone() for t in caches[0].layers[0]]
+    slots = torch.tensor([5, 1, 6, 3, 6])
+    xs = [torch.randn(5, 64) for _ in range(3)]
+    outs = []
+    for in_place, cache in zip((True, False), caches):
+        monkeypatch.setattr(gdn_mod, "IN_PLACE_DECODE", in_place)
+        step_outs = []
+        for step, x in enumerate(xs):
+            flags = [True, step > 0, False, True, False]
+            st = StepState(cache, slots, torch.tensor(flags), torch.arange(6, dtype=torch.int32), [1] * 5)
+            with torch.no_grad():
+                step_outs.append(layer.forward_step(x, st, 0))
+        outs.append(step_outs)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, **TOL)
+    for t, twin, old in zip(caches[0].layers[0], caches[1].layers[0], before):
+        torch.testing.assert_close(t[[5, 1, 3]], twin[[5, 1, 3]], **TOL)
+        assert torch.isfinite(t[6]).all()
+        assert torch.equal(t[[0, 2, 4]], old[[0, 2, 4]])

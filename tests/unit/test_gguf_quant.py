@@ -16,7 +16,8 @@ from gguf.quants import dequantize
 from kernels import cpu_quant_linear as cq
 from kernels.gguf_quant import INT4_TYPES, int4_groups
 from services.worker.gguf_names import rotary_row_order, unpermute_rotary
-from shared.gguf_source import gguf_architecture, read_header
+from shared.gguf_source import (check_tensor_data, gguf_architecture, read_header, require_gguf,
+                                tensor_bytes, write_pointer)
 from tests.gguf_tiny import permute_rotary, quantized, write_tiny_llama_gguf
 
 BF16_REL = 2.0 ** -8  # bf16: 8 significant bits, round to nearest (unit roundoff 2^-8)
@@ -134,3 +135,33 @@ def test_header_reader_gives_the_gguf_packages_tensor_table(tmp_path):
     cut.write_bytes(open(path, "rb").read()[:200])
     with pytest.raises(ValueError, match="cut short"):
         read_header(str(cut))
+
+
+def test_tensor_extents_are_the_gguf_packages_and_a_file_cut_in_its_data_is_refused(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, tied=False)
+    head, ref = read_header(path), GGUFReader(path)
+    assert [tensor_bytes(t, path) for t in head.tensors] == [int(t.n_bytes) for t in ref.tensors]
+    size = len(open(path, "rb").read())
+    check_tensor_data(head, path, size)  # the whole file: nothing to say
+    need = max(int(t.data_offset) + int(t.n_bytes) for t in ref.tensors)
+    with pytest.raises(ValueError, match=f"cut short: {size - 1000} bytes, and its tensor table needs {need}"):
+        check_tensor_data(head, path, size - 1000)
+    # as `kestrel serve` sees it: the header is whole (the config builder's check passes), the data is not
+    folder = tmp_path / "model"
+    folder.mkdir()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(path, "rb").read()[:size - 1000])
+    write_pointer(str(folder), str(cut))
+    assert require_gguf(str(folder)) == str(cut)
+    with pytest.raises(ValueError, match="cut short"):
+        require_gguf(str(folder), data=True)
+
+
+def test_a_gguf_record_naming_a_folder_is_refused_as_a_folder(tmp_path):
+    folder, kept = tmp_path / "model", tmp_path / ".gguf"
+    folder.mkdir()
+    kept.mkdir()
+    write_pointer(str(folder), str(kept))
+    with pytest.raises(ValueError, match="which is a folder, not a file"):
+        require_gguf(str(folder))

@@ -181,3 +181,18 @@ def test_a_real_compile_is_described_and_a_new_alignment_is_named(monkeypatch):
     line = w.stats()["serving"][0]
     assert "cu_ptr: *i64 div16 -> *i64" in line, line
     assert "x_ptr" not in line and "BLOCK" not in line  # what did not change is not named
+
+
+def test_the_warm_up_passes_metadata_of_the_eager_steps_dtype():
+    """Triton keys a compile on each pointer's element type: the warm-up's cu_seqlens_q,
+    seq_lens and block tables have the dtype `prepare_step` gives the GPU kernels (warmed
+    with int32, every eager verify step compiled again while serving on the H200)."""
+    import torch
+
+    from kernels.attention_warmup import META_DTYPE
+    from services.worker.step_inputs import prepare_step
+
+    seqs = [P.ScheduledSeq("a", [1, 2, 3], 0, [0], True, P.SamplingParams()),
+            P.ScheduledSeq("b", [4], 5, [1, 2], True, P.SamplingParams())]
+    _, _, meta = prepare_step(seqs, 4, 64, torch.device("cpu"), kernels=True)
+    assert meta.cu_seqlens_q.dtype == meta.seq_lens.dtype == meta.block_tables.dtype == META_DTYPE

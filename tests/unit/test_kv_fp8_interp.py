@@ -14,6 +14,13 @@ interpreter's own fp32 -> e4m3 cast (triton 3.9's rounds wrongly at binade edges
 values (measured 0: a rotation rounding that crosses an e4m3 edge moves one value by one step,
 1/16 of it). The e4m3 rounding itself is checked against `quantize_fp8` here only when the
 interpreter's cast is right, and always on the GPU (tests/gpu/test_fp8_kv_gpu.py).
+The decode kernels (split-K decode, fused rotary decode) run in each of their fp8 dot formats
+(`kernels.kv_quant_triton.FP8_DOTS`) and with their fp8 defaults: "q" in q's dtype (fp32 1e-5,
+fp16 3e-3 as above), "fp16" / "fp16_bits" with q in fp16 by a power-of-two scale and fp16
+probabilities (3e-3 for fp32 and fp16 q, measured ~1e-4..3e-4; bf16 q 2e-2, the GPU tests'
+bound: the interpreter's bf16 output rounding, measured ~3e-3, ~1e-2 for the rotary decode
+whose q the interpreter rotates in bf16). The integer widening is checked exactly on all 256
+codes and the q scaling at magnitudes 1e-30..1e30.
 Skipped when triton is not installed.
 """
 
@@ -26,9 +33,12 @@ from tests.interp_runner import run_interp_checks
 pytest.importorskip("triton")
 
 TOL = {"float32": 1e-5, "float16": 3e-3}
-READERS = ["attn_decode_gqa_splitk", "attn_decode_one_split", "attn_decode_prefetch", "attn_decode_graph_bound_hd24",
-           "attn_prefill_varlen_prefix", "attn_mixed_prefill_decode", "attn_multi_query_verify",
-           "attn_multi_query_one_split", "rope_decode_attn"]
+TOL_FP16_DOTS = {"float32": 3e-3, "float16": 3e-3, "bfloat16": 2e-2}  # the decode kernels' fp16 dot formats
+READERS = ["attn_prefill_varlen_prefix", "attn_mixed_prefill_decode", "attn_multi_query_verify",
+           "attn_multi_query_one_split"]
+DECODE_READERS = ["attn_decode_gqa_splitk", "attn_decode_one_split", "attn_decode_prefetch",
+                  "attn_decode_graph_bound_hd24", "attn_decode_long_tiles", "rope_decode_attn"]
+DOTS = ["q", "fp16", "fp16_bits", "default"]  # kernels.kv_quant_triton.FP8_DOTS and the fp8 defaults
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +54,54 @@ def test_fp8_kv_attention_kernel_matches_the_dequantizing_reference_under_interp
     assert err <= TOL[dtype], f"{kernel} {dtype}: relative error {err}"
 
 
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kernel", DECODE_READERS)
+def test_fp8_kv_decode_kernels_match_the_dequantizing_reference_in_every_dot_format(interp_results, kernel, dtype,
+                                                                                    dot):
+    if dtype == "bfloat16" and dot == "q":
+        pytest.skip("bf16 dots: the interpreter's tl.dot on bf16 gives garbage (checked on the GPU)")
+    err = interp_results[f"{kernel}_{dtype}_{dot}"]
+    tol = TOL[dtype] if dot == "q" else TOL_FP16_DOTS[dtype]
+    assert err <= tol, f"{kernel} {dtype} {dot}: relative error {err}"
+
+
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_kv_decode_with_q_beyond_fp16_range_stays_finite_and_matches(interp_results, dtype, dot):
+    if dtype == "bfloat16" and dot == "q":
+        pytest.skip("bf16 dots: the interpreter's tl.dot on bf16 gives garbage (checked on the GPU)")
+    err = interp_results[f"attn_decode_q_beyond_fp16_{dtype}_{dot}"]
+    assert err <= (TOL[dtype] if dot == "q" else TOL_FP16_DOTS[dtype]), err
+
+
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp8_kv_fused_rotary_decode_stores_the_quantized_token_in_every_dot_format(interp_results, dtype, dot):
+    assert interp_results[f"rope_decode_write_{dtype}_{dot}"] <= 1e-2
+
+
+def test_integer_widening_gives_every_finite_e4m3_code_exactly_times_two_to_minus_eight(interp_results):
+    assert interp_results["bits_codes"] == 0.0
+
+
+@pytest.mark.parametrize("mag", ["1e-30", "0.001", "1", "30000", "1e+30"])
+def test_q_scaling_into_fp16_is_exact_to_fp16_rounding_at_any_magnitude(interp_results, mag):
+    assert interp_results[f"q_scale_{mag}"] <= 2 ** -11  # fp16's relative rounding, rms well below
+    assert 2 ** 14 <= interp_results[f"q_scale_{mag}_max"] <= 2 ** 15  # in fp16's range, none lost
+
+
+def test_q_scaling_of_an_all_zero_q_gives_zeros(interp_results):
+    assert interp_results["q_scale_zero"] == 0.0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_fp8_kv_store_kernel_writes_the_references_scaled_saturated_values_byte_for_byte(interp_results, dtype):
     assert interp_results[f"store_kv_{dtype}"] == 0.0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("kernel", ["rotary_store", "rope_decode_write"])
+@pytest.mark.parametrize("kernel", ["rotary_store"])
 def test_fp8_kv_rotary_writers_store_the_quantized_rotated_token(interp_results, kernel, dtype):
     assert interp_results[f"{kernel}_{dtype}"] <= 1e-2
 

@@ -36,9 +36,9 @@ from services.worker.state_cache import StepState
 class AttentionMetadata:
     """What every attention layer needs about one step; built once by the model runner.
 
-    cu_seqlens_q: [num_seqs + 1] int32, query token offsets in the flattened batch.
-    seq_lens: [num_seqs] int32, cached tokens per sequence including this step's.
-    block_tables: [num_seqs, max_blocks] int32, -1 padded.
+    cu_seqlens_q: [num_seqs + 1] int32 (int64 from step_inputs' packed copy for the GPU kernels), query token offsets in the flattened batch.
+    seq_lens: [num_seqs] int32 (int64 likewise), cached tokens per sequence including this step's.
+    block_tables: [num_seqs, max_blocks] int32 (int64 likewise), -1 padded.
     slot_mapping: [num_tokens] int64, cache slot of each new token (< 0: not written).
     ref_plan: gather indices of the torch reference (None on a device that uses kernels).
     max_q_len, max_seq_len: host-side bounds for the GPU kernels (no device sync); None on

@@ -12,6 +12,12 @@ by silu(z) (norm), then out_proj.
 Each sequence carries two states between steps (what a state-slot cache group allocates,
 `state_shapes`): the convolution's last W-1 inputs [C, W-1] in the model dtype and the
 recurrent state [Hv, K, V] in fp32.
+
+Decode (one token a sequence, `IN_PLACE_DECODE`): the convolution and the recurrent step run
+on the state slots where they lie (`kernels.gdn_decode`, docs/ARCHITECTURE.md §4.7): no
+gather of the step's states and no scatter back, q/k L2 norms, beta and the decay inside the
+recurrent kernel; then the gated RMSNorm and out_proj. Prefill chunks take the chunked
+kernel over gathered states.
 """
 
 from __future__ import annotations
@@ -30,9 +36,15 @@ from kernels.gated_delta_rule import (
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
 )
+from kernels.gdn_decode import conv1d_update_slots, gated_delta_rule_decode_slots
 from kernels.norm import rms_norm_gated
 from services.worker.layers.linear import Linear
 from services.worker.state_cache import StepState
+
+# Decode steps update the state slots in place (`GatedDeltaNet._decode`). False: the earlier
+# path, kept for A/B measurement (benchmarks/decode_latency.py --variants): the step's states
+# gathered, the reference convolution, fla's fused recurrent kernel, scattered back.
+IN_PLACE_DECODE = True
 
 
 @dataclass(frozen=True)
@@ -152,9 +164,14 @@ class GatedDeltaNet(nn.Module):
                    cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"), layout)
 
     def forward_step(self, x: torch.Tensor, state: StepState, index: int) -> torch.Tensor:
-        """`forward` over one runner step: the step's seqs' states of this layer (the
-        `index`-th recurrent layer of the model) gathered from their state slots, run, and
-        written back (services/worker/state_cache.py). x [T, H] -> [T, H]."""
+        """`forward` over one runner step, this layer being the model's `index`-th recurrent
+        layer (services/worker/state_cache.py). x [T, H] -> [T, H]. A decode step (every seq
+        one token, none tracked; `IN_PLACE_DECODE`) updates the seqs' state slots in place
+        (`_decode`); any other step gathers the seqs' states from their slots, runs, and
+        writes them back."""
+        if IN_PLACE_DECODE and not state.track and x.shape[0] == len(state.seq_lens_host):
+            conv_all, ssm_all = state.cache.layers[index]
+            return self._decode(x, conv_all, ssm_all, state.slots, state.has_initial)
         conv, ssm = state.gather(index)  # fresh seqs' states already zeros: no second zeroing
         lens = state.seq_lens_host
         if state.track:
@@ -239,9 +256,41 @@ class GatedDeltaNet(nn.Module):
         v, z = v.reshape(t, self.num_v_heads, self.head_v_dim), z.reshape(t, self.num_v_heads, self.head_v_dim)
         return q, k, v, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
 
+    def _decode_inputs(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """A decode step's projections -> (mixed [N, C]: the convolution's input channels q, k,
+        v; z [N, Hv, V]; b, a [N, Hv]). Qwen3.5's flat layout gives them as views (no copy);
+        Qwen3-Next's per-key-head groups are gathered (`_split`, one concatenation)."""
+        t = qkvz.shape[0]
+        if self.layout == "qwen3_5":
+            z = qkvz[:, self.conv_dim:].view(t, self.num_v_heads, self.head_v_dim)
+            return qkvz[:, :self.conv_dim], z, ba[:, :self.num_v_heads], ba[:, self.num_v_heads:]
+        q, k, v, z, b, a = self._split(qkvz, ba)
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), z, b, a
+
+    def _decode(self, x: torch.Tensor, conv_all: torch.Tensor, ssm_all: torch.Tensor, slots: torch.Tensor,
+                has_initial: torch.Tensor) -> torch.Tensor:
+        """One token for each of N seqs, x [N, H] -> [N, H], row i on state slot slots[i] of
+        conv_all [S, C, W-1] and ssm_all [S, Hv, K, V] (updated in place; from zeros where
+        has_initial[i] is False: `kernels.gdn_decode`). The math of `forward`'s decode."""
+        t = x.shape[0]
+        mixed, z, b, a = self._decode_inputs(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        mixed = conv1d_update_slots(mixed, conv_all, weight, None, slots, has_initial, self.activation)
+        kd, hk = self.head_k_dim, self.num_k_heads
+        q = mixed[:, :self.key_dim].view(t, hk, kd)
+        k = mixed[:, self.key_dim:2 * self.key_dim].view(t, hk, kd)
+        v = mixed[:, 2 * self.key_dim:].view(t, self.num_v_heads, self.head_v_dim)
+        o = gated_delta_rule_decode_slots(q, k, v, a, b, self.A_log, self.dt_bias, ssm_all, slots, has_initial)
+        return self.out_proj(self.norm(o, z).reshape(t, self.value_dim))
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
         t, n = x.shape[0], cu_seqlens.numel() - 1
+        if t == n and IN_PLACE_DECODE:  # one token a sequence: the in-place decode, sequence i on state i
+            slots = torch.arange(n, device=x.device)
+            init = (torch.ones(n, dtype=torch.bool, device=x.device) if has_initial_state is None
+                    else has_initial_state.to(device=x.device, dtype=torch.bool))
+            return self._decode(x, conv_state, ssm_state, slots, init)
         if has_initial_state is not None:  # fresh sequences start from zeros, whatever the slot holds
             fresh = ~has_initial_state.to(device=x.device, dtype=torch.bool)
             conv_state.masked_fill_(fresh[:, None, None], 0)

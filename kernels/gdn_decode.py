@@ -1,0 +1,312 @@
+"""Gated DeltaNet's one-token decode step, reading and writing the state slots in place.
+
+A decode step of N sequences (one token each) updates two per-sequence states of every
+gated-DeltaNet layer (docs/ARCHITECTURE.md §4.7): the short convolution's window
+conv_state [S, C, W-1] (the model dtype) and the recurrent state ssm_state [S, Hv, K, V]
+(fp32), both indexed by the sequence's state slot (`slots` [N]). The kernels here take the
+whole cache tensors and the slot indices and update the slots where they lie: no gather
+into a batch copy and no scatter back (at Qwen3.5's shape 2 MiB a sequence and layer, which the
+gathered path copied four times a step: index_select, torch.where, copy_, index_copy_).
+
+- `conv1d_update_slots`: the depthwise causal convolution of one new input a channel over
+  the slot's W-1 previous inputs (`kernels.gated_delta_rule.causal_conv1d_update_ref`), the
+  activation (SiLU) applied, the window shifted in place.
+- `gated_delta_rule_decode_slots`: one step of the gated delta rule (Yang, Kautz &
+  Hatamizadeh 2024, "Gated Delta Networks", arXiv 2412.06464; the recurrence of
+  `kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`) with the layer's glue in the
+  same kernel: q and k L2-normalised, beta = sigmoid(b) (rounded to b's dtype, as the
+  layer computes it in the model dtype), the log decay g = -exp(A_log) * softplus(a +
+  dt_bias) in fp32.
+
+A row whose `has_initial` is False starts from zeros whatever its slot holds (NaN included:
+the slot is not read). Rows may share a slot only when all of them start from zeros (the
+padding rows of a CUDA-graph step on the scratch slot): their outputs are then exact and
+the slot keeps one of their states, whichever write lands last.
+
+Each function has its torch reference (`*_ref`: the gathered path's math, built from
+`kernels.gated_delta_rule`'s references) and a Triton kernel (`*_triton`); the dispatchers
+take Triton for CUDA tensors when it imports (`triton_for`), else the reference. Neither
+syncs with the host or branches on tensor values, so a CUDA graph captures them over static
+slot buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.gated_delta_rule import (
+    L2NORM_EPS,
+    causal_conv1d_update_ref,
+    gated_delta_rule_recurrent_ref,
+)
+
+ENABLED = True  # False: the dispatchers keep the references on CUDA too
+# launch shapes (not tuned on a GPU yet). Recurrent step: a program per (row, value head,
+# block_v value columns) holds the [K, block_v] fp32 slice of its state in rec_warps warps; 8
+# columns give 16 programs a head, 512 at batch 1 for Qwen3.5's 32 value heads of 128, and
+# compile for sm90 at K = 128 in one warp without spilling (95 registers a thread; 32 columns
+# in one warp spill: tests/unit/test_gdn_decode_compile.py); benchmarks/decode_latency.py
+# --variants in_place_bv32 times 32 columns in 4 warps. Convolution: block_c channels a
+# program, at least 32 a warp (each element then has one owning thread, `_conv_update_kernel`).
+TUNING: dict = {"block_v": 8, "rec_warps": 1, "block_c": 512, "conv_warps": 4}
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the dispatchers keep the references
+    triton = None
+
+
+def triton_for(x: torch.Tensor) -> bool:
+    """Whether the dispatchers run the Triton kernels for x: a CUDA tensor, Triton
+    importable, `ENABLED`."""
+    return ENABLED and triton is not None and x.is_cuda
+
+
+def _check_slots(slots: torch.Tensor, has_initial: torch.Tensor, n: int, s: int) -> None:
+    if slots.shape != (n,) or has_initial.shape != (n,) or has_initial.dtype != torch.bool:
+        raise ValueError(f"slots {tuple(slots.shape)} and has_initial {tuple(has_initial.shape)} "
+                         f"{has_initial.dtype} must be [{n}] (int, bool)")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots must be int32 or int64, not {slots.dtype}")
+    if s < 1:
+        raise ValueError("the state cache has no slot")
+
+
+# ---------------------------------------------------------------- references
+
+def _gathered(state: torch.Tensor, slots: torch.Tensor, has_initial: torch.Tensor) -> torch.Tensor:
+    """The rows' states [N, *shape]: a copy of their slots, zeros where has_initial is False."""
+    g = state.index_select(0, slots.long())
+    keep = has_initial.to(g.device).view(-1, *([1] * (g.dim() - 1)))
+    return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def conv1d_update_slots_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None, slots: torch.Tensor, has_initial: torch.Tensor,
+                            activation: str | None = "silu") -> torch.Tensor:
+    """One input token per row through the short causal convolution, its slot's window
+    updated in place.
+
+    x: [N, C] (any strides); conv_state: [S, C, W-1], the slots' last W-1 inputs, oldest
+    first, written in place; weight: [C, W]; bias: [C] or None; slots: [N] int32/int64 in
+    0..S-1; has_initial: [N] bool (False: the row's window starts as zeros);
+    activation: "silu" or None. Returns y [N, C] in x's dtype (`causal_conv1d_update_ref`'s
+    math, fp32). Raises ValueError on shapes or index dtypes.
+    """
+    n = x.shape[0]
+    _check_slots(slots, has_initial, n, conv_state.shape[0])
+    y, new = causal_conv1d_update_ref(x, _gathered(conv_state, slots, has_initial), weight, bias, activation)
+    conv_state.index_copy_(0, slots.long(), new.to(conv_state.dtype))
+    return y
+
+
+def _decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [N, Hv] fp32 = -exp(A_log) * softplus(a + dt_bias), beta [N, Hv] = sigmoid(b) in
+    b's dtype): the gated-DeltaNet layer's own expressions (services/worker/layers/gated_deltanet.py)."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
+def gated_delta_rule_decode_slots_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                      b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                      ssm_state: torch.Tensor, slots: torch.Tensor, has_initial: torch.Tensor,
+                                      scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
+    """One gated-delta-rule step per row, its slot's state updated in place.
+
+    q, k: [N, Hk, K]; v: [N, Hv, V] (Hv a multiple of Hk: value head h reads key head
+    h // (Hv / Hk)); a, b: [N, Hv] (the layer's projections: log-decay input and beta
+    logit); A_log, dt_bias: [Hv]; ssm_state: [S, Hv, K, V] fp32, written in place; slots,
+    has_initial: as `conv1d_update_slots_ref`; scale: the query scale (None: K ** -0.5);
+    use_qk_l2norm: L2-normalise q and k (in fp32). With g, beta from `_decay_and_beta`:
+    S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T (scale q).
+    Returns o [N, Hv, V] in v's dtype. Raises ValueError on shapes or index dtypes.
+    """
+    n = v.shape[0]
+    _check_slots(slots, has_initial, n, ssm_state.shape[0])
+    g, beta = _decay_and_beta(a, b, A_log, dt_bias)
+    h0 = _gathered(ssm_state, slots, has_initial)
+    o, final = gated_delta_rule_recurrent_ref(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                              h0, scale, use_qk_l2norm)
+    ssm_state.index_copy_(0, slots.long(), final)
+    return o[:, 0]
+
+
+# ---------------------------------------------------------------- dispatchers
+
+def conv1d_update_slots(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None, slots: torch.Tensor, has_initial: torch.Tensor,
+                        activation: str | None = "silu") -> torch.Tensor:
+    """`conv1d_update_slots_ref` (see there for shapes): the Triton kernel on CUDA
+    (`triton_for`, a window of 2..4 and contiguous state and weight), else the reference."""
+    w = weight.shape[-1]
+    if (triton_for(x) and 2 <= w <= 4 and conv_state.is_contiguous() and weight.is_contiguous()
+            and activation in ("silu", "swish", None)):
+        return conv1d_update_slots_triton(x, conv_state, weight, bias, slots, has_initial, activation)
+    return conv1d_update_slots_ref(x, conv_state, weight, bias, slots, has_initial, activation)
+
+
+def gated_delta_rule_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                  b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                  ssm_state: torch.Tensor, slots: torch.Tensor, has_initial: torch.Tensor,
+                                  scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
+    """`gated_delta_rule_decode_slots_ref` (see there for shapes): the Triton kernel on CUDA
+    (`triton_for`, a contiguous fp32 state), else the reference."""
+    if triton_for(v) and ssm_state.is_contiguous() and ssm_state.dtype == torch.float32:
+        return gated_delta_rule_decode_slots_triton(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_initial,
+                                                    scale, use_qk_l2norm)
+    return gated_delta_rule_decode_slots_ref(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_initial, scale,
+                                             use_qk_l2norm)
+
+
+# ---------------------------------------------------------------- Triton
+
+conv1d_update_slots_triton = None  # set below when Triton imports (same signature as the reference)
+gated_delta_rule_decode_slots_triton = None
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["slot_ptr", "init_ptr", "init_stride"])
+    def _conv_update_kernel(x_ptr, s_ptr, w_ptr, b_ptr, y_ptr, slot_ptr, init_ptr, sx_n, init_stride, C,
+                            W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+        # grid (N rows, C / BLOCK_C). s: [S, C, W-1] contiguous; w: [C, W]; y: [N, C].
+        # Every value below is a [BLOCK_C] vector of one layout, so each channel's window is
+        # loaded and stored by the same thread: the in-place shift needs no barrier.
+        n = tl.program_id(0).to(tl.int64)
+        rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = rc < C
+        slot = tl.load(slot_ptr + n).to(tl.int64)
+        init = tl.load(init_ptr + n * init_stride + 0 * rc) != 0  # the row's flag, as a [BLOCK_C] mask
+        sp = s_ptr + slot * C * (W - 1) + rc * (W - 1)
+        lm = cm & init  # a fresh row reads no state: zeros, whatever the slot holds
+        xin = tl.load(x_ptr + n * sx_n + rc, mask=cm, other=0.0)
+        s0 = tl.load(sp, mask=lm, other=0.0)
+        acc = s0.to(tl.float32) * tl.load(w_ptr + rc * W, mask=cm, other=0.0).to(tl.float32)
+        if W > 2:
+            s1 = tl.load(sp + 1, mask=lm, other=0.0)
+            acc += s1.to(tl.float32) * tl.load(w_ptr + rc * W + 1, mask=cm, other=0.0).to(tl.float32)
+        if W > 3:
+            s2 = tl.load(sp + 2, mask=lm, other=0.0)
+            acc += s2.to(tl.float32) * tl.load(w_ptr + rc * W + 2, mask=cm, other=0.0).to(tl.float32)
+        acc += xin.to(tl.float32) * tl.load(w_ptr + rc * W + (W - 1), mask=cm, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rc, mask=cm, other=0.0).to(tl.float32)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + n * C + rc, acc.to(y_ptr.dtype.element_ty), mask=cm)
+        # the window shifted by one: the oldest input out, x in
+        new_last = xin.to(s_ptr.dtype.element_ty)
+        if W == 2:
+            tl.store(sp, new_last, mask=cm)
+        if W == 3:
+            tl.store(sp, s1, mask=cm)
+            tl.store(sp + 1, new_last, mask=cm)
+        if W == 4:
+            tl.store(sp, s1, mask=cm)
+            tl.store(sp + 1, s2, mask=cm)
+            tl.store(sp + 2, new_last, mask=cm)
+
+    @triton.jit(do_not_specialize=["slot_ptr", "init_ptr", "init_stride"])
+    def _gdr_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr,
+                           init_ptr, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale,
+                           HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
+        # grid (N rows, HV value heads, V / BV). s: [S, HV, K, V] fp32 contiguous; o: [N, HV, V].
+        # The state slice [BK, BV] is loaded, updated and stored in one layout (each element
+        # by its own thread): in place without a barrier.
+        n = tl.program_id(0).to(tl.int64)
+        hv = tl.program_id(1)
+        hk = hv // GROUP
+        rk = tl.arange(0, BK)
+        rv = tl.program_id(2) * BV + tl.arange(0, BV)
+        km = rk < K
+        vm = rv < V
+        slot = tl.load(slot_ptr + n).to(tl.int64)
+        init = tl.load(init_ptr + n * init_stride + 0 * rv) != 0  # the row's flag, as a [BV] mask
+        q = tl.load(q_ptr + n * sq_n + hk * sq_h + rk, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + n * sk_n + hk * sk_h + rk, mask=km, other=0.0).to(tl.float32)
+        if L2NORM:  # x / sqrt(sum(x^2) + eps), the reference's _l2norm
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+        q = q * scale
+        v = tl.load(v_ptr + n * sv_n + hv * sv_h + rv, mask=vm, other=0.0).to(tl.float32)
+        bl = tl.load(b_ptr + n * sb_n + hv)
+        bf = bl.to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-bf))).to(bl.dtype).to(tl.float32)  # sigmoid in b's dtype
+        x = tl.load(a_ptr + n * sa_n + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
+        decay = tl.exp(-tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus)
+        ptrs = s_ptr + (slot * HV + hv) * (K * V) + rk[:, None] * V + rv[None, :]
+        m2 = km[:, None] & vm[None, :]
+        h = tl.load(ptrs, mask=m2 & init[None, :], other=0.0)  # a fresh row reads no state: zeros
+        h = h * decay
+        delta = (v - tl.sum(h * k[:, None], axis=0)) * beta
+        h = h + k[:, None] * delta[None, :]
+        o = tl.sum(h * q[:, None], axis=0)
+        tl.store(ptrs, h, mask=m2)
+        tl.store(o_ptr + (n * HV + hv) * V + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
+
+    def _init_bytes(has_initial: torch.Tensor) -> torch.Tensor:
+        """has_initial [N] bool (possibly strided, e.g. a graph's low-byte view) as uint8."""
+        return has_initial.view(torch.uint8)
+
+    def conv1d_update_slots_triton(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None, slots: torch.Tensor, has_initial: torch.Tensor,
+                                   activation: str | None = "silu") -> torch.Tensor:
+        """Triton `conv1d_update_slots_ref` (same arguments): a program per (row, BLOCK_C
+        channels). x may be row-strided (unit column stride); conv_state [S, C, W-1] and
+        weight [C, W] contiguous, W in 2..4. Raises ValueError otherwise."""
+        n, c = x.shape
+        w = weight.shape[-1]
+        _check_slots(slots, has_initial, n, conv_state.shape[0])
+        if (not 2 <= w <= 4 or weight.shape != (c, w) or tuple(conv_state.shape[1:]) != (c, w - 1)
+                or not conv_state.is_contiguous() or not weight.is_contiguous()):
+            raise ValueError(f"conv update kernel: x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}, "
+                             f"weight {tuple(weight.shape)} (contiguous, W in 2..4)")
+        if activation not in ("silu", "swish", None):
+            raise ValueError(f"unsupported activation {activation!r} (silu or None)")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty((n, c), dtype=x.dtype, device=x.device)
+        if n == 0:
+            return y
+        bc = TUNING["block_c"]
+        _conv_update_kernel[(n, triton.cdiv(c, bc))](
+            x, conv_state, weight, y if bias is None else bias, y, slots, _init_bytes(has_initial), x.stride(0),
+            has_initial.stride(0), c, W=w, HAS_BIAS=bias is not None, SILU=activation is not None,
+            BLOCK_C=bc, num_warps=TUNING["conv_warps"])
+        return y
+
+    def gated_delta_rule_decode_slots_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                             b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                             ssm_state: torch.Tensor, slots: torch.Tensor,
+                                             has_initial: torch.Tensor, scale: float | None = None,
+                                             use_qk_l2norm: bool = True) -> torch.Tensor:
+        """Triton `gated_delta_rule_decode_slots_ref` (same arguments): a program per (row,
+        value head, TUNING["block_v"] value columns). q, k, v, a, b may be strided views with
+        a unit last stride; ssm_state [S, Hv, K, V] contiguous fp32. Raises ValueError
+        otherwise."""
+        n, hk, kd = q.shape
+        hv, vd = v.shape[1], v.shape[2]
+        _check_slots(slots, has_initial, n, ssm_state.shape[0])
+        if (k.shape != q.shape or v.shape[0] != n or hv % hk or a.shape != (n, hv) or b.shape != (n, hv)
+                or tuple(ssm_state.shape[1:]) != (hv, kd, vd) or ssm_state.dtype != torch.float32
+                or not ssm_state.is_contiguous()):
+            raise ValueError(f"decode kernel: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                             f"a {tuple(a.shape)} b {tuple(b.shape)} state {tuple(ssm_state.shape)} "
+                             f"{ssm_state.dtype}")
+        q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
+        o = torch.empty((n, hv, vd), dtype=v.dtype, device=v.device)
+        if n == 0:
+            return o
+        bv = min(triton.next_power_of_2(vd), TUNING["block_v"])
+        _gdr_decode_kernel[(n, hv, triton.cdiv(vd, bv))](
+            q, k, v, a, b, A_log, dt_bias, ssm_state, o, slots, _init_bytes(has_initial),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
+            b.stride(0), has_initial.stride(0), kd ** -0.5 if scale is None else scale,
+            HV=hv, GROUP=hv // hk, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, L2NORM=use_qk_l2norm,
+            EPS=L2NORM_EPS, num_warps=TUNING["rec_warps"])
+        return o

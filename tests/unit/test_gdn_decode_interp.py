@@ -1,0 +1,71 @@
+"""Gated DeltaNet's in-place decode kernels (kernels/gdn_decode.py: the short convolution's
+update and the gated-delta-rule step over the state slots) and the gated RMSNorm kernel
+(kernels/norm.py) against their torch references, under the Triton interpreter on CPU
+tensors (no GPU needed); and the layer's in-place decode on those kernels against its
+gathered path (gather, references, scatter) over three steps, both projection layouts.
+
+Slots (`gdn_decode_interp_checks.py`): rows on slots not in order, a new sequence on a
+reused slot holding NaN (it must start from zeros), two fresh rows sharing one slot (a CUDA
+graph's padding rows on the scratch slot), slots no row names (must stay bit-identical), the
+has_initial flags read from an int64 row's low bytes as a graph stages them. Shapes: K not
+a power of two, V not a whole number of value tiles, grouped and ungrouped heads, W 2..4,
+with and without bias and SiLU, strided q/k/v/a/b/gate views.
+
+Tolerances (relative norm error): fp32 1e-6 (summation order; measured <= 2e-7); fp16 1e-3
+(the kernels round at the references' points; measured 0); bf16 2e-2, because Triton's
+interpreter converts fp32 to bf16 by truncation (checked: every value of a 1024-sample
+conversion equals the truncated one, against torch's round-to-nearest), a one-ulp
+difference (measured <= 9.4e-3). The convolution's window is a copy of inputs: bit-identical
+in every dtype. Skipped when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.interp_runner import run_interp_checks
+
+pytest.importorskip("triton")
+
+TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 2e-2}
+DTYPES = list(TOL)
+CONV = [f"conv_w{w}_{kind}" for w in (2, 3, 4) for kind in ("bias_silu", "plain")]
+REC = ["rec_g2_k12_v20", "rec_g1_k16_v8", "rec_g2_k8_v16_bv16", "rec_nonorm"]
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, float]:
+    return run_interp_checks("tests/unit/gdn_decode_interp_checks.py")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CONV)
+def test_conv_update_kernel_matches_reference_and_shifts_only_the_named_slots(interp_results, case, dtype):
+    r = interp_results
+    assert r[f"{case}_{dtype}_out"] <= TOL[dtype], r[f"{case}_{dtype}_out"]
+    assert r[f"{case}_{dtype}_state"] == 0.0  # the shifted window: copies of inputs, bit-identical
+    assert r[f"{case}_{dtype}_shared_slot"] == 0.0  # two fresh rows on one slot: one of their windows
+    assert r[f"{case}_{dtype}_unnamed_slots"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", REC)
+def test_recurrent_step_kernel_matches_reference_in_place_on_the_slots(interp_results, case, dtype):
+    r = interp_results
+    state_tol = TOL["float32"] if dtype != "bfloat16" else TOL["bfloat16"]  # fp32 state; bf16 inputs' beta
+    assert r[f"{case}_{dtype}_out"] <= TOL[dtype], r[f"{case}_{dtype}_out"]
+    assert r[f"{case}_{dtype}_state"] <= state_tol, r[f"{case}_{dtype}_state"]
+    assert r[f"{case}_{dtype}_shared_slot"] <= state_tol, r[f"{case}_{dtype}_shared_slot"]
+    assert r[f"{case}_{dtype}_unnamed_slots"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["norm3d", "norm2d"])
+def test_gated_rms_norm_kernel_matches_reference(interp_results, shape, dtype):
+    assert interp_results[f"{shape}_{dtype}"] <= TOL[dtype]
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+def test_layer_in_place_decode_equals_the_gathered_path(interp_results, layout):
+    assert interp_results[f"layer_{layout}_out"] <= 1e-6
+    assert interp_results[f"layer_{layout}_state"] <= 1e-6
