@@ -53,16 +53,26 @@ def _pack_text(s: str, size: int, what: str) -> bytes:
     return b
 
 
+# A pid counts as reused when its process started this long after the segment was made. The
+# two times come from different clocks: `created` is the writer's time.time(), a process's
+# start is psutil's boot time (whole seconds, read once per process, moved by clock steps)
+# plus its start ticks. With a 1 s margin a live engine was once judged dead on the 2-core CI
+# VM (its worker exited "writer pid ... is gone" mid-request); a false "dead" fails requests,
+# a false "alive" only leaves the supervisor's own liveness checks to act, so the margin is
+# wide. A pid reused within it is caught by those checks.
+REUSE_MARGIN_S = 30.0
+
+
 def owner_alive(pid: int, pidns: int, created: float) -> bool | None:
     """Whether the segment's creator still runs: True, False (dead, zombie, or its pid reused
-    by a process started after `created`), or None when it lives in another pid namespace
-    (a container) and cannot be judged from here."""
+    by a process started more than REUSE_MARGIN_S after `created`), or None when it lives in
+    another pid namespace (a container) and cannot be judged from here."""
     mine = _pidns()
     if pidns and mine and pidns != mine:
         return None
     try:
         p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE or p.create_time() > created + 1.0:
+        if p.status() == psutil.STATUS_ZOMBIE or p.create_time() > created + REUSE_MARGIN_S:
             return False
         return True
     except psutil.NoSuchProcess:
