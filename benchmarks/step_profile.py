@@ -8,7 +8,8 @@ Diagnostic, not a target benchmark. Writes JSON to --out and prints a table. Wit
 programmatic dependent launch (`kernels.pdl`, on by default) a kernel starts before the one
 before it ends and waits inside, so its profiled time includes that wait: `--pdl off` gives
 each kernel's own time.
---decode-fusion on profiles the MoE decode path and the in-kernel split merge (off by default).
+--decode-fusion on profiles the MoE decode path and the in-kernel split merge, off neither, default the
+module defaults (the MoE decode path on, the merge off).
 Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--parts all|b1]
        [--decode-fusion on|off] [--out FILE]
 """
@@ -126,14 +127,16 @@ def main() -> None:
                     help="the runner's share of GPU memory; a 61 GB MoE shape needs about 0.8")
     ap.add_argument("--pdl", choices=["on", "off"], default="on")
     ap.add_argument("--parts", choices=["all", "b1"], default="all")
-    ap.add_argument("--decode-fusion", choices=["on", "off"], default="off",
-                    help="on: the MoE decode path (kernels.moe.DECODE_FUSED) and the decode kernels' in-kernel "
-                         "split merge (fused_merge), both off by default (docs/ARCHITECTURE.md §6.4)")
+    ap.add_argument("--decode-fusion", choices=["on", "off", "default"], default="default",
+                    help="on / off: both the MoE decode path (kernels.moe.DECODE_FUSED, on by default) and the "
+                         "decode kernels' in-kernel split merge (fused_merge, off by default); default: the "
+                         "module defaults (docs/ARCHITECTURE.md §6.4)")
     a = ap.parse_args()
     pdl.ENABLED = a.pdl == "on"
-    if a.decode_fusion == "on":  # read when the runner captures its graphs
-        moe.DECODE_FUSED = True
-        rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = True
+    if a.decode_fusion != "default":  # read when the runner captures its graphs
+        on = a.decode_fusion == "on"
+        moe.DECODE_FUSED = on
+        rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = on
     b1_only = a.parts == "b1"
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8 if b1_only else 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,

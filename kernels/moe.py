@@ -26,7 +26,7 @@ sums each token's k experts itself.
 - `topk_softmax` / `topk_softmax_ref`: the router's softmax top-k (dispatcher, torch truth).
 - `moe_block`: router top-k and experts from the router logits; CUDA steps of up to
   `moe_decode_triton.MAX_TOKENS` tokens take the three-launch decode path when
-  `DECODE_FUSED` is on (off by default), everything else `topk_softmax` then `fused_moe`.
+  `DECODE_FUSED` is on (the default), everything else `topk_softmax` then `fused_moe`.
 
 Rounding (both paths): gate_up and the down projection's output are rounded to x's dtype
 as a torch matmul in that dtype rounds them, silu(gate) and its product with up likewise;
@@ -52,9 +52,9 @@ except ImportError:  # pragma: no cover
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # a CUDA step of at most moe_decode_triton.MAX_TOKENS tokens runs the MoE block in three launches
 # (router top-k + alignment, gate_up, down with the sum over k); False: the router launch, then
-# `fused_moe` (alignment, gate_up, down, sum over k). Off by default until measured on a GPU
-# (benchmarks/decode_latency.py --ab old new turns it on for "new"; docs/ARCHITECTURE.md §6.4)
-DECODE_FUSED = False
+# `fused_moe` (alignment, gate_up, down, sum over k). On: measured faster at batch 1 on the H200
+# (benchmarks/decode_latency.py --ab old moe; docs/ARCHITECTURE.md §6.4)
+DECODE_FUSED = True
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -9,7 +9,7 @@ picks Triton, int32 ids, T = 0, and a CUDA-graph capture of the whole op (moe_al
 included: no host sync) replayed on new inputs. The decode path (`kernels.moe.moe_block` at
 T = 1, 4, 8: router + alignment, gate_up, the down projection with the sum over k) against the
 same reference on the torch routing, against the five-launch path (DECODE_FUSED off), and in a
-CUDA graph; those tests set DECODE_FUSED on themselves (it is off by default). Skipped without
+CUDA graph; those tests set DECODE_FUSED themselves (it is on by default). Skipped without
 CUDA or triton.
 """
 

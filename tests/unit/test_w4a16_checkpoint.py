@@ -195,6 +195,9 @@ def test_runner_with_packed_4bit_weights_on_the_torch_reference(checkpoints, lay
     lins = [m for m in r.model.modules() if isinstance(m, Linear)]
     assert len(lins) == 4 * LAYERS and all(isinstance(m.qweight, W.W4Weight) for m in lins)
     assert getattr(r.model.lm_head, "qweight", None) is None  # plain in the checkpoint
+    plain = sum(p.numel() * p.element_size() for p in {id(p): p for p in r.model.parameters()}.values()
+                if p.device.type != "meta")
+    assert rep["weight_bytes_held"] == plain + sum(m.qweight.nbytes for m in lins)  # the packed bytes count
     got = _logits(r)
     assert float((got - want).norm() / want.norm()) < 1e-5
 

@@ -171,10 +171,10 @@ def _like(old: torch.Tensor, data: torch.Tensor) -> nn.Parameter:
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:
-    """Bytes of `model`'s quantized weights (`QuantWeight.nbytes` / `Fp8Weight.nbytes` of
-    each `qweight`); 0 without quantization."""
+    """Bytes of `model`'s quantized weights (`QuantWeight.nbytes` / `Fp8Weight.nbytes` /
+    `W4Weight.nbytes` of each `qweight`); 0 without quantization."""
     return sum(qw.nbytes for m in model.modules() for name in ("qweight", "qweight_tied")
-               if isinstance(qw := getattr(m, name, None), (QuantWeight, Fp8Weight)))
+               if isinstance(qw := getattr(m, name, None), (QuantWeight, Fp8Weight, W4Weight)))
 
 
 def held_weight_bytes(model: nn.Module) -> int:
