@@ -13,7 +13,8 @@ against the skinny kernel, and programmatic dependent launch (`kernels.pdl`) on 
 4. attention: decode attention at b=1, 1K context, 28 layers' distinct caches in one graph,
    by split count, with and without PDL.
 5. rope_attention: the decode attention with the rotary fused in (`kernels.rope_decode`)
-   against the rotary kernel + attention, at b=1 (by tile and split), 64 and 256.
+   against the rotary kernel + attention, at b=1 (by tile, split, warps, programs per SM,
+   in-kernel merge), 64 and 256, with --config's heads (`ROPE_HEADS`).
 Writes JSON (with "plans": the best (block_n, split, num_warps) per shape, with and without
 PDL, for decode_latency.py --gemv-plans) to --out.
 
@@ -186,18 +187,26 @@ def attention(quick: bool) -> dict:
     return out
 
 
-def rope_attention(quick: bool) -> dict:
+# attention heads (query, KV, head dim) and layers of the configs section 'rope' knows
+ROPE_HEADS = {"qwen3-0.6b": (16, 8, 128, 28), "qwen3-30b-a3b": (32, 4, 128, 48), "llama-3.1-8b": (32, 8, 128, 32)}
+
+
+def rope_attention(quick: bool, config: str = "qwen3-0.6b") -> dict:
     """Decode attention with the rotary + KV write fused in (`kernels.rope_decode`) against
-    the separate rotary kernel + paged attention, per layer: b=1 at 1K context (28 layers'
-    caches in one graph), b=64 and b=256 at 1K (one layer's cache, 8 launches)."""
-    hq, hk, d = 16, 8, 128
+    the separate rotary kernel + paged attention, per layer, with `config`'s heads
+    (`ROPE_HEADS`): b=1 at 1K context (one cache per layer in one graph; graphs sized for a
+    4K max_seq_len, as the decode graphs), b=64 and b=256 at 1K (one layer's cache, 8
+    launches). At b=1 also the launch parameters: num_warps, programs_per_sm, splits,
+    fused_merge, min_split_tiles (each row's key names them; the first variant is the
+    defaults, `ROPE_DECODE_DEFAULTS`)."""
+    hq, hk, d, n_layers = ROPE_HEADS[config]
     table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 1e6), 4096).cuda()
     qn, kn = (1 + 0.1 * torch.randn(d, device="cuda")).to(DT), (1 + 0.1 * torch.randn(d, device="cuda")).to(DT)
     out = {}
-    for b, layers in ((1, 28), (64, 8), (256, 8)):
+    for b, layers in ((1, n_layers), (64, 8), (256, 8)):
         cases = []
         for _ in range(layers):
-            (q, kc, vc, cu, sl, bt), _ = attention_case(b, [1024] * b)
+            (q, kc, vc, cu, sl, bt), _ = attention_case(b, [1024] * b, kvh=hk, h=hq, d=d)
             qkv = torch.randn(b, (hq + 2 * hk) * d, device="cuda", dtype=DT)
             slots = (bt[:, 1023 // 16].long() * 16 + 1023 % 16)
             cases.append((qkv, kc, vc, cu, sl, bt, slots, (sl - 1).long()))
@@ -216,7 +225,20 @@ def rope_attention(quick: bool) -> dict:
             for splits in ((None,) if b > 1 or quick else (None, 16, 64)):
                 variants.append((f"fused_bn{bn}_s{splits or 'auto'}", True, {"block_n": bn, "splits": splits}))
         if b == 1:
+            variants.insert(1, ("fused_defaults", True, {}))
             variants.append(("fused_bn32_sauto_noprefetch", True, {"block_n": 32, "prefetch": False}))
+            if not quick:
+                for nw in (1, 2, 8):
+                    variants.append((f"fused_w{nw}", True, {"num_warps": nw}))
+                for pps in (1, 4):
+                    variants.append((f"fused_pps{pps}", True, {"programs_per_sm": pps}))
+                for splits in (4, 8, 32):
+                    variants.append((f"fused_s{splits}", True, {"splits": splits}))
+                for tiles in (2, 4):
+                    variants.append((f"fused_minTiles{tiles}", True, {"min_split_tiles": tiles}))
+                variants.append(("fused_merge", True, {"fused_merge": True}))
+                variants.append(("fused_s8_w2", True, {"splits": 8, "num_warps": 2}))
+                variants.append(("fused_s8_merge", True, {"splits": 8, "fused_merge": True}))
         for name, fused, cfg in variants:
             for use in (False, True):
                 pdl.ENABLED = use
@@ -238,7 +260,8 @@ def main() -> None:
     ap.add_argument("--plans-out", default=None, help="write the best plans (for decode_latency --gemv-plans)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--config", default="qwen3-0.6b", choices=sorted(SHAPES),
-                    help="the shapes of section 'shapes' (the other sections are Qwen3-0.6B's)")
+                    help="the shapes of section 'shapes' and the heads of 'rope' (ROPE_HEADS; the other "
+                         "sections are Qwen3-0.6B's)")
     ap.add_argument("--only", default=None, help="comma-separated sections: check,shapes,stack,attention,rope")
     a = ap.parse_args()
     only = set(a.only.split(",")) if a.only else {"check", "shapes", "stack", "attention", "rope"}
@@ -258,7 +281,8 @@ def main() -> None:
     if "attention" in only:
         res["attention_b1"] = attention(a.quick)
     if "rope" in only:
-        res["rope_attention"] = rope_attention(a.quick)
+        res["rope_attention"] = rope_attention(a.quick, a.config if a.config in ROPE_HEADS else "qwen3-0.6b")
+        res["rope_config"] = a.config if a.config in ROPE_HEADS else "qwen3-0.6b"
     emit_json(res, a.out)
 
 
