@@ -29,7 +29,8 @@ of one graph step against the first variant's (`check_logits_rel_vs_first`,
 `check_argmax_same`): old = the MoE block's five launches after the router projection and
 decode attention's second merge launch (the path before the decode fusion), new = the
 three-launch MoE decode path (`kernels.moe.DECODE_FUSED`) and the in-kernel merge
-(fused_merge), moe / merge = one of the two alone. The JSON's "ab" lists every round,
+(fused_merge), moe / merge = one of the two alone, pps1 / pps2 = the MoE path with the rotary decode
+kernel's programs_per_sm (its split count) set to 1 / 2. The JSON's "ab" lists every round,
 "ab_median" the median per variant; the file is rewritten after each round.
 --variants A B A B ... runs one runner's graphs TPOT once per named variant, in that order,
 the decode graphs recaptured for each (one model load for an A/B; the eager mode is then not
@@ -80,14 +81,18 @@ from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
-# --ab variants: (kernels.moe.DECODE_FUSED, the decode kernels' fused_merge)
-AB_VARIANTS = {"old": (False, False), "new": (True, True), "moe": (True, False), "merge": (False, True)}
+# --ab variants: (kernels.moe.DECODE_FUSED, the decode kernels' fused_merge, the rotary decode
+# kernel's programs_per_sm: None keeps the default)
+AB_VARIANTS = {"old": (False, False, None), "new": (True, True, None), "moe": (True, False, None),
+               "merge": (False, True, None), "pps1": (True, False, 1), "pps2": (True, False, 2)}
+_PPS_DEFAULT = rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"]
 
 
 def apply_variant(name: str) -> None:
     """Set the switches of an --ab variant (read when the decode graphs are captured)."""
-    moe.DECODE_FUSED, fused = AB_VARIANTS[name]
+    moe.DECODE_FUSED, fused, pps = AB_VARIANTS[name]
     rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = fused
+    rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = _PPS_DEFAULT if pps is None else pps
 
 
 # --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
@@ -310,8 +315,8 @@ def run_ab(runner, a, res: dict, prompt, table, replay_table, roof: float) -> No
     median TPOT / GPU time per variant. Writes a.out after every round."""
     if runner.graphs is None:
         raise SystemExit("--ab needs decode graphs (CUDA, not --enforce-eager)")
-    res["ab"], res["ab_variants"] = [], {v: dict(zip(("moe_decode_fused", "fused_merge"), AB_VARIANTS[v]))
-                                         for v in a.ab}
+    res["ab"], res["ab_variants"] = [], {v: dict(zip(("moe_decode_fused", "fused_merge", "programs_per_sm"),
+                                                     AB_VARIANTS[v])) for v in a.ab}
     # a correctness check per round: the graph step's logits for token 1 right after the prompt
     # (the same inputs for every variant: the prompt's KV comes from the prefill, which no
     # variant changes) against the first variant's; not for a hybrid (its state moves on)

@@ -24,6 +24,7 @@ needed on the GPU machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -38,9 +39,18 @@ from benchmarks.common import emit_json, model_dir  # noqa: E402
 from benchmarks.serve_process import ServeProcess  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.kv_layout import kv_layout_for  # noqa: E402
+from shared.state_layout import state_layout_for  # noqa: E402
 from shared.kvstore_client import KVStoreClient  # noqa: E402
 
 BS = 16
+STATE_FRACTION = 0.5  # the server's default --kv-offload-state-fraction
+
+
+def cfg_vocab(model: str) -> int:
+    """vocab_size of the model folder's config.json (a text_config's for a multimodal one)."""
+    with open(os.path.join(model, "config.json")) as fh:
+        c = json.load(fh)
+    return int(c.get("vocab_size") or c.get("text_config", {})["vocab_size"])
 
 
 def main() -> int:
@@ -60,8 +70,11 @@ def main() -> int:
     cfg = build_config(cli={"model": a.model, "dtype": dtype, "block_size": BS}, env={})
     layout = kv_layout_for(cfg)
     block_bytes, ident = layout.slot_bytes, layout.model_identity
+    state = state_layout_for(cfg)  # a hybrid's state checkpoints (None: a dense model)
     n_blocks = a.tokens // BS + 1
     pool_gib = round(n_blocks * 1.1 * (block_bytes + 64) / (1 << 30) + 0.001, 4)
+    if state is not None:  # --kv-offload-state-fraction (0.5 by default) of the pool holds checkpoints
+        pool_gib = round(pool_gib / (1 - STATE_FRACTION) + 0.001, 4)
     disk = tempfile.mkdtemp(prefix="kestrel-bench-disk-")
     instance = "b" + os.urandom(4).hex()
     srv = ServeProcess(["--model", a.model, "--instance-id", instance, *extra,
@@ -89,7 +102,9 @@ def main() -> int:
 
     def store_stats() -> dict:
         c = KVStoreClient(f"ipc:///tmp/kestrel-{instance}/kvstore.sock", "bench", ident,
-                          block_bytes, timeout_s=30)
+                          block_bytes, timeout_s=30,
+                          state_identity=state.state_identity if state is not None else b"",
+                          state_bytes=state.state_bytes if state is not None else 0)
         c.connect()
         try:
             return c.stats()
@@ -110,8 +125,11 @@ def main() -> int:
         while not stats().get("kv_tier_connected"):
             time.sleep(0.1)
         rnd = random.Random(0)
-        prompt = [rnd.randrange(1000, 20000) for _ in range(a.tokens)]
+        vocab = cfg_vocab(a.model)  # ids 1000..20000, or within a small test vocabulary
+        LO, HI = min(1000, vocab // 10), min(20000, vocab)
+        prompt = [rnd.randrange(LO, HI) for _ in range(a.tokens)]
         out = {"tokens": a.tokens, "pool_gib": pool_gib, "block_bytes": block_bytes,
+               "state_checkpoint_bytes": state.state_bytes if state is not None else 0,
                "device": "cuda" if a.config else "cpu", "config": a.config or a.model}
         out["cold_s"] = ttft(prompt)
         out["gpu_hit_s"] = ttft(prompt)
@@ -119,7 +137,7 @@ def main() -> int:
         reset()
         out["cpu_tier_hit_s"] = ttft(prompt)
         for i in range(2):
-            ttft([rnd.randrange(1000, 20000) for _ in range(a.tokens)])
+            ttft([rnd.randrange(LO, HI) for _ in range(a.tokens)])
             settle()
         reset()
         out["disk_tier_hit_s"] = ttft(prompt)
