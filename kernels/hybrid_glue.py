@@ -1,5 +1,5 @@
 """Elementwise glue of the hybrid models (Qwen3-Next, Qwen3.5-MoE) in one launch each,
-where torch runs two or three small kernels (docs/ARCHITECTURE.md §4.7):
+where torch runs two or three small kernels (docs/ARCHITECTURE.md §6.3):
 
 - `sigmoid_gate_mul(x, gate)`: x * sigmoid(gate), the gated attention's output gate; gate is
   the strided per-head half of the q projection's output (torch: a copy of the gate into a

@@ -1,4 +1,4 @@
-"""The hybrid models' launch savings on CUDA (docs/ARCHITECTURE.md §4.7): the glue kernels of
+"""The hybrid models' launch savings on CUDA (docs/ARCHITECTURE.md §6.3): the glue kernels of
 kernels/hybrid_glue.py against their torch references at Qwen3.5-35B-A3B's decode shapes, and
 a tiny random Qwen3-Next (tests/hybrid_checkpoint.py) with qwen3_next.STACK_PROJECTIONS and
 FUSED_GLUE on and off, decoding from CUDA graphs.

@@ -17,7 +17,7 @@ its checkpoints. What differs from Qwen3-MoE:
 The checkpoint's multi-token-prediction head (`mtp.*`) is not loaded (ignored_prefixes).
 The model has no fused layer path.
 
-Launch count at batch 1 (docs/ARCHITECTURE.md §4.7): with `STACK_PROJECTIONS` (read when the
+Launch count at batch 1 (docs/ARCHITECTURE.md §6.3): with `STACK_PROJECTIONS` (read when the
 model is built) the projections that read the same input are one Linear, filled by the
 loader from the checkpoint's separate tensors (`packed_modules`) and split by views: a
 linear layer's in_proj_qkvz + in_proj_ba (Qwen3.5: in_proj_qkv, z, b, a) as `linear_attn.
@@ -137,7 +137,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         shared = int(hf_config.get("shared_expert_intermediate_size") or 0)
         self.num_experts, self.shared_size = num_experts(hf_config), shared
         self.in_proj: Linear | None = None
-        self.shared_expert: nn.Module | None = None
+        self.shared_expert: LlamaMLP | _SharedExpertDown | None = None
         self.shared_expert_gate: Linear | None = None
         if shared and stacked:
             del self.gate
