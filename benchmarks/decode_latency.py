@@ -42,7 +42,9 @@ earlier projection routing) and "in_place_bv32" (in place, 32 value columns and 
 program of the recurrent kernel instead of 8 and 1); for a hybrid (Qwen3-Next, Qwen3.5-MoE)
 "glue_off" / "glue_on" (qwen3_next.FUSED_GLUE: the attention's output gate and the shared
 expert's combine in one kernel each, the residual adds inside the norms) and
-"moe_fused_glue_off" / "moe_fused_glue_on" (the same with kernels.moe.DECODE_FUSED on).
+"moe_fused_glue_off" / "moe_fused_glue_on" (the same with kernels.moe.DECODE_FUSED on: the
+shared expert then added in the MoE down kernel) and "moe_fused_glue_on_apart" (its combine as
+its own kernel, kernels.moe.SHARED_IN_DOWN off).
 --stack off builds a hybrid with its projections apart (qwen3_next.STACK_PROJECTIONS: the
 layout is fixed at load, so that A/B is two runs; the JSON's "stacked_projections" says which).
 --variants and --ab are exclusive (both re-capture the graphs, `ModelRunner.recapture_graphs`).
@@ -98,10 +100,11 @@ def apply_variant(name: str) -> None:
 
 # --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
 # norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps,
-# qwen3_next.FUSED_GLUE, kernels.moe.DECODE_FUSED)
+# qwen3_next.FUSED_GLUE, kernels.moe.DECODE_FUSED, kernels.moe.SHARED_IN_DOWN)
 KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
          "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"],
-         "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED}
+         "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
+         "shared_in_down": moe.SHARED_IN_DOWN}
 VARIANTS = {"in_place": {},
             "gathered": {"in_place_decode": False, "gated_norm_triton": False,
                          "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
@@ -111,7 +114,8 @@ VARIANTS = {"in_place": {},
             # the three-launch MoE decode path
             "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
             "moe_fused_glue_off": {"moe_decode_fused": True, "fused_glue": False},
-            "moe_fused_glue_on": {"moe_decode_fused": True, "fused_glue": True}}
+            "moe_fused_glue_on": {"moe_decode_fused": True, "fused_glue": True},
+            "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False}}
 
 
 def set_knobs(name: str) -> dict:
@@ -120,7 +124,8 @@ def set_knobs(name: str) -> dict:
     gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
     linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
     gdn_decode.TUNING.update(block_v=k["block_v"], rec_warps=k["rec_warps"])
-    qwen3_next.FUSED_GLUE, moe.DECODE_FUSED = k["fused_glue"], k["moe_decode_fused"]
+    qwen3_next.FUSED_GLUE, moe.DECODE_FUSED, moe.SHARED_IN_DOWN = k["fused_glue"], k["moe_decode_fused"], \
+        k["shared_in_down"]
     return k
 
 

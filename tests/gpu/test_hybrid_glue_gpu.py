@@ -7,7 +7,8 @@ Shown:
   q projection) and shared_expert_combine (hidden 2048, the gate a column of the stacked
   [T, 256 + 2 * 512 + 1] output) at 1, 3 and 8 rows, fp32 / fp16 / bf16, within two ulps of
   the largest output of the references (they round at the same points; the fp32 exp may
-  differ in its last bits);
+  differ in its last bits); and kernels.moe.moe_block with a shared expert (added in the
+  decode path's down kernel, or by the combine kernel after it) as the block then the combine;
 - each of stacked+glue, apart+glue, apart without glue decodes (graphs; prompts fed one
   token a step) within REL of the default (stacked, no glue) in every step's logits, and in
   fp32 greedily the same tokens.
@@ -66,6 +67,34 @@ def test_shared_expert_combine_matches_torch_at_the_moe_block_shape(rows, dtype)
     want = hybrid_glue.shared_expert_combine_ref(moe_out, gate, shared)
     assert got.dtype == dt and got.shape == want.shape
     assert float((got.float() - want.float()).abs().max()) <= _two_ulps(want, dtype)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_moe_block_with_a_shared_expert_equals_the_block_then_the_combine(monkeypatch, rows, fold):
+    """kernels.moe.moe_block(..., shared=(gate, out)) at Qwen3.5-35B-A3B's MoE shape (256
+    experts of 512, 8 a token, hidden 2048), bf16: the decode path with the shared expert in
+    its down kernel (SHARED_IN_DOWN) or the combine kernel after it, against the block without
+    it followed by shared_expert_combine_ref (the same routing and rounding points: the two
+    differ by the fp32 exp of the sigmoid only); the five-launch path's likewise."""
+    from kernels import moe
+
+    monkeypatch.setattr(moe, "SHARED_IN_DOWN", fold)
+    e, k, h, inter = 256, 8, 2048, 512
+    g = torch.Generator(device="cuda").manual_seed(20 + rows)
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h ** 0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    x = torch.randn(rows, h, device="cuda", generator=g).bfloat16()
+    logits = (torch.stack([torch.randperm(e, device="cuda", generator=g) for _ in range(rows)]).float() / 16).bfloat16()
+    wide = (3 * torch.randn(rows, 2 * inter + 1, device="cuda", generator=g)).bfloat16()
+    gate, shared = wide[:, -1:], torch.randn(rows, h, device="cuda", generator=g).bfloat16()
+    for fused in (True, False):
+        monkeypatch.setattr(moe, "DECODE_FUSED", fused)
+        alone = moe.moe_block(x, logits, w13, w2, k, True)
+        got = moe.moe_block(x, logits, w13, w2, k, True, (gate, shared))
+        want = hybrid_glue.shared_expert_combine_ref(alone, gate, shared)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, h)
+        assert float((got.float() - want.float()).abs().max()) <= _two_ulps(want, "bfloat16"), fused
 
 
 @pytest.fixture(scope="module")

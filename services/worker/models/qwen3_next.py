@@ -24,7 +24,8 @@ linear layer's in_proj_qkvz + in_proj_ba (Qwen3.5: in_proj_qkv, z, b, a) as `lin
 in_proj`, a MoE block's router + shared expert gate_up + shared_expert_gate as `mlp.in_proj`.
 With `FUSED_GLUE` (read at each forward, so at graph capture) the elementwise glue runs in
 one kernel each (`kernels.hybrid_glue`: the attention's output gate, the shared expert's
-combine) and each residual add goes into the next norm (`fused_add_rms_norm`).
+combine, which the MoE decode path folds into its down kernel: `kernels.moe.SHARED_IN_DOWN`)
+and each residual add goes into the next norm (`fused_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from kernels import fp8_linear, w4a16_linear
-from kernels.hybrid_glue import shared_expert_combine, sigmoid_gate_mul
+from kernels.hybrid_glue import sigmoid_gate_mul
 from services.worker.kv_cache import PagedKVSpec
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.embedding import LMHead, VocabEmbedding
@@ -152,16 +153,15 @@ class SharedExpertMoeBlock(SparseMoeBlock):
             assert self.shared_expert is not None
             e, i = self.num_experts, self.shared_size
             y = self.in_proj(x)
-            out = self.experts.routed(x, y[:, :e], self.top_k, self.norm_topk_prob)
-            shared, gate = self.shared_expert.down_proj(y[:, e:e + 2 * i], silu_mul=True), y[:, e + 2 * i:]
+            logits, gate = y[:, :e], y[:, e + 2 * i:]
+            shared = self.shared_expert.down_proj(y[:, e:e + 2 * i], silu_mul=True)
         else:
-            out = super().forward(x)
             if self.shared_expert is None or self.shared_expert_gate is None:
-                return out
-            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
-        if FUSED_GLUE:  # one launch for the sigmoid, the product and the sum
-            return shared_expert_combine(out, gate, shared)
-        return out + torch.sigmoid(gate) * shared
+                return super().forward(x)
+            logits, gate, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
+        if FUSED_GLUE:  # the sigmoid, product and sum in one launch (in the MoE decode path: its down kernel)
+            return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob, (gate, shared))
+        return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob) + torch.sigmoid(gate) * shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
