@@ -34,3 +34,21 @@ def test_qwen3_5_linear_attention_projections_go_to_one_in_proj_in_checkpoint_or
                                                                 "in_proj_ba": ("in_proj", 1)}
     assert GatedDeltaNet.packed_modules("qwen3_next", False) == {}
     assert GatedDeltaNet.packed_modules("qwen3_5", False) == GatedDeltaNet.QWEN3_5_PACKED
+
+
+def test_projections_stay_apart_under_fp8_or_4bit_weights(monkeypatch):
+    """A stacked weight must be one format (the loader refuses a mix), and a checkpoint may
+    quantize some of the parts only: the hybrid stacks only with plain weights."""
+    from kernels import fp8_linear, w4a16_linear
+    from services.worker.models import qwen3_next
+
+    monkeypatch.setattr(fp8_linear, "MODE", "off")
+    monkeypatch.setattr(w4a16_linear, "MODE", "off")
+    assert qwen3_next.stacks_projections()
+    monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", False)
+    assert not qwen3_next.stacks_projections()
+    monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", True)
+    for module, mode in ((fp8_linear, "checkpoint"), (fp8_linear, "quantize"), (w4a16_linear, "checkpoint")):
+        monkeypatch.setattr(module, "MODE", mode)
+        assert not qwen3_next.stacks_projections(), (module.__name__, mode)
+        monkeypatch.setattr(module, "MODE", "off")
