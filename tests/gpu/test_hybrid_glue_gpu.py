@@ -17,6 +17,8 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -113,6 +115,15 @@ def _runner(path, dtype: str, stack: bool, glue: bool, monkeypatch) -> ModelRunn
     return r
 
 
+def _release() -> None:
+    """Free a deleted runner's memory before the next is built: its graphs hold a bound
+    method of it (a reference cycle), and the next runner sizes its KV cache from
+    gpu_memory_utilization minus what is in use (services/worker/gpu_memory.py)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def _decode_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
     """Logits of each token of prompt fed one a step (decode graphs of 1) on slot 0."""
     table = list(range(4))
@@ -129,6 +140,7 @@ def test_stacked_and_glue_paths_decode_as_the_default(tiny, dtype, monkeypatch):
     base = _runner(tiny, dtype, True, False, monkeypatch)
     want, want_tokens = _decode_logits(base, prompt), generate(base, prompts, 12, chunk=1)
     del base
+    _release()
     for stack, glue in ((True, True), (False, True), (False, False)):
         r = _runner(tiny, dtype, stack, glue, monkeypatch)
         got = _decode_logits(r, prompt)
@@ -138,3 +150,4 @@ def test_stacked_and_glue_paths_decode_as_the_default(tiny, dtype, monkeypatch):
         if dtype == "float32":
             assert generate(r, prompts, 12, chunk=1) == want_tokens, (stack, glue)
         del r
+        _release()
