@@ -40,7 +40,14 @@ kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the s
 gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
 one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
 earlier projection routing) and "in_place_bv32" (in place, 32 value columns and 4 warps a
-program of the recurrent kernel instead of 8 and 1).
+program of the recurrent kernel instead of 8 and 1); for a hybrid (Qwen3-Next, Qwen3.5-MoE)
+"glue_off" / "glue_on" (qwen3_next.FUSED_GLUE: the attention's output gate and the shared
+expert's combine in one kernel each, the residual adds inside the norms) and
+"moe_fused_glue_off" / "moe_fused_glue_on" (the same with kernels.moe.DECODE_FUSED on: the
+shared expert then added in the MoE down kernel) and "moe_fused_glue_on_apart" (its combine as
+its own kernel, kernels.moe.SHARED_IN_DOWN off).
+--stack off builds a hybrid with its projections apart (qwen3_next.STACK_PROJECTIONS: the
+layout is fixed at load, so that A/B is two runs; the JSON's "stacked_projections" says which).
 --variants and --ab are exclusive (both re-capture the graphs, `ModelRunner.recapture_graphs`).
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
@@ -53,7 +60,7 @@ Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024
        [--w4-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
        [--ab old new moe merge ...] [--ab-rounds 2]
-       [--variants gathered in_place gathered in_place]
+       [--variants gathered in_place gathered in_place] [--stack on|off]
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
+from services.worker.models import qwen3_next  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
@@ -96,14 +104,23 @@ def apply_variant(name: str) -> None:
 
 
 # --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
-# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps)
+# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps,
+# qwen3_next.FUSED_GLUE, kernels.moe.DECODE_FUSED, kernels.moe.SHARED_IN_DOWN)
 KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
-         "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"]}
+         "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"],
+         "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
+         "shared_in_down": moe.SHARED_IN_DOWN}
 VARIANTS = {"in_place": {},
             "gathered": {"in_place_decode": False, "gated_norm_triton": False,
                          "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
             "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
-            "in_place_bv32": {"block_v": 32, "rec_warps": 4}}  # one warp would spill (ptxas, sm90)
+            "in_place_bv32": {"block_v": 32, "rec_warps": 4},  # one warp would spill (ptxas, sm90)
+            # the hybrid's decode glue in fused kernels (qwen3_next.FUSED_GLUE), with and without
+            # the three-launch MoE decode path
+            "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
+            "moe_fused_glue_off": {"moe_decode_fused": True, "fused_glue": False},
+            "moe_fused_glue_on": {"moe_decode_fused": True, "fused_glue": True},
+            "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False}}
 
 
 def set_knobs(name: str) -> dict:
@@ -112,6 +129,8 @@ def set_knobs(name: str) -> dict:
     gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
     linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
     gdn_decode.TUNING.update(block_v=k["block_v"], rec_warps=k["rec_warps"])
+    qwen3_next.FUSED_GLUE, moe.DECODE_FUSED, moe.SHARED_IN_DOWN = k["fused_glue"], k["moe_decode_fused"], \
+        k["shared_in_down"]
     return k
 
 
@@ -235,6 +254,9 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["none", "fp8", "awq", "gptq"], default="none",
                     help="weights: bf16 (none), fp8 e4m3 quantized at load (kernels/fp8_linear.py), or awq / "
                          "gptq: random packed 4-bit weights, group 128 (W4A16, kernels/w4a16_linear.py)")
+    ap.add_argument("--stack", choices=["on", "off"], default="on",
+                    help="a hybrid model's stacked projections (qwen3_next.STACK_PROJECTIONS; the weight layout "
+                         "is chosen at load, so an A/B of it is two runs)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                     help="graphs TPOT once per variant, in this order, recapturing the graphs (e.g. gathered "
                          "in_place gathered in_place: an A/B in one model load); no eager run then")
@@ -247,6 +269,7 @@ def main() -> None:
         moe_triton.ROUTER_TRITON, moe_triton.ALIGN_MAX_PAIRS, moe_triton.SUM_K_TRITON = False, 0, False
         moe.DECODE_FUSED = False  # the three-launch decode path has none of those torch ops
     fusion.FUSE_ONE_ROW = a.fused_layers == "on"  # read when the runner chooses its FusionPlan
+    qwen3_next.STACK_PROJECTIONS = a.stack == "on"  # read when the model is built
     if a.attn:
         (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
     if a.gemv_plans:
@@ -273,7 +296,8 @@ def main() -> None:
            "copy_bandwidth_TBps": round(bw / 1e12, 3), "torch": torch.__version__,
            "quantization": a.quantization, "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv,
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
-           "moe_decode_fused": moe.DECODE_FUSED,
+           "moe_decode_fused": moe.DECODE_FUSED, "stack": a.stack,
+           "stacked_projections": bool(getattr(runner.model, "stacked", False)), "fused_glue": qwen3_next.FUSED_GLUE,
            "fused_merge": (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS)["fused_merge"],
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
            "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()}}

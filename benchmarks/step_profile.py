@@ -10,8 +10,10 @@ before it ends and waits inside, so its profiled time includes that wait: `--pdl
 each kernel's own time.
 --decode-fusion on profiles the MoE decode path and the in-kernel split merge, off neither, default the
 module defaults (the MoE decode path on, the merge off).
+--glue on profiles a hybrid with its decode glue fused (qwen3_next.FUSED_GLUE, off by default);
+--stack off builds it with its projections apart (qwen3_next.STACK_PROJECTIONS, on by default).
 Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--parts all|b1]
-       [--decode-fusion on|off] [--out FILE]
+       [--decode-fusion on|off|default] [--glue on|off] [--stack on|off] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import moe, pdl, rope_decode, sampling, sampling_noise  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
+from services.worker.models import qwen3_next  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
@@ -131,8 +134,13 @@ def main() -> None:
                     help="on / off: both the MoE decode path (kernels.moe.DECODE_FUSED, on by default) and the "
                          "decode kernels' in-kernel split merge (fused_merge, off by default); default: the "
                          "module defaults (docs/ARCHITECTURE.md §6.4)")
+    ap.add_argument("--glue", choices=["on", "off"], default="off",
+                    help="on: a hybrid's decode glue in fused kernels (services.worker.models.qwen3_next.FUSED_GLUE)")
+    ap.add_argument("--stack", choices=["on", "off"], default="on",
+                    help="a hybrid's stacked projections (qwen3_next.STACK_PROJECTIONS, read when the model is built)")
     a = ap.parse_args()
     pdl.ENABLED = a.pdl == "on"
+    qwen3_next.FUSED_GLUE, qwen3_next.STACK_PROJECTIONS = a.glue == "on", a.stack == "on"
     if a.decode_fusion != "default":  # read when the runner captures its graphs
         on = a.decode_fusion == "on"
         moe.DECODE_FUSED = on
@@ -144,7 +152,9 @@ def main() -> None:
     runner = ModelRunner(build_config(cli=cli, env={}))
     res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl,
                  "parts": a.parts, "moe_decode_fused": moe.DECODE_FUSED,
-                 "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "decode_fusion": a.decode_fusion}
+                 "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "decode_fusion": a.decode_fusion,
+                 "fused_glue": qwen3_next.FUSED_GLUE,
+                 "stacked_projections": bool(getattr(runner.model, "stacked", False))}
     nbps = -(-1100 // runner.block_size)
     p1 = plan(1, 1024, nbps)
     graphs = runner.graphs

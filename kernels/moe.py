@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.hybrid_glue import shared_expert_combine
+
 try:  # the grouped-GEMM kernels; absent without triton (CPU-only installs)
     from kernels import moe_decode_triton as _moe_decode
     from kernels import moe_triton as _moe_triton
@@ -55,6 +57,9 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # `fused_moe` (alignment, gate_up, down, sum over k). On: measured faster at batch 1 on the H200
 # (benchmarks/decode_latency.py --ab old moe; docs/ARCHITECTURE.md §6.4)
 DECODE_FUSED = True
+# a shared expert given to `moe_block` is added in the decode path's down kernel (its epilogue,
+# one launch fewer); False: by `kernels.hybrid_glue.shared_expert_combine` after the block
+SHARED_IN_DOWN = True
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -227,15 +232,22 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool) -> torch.Tensor:
+              renormalize: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The MoE MLP from the router's logits: `fused_moe(x, w13, w2, *topk_softmax(router_logits,
     top_k, renormalize))`. x [T, H], router_logits [T, E], w13 / w2 as `fused_moe_ref`.
     Returns [T, H] in x's dtype. CUDA x of a few tokens (`moe_decode_triton.fits`) with
     `DECODE_FUSED` on takes `moe_decode_triton.fused_moe_decode` (three launches, no host
     sync); the result differs from the other path's by summation order only.
+    shared: a shared expert's (gate [T, 1], output [T, H]) in x's dtype, or None: the block
+    then returns out + sigmoid(gate) * output (`kernels.hybrid_glue.shared_expert_combine_ref`'s
+    rounding), added in the decode path's down kernel with `SHARED_IN_DOWN`, else by
+    `shared_expert_combine` after it.
     Raises ValueError for shapes or dtypes that do not fit."""
     if (x.is_cuda and DECODE_FUSED and _moe_decode is not None and x.dim() == 2
             and _moe_decode.fits(x.shape[0], w13.shape[0], top_k)):
-        return _moe_decode.fused_moe_decode(x, router_logits, w13, w2, top_k, renormalize)
+        fold = shared if SHARED_IN_DOWN else None
+        out = _moe_decode.fused_moe_decode(x, router_logits, w13, w2, top_k, renormalize, shared=fold)
+        return out if shared is None or fold is not None else shared_expert_combine(out, *shared)
     weights, ids = topk_softmax(router_logits, top_k, renormalize)
-    return fused_moe(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids)
+    return out if shared is None else shared_expert_combine(out, *shared)

@@ -21,6 +21,9 @@ five (top-k softmax, alignment, gate_up, down, the sum over k); docs/ARCHITECTUR
   programmatic dependent launch (`kernels.pdl`) the first tile before the wait on the gate_up
   kernel: the expert ids come from the router kernel, which had finished before gate_up's
   programs passed their own wait and let this kernel start.
+  Given a shared expert's output and gate (`shared`), the epilogue adds
+  sigmoid(gate) * output as `kernels.hybrid_glue.shared_expert_combine_ref` rounds it (read
+  after the wait: the shared expert's down projection runs just before the router program).
 - `fused_moe_decode`: the three launches, each with PDL where the device has it (the router
   program and gate_up wait for the kernel before them first); `kernels.moe.moe_block` calls it.
 
@@ -155,11 +158,15 @@ def route_align_triton(logits: torch.Tensor, top_k: int, renormalize: bool, bloc
 
 
 @triton.jit
-def _moe_down_sum_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
-                         stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ONE_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _moe_down_sum_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, sh_ptr, g_ptr, N, K, stride_am, stride_we,
+                         stride_wn, stride_om, stride_sm, stride_gm, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, ONE_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     # out[t, n tile] = sum_j tw[t, j] * round(w2[ids[t, j], n tile] @ act[t * TOP_K + j]) (module doc).
     # ONE_K: BLOCK_K >= K, one weight tile an expert, the next one loaded before this one is used.
+    # HAS_SHARED: out = round(out + round(round(sigmoid(g[t])) * sh[t, n tile])), a shared expert's
+    # output sh [T, N] (row stride stride_sm) and gate g [T, 1] (row stride stride_gm) added as
+    # kernels.hybrid_glue.shared_expert_combine_ref rounds it
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
@@ -195,7 +202,12 @@ def _moe_down_sum_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, N, K, stride_
                 a = tl.load(act_ptr + pair * stride_am + rk, mask=km, other=0.0)
                 y += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
         acc += y.to(dt).to(tl.float32) * tl.load(tw_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + t * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+    o = acc.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED:  # both written by kernels before: read after the wait
+        sh = tl.load(sh_ptr + t * stride_sm + rn, mask=nmask, other=0.0)
+        s = tl.sigmoid(tl.load(g_ptr + t * stride_gm).to(tl.float32)).to(dt)
+        o = (o.to(tl.float32) + (s.to(tl.float32) * sh.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + t * stride_om + rn, o, mask=nmask)
 
 
 def down_plan(num_tokens: int, n: int, k: int, device: torch.device, tuning: dict | None = None
@@ -215,15 +227,18 @@ def down_plan(num_tokens: int, n: int, k: int, device: torch.device, tuning: dic
 
 
 def moe_down_sum_triton(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        plan: tuple[int, int, int] | None = None) -> torch.Tensor:
+                        plan: tuple[int, int, int] | None = None,
+                        shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * (w2[topk_ids[t, j]] @ act[t * k + j]), each
     expert's product rounded to act's dtype, the sum in fp32 rounded once (module doc).
 
     act [T * k, I] (row t * k + j: token t's slot j; the gate_up launch's output), w2 [E, H, I]
     of act's dtype (unit last stride), topk_weights [T, k] float, topk_ids [T, k] int32/int64
     in 0..E-1 (not checked). Returns [T, H] in act's dtype. plan: (BLOCK_N, BLOCK_K,
-    num_warps), `down_plan` when None. No host sync. Raises ValueError for shapes that do
-    not fit or a w2 whose last stride is not 1.
+    num_warps), `down_plan` when None. shared: (gate [T, 1], shared_out [T, H]) of act's
+    dtype, or None: a shared expert added in the epilogue, out + sigmoid(gate) * shared_out
+    rounded as `kernels.hybrid_glue.shared_expert_combine_ref`. No host sync. Raises
+    ValueError for shapes that do not fit or a w2 whose last stride is not 1.
     """
     t, k = topk_ids.shape
     e, h, inter = w2.shape
@@ -237,18 +252,28 @@ def moe_down_sum_triton(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch
     if act.stride(1) != 1:
         act = act.contiguous()
     tw, ids = topk_weights.contiguous(), topk_ids.contiguous()
+    gate, sh = shared if shared is not None else (out, out)  # (unread without HAS_SHARED)
+    if shared is not None:
+        if tuple(gate.shape) != (t, 1) or tuple(sh.shape) != (t, h) or gate.dtype != act.dtype \
+                or sh.dtype != act.dtype:
+            raise ValueError(f"moe_down_sum_triton: shared gate {tuple(gate.shape)} {gate.dtype}, out "
+                             f"{tuple(sh.shape)} {sh.dtype}: want [{t}, 1] and [{t}, {h}] of {act.dtype}")
+        if sh.stride(1) != 1:
+            sh = sh.contiguous()
     bn, bk, warps = plan or down_plan(t, h, inter, act.device)
     pdl = use_pdl(act.device)
-    _moe_down_sum_kernel[(t, triton.cdiv(h, bn))](act, w2, ids, tw, out, h, inter, act.stride(0), w2.stride(0),
-                                                  w2.stride(1), out.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                                  ONE_K=bk >= inter, USE_PDL=pdl, num_warps=warps,
-                                                  **launch_args(pdl))
+    _moe_down_sum_kernel[(t, triton.cdiv(h, bn))](act, w2, ids, tw, out, sh, gate, h, inter, act.stride(0),
+                                                  w2.stride(0), w2.stride(1), out.stride(0), sh.stride(0),
+                                                  gate.stride(0), TOP_K=k, BLOCK_N=bn, BLOCK_K=bk,
+                                                  ONE_K=bk >= inter, HAS_SHARED=shared is not None, USE_PDL=pdl,
+                                                  num_warps=warps, **launch_args(pdl))
     return out
 
 
 def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      top_k: int, renormalize: bool, *, config: dict[str, Any] | None = None,
-                     down: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     down: tuple[int, int, int] | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The MoE block after its router projection for a few tokens, in three launches:
     `route_align_triton`, the gate_up grouped GEMM of `kernels.moe_triton` (SiLU-and-mul
     fused, into act [T * k, I]) and `moe_down_sum_triton`. Equals
@@ -258,7 +283,9 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     x [T, H] fp32/fp16/bf16, router_logits [T, E] (any float dtype), w13 [E, 2I, H] and
     w2 [E, H, I] of x's dtype (unit last strides). config: the gate_up launch config
     (`moe_triton.pick_config`'s keys; None picks it as `fused_moe_triton` does); down: the
-    down plan (`down_plan` when None). Returns [T, H] in x's dtype. No host sync:
+    down plan (`down_plan` when None); shared: a shared expert's (gate [T, 1], output
+    [T, H]) added in the down kernel's epilogue (`moe_down_sum_triton`), or None. Returns
+    [T, H] in x's dtype. No host sync:
     CUDA-graph capturable. Raises ValueError when `fits(T, E, top_k)` is false or shapes
     and dtypes do not fit.
     """
@@ -279,4 +306,4 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     moe_triton.launch_gemm(x, w13, act, sorted_ids, expert_of_block, weights.view(-1), inter, top_k, True, cfg,
                            pdl=use_pdl(x.device))
-    return moe_down_sum_triton(act, w2, weights, ids, down)
+    return moe_down_sum_triton(act, w2, weights, ids, down, shared)

@@ -13,15 +13,24 @@
 #   step_profile_qwen3.5-35b-a3b.json   kernel tables of the in-place path (graph b1 / b256, eager b1, prefill)
 #   decode_ab_llama-3.1-8b.json  with part "routing" (or all): Llama-3.1-8B batch-1 TPOT with its qkv
 #                                projection (25M weights) on cuBLAS and on the gemv, alternately
+#   with part "glue" (or all): the stacked projections and fused decode glue (qwen3_next.STACK_PROJECTIONS,
+#   FUSED_GLUE; docs/ARCHITECTURE.md §6.3):
+#   tests_glue_gpu.txt           pytest tail of tests/gpu/test_hybrid_glue_gpu.py, test_moe_gpu.py, test_hybrid_graphs_gpu.py
+#   decode_glue_qwen3.5-35b-a3b.json        stacked: graphs TPOT per variant (glue off / on, with the MoE decode
+#                                path; on with the shared combine apart; glue off / on without the MoE decode path)
+#   decode_glue_nostack_qwen3.5-35b-a3b.json  the same runner built with the projections apart (--stack off)
+#   step_profile_glue_qwen3.5-35b-a3b.json  the b1 kernel tables with the MoE decode path and the glue on
 #   bench.log                    the benchmarks' output tails and exit codes
-# Run from the repo root:  bash scripts/gpu_hybrid_check.sh [default|all|tests|decode|profile|routing]
-# ("default": tests, decode and profile, about 400 s; "all" adds routing)
-# Limits (seconds, environment): TEST_TIMEOUT 150, DECODE_TIMEOUT 150, PROFILE_TIMEOUT 150, ROUTING_TIMEOUT 90.
+# Run from the repo root:  bash scripts/gpu_hybrid_check.sh [default|all|tests|decode|profile|routing|glue]
+# ("default": tests, decode and profile, about 400 s; "all" adds routing and glue)
+# Limits (seconds, environment): TEST_TIMEOUT 150, DECODE_TIMEOUT 150, PROFILE_TIMEOUT 150, ROUTING_TIMEOUT 90,
+# GLUE_TIMEOUT 200 (each of the glue part's four commands).
 set -u
 PART=${1:-default}
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
-want() { [ "$PART" = "$1" ] || { [ "$PART" = default ] && [ "$1" != routing ]; } || [ "$PART" = all ]; }
+want() { [ "$PART" = "$1" ] || { [ "$PART" = default ] && [ "$1" != routing ] && [ "$1" != glue ]; } \
+  || [ "$PART" = all ]; }
 if want tests; then
   tests="tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_gated_delta_rule_gpu.py tests/gpu/test_hybrid_gpu.py tests/gpu/test_hybrid_graphs_gpu.py"
   echo "tests: $tests" | tee "$OUT/tests_hybrid_gpu.txt"
@@ -40,4 +49,20 @@ fi
 if want routing; then
   run decode_ab_llama-3.1-8b "${ROUTING_TIMEOUT:-90}" python3 benchmarks/decode_latency.py --config llama-3.1-8b \
     --steps 64 --variants in_place_cublas in_place in_place_cublas in_place --out "$OUT/decode_ab_llama-3.1-8b.json"
+fi
+if want glue; then
+  tests="tests/gpu/test_hybrid_glue_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_hybrid_graphs_gpu.py"
+  echo "tests: $tests" | tee "$OUT/tests_glue_gpu.txt"
+  # shellcheck disable=SC2086  # one argument per test file
+  timeout "${GLUE_TIMEOUT:-200}" python3 -m pytest -q $tests -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/tests_glue_gpu.txt"
+  run decode_glue_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/decode_latency.py --config qwen3.5-35b-a3b \
+    --gpu-memory-utilization 0.8 --steps 64 --variants moe_fused_glue_off moe_fused_glue_on moe_fused_glue_off \
+    moe_fused_glue_on moe_fused_glue_on_apart glue_off glue_on --out "$OUT/decode_glue_qwen3.5-35b-a3b.json"
+  run decode_glue_nostack_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/decode_latency.py \
+    --config qwen3.5-35b-a3b --gpu-memory-utilization 0.8 --steps 64 --stack off \
+    --variants moe_fused_glue_off moe_fused_glue_on moe_fused_glue_off moe_fused_glue_on \
+    --out "$OUT/decode_glue_nostack_qwen3.5-35b-a3b.json"
+  run step_profile_glue_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/step_profile.py \
+    --config qwen3.5-35b-a3b --gpu-memory-utilization 0.8 --parts b1 --decode-fusion on --glue on \
+    --out "$OUT/step_profile_glue_qwen3.5-35b-a3b.json"
 fi

@@ -3,7 +3,8 @@
 Files: every shard listed in `model.safetensors.index.json` (paths relative to the folder,
 subfolders included), else `model.safetensors`. Each checkpoint tensor goes to one
 parameter, or to one shard of a stacked parameter (the model's `packed_modules`, e.g.
-q_proj -> shard 0 of qkv_proj), or to one expert's shard of a stacked expert parameter
+q_proj -> shard 0 of qkv_proj; a key may span name parts, e.g. Qwen3-Next's
+mlp.shared_expert.gate_proj -> shard 1 of mlp.in_proj: `_target`), or to one expert's shard of a stacked expert parameter
 (`mlp.experts.3.up_proj.weight` -> expert 3, shard 1 of `mlp.experts.w13_weight`:
 `services.worker.layers.moe`). Loading fails loudly:
 - FileNotFoundError naming the file when a listed shard (or the only file) is missing;
@@ -75,16 +76,23 @@ Shard = int | tuple[int, int | None] | None
 def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, Shard]:
     """Checkpoint tensor name -> (parameter name, shard). An expert's tensor
     (`<prefix>.experts.<e>.<proj>.weight`, <proj> in `layers.moe.EXPERT_PARAMS`) goes to
-    the stacked parameter `<prefix>.experts.<ours>` as (e, shard)."""
+    the stacked parameter `<prefix>.experts.<ours>` as (e, shard). A key of `packed` is one
+    name part ("q_proj") or several, dot-joined ("mlp.shared_expert.gate_proj": a run of
+    consecutive parts; its value may be dotted too, "mlp.in_proj"); scanning the parts left
+    to right, the longest key starting at a part wins, so "mlp.shared_expert.gate_proj"
+    takes a shared expert's gate_proj before a one-part "gate_proj" would."""
     parts = name.split(".")
+    longest = max((k.count(".") + 1 for k in packed), default=1)
     for i, part in enumerate(parts):
         if (part == "experts" and i + 3 == len(parts) - 1 and parts[i + 1].isdigit()
                 and parts[i + 2] in EXPERT_PARAMS and parts[-1] == "weight"):
             ours, shard = EXPERT_PARAMS[parts[i + 2]]
             return ".".join(parts[:i + 1] + [ours]), (int(parts[i + 1]), shard)
-        if part in packed:
-            stacked, shard = packed[part]
-            return ".".join(parts[:i] + [stacked] + parts[i + 1:]), shard
+        for n in range(min(longest, len(parts) - i), 0, -1):
+            key = part if n == 1 else ".".join(parts[i:i + n])
+            if key in packed:
+                stacked, shard = packed[key]
+                return ".".join(parts[:i] + [stacked] + parts[i + n:]), shard
     return name, None
 
 

@@ -3,7 +3,7 @@
 Qwen3.5-35B-A3B's shapes (16 key and 32 value heads of 128, conv channels 8192, window 4);
 the kernels captured in a CUDA graph over static slot buffers and replayed with other slots;
 and the one-row routing of that model's large projections (in_proj_qkvz [12288, 2048],
-gated attention's qkv [9216, 2048]) to `kernels.gemv`.
+gated attention's qkv [9216, 2048], the stacked linear_attn.in_proj [12352, 2048]) to `kernels.gemv`.
 
 Slots: N rows on a permutation of slots, a fresh row on a slot holding NaN, two fresh rows on
 one slot (the graphs' padding rows), slots no row names left bit-identical.
@@ -164,7 +164,9 @@ def test_kernels_replay_in_a_cuda_graph_over_static_slots():
         assert torch.equal(conv, conv_e) and torch.equal(ssm, ssm_e)  # the step's slots, and no other
 
 
-@pytest.mark.parametrize("shape", [(12288, 2048), (9216, 2048)])
+# in_proj_qkvz, the gated attention's qkv, and the stacked in_proj_qkvz + in_proj_ba
+# (services/worker/models/qwen3_next.py STACK_PROJECTIONS)
+@pytest.mark.parametrize("shape", [(12288, 2048), (9216, 2048), (12352, 2048)])
 def test_qwen3_5_projections_take_the_gemv_at_one_row(shape, monkeypatch):
     w = torch.randn(*shape, device=DEV, dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, shape[1], device=DEV, dtype=torch.bfloat16)

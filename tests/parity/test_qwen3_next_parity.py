@@ -210,3 +210,55 @@ def test_a_published_style_qwen3_5_checkpoint_loads_its_text_model(tiny_next, tm
     want = step_logits(_runner(path), StepPlan(0, [seq]))[0]
     got = step_logits(_runner(tmp_path), StepPlan(0, [seq]))[0]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("stack", "glue"), [(False, False), (True, True), (False, True)])
+def test_logits_match_transformers_with_projections_stacked_or_apart_and_glue_fused_or_not(
+        tiny_next, monkeypatch, stack, glue):
+    """qwen3_next.STACK_PROJECTIONS (one Linear per group of projections of one input) and
+    FUSED_GLUE (the glue dispatchers, the residual adds inside the norms) leave the logits
+    transformers' (the default, stacked without the glue, is the test above)."""
+    from services.worker.models import qwen3_next
+
+    monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", stack)
+    monkeypatch.setattr(qwen3_next, "FUSED_GLUE", glue)
+    path, hf = tiny_next
+    runner = _runner(path, block_size=4)
+    names = {n for n, _ in runner.model.named_parameters()}
+    assert runner.model.stacked == stack
+    assert ("model.layers.0.linear_attn.in_proj.weight" in names) == stack
+    assert ("model.layers.0.mlp.in_proj.weight" in names) == stack
+    assert ("model.layers.0.mlp.gate.weight" in names) != stack
+    assert_logits_match(runner, hf, _prompts(3, (23, 9, 31)), [[], [4, 7], [1, 2]], ATOL, with_slots=True)
+
+
+def test_stacked_projections_hold_the_concatenated_checkpoint_tensors(tiny_next):
+    """The loader fills each stacked weight from the checkpoint's separate tensors, in shard
+    order: linear_attn.in_proj = cat(in_proj_qkvz, in_proj_ba) (Qwen3.5: in_proj_qkv, z, b,
+    a), mlp.in_proj = cat(gate, shared_expert.gate_proj, shared_expert.up_proj,
+    shared_expert_gate), read back from the safetensors file."""
+    from safetensors.torch import load_file
+
+    from services.worker.loader import dense_weights
+    from services.worker.models.qwen3_next import SharedExpertMoeBlock
+
+    path, _ = tiny_next
+    ckpt = load_file(str(path / "model.safetensors"))
+    runner = _runner(path)
+    assert runner.model.stacked
+    qwen3_5 = "model.layers.0.linear_attn.in_proj_qkv.weight" in ckpt
+    gdn = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if qwen3_5 else ("in_proj_qkvz", "in_proj_ba")
+    moe = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
+    checked = 0
+    with dense_weights(runner.model) as model:
+        params = dict(model.named_parameters())
+        for i, layer in enumerate(model.model.decoder_layers):
+            pre = f"model.layers.{i}."
+            groups = [("mlp.in_proj", [f"mlp.{m}" for m in moe])] if isinstance(layer.mlp, SharedExpertMoeBlock) else []
+            if layer.linear_attn is not None:
+                groups.append(("linear_attn.in_proj", [f"linear_attn.{g}" for g in gdn]))
+            for ours, theirs in groups:
+                want = torch.cat([ckpt[f"{pre}{t}.weight"] for t in theirs])
+                assert torch.equal(params[f"{pre}{ours}.weight"].detach().contiguous(), want), (i, ours)
+                checked += 1
+    assert checked >= 5  # every layer's MoE group (one dense layer in Qwen3-Next) and the linear layers'

@@ -18,7 +18,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from kernels import moe, moe_decode_triton, moe_triton  # noqa: E402
+from kernels import hybrid_glue, moe, moe_decode_triton, moe_triton  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -149,6 +149,13 @@ def decode_checks(gen: torch.Generator) -> dict[str, float]:
             assert got.dtype == dt
             ref = moe.fused_moe_ref(xd, w13d, w2d, *moe.topk_softmax_ref(logits.to(dt), k, renorm))
             res[f"{name}_{str(dt).removeprefix('torch.')}"] = rel(got, ref)
+            # a shared expert's output and gate (a column of a wider projection) in the down epilogue
+            wide = (3 * torch.randn(t, 5, generator=gen)).to(dt)
+            gate, sh = wide[:, 3:4], torch.randn(t, h, generator=gen).to(dt)
+            got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, config=conf, down=plan,
+                                                     shared=(gate, sh))
+            res[f"{name}_shared_{str(dt).removeprefix('torch.')}"] = rel(got, hybrid_glue.shared_expert_combine_ref(
+                ref, gate, sh))
         # the down kernel alone, fp32: sum_j w[t, j] * w2[e] @ act[t * k + j] in float64
         w, ids = routing
         act = torch.randn(t * k, inter, generator=gen)

@@ -6,7 +6,8 @@ workspaces poisoned with NaN (padding rows must store nothing, every pair's row 
 The decode path (`kernels/moe_decode_triton.py`): the router + alignment program against the
 torch routing and `moe_align` (ids and layout exactly; ties; E not a power of two; shared
 experts), the three-launch block against `fused_moe_ref` on the torch routing (one row, shared
-experts, the down projection's K loop, k = 1, the default configs), the down kernel alone
+experts, the down projection's K loop, k = 1, the default configs; and with a shared expert
+added in the down kernel's epilogue against kernels.hybrid_glue's combine reference), the down kernel alone
 against a float64 sum into a NaN-poisoned output.
 
 The checks run in one subprocess (`moe_interp_checks.py`) with TRITON_INTERPRET=1 set before
@@ -64,6 +65,13 @@ def test_router_and_alignment_program_matches_torch_routing_then_moe_align(inter
 @pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])
 def test_three_launch_decode_block_matches_reference_on_torch_routing(interp_results, case, dtype):
     err = interp_results[f"{case}_{dtype}"]
+    assert err <= TOL[dtype], f"{case} {dtype}: relative error {err}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])
+def test_decode_block_adds_a_shared_expert_in_its_down_kernel_as_the_combine_reference(interp_results, case, dtype):
+    err = interp_results[f"{case}_shared_{dtype}"]
     assert err <= TOL[dtype], f"{case} {dtype}: relative error {err}"
 
 

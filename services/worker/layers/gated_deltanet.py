@@ -98,6 +98,9 @@ class GatedDeltaNet(nn.Module):
     (Qwen3.5's checkpoints): in_proj_qkv [2*Hk*K + Hv*V, H] (q, k, v flat, the conv's channel
     order) and in_proj_z [Hv*V, H] stacked as in_proj_qkvz's two shards, in_proj_b and
     in_proj_a [Hv, H] as in_proj_ba's (`QWEN3_5_PACKED` for the model's packed_modules).
+    stacked=True: the two projections are one, `in_proj` [rows of in_proj_qkvz + rows of
+    in_proj_ba, H] (one launch at batch 1), its shards the checkpoint's tensors in the order
+    above (`packed_modules(layout, stacked=True)`); its output is split by views.
 
     forward(x [T, H], cu_seqlens [N+1] int32, conv_state [N, C, W-1], ssm_state
     [N, Hv, K, V] fp32, has_initial_state [N] bool or None) -> [T, H] in x's dtype.
@@ -113,7 +116,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel: int, eps: float, activation: str = "silu",
-                 layout: str = "qwen3_next"):
+                 layout: str = "qwen3_next", stacked: bool = False):
         super().__init__()
         if layout not in self.LAYOUTS:
             raise ValueError(f"layout {layout!r} is not one of {self.LAYOUTS}")
@@ -129,12 +132,16 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         r = num_v_heads // num_k_heads
         self._qkvz_split = [head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim]
-        if layout == "qwen3_next":
-            self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim)
-            self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads)
-        else:  # Qwen3.5: flat q, k, v (the conv's channel order), z, b, a; stacked here as shards
-            self.in_proj_qkvz = Linear(hidden_size, [2 * self.key_dim + self.value_dim, self.value_dim])
-            self.in_proj_ba = Linear(hidden_size, [num_v_heads, num_v_heads])
+        # the checkpoint's projections, as shards: Qwen3-Next's in_proj_qkvz, in_proj_ba;
+        # Qwen3.5's flat q, k, v (the conv's channel order), z, b, a
+        qkvz = ([2 * self.key_dim + 2 * self.value_dim] if layout == "qwen3_next"
+                else [2 * self.key_dim + self.value_dim, self.value_dim])
+        ba = [2 * num_v_heads] if layout == "qwen3_next" else [num_v_heads, num_v_heads]
+        self.qkvz_rows = sum(qkvz)
+        self.stacked = stacked
+        self.in_proj: Linear | None = Linear(hidden_size, qkvz + ba) if stacked else None
+        self.in_proj_qkvz: Linear | None = None if stacked else Linear(hidden_size, qkvz if len(qkvz) > 1 else qkvz[0])
+        self.in_proj_ba: Linear | None = None if stacked else Linear(hidden_size, ba if len(ba) > 1 else ba[0])
         self.conv1d = _ConvWeight(self.conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
@@ -149,7 +156,28 @@ class GatedDeltaNet(nn.Module):
     }
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], layout: str = "qwen3_next") -> GatedDeltaNet:
+    def packed_modules(cls, layout: str, stacked: bool) -> dict[str, tuple[str, int]]:
+        """The checkpoint projections of a layer of `layout` -> (our stacked projection,
+        shard), for a model's packed_modules: unstacked {} (Qwen3-Next: the checkpoint's
+        own two) or `QWEN3_5_PACKED`; stacked, every input projection into `in_proj`."""
+        if not stacked:
+            return {} if layout == "qwen3_next" else dict(cls.QWEN3_5_PACKED)
+        names = (("in_proj_qkvz", "in_proj_ba") if layout == "qwen3_next"
+                 else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        return {n: ("in_proj", i) for i, n in enumerate(names)}
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (qkvz [T, rows of in_proj_qkvz], ba [T, 2*Hv]): one product when
+        stacked (the two are column views of its output, no copy), else two."""
+        if self.in_proj is not None:
+            y = self.in_proj(x)
+            return y[:, :self.qkvz_rows], y[:, self.qkvz_rows:]
+        assert self.in_proj_qkvz is not None and self.in_proj_ba is not None
+        return self.in_proj_qkvz(x), self.in_proj_ba(x)
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], layout: str = "qwen3_next",
+                       stacked: bool = False) -> GatedDeltaNet:
         """Build from a Qwen3-Next config.json mapping (linear_num_key_heads,
         linear_num_value_heads, linear_key_head_dim, linear_value_head_dim,
         linear_conv_kernel_dim, hidden_size, rms_norm_eps, hidden_act). Raises ValueError
@@ -161,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"config lacks gated DeltaNet fields: {missing}")
         return cls(cfg["hidden_size"], cfg["linear_num_key_heads"], cfg["linear_num_value_heads"],
                    cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"],
-                   cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"), layout)
+                   cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"), layout, stacked)
 
     def forward_step(self, x: torch.Tensor, state: StepState, index: int) -> torch.Tensor:
         """`forward` over one runner step, this layer being the model's `index`-th recurrent
@@ -273,7 +301,7 @@ class GatedDeltaNet(nn.Module):
         conv_all [S, C, W-1] and ssm_all [S, Hv, K, V] (updated in place; from zeros where
         has_initial[i] is False: `kernels.gdn_decode`). The math of `forward`'s decode."""
         t = x.shape[0]
-        mixed, z, b, a = self._decode_inputs(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        mixed, z, b, a = self._decode_inputs(*self.project(x))
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         mixed = conv1d_update_slots(mixed, conv_all, weight, None, slots, has_initial, self.activation)
         kd, hk = self.head_k_dim, self.num_k_heads
@@ -295,7 +323,7 @@ class GatedDeltaNet(nn.Module):
             fresh = ~has_initial_state.to(device=x.device, dtype=torch.bool)
             conv_state.masked_fill_(fresh[:, None, None], 0)
             ssm_state.masked_fill_(fresh[:, None, None, None], 0)
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        q, k, v, z, b, a = self._split(*self.project(x))
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, C]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         decode = t == n  # every sequence has one token

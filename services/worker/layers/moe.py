@@ -70,11 +70,14 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
-    def routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """forward with the routing done here: the softmax top-k of router_logits [T, E]
         (`kernels.moe.topk_softmax`), renormalised when `renormalize`, then the experts; on
-        CUDA a few tokens take the three-launch decode path (`kernels.moe.moe_block`)."""
-        return moe_block(x, router_logits, self.w13_weight, self.w2_weight, top_k, renormalize)
+        CUDA a few tokens take the three-launch decode path (`kernels.moe.moe_block`).
+        shared: a shared expert's (gate [T, 1], output [T, H]) to add as out + sigmoid(gate) *
+        output (in the decode path's down kernel, `kernels.moe.SHARED_IN_DOWN`), or None."""
+        return moe_block(x, router_logits, self.w13_weight, self.w2_weight, top_k, renormalize, shared)
 
 
 class SparseMoeBlock(nn.Module):

@@ -16,6 +16,16 @@ its checkpoints. What differs from Qwen3-MoE:
   times sigmoid(shared_expert_gate(x)).
 The checkpoint's multi-token-prediction head (`mtp.*`) is not loaded (ignored_prefixes).
 The model has no fused layer path.
+
+Launch count at batch 1 (docs/ARCHITECTURE.md §6.3): with `STACK_PROJECTIONS` (read when the
+model is built) the projections that read the same input are one Linear, filled by the
+loader from the checkpoint's separate tensors (`packed_modules`) and split by views: a
+linear layer's in_proj_qkvz + in_proj_ba (Qwen3.5: in_proj_qkv, z, b, a) as `linear_attn.
+in_proj`, a MoE block's router + shared expert gate_up + shared_expert_gate as `mlp.in_proj`.
+With `FUSED_GLUE` (read at each forward, so at graph capture) the elementwise glue runs in
+one kernel each (`kernels.hybrid_glue`: the attention's output gate, the shared expert's
+combine, which the MoE decode path folds into its down kernel: `kernels.moe.SHARED_IN_DOWN`)
+and each residual add goes into the next norm (`fused_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from kernels import fp8_linear, w4a16_linear
+from kernels.hybrid_glue import sigmoid_gate_mul
 from services.worker.kv_cache import PagedKVSpec
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.embedding import LMHead, VocabEmbedding
@@ -37,6 +49,23 @@ from services.worker.models.llama import LlamaArgs, LlamaMLP
 from services.worker.models.qwen3_moe import is_moe_layer, num_experts
 from services.worker.state_cache import StateSpec
 from shared.model_spec import FULL_ATTENTION, ModelSpec
+
+# One projection (one launch at batch 1) where several read the same input (module doc).
+# Changes the parameter layout, so it is read when the model is built; False: the
+# checkpoint's projections as they are (the A/B baseline). Under FP8 / 4-bit weights the
+# model keeps them apart (`stacks_projections`): a stacked weight must be one format.
+STACK_PROJECTIONS = True
+# The decode glue in fused kernels (module doc); read at each forward. Off until measured
+# on a GPU (benchmarks/decode_latency.py --variants glue_off glue_on).
+FUSED_GLUE = False
+
+
+def stacks_projections() -> bool:
+    """Whether a model built now stacks its projections: `STACK_PROJECTIONS`, and neither
+    FP8 nor 4-bit weights in use (`kernels.fp8_linear.MODE`, `kernels.w4a16_linear.MODE`,
+    set by the runner before it builds the model: a checkpoint may quantize some of the
+    stacked parts and not others, and the router stays in the model dtype)."""
+    return STACK_PROJECTIONS and fp8_linear.MODE == "off" and w4a16_linear.MODE == "off"
 
 
 def partial_rotary_factor(hf_config) -> float:
@@ -68,6 +97,8 @@ class GatedAttention(nn.Module):
         q, gate = qg[..., :self.head_dim].contiguous(), qg[..., self.head_dim:]
         o = attn.forward(self.kv_index, q, k.view(t, self.kv_heads, self.head_dim),
                          v.view(t, self.kv_heads, self.head_dim), positions)
+        if FUSED_GLUE:  # one launch for the gate's copy, sigmoid and product
+            return self.o_proj(sigmoid_gate_mul(o, gate))
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, self.q_size)))
 
     def spec(self, cos_sin: torch.Tensor) -> AttentionSpec:
@@ -76,23 +107,61 @@ class GatedAttention(nn.Module):
                              self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
 
 
+class _SharedExpertDown(nn.Module):
+    """The shared expert of a stacked MoE block: its down projection only (its gate_up is
+    part of the block's `in_proj`); `mlp.shared_expert.down_proj.weight` as in LlamaMLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+
+# a stacked MoE block's checkpoint tensors -> (`mlp.in_proj`, shard), for packed_modules
+MOE_STACKED: dict[str, tuple[str, int]] = {
+    "mlp.gate": ("mlp.in_proj", 0), "mlp.shared_expert.gate_proj": ("mlp.in_proj", 1),
+    "mlp.shared_expert.up_proj": ("mlp.in_proj", 2), "mlp.shared_expert_gate": ("mlp.in_proj", 3),
+}
+
+
 class SharedExpertMoeBlock(SparseMoeBlock):
     """`SparseMoeBlock` plus a shared expert: out = moe(x) + sigmoid(shared_expert_gate(x)) *
     shared_expert(x), the shared expert a SwiGLU MLP (`mlp.shared_expert.*`, gate
-    `mlp.shared_expert_gate.weight` [1, H])."""
+    `mlp.shared_expert_gate.weight` [1, H]). stacked (with a shared expert): the router `gate`
+    [E, H], the shared expert's gate and up projections [I, H] each and shared_expert_gate
+    [1, H] are one Linear `in_proj` [E + 2I + 1, H] (shards in that order, `MOE_STACKED`;
+    kept in the model dtype, as the router is), its output split by views; the shared
+    expert keeps its down_proj. forward(x [T, H]) -> [T, H]."""
 
-    def __init__(self, a: LlamaArgs, hf_config, moe_intermediate_size: int):
+    def __init__(self, a: LlamaArgs, hf_config, moe_intermediate_size: int, stacked: bool = False):
         super().__init__(num_experts(hf_config), int(hf_config.get("num_experts_per_tok", 10)), a.hidden_size,
                          moe_intermediate_size, bool(hf_config.get("norm_topk_prob", True)))
         shared = int(hf_config.get("shared_expert_intermediate_size") or 0)
-        self.shared_expert = LlamaMLP(dataclasses.replace(a, intermediate_size=shared)) if shared else None
-        self.shared_expert_gate = Linear(a.hidden_size, 1, False, quantizable=False) if shared else None
+        self.num_experts, self.shared_size = num_experts(hf_config), shared
+        self.in_proj: Linear | None = None
+        self.shared_expert: LlamaMLP | _SharedExpertDown | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shared and stacked:
+            del self.gate
+            self.in_proj = Linear(a.hidden_size, [self.num_experts, shared, shared, 1], False, quantizable=False)
+            self.shared_expert = _SharedExpertDown(a.hidden_size, shared, a.mlp_bias)
+        elif shared:
+            self.shared_expert = LlamaMLP(dataclasses.replace(a, intermediate_size=shared))
+            self.shared_expert_gate = Linear(a.hidden_size, 1, False, quantizable=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        if self.shared_expert is None or self.shared_expert_gate is None:
-            return out
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.in_proj is not None:  # one product, split by views
+            assert self.shared_expert is not None
+            e, i = self.num_experts, self.shared_size
+            y = self.in_proj(x)
+            logits, gate = y[:, :e], y[:, e + 2 * i:]
+            shared = self.shared_expert.down_proj(y[:, e:e + 2 * i], silu_mul=True)
+        else:
+            if self.shared_expert is None or self.shared_expert_gate is None:
+                return super().forward(x)
+            logits, gate, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
+        if FUSED_GLUE:  # the sigmoid, product and sum in one launch (in the MoE decode path: its down kernel)
+            return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob, (gate, shared))
+        return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob) + torch.sigmoid(gate) * shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -100,7 +169,7 @@ class Qwen3NextDecoderLayer(nn.Module):
     zero-centred norm, MLP, residual. x [T, H] -> [T, H]."""
 
     def __init__(self, a: LlamaArgs, spec: ModelSpec, layer_idx: int, kv_index: int, state_index: int,
-                 gdn_layout: str = "qwen3_next"):
+                 gdn_layout: str = "qwen3_next", stacked: bool = False):
         super().__init__()
         c = spec.text_config
         self.is_attention = spec.layer_types[layer_idx] == FULL_ATTENTION
@@ -108,9 +177,9 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = GatedAttention(a, kv_index) if self.is_attention else None
-        self.linear_attn = None if self.is_attention else GatedDeltaNet.from_hf_config(c, gdn_layout)
-        self.mlp: nn.Module = (SharedExpertMoeBlock(a, c, spec.moe_intermediate_size) if is_moe_layer(c, layer_idx)
-                               else LlamaMLP(a))
+        self.linear_attn = None if self.is_attention else GatedDeltaNet.from_hf_config(c, gdn_layout, stacked)
+        self.mlp: nn.Module = (SharedExpertMoeBlock(a, c, spec.moe_intermediate_size, stacked)
+                               if is_moe_layer(c, layer_idx) else LlamaMLP(a))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -122,19 +191,38 @@ class Qwen3NextDecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_residual(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                         attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the residual adds inside the norms (`FUSED_GLUE`): x is the layer
+        before's MLP output and residual its residual stream (None for the first layer: x
+        is the embedding); returns (this MLP's output, the residual stream before it).
+        The sum is x + residual in the model dtype either way (`fused_add_rms_norm_ref`)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if self.self_attn is not None:
+            h = self.self_attn(positions, h, attn)
+        else:
+            assert self.linear_attn is not None and attn.state is not None, "a linear layer needs the step's state"
+            h = self.linear_attn.forward_step(h, attn.state, self.state_index)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
 
 class Qwen3NextModel(nn.Module):
     """The decoder stack (checkpoint prefix `model.`): embedding, partial rotary table,
     layers, final zero-centred norm. forward(input_ids [T], positions [T], attn) -> [T, H]."""
 
-    def __init__(self, a: LlamaArgs, spec: ModelSpec, max_positions: int, gdn_layout: str = "qwen3_next"):
+    def __init__(self, a: LlamaArgs, spec: ModelSpec, max_positions: int, gdn_layout: str = "qwen3_next",
+                 stacked: bool = False):
         super().__init__()
         rot = int(a.head_dim * partial_rotary_factor(spec.text_config))
         self.embed_tokens = VocabEmbedding(a.vocab_size, a.hidden_size)
         self.rotary = RotaryEmbedding(rot, a.rope_theta, max_positions, a.rope_scaling)
         layers, kv, st = [], 0, 0
         for i, kind in enumerate(spec.layer_types):
-            layers.append(Qwen3NextDecoderLayer(a, spec, i, kv, st, gdn_layout))
+            layers.append(Qwen3NextDecoderLayer(a, spec, i, kv, st, gdn_layout, stacked))
             kv, st = (kv + 1, st) if kind == FULL_ATTENTION else (kv, st + 1)
         self.decoder_layers = layers  # a plain list to iterate (as LlamaModel)
         self.layers = nn.ModuleList(layers)
@@ -142,6 +230,11 @@ class Qwen3NextModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if FUSED_GLUE:  # the residual adds inside the norms
+            residual: torch.Tensor | None = None
+            for layer in self.decoder_layers:
+                x, residual = layer.forward_residual(positions, x, residual, attn)
+            return self.norm(x) if residual is None else self.norm(x, residual)[0]
         for layer in self.decoder_layers:
             x = layer(positions, x, attn)
         return self.norm(x)
@@ -156,6 +249,8 @@ class Qwen3NextForCausalLM(nn.Module):
     step's state slots. compute_logits(hidden [n, hidden]) -> [n, vocab] fp32.
     Raises ValueError for a config without layer_types / full_attention_interval or without
     the gated-DeltaNet fields, and from `LlamaArgs.from_spec`.
+    stacked: whether this model stacks its projections (`stacks_projections` when built);
+    packed_modules then maps the checkpoint's separate tensors into the stacked ones.
     """
 
     packed_modules: dict[str, tuple[str, int]] = {
@@ -171,7 +266,14 @@ class Qwen3NextForCausalLM(nn.Module):
         if not spec.layer_types:
             raise ValueError("Qwen3-Next needs layer_types or full_attention_interval in config.json")
         a = self.args = LlamaArgs.from_spec(spec, qk_norm=True)
-        self.model = Qwen3NextModel(a, spec, max(max_positions or 0, a.max_position_embeddings), self.gdn_layout)
+        c = spec.text_config
+        self.stacked = stacks_projections()
+        packed = {**type(self).packed_modules, **GatedDeltaNet.packed_modules(self.gdn_layout, self.stacked)}
+        if self.stacked and int(c.get("shared_expert_intermediate_size") or 0):
+            packed.update(MOE_STACKED)
+        self.packed_modules = packed  # this instance's, for the loader
+        self.model = Qwen3NextModel(a, spec, max(max_positions or 0, a.max_position_embeddings), self.gdn_layout,
+                                    self.stacked)
         self.lm_head = LMHead(a.vocab_size, a.hidden_size, self.model.embed_tokens if a.tie_word_embeddings else None)
         self.tied_lm_head = a.tie_word_embeddings
 
@@ -215,7 +317,6 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     for text positions (all three position grids equal). The vision tower and MTP head of a
     checkpoint are skipped. Interface as `Qwen3NextForCausalLM`."""
 
-    packed_modules = {**Qwen3NextForCausalLM.packed_modules, **GatedDeltaNet.QWEN3_5_PACKED}
     ignored_prefixes = ("mtp.", "model.visual.")
     gdn_layout = "qwen3_5"
 
