@@ -60,7 +60,11 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # off in one call: 0.917, 0.923, 0.918, 0.956 / 0.871, 0.876 ms; another call 0.921 / 0.876,
 # 0.878; offline_throughput.py 18,752 / 19,084 tok/s); this live-split, chunked merge is not
 # measured yet (scripts/gpu_moe_check.sh ab turns it on for its "new" variant).
-# min_split_tiles: as in kernels.attention_triton.DECODE_DEFAULTS.
+# min_split_tiles: as in kernels.attention_triton.DECODE_DEFAULTS. On Qwen3-30B-A3B's heads (32 / 4)
+# at b=1 the kernel alone measured 7.8 us a layer on these defaults and 6.3 with programs_per_sm 1
+# (gemv_sweep.py --only rope --config qwen3-30b-a3b), but TPOT did not follow (decode_latency.py
+# --ab moe pps1: 2.93 / 2.92 against 3.03 / 2.94 ms; Qwen3-0.6B 0.877 / 0.870 against 0.876 / 0.859),
+# so the default stays (benchmarks/results/2026-12-03_h200_*pps*.json).
 # fp8_dot: the dots' format over an fp8_e4m3 cache (`kernels.kv_quant_triton.FP8_DOTS`).
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
