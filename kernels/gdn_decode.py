@@ -42,14 +42,50 @@ from kernels.gated_delta_rule import (
 )
 
 ENABLED = True  # False: the dispatchers keep the references on CUDA too
-# launch shapes (not tuned on a GPU yet). Recurrent step: a program per (row, value head,
-# block_v value columns) holds the [K, block_v] fp32 slice of its state in rec_warps warps; 8
-# columns give 16 programs a head, 512 at batch 1 for Qwen3.5's 32 value heads of 128, and
-# compile for sm90 at K = 128 in one warp without spilling (95 registers a thread; 32 columns
-# in one warp spill: tests/unit/test_gdn_decode_compile.py); benchmarks/decode_latency.py
-# --variants in_place_bv32 times 32 columns in 4 warps. Convolution: block_c channels a
-# program, at least 32 a warp (each element then has one owning thread, `_conv_update_kernel`).
-TUNING: dict = {"block_v": 8, "rec_warps": 1, "block_c": 512, "conv_warps": 4}
+# launch shapes. Recurrent step: a program holds the [K, block_v] fp32 slice of one (row,
+# value head)'s state in num_warps warps (docs/ARCHITECTURE.md §6.4, "recurrent step's launch
+# table"). Two program orders: "grid3", a grid (N rows, Hv heads, V / block_v) whose first axis
+# (the fastest in launch order) is the row, so neighbouring programs touch different slots; and
+# "flat", a 1-D grid of N * Hv * (V / block_v) programs, the column tile fastest, so
+# neighbouring programs cover one (row, head)'s contiguous K x V block and then the next
+# head's. 8 columns in one warp give 512 programs at batch 1 for Qwen3.5's 32 value heads of
+# 128 and compile for sm90 at K = 128 without spilling (95 registers a thread; 32 columns in
+# one warp spill: tests/unit/test_gdn_decode_compile.py). Wider tiles need more warps (a
+# thread holds K * block_v / (32 num_warps) values): each of a program's K strided row
+# segments is then block_v * 4 bytes (128-256 at 32-64 columns).
+# REC_LAUNCH: (max_rows, block_v, num_warps, order), by max_rows ascending; a step of n rows
+# takes the first entry with n <= max_rows (None: any n). Today's config below 16 rows; the
+# wider flat entries are not measured on the H200 yet: benchmarks/gdn_decode_sweep.py times
+# each candidate and prints a table to paste here.
+REC_LAUNCH: list[tuple[int | None, int, int, str]] = [
+    (16, 8, 1, "grid3"),
+    (64, 32, 4, "flat"),
+    (None, 64, 8, "flat"),
+]
+REC_ORDERS = ("grid3", "flat")
+# rec_table False: every step takes block_v, rec_warps and rec_order below (the config before
+# the table: 8, 1, "grid3"). Convolution: block_c channels a program, at least 32 a warp (each
+# element then has one owning thread, `_conv_update_kernel`).
+TUNING: dict = {"block_v": 8, "rec_warps": 1, "rec_order": "grid3", "rec_table": True, "block_c": 512,
+                "conv_warps": 4}
+
+
+def rec_launch(n: int) -> tuple[int, int, str]:
+    """(block_v, num_warps, order) of the recurrent step's launch for a step of n rows: the
+    first `REC_LAUNCH` entry whose max_rows is None or >= n when TUNING["rec_table"], else
+    TUNING's block_v, rec_warps, rec_order. block_v is an upper bound (the launch caps it at
+    V's next power of two). Raises ValueError when no entry covers n or an order is unknown."""
+    if not TUNING["rec_table"]:
+        cfg = (int(TUNING["block_v"]), int(TUNING["rec_warps"]), str(TUNING["rec_order"]))
+    else:
+        row = next((e for e in REC_LAUNCH if e[0] is None or n <= e[0]), None)
+        if row is None:
+            raise ValueError(f"no REC_LAUNCH entry covers {n} rows: {REC_LAUNCH}")
+        cfg = (int(row[1]), int(row[2]), str(row[3]))
+    if cfg[2] not in REC_ORDERS:
+        raise ValueError(f"unknown recurrent-step order {cfg[2]!r} (one of {REC_ORDERS})")
+    return cfg
+
 
 try:
     import triton
@@ -153,7 +189,8 @@ def gated_delta_rule_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   ssm_state: torch.Tensor, slots: torch.Tensor, has_initial: torch.Tensor,
                                   scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
     """`gated_delta_rule_decode_slots_ref` (see there for shapes): the Triton kernel on CUDA
-    (`triton_for`, a contiguous fp32 state), else the reference."""
+    (`triton_for`, a contiguous fp32 state; its launch by the number of rows, `rec_launch`),
+    else the reference."""
     if triton_for(v) and ssm_state.is_contiguous() and ssm_state.dtype == torch.float32:
         return gated_delta_rule_decode_slots_triton(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_initial,
                                                     scale, use_qk_l2norm)
@@ -213,15 +250,25 @@ if triton is not None:
     def _gdr_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr,
                            init_ptr, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale,
                            HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
-        # grid (N rows, HV value heads, V / BV). s: [S, HV, K, V] fp32 contiguous; o: [N, HV, V].
-        # The state slice [BK, BV] is loaded, updated and stored in one layout (each element
-        # by its own thread): in place without a barrier.
-        n = tl.program_id(0).to(tl.int64)
-        hv = tl.program_id(1)
+                           BK: tl.constexpr, BV: tl.constexpr, NVT: tl.constexpr, FLAT: tl.constexpr,
+                           L2NORM: tl.constexpr, EPS: tl.constexpr):
+        # FLAT: a 1-D grid of N * HV * NVT programs, program p = (row n, head hv, column tile
+        # vt) with vt fastest, then hv; else the grid (N rows, HV value heads, NVT = V / BV).
+        # s: [S, HV, K, V] fp32 contiguous; o: [N, HV, V]. The state slice [BK, BV] is loaded,
+        # updated and stored in one layout (each element by its own thread): in place without
+        # a barrier.
+        if FLAT:
+            p = tl.program_id(0)
+            vt = p % NVT
+            hv = (p // NVT) % HV
+            n = (p // (NVT * HV)).to(tl.int64)
+        else:
+            n = tl.program_id(0).to(tl.int64)
+            hv = tl.program_id(1)
+            vt = tl.program_id(2)
         hk = hv // GROUP
         rk = tl.arange(0, BK)
-        rv = tl.program_id(2) * BV + tl.arange(0, BV)
+        rv = vt * BV + tl.arange(0, BV)
         km = rk < K
         vm = rv < V
         slot = tl.load(slot_ptr + n).to(tl.int64)
@@ -284,11 +331,13 @@ if triton is not None:
                                              b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                                              ssm_state: torch.Tensor, slots: torch.Tensor,
                                              has_initial: torch.Tensor, scale: float | None = None,
-                                             use_qk_l2norm: bool = True) -> torch.Tensor:
+                                             use_qk_l2norm: bool = True,
+                                             launch: tuple[int, int, str] | None = None) -> torch.Tensor:
         """Triton `gated_delta_rule_decode_slots_ref` (same arguments): a program per (row,
-        value head, TUNING["block_v"] value columns). q, k, v, a, b may be strided views with
-        a unit last stride; ssm_state [S, Hv, K, V] contiguous fp32. Raises ValueError
-        otherwise."""
+        value head, block_v value columns), launched as `launch` = (block_v, num_warps,
+        order) (None: `rec_launch(N)`; block_v capped at V's next power of two; order "grid3"
+        or "flat", see `REC_LAUNCH`). q, k, v, a, b may be strided views with a unit last
+        stride; ssm_state [S, Hv, K, V] contiguous fp32. Raises ValueError otherwise."""
         n, hk, kd = q.shape
         hv, vd = v.shape[1], v.shape[2]
         _check_slots(slots, has_initial, n, ssm_state.shape[0])
@@ -298,15 +347,20 @@ if triton is not None:
             raise ValueError(f"decode kernel: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                              f"a {tuple(a.shape)} b {tuple(b.shape)} state {tuple(ssm_state.shape)} "
                              f"{ssm_state.dtype}")
+        block_v, warps, order = rec_launch(n) if launch is None else launch
+        if order not in REC_ORDERS:
+            raise ValueError(f"unknown recurrent-step order {order!r} (one of {REC_ORDERS})")
         q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
         o = torch.empty((n, hv, vd), dtype=v.dtype, device=v.device)
         if n == 0:
             return o
-        bv = min(triton.next_power_of_2(vd), TUNING["block_v"])
-        _gdr_decode_kernel[(n, hv, triton.cdiv(vd, bv))](
+        bv = min(triton.next_power_of_2(vd), block_v)
+        nvt = triton.cdiv(vd, bv)
+        grid = (n * hv * nvt,) if order == "flat" else (n, hv, nvt)
+        _gdr_decode_kernel[grid](
             q, k, v, a, b, A_log, dt_bias, ssm_state, o, slots, _init_bytes(has_initial),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
             b.stride(0), has_initial.stride(0), kd ** -0.5 if scale is None else scale,
-            HV=hv, GROUP=hv // hk, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, L2NORM=use_qk_l2norm,
-            EPS=L2NORM_EPS, num_warps=TUNING["rec_warps"])
+            HV=hv, GROUP=hv // hk, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, NVT=nvt,
+            FLAT=order == "flat", L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=warps)
         return o
