@@ -63,6 +63,9 @@ REC_LAUNCH: list[tuple[int | None, int, int, str]] = [
     (None, 64, 8, "flat"),
 ]
 REC_ORDERS = ("grid3", "flat")
+# (block_v, num_warps) the sweep times in both orders: at most 64 state values a thread at
+# K = 128, which compile for sm90 without spilling (tests/unit/test_gdn_decode_compile.py)
+REC_CANDIDATES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8), (128, 16)]
 # rec_table False: every step takes block_v, rec_warps and rec_order below (the config before
 # the table: 8, 1, "grid3"). Convolution: block_c channels a program, at least 32 a warp (each
 # element then has one owning thread, `_conv_update_kernel`).

@@ -5,6 +5,8 @@ the kernels captured in a CUDA graph over static slot buffers and replayed with 
 and the one-row routing of that model's large projections (in_proj_qkvz [12288, 2048],
 gated attention's qkv [9216, 2048]) to `kernels.gemv`.
 
+The recurrent step also with each launch config of `gdn_decode.REC_LAUNCH` and the fixed one
+before it (8 columns, 1 warp, the 3-D order) at 1, 37 and 256 rows.
 Slots: N rows on a permutation of slots, a fresh row on a slot holding NaN, two fresh rows on
 one slot (the graphs' padding rows), slots no row names left bit-identical.
 Tolerances (relative norm error): bf16 outputs 1e-2 (summation order and one bf16 rounding);
@@ -89,9 +91,25 @@ def test_conv_update_kernel_matches_reference_on_the_slots(n):
     _check_slots(cache.float(), ref_cache.float(), before.float(), slots, flags, 0.0)
 
 
+# the launch table's configs and the fixed config before it (8 columns, 1 warp, grid3)
+LAUNCHES = sorted({(e[1], e[2], e[3]) for e in gdn_decode.REC_LAUNCH} | {(8, 1, "grid3")})
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 4, 64])
 def test_recurrent_step_kernel_matches_reference_on_the_slots(n, dtype):
+    _recurrent_step_check(n, dtype, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 37, 256])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: f"bv{c[0]}_w{c[1]}_{c[2]}")
+def test_recurrent_step_launch_configs_match_reference(launch, n, dtype):
+    """Each REC_LAUNCH entry (and the old fixed config) at any row count, not only its own."""
+    _recurrent_step_check(n, dtype, launch)
+
+
+def _recurrent_step_check(n: int, dtype: torch.dtype, launch) -> None:
     s = n + 8
     mixed = torch.randn(n, C, device=DEV, dtype=dtype)
     q = mixed[:, :HK * KD].view(n, HK, KD)
@@ -105,7 +123,11 @@ def test_recurrent_step_kernel_matches_reference_on_the_slots(n, dtype):
     cache = 0.1 * torch.randn(s, HV, KD, VD, device=DEV)
     _poison(cache, slots, flags)
     ref_cache, before = cache.clone(), cache.clone()
-    o = gdn_decode.gated_delta_rule_decode_slots(q, k, v, a, b, a_log, dt_bias, cache, slots, flags)
+    if launch is None:  # the dispatcher, its launch by rec_launch(n)
+        o = gdn_decode.gated_delta_rule_decode_slots(q, k, v, a, b, a_log, dt_bias, cache, slots, flags)
+    else:
+        o = gdn_decode.gated_delta_rule_decode_slots_triton(q, k, v, a, b, a_log, dt_bias, cache, slots, flags,
+                                                            launch=launch)
     o_ref = gdn_decode.gated_delta_rule_decode_slots_ref(q, k, v, a, b, a_log, dt_bias, ref_cache, slots, flags)
     assert o.shape == (n, HV, VD) and o.dtype == dtype
     assert rel(o, o_ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)

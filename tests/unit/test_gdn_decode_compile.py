@@ -2,7 +2,9 @@
 (kernels/norm.py) compiled ahead of time for the H200 (sm90) on a machine without a GPU:
 Triton's front end and ptxas (shipped in Triton's wheel) accept them at Qwen3.5-35B-A3B's shapes
 with the launch shapes the dispatchers use, and ptxas reports no spill (no stack frame) for the
-recurrent kernel's default tile (K = 128, 8 value columns, one warp). The interpreter tests
+recurrent kernel's tiles at K = 128: the fixed config (8 value columns, one warp), every
+`REC_LAUNCH` entry and the sweep's candidates (`REC_CANDIDATES`, at most 64 state values a
+thread; 32 columns in one warp or 64 in two spill, 104 and 88 bytes measured). The interpreter tests
 (test_gdn_decode_interp.py) check what the kernels compute; this checks that the compiled path
 exists, which the interpreter does not. Skipped without Triton's CUDA backend or its tools.
 """
@@ -65,14 +67,21 @@ def test_conv_update_kernel_compiles_for_sm90(w):
     assert "ptx" in k.asm
 
 
-@pytest.mark.parametrize("block_v,warps", [(gdn_decode.TUNING["block_v"], gdn_decode.TUNING["rec_warps"]), (32, 4)])
-def test_recurrent_step_kernel_compiles_for_sm90_without_spills(block_v, warps):
+# the fixed config, every REC_LAUNCH entry, and benchmarks/gdn_decode_sweep.py's candidates
+REC_CONFIGS = sorted({(gdn_decode.TUNING["block_v"], gdn_decode.TUNING["rec_warps"], gdn_decode.TUNING["rec_order"])}
+                     | {(e[1], e[2], e[3]) for e in gdn_decode.REC_LAUNCH}
+                     | {(bv, w, "flat") for bv, w in gdn_decode.REC_CANDIDATES})
+
+
+@pytest.mark.parametrize("block_v,warps,order", REC_CONFIGS)
+def test_recurrent_step_kernel_compiles_for_sm90_without_spills(block_v, warps, order):
     sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr")}
     sig.update({"s_ptr": "*fp32", "o_ptr": "*bf16", "slot_ptr": "*i64", "init_ptr": "*u8"})
     sig.update({n: "i32" for n in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sa_n", "sb_n", "init_stride")})
     sig["scale"] = "fp32"
     k = _compile(gdn_decode._gdr_decode_kernel, sig,
-                 {"HV": 32, "GROUP": 2, "K": 128, "V": 128, "BK": 128, "BV": block_v, "L2NORM": True, "EPS": 1e-6},
+                 {"HV": 32, "GROUP": 2, "K": 128, "V": 128, "BK": 128, "BV": block_v, "NVT": 128 // block_v,
+                  "FLAT": order == "flat", "L2NORM": True, "EPS": 1e-6},
                  warps)
     stack = _stack_bytes(k)
     if stack is None:
