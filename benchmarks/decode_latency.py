@@ -38,8 +38,9 @@ slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row proje
 kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the step's states
 gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
 one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
-earlier projection routing) and "in_place_bv32" (in place, 32 value columns and 4 warps a
-program of the recurrent kernel instead of 8 and 1).
+earlier projection routing), "in_place_rec_fixed" (in place, the recurrent kernel's fixed
+launch before gdn_decode.REC_LAUNCH: 8 value columns, 1 warp, the 3-D order at every batch)
+and "in_place_bv32" (fixed 32 value columns and 4 warps, the 3-D order).
 --variants and --ab are exclusive (both re-capture the graphs, `ModelRunner.recapture_graphs`).
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
@@ -91,14 +92,17 @@ def apply_variant(name: str) -> None:
 
 
 # --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
-# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps)
+# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's rec_table, block_v, rec_warps
+# and rec_order: rec_table True takes gdn_decode.REC_LAUNCH by rows, False the fixed three)
 KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
-         "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"]}
+         "rec_table": gdn_decode.TUNING["rec_table"], "block_v": gdn_decode.TUNING["block_v"],
+         "rec_warps": gdn_decode.TUNING["rec_warps"], "rec_order": gdn_decode.TUNING["rec_order"]}
 VARIANTS = {"in_place": {},
             "gathered": {"in_place_decode": False, "gated_norm_triton": False,
                          "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
             "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
-            "in_place_bv32": {"block_v": 32, "rec_warps": 4}}  # one warp would spill (ptxas, sm90)
+            "in_place_rec_fixed": {"rec_table": False},  # 8 columns, 1 warp, grid3 at every batch
+            "in_place_bv32": {"rec_table": False, "block_v": 32, "rec_warps": 4}}  # 1 warp would spill (sm90)
 
 
 def set_knobs(name: str) -> dict:
@@ -106,7 +110,8 @@ def set_knobs(name: str) -> dict:
     k = {**KNOBS, **VARIANTS[name]}
     gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
     linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
-    gdn_decode.TUNING.update(block_v=k["block_v"], rec_warps=k["rec_warps"])
+    gdn_decode.TUNING.update(rec_table=k["rec_table"], block_v=k["block_v"], rec_warps=k["rec_warps"],
+                             rec_order=k["rec_order"])
     return k
 
 

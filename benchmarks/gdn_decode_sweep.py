@@ -126,7 +126,7 @@ def sweep_rows(n: int, shp: dict, reps: int, deadline: float, copy_bps: float) -
             torch.cuda.synchronize()
             out_err = float((o - want_o).abs().max())
             state_err = float((work - want_state).abs().max())
-            us = graph_time(lambda launch=launch: [step(x, x["state"], launch) for x in xs], reps) * 1e6 / layers
+            us = graph_time(lambda launch=launch, xs=xs: [step(x, x["state"], launch) for x in xs], reps) * 1e6 / layers
             row["variants"][name] = {
                 "launch": list(launch), "us": round(us, 2), "GBps": round((state_bytes + io_bytes) / us / 1e3, 1),
                 "of_copy_bw": round((state_bytes + io_bytes) / (us * 1e-6) / copy_bps, 3),
