@@ -38,9 +38,9 @@ slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row proje
 kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the step's states
 gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
 one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
-earlier projection routing), "in_place_rec_fixed" (in place, the recurrent kernel's fixed
-launch before gdn_decode.REC_LAUNCH: 8 value columns, 1 warp, the 3-D order at every batch)
-and "in_place_bv32" (fixed 32 value columns and 4 warps, the 3-D order).
+earlier projection routing) and "in_place_bv32" (in place, the recurrent kernel's fixed
+launch with 32 value columns and 4 warps, the 3-D order, instead of gdn_decode.REC_LAUNCH,
+which takes 8 columns and 1 warp at batch 1).
 --variants and --ab are exclusive (both re-capture the graphs, `ModelRunner.recapture_graphs`).
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
@@ -101,7 +101,6 @@ VARIANTS = {"in_place": {},
             "gathered": {"in_place_decode": False, "gated_norm_triton": False,
                          "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
             "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
-            "in_place_rec_fixed": {"rec_table": False},  # 8 columns, 1 warp, grid3 at every batch
             "in_place_bv32": {"rec_table": False, "block_v": 32, "rec_warps": 4}}  # 1 warp would spill (sm90)
 
 

@@ -13,15 +13,19 @@
 #   step_profile_qwen3.5-35b-a3b.json   kernel tables of the in-place path (graph b1 / b256, eager b1, prefill)
 #   decode_ab_llama-3.1-8b.json  with part "routing" (or all): Llama-3.1-8B batch-1 TPOT with its qkv
 #                                projection (25M weights) on cuBLAS and on the gemv, alternately
+#   gdn_sweep.json               with part "sweep" (or all): the recurrent decode step by launch config at
+#                                1..256 rows (benchmarks/gdn_decode_sweep.py, its suggested REC_LAUNCH),
+#                                then tests_gdn_decode_gpu.txt: tests/gpu/test_gdn_decode_gpu.py's tail
 #   bench.log                    the benchmarks' output tails and exit codes
-# Run from the repo root:  bash scripts/gpu_hybrid_check.sh [default|all|tests|decode|profile|routing]
-# ("default": tests, decode and profile, about 400 s; "all" adds routing)
-# Limits (seconds, environment): TEST_TIMEOUT 150, DECODE_TIMEOUT 150, PROFILE_TIMEOUT 150, ROUTING_TIMEOUT 90.
+# Run from the repo root:  bash scripts/gpu_hybrid_check.sh [default|all|tests|decode|profile|routing|sweep]
+# ("default": tests, decode and profile, about 400 s; "all" adds routing and sweep, about 250 s more)
+# Limits (seconds, environment): TEST_TIMEOUT 150, DECODE_TIMEOUT 150, PROFILE_TIMEOUT 150, ROUTING_TIMEOUT 90,
+# SWEEP_TIMEOUT 150 (the sweep's --budget-s 100 and the GPU tests' 150 apart).
 set -u
 PART=${1:-default}
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
-want() { [ "$PART" = "$1" ] || { [ "$PART" = default ] && [ "$1" != routing ]; } || [ "$PART" = all ]; }
+want() { [ "$PART" = "$1" ] || { [ "$PART" = default ] && [ "$1" != routing ] && [ "$1" != sweep ]; } || [ "$PART" = all ]; }
 if want tests; then
   tests="tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_gated_delta_rule_gpu.py tests/gpu/test_hybrid_gpu.py tests/gpu/test_hybrid_graphs_gpu.py"
   echo "tests: $tests" | tee "$OUT/tests_hybrid_gpu.txt"
@@ -40,4 +44,9 @@ fi
 if want routing; then
   run decode_ab_llama-3.1-8b "${ROUTING_TIMEOUT:-90}" python3 benchmarks/decode_latency.py --config llama-3.1-8b \
     --steps 64 --variants in_place_cublas in_place in_place_cublas in_place --out "$OUT/decode_ab_llama-3.1-8b.json"
+fi
+if want sweep; then
+  run gdn_sweep "${SWEEP_TIMEOUT:-150}" python3 benchmarks/gdn_decode_sweep.py --budget-s 100 --out "$OUT/gdn_sweep.json"
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q tests/gpu/test_gdn_decode_gpu.py -p no:cacheprovider 2>&1 \
+    | tail -15 | tee "$OUT/tests_gdn_decode_gpu.txt"
 fi
