@@ -54,7 +54,7 @@ ENABLED = True  # False: the dispatchers keep the references on CUDA too
 # thread holds K * block_v / (32 num_warps) values): each of a program's K strided row
 # segments is then block_v * 4 bytes (128-256 at 32-64 columns).
 # REC_LAUNCH: (max_rows, block_v, num_warps, order), by max_rows ascending; a step of n rows
-# takes the first entry with n <= max_rows (None: any n). Today's config below 16 rows; the
+# takes the first entry with n <= max_rows (None: any n). The fixed config up to 16 rows; the
 # wider flat entries are not measured on the H200 yet: benchmarks/gdn_decode_sweep.py times
 # each candidate and prints a table to paste here.
 REC_LAUNCH: list[tuple[int | None, int, int, str]] = [
