@@ -13,7 +13,9 @@ HBM as in a decode step), one launch a layer back to back in one CUDA graph; tim
 - "fixed": the config before the launch table (TUNING's block_v 8, 1 warp, the 3-D "grid3"
   order), the baseline of the same run;
 - "table": what `rec_launch(n)` picks now;
-- every (block_v, num_warps) of `gdn_decode.REC_CANDIDATES` in both orders ("grid3", "flat").
+- every (block_v, num_warps) of `gdn_decode.REC_CANDIDATES` in both orders ("grid3", "flat"),
+  one tile a program, and every `REC_LOOP_CANDIDATES` (block_v, num_warps, items, stages): flat
+  programs looping over items tiles in a pipelined loop.
 Per variant: us, effective GB/s (state read + written, q/k/v/a/b read, o written; over the
 time), the fraction of the device's copy bandwidth, us / fixed, and the max abs error of the
 output and of the state against `gated_delta_rule_decode_slots_ref` from the same slots (a
@@ -50,7 +52,7 @@ from kernels import gdn_decode  # noqa: E402
 DT = torch.bfloat16
 DEV = torch.device("cuda")
 SET_BYTES = 160 << 20  # each set of layer states at least this large (2.5x the L2)
-FIXED = (8, 1, "grid3")  # the launch before the table (TUNING's fixed config)
+FIXED = (8, 1, "grid3", 1, 1)  # the launch before the table (TUNING's fixed config)
 
 
 def gdn_shape(config: str) -> dict:
@@ -64,15 +66,17 @@ def gdn_shape(config: str) -> dict:
             "gdn_layers": sum(t == "linear_attention" for t in cfg.get("layer_types", []))}
 
 
-def variants(n: int) -> list[tuple[str, tuple[int, int, str]]]:
-    """(name, (block_v, num_warps, order)): the fixed config, the current table's pick, then
-    every candidate in both orders (duplicates of the first two left out)."""
-    out = [("fixed", FIXED), ("table", gdn_decode.rec_launch(n))]
-    for bv, w in gdn_decode.REC_CANDIDATES:
-        for order in gdn_decode.REC_ORDERS:
-            cfg = (bv, w, order)
-            if cfg not in (FIXED, out[1][1]):
-                out.append((f"bv{bv}_w{w}_{order}", cfg))
+def variants(n: int) -> list[tuple[str, tuple]]:
+    """(name, (block_v, num_warps, order, items, stages)): the fixed config, the current table's
+    pick, every `REC_CANDIDATES` tile in both orders (one tile a program), every
+    `REC_LOOP_CANDIDATES` loop (flat); duplicates of the first two left out."""
+    out: list[tuple[str, tuple]] = [("fixed", FIXED), ("table", gdn_decode.rec_launch(n))]
+    cfgs = [(bv, w, order, 1, 1) for bv, w in gdn_decode.REC_CANDIDATES for order in gdn_decode.REC_ORDERS]
+    cfgs += [(bv, w, "flat", it, st) for bv, w, it, st in gdn_decode.REC_LOOP_CANDIDATES]
+    for cfg in cfgs:
+        if cfg not in (FIXED, out[1][1]):
+            bv, w, order, it, st = cfg
+            out.append((f"bv{bv}_w{w}_{order}" + (f"_i{it}_s{st}" if it > 1 else ""), cfg))
     return out
 
 
@@ -158,7 +162,7 @@ def sweep_rows(n: int, shp: dict, reps: int, deadline: float, copy_bps: float) -
 
 
 def suggest(rows: dict) -> list:
-    """[max_rows, block_v, num_warps, order] entries from each row count's pick, ascending,
+    """[max_rows, block_v, num_warps, order, items, stages] entries from each row count's pick, ascending,
     consecutive equal configs merged, the last one's max_rows None."""
     picks = [(int(k[1:]), r["pick_launch"]) for k, r in rows.items() if "pick_launch" in r]
     table: list = []
@@ -195,9 +199,9 @@ def main() -> None:
     res.update(suggested_rec_launch=table, seconds=round(time.monotonic() - t0, 1))
     emit_json(res, a.out)
     print("suggested REC_LAUNCH (kernels/gdn_decode.py):")
-    print("REC_LAUNCH: list[tuple[int | None, int, int, str]] = [")
+    print("REC_LAUNCH: list[tuple[int | None, int, int, str, int, int]] = [")
     for e in table:
-        print(f"    ({e[0]}, {e[1]}, {e[2]}, {e[3]!r}),")
+        print(f"    ({e[0]}, {e[1]}, {e[2]}, {e[3]!r}, {e[4]}, {e[5]}),")
     print("]")
 
 

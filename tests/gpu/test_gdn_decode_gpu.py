@@ -5,8 +5,9 @@ the kernels captured in a CUDA graph over static slot buffers and replayed with 
 and the one-row routing of that model's large projections (in_proj_qkvz [12288, 2048],
 gated attention's qkv [9216, 2048]) to `kernels.gemv`.
 
-The recurrent step also with each launch config of `gdn_decode.REC_LAUNCH` and the fixed one
-before it (8 columns, 1 warp, the 3-D order) at 1, 37 and 256 rows.
+The recurrent step also with each launch config of `gdn_decode.REC_LAUNCH`, the fixed one
+before it (8 columns, 1 warp, the 3-D order) and a pipelined loop of 3 tiles a program, at 1,
+37 and 256 rows.
 Slots: N rows on a permutation of slots, a fresh row on a slot holding NaN, two fresh rows on
 one slot (the graphs' padding rows), slots no row names left bit-identical.
 Tolerances (relative norm error): bf16 outputs 1e-2 (summation order and one bf16 rounding);
@@ -91,8 +92,9 @@ def test_conv_update_kernel_matches_reference_on_the_slots(n):
     _check_slots(cache.float(), ref_cache.float(), before.float(), slots, flags, 0.0)
 
 
-# the launch table's configs and the fixed config before it (8 columns, 1 warp, grid3)
-LAUNCHES = sorted({(e[1], e[2], e[3]) for e in gdn_decode.REC_LAUNCH} | {(8, 1, "grid3")})
+# the launch table's configs, the fixed config before it (8 columns, 1 warp, grid3) and a loop
+# of 3 tiles a program (its tail program part empty at 37 rows: 37 * 32 * 4 tiles)
+LAUNCHES = sorted({tuple(e[1:]) for e in gdn_decode.REC_LAUNCH} | {(8, 1, "grid3", 1, 1), (32, 4, "flat", 3, 2)})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -103,7 +105,7 @@ def test_recurrent_step_kernel_matches_reference_on_the_slots(n, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 37, 256])
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: f"bv{c[0]}_w{c[1]}_{c[2]}")
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: f"bv{c[0]}_w{c[1]}_{c[2]}_i{c[3]}_s{c[4]}")
 def test_recurrent_step_launch_configs_match_reference(launch, n, dtype):
     """Each REC_LAUNCH entry (and the old fixed config) at any row count, not only its own."""
     _recurrent_step_check(n, dtype, launch)

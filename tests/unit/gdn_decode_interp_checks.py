@@ -11,9 +11,9 @@ Every state check runs on a cache of S = 7 slots with N = 5 rows on slots [5, 1,
 on a slot holding NaN (a reused slot), rows 2 and 4 are two fresh rows on one slot (the
 padding rows of a graph step on its scratch slot), slots 0, 2 and 4 belong to no row. The
 has_initial flags are read from an int64 row's low bytes, as a CUDA-graph step stages them.
-The recurrent step also runs each launch config (`launch_checks`: block_v and program order of
-every `gdn_decode.REC_LAUNCH` entry and of the sweep's candidates) at a V that leaves a
-partial column tile.
+The recurrent step also runs each launch config (`launch_checks`: block_v, program order and
+tiles a program of every `gdn_decode.REC_LAUNCH` entry and of the sweep's candidates) at a V
+that leaves a partial column tile.
 Error values: relative norm error of the outputs and of the unique rows' states; for the
 shared slot, the smaller error against either row's state; for slots no row names, 0.0 when
 bit-identical, else 1.0.
@@ -160,21 +160,30 @@ def rec_case(gen, name, hk, hv, kd, vd, dtype, l2, launch) -> dict[str, float]:
     return res
 
 
-# (block_v, order) of the launch-table checks: every REC_LAUNCH entry's and the sweep's wider
-# tiles in both orders (num_warps does not change what the interpreter computes)
-LAUNCHES = sorted({(e[1], e[3]) for e in gdn_decode.REC_LAUNCH}
-                  | {(bv, o) for bv in (8, 16, 32, 64) for o in gdn_decode.REC_ORDERS})
+def launches() -> list[tuple[int, str, int, int]]:
+    """(block_v, order, items, stages) of the launch-table checks: every REC_LAUNCH entry's, the
+    sweep's tiles in both orders and its loops, and loops whose items do not divide the 5 rows'
+    tiles (num_warps does not change what the interpreter computes)."""
+    out = {(e[1], e[3], e[4], e[5]) for e in gdn_decode.REC_LAUNCH}
+    out |= {(bv, o, 1, 1) for bv in (8, 16, 32, 64) for o in gdn_decode.REC_ORDERS}
+    out |= {(bv, "flat", items, st) for bv, _, items, st in gdn_decode.REC_LOOP_CANDIDATES}
+    out |= {(16, "flat", 3, 2), (64, "flat", 7, 3)}
+    return sorted(out)
+
+
+def launch_name(bv: int, order: str, items: int, stages: int) -> str:
+    return f"rec_launch_bv{bv}_{order}" + (f"_i{items}_s{stages}" if items > 1 else "")
 
 
 def launch_checks(gen: torch.Generator) -> dict[str, float]:
-    """Each (block_v, order) of LAUNCHES at V = 72 (a partial last column tile for every
-    block_v but 8; 64: two tiles, the second 8 wide), K = 12, Hv = 4 on Hk = 2, strided
-    q/k/v/a/b views, fp32 and bf16; names rec_launch_bv{block_v}_{order}_{dtype}."""
+    """Each launch of `launches()` at V = 72 (a partial last column tile for every block_v but
+    8; 64: two tiles, the second 8 wide), K = 12, Hv = 4 on Hk = 2, 5 rows, strided q/k/v/a/b
+    views, fp32 and bf16; names launch_name(...) + _{dtype}."""
     res = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for bv, order in LAUNCHES:
-            name = f"rec_launch_bv{bv}_{order}_{str(dtype)[6:]}"
-            res.update(rec_case(gen, name, 2, 4, 12, 72, dtype, True, (bv, 1, order)))
+        for bv, order, items, stages in launches():
+            name = f"{launch_name(bv, order, items, stages)}_{str(dtype)[6:]}"
+            res.update(rec_case(gen, name, 2, 4, 12, 72, dtype, True, (bv, 1, order, items, stages)))
     return res
 
 
@@ -250,9 +259,9 @@ def main() -> None:
     res = {}
     res.update(conv_checks(gen))
     res.update(rec_checks(gen))
-    res.update(launch_checks(gen))
     res.update(norm_checks(gen))
     res.update(layer_checks(gen))
+    res.update(launch_checks(gen))  # last: the checks above keep their random inputs
     print("RESULT " + json.dumps(res))
 
 

@@ -34,8 +34,12 @@ TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 2e-2}
 DTYPES = list(TOL)
 CONV = [f"conv_w{w}_{kind}" for w in (2, 3, 4) for kind in ("bias_silu", "plain")]
 REC = ["rec_g2_k12_v20", "rec_g1_k16_v8", "rec_g2_k8_v16_bv16", "rec_nonorm"]
-LAUNCHES = sorted({(e[1], e[3]) for e in gdn_decode.REC_LAUNCH}
-                  | {(bv, o) for bv in (8, 16, 32, 64) for o in gdn_decode.REC_ORDERS})
+# gdn_decode_interp_checks.launches(): every REC_LAUNCH entry's, the sweep's candidates, two
+# loops whose items do not divide the tiles (that module runs only under the interpreter)
+LAUNCHES = sorted({(e[1], e[3], e[4], e[5]) for e in gdn_decode.REC_LAUNCH}
+                  | {(bv, o, 1, 1) for bv in (8, 16, 32, 64) for o in gdn_decode.REC_ORDERS}
+                  | {(bv, "flat", items, st) for bv, _, items, st in gdn_decode.REC_LOOP_CANDIDATES}
+                  | {(16, "flat", 3, 2), (64, "flat", 7, 3)})
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +69,12 @@ def test_recurrent_step_kernel_matches_reference_in_place_on_the_slots(interp_re
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("block_v,order", LAUNCHES)
-def test_recurrent_step_launch_configs_match_reference(interp_results, block_v, order, dtype):
-    """Every launch-table entry's and sweep candidate's tile width and program order, at a V
-    leaving a partial column tile (the checks' launch_checks)."""
-    r, case = interp_results, f"rec_launch_bv{block_v}_{order}_{dtype}"
+@pytest.mark.parametrize("block_v,order,items,stages", LAUNCHES)
+def test_recurrent_step_launch_configs_match_reference(interp_results, block_v, order, items, stages, dtype):
+    """Every launch-table entry's and sweep candidate's tile width, program order and tiles a
+    program, at a V leaving a partial column tile (the checks' launch_checks)."""
+    r = interp_results
+    case = f"rec_launch_bv{block_v}_{order}" + (f"_i{items}_s{stages}" if items > 1 else "") + f"_{dtype}"
     state_tol = TOL["float32"] if dtype != "bfloat16" else TOL["bfloat16"]
     assert r[f"{case}_out"] <= TOL[dtype], r[f"{case}_out"]
     assert r[f"{case}_state"] <= state_tol, r[f"{case}_state"]
@@ -78,20 +83,20 @@ def test_recurrent_step_launch_configs_match_reference(interp_results, block_v, 
 
 
 def test_rec_launch_picks_the_first_covering_entry(monkeypatch):
-    table = [(4, 8, 1, "grid3"), (64, 32, 4, "flat"), (None, 64, 8, "flat")]
+    table = [(4, 8, 1, "grid3", 1, 1), (64, 32, 4, "flat", 1, 1), (None, 64, 8, "flat", 4, 2)]
     monkeypatch.setattr(gdn_decode, "REC_LAUNCH", table)
-    assert [gdn_decode.rec_launch(n) for n in (1, 4, 5, 64, 65, 4096)] == [
-        (8, 1, "grid3"), (8, 1, "grid3"), (32, 4, "flat"), (32, 4, "flat"), (64, 8, "flat"), (64, 8, "flat")]
+    small, mid, big = (8, 1, "grid3", 1, 1), (32, 4, "flat", 1, 1), (64, 8, "flat", 4, 2)
+    assert [gdn_decode.rec_launch(n) for n in (1, 4, 5, 64, 65, 4096)] == [small, small, mid, mid, big, big]
     monkeypatch.setitem(gdn_decode.TUNING, "rec_table", False)  # the fixed config for every n
-    assert gdn_decode.rec_launch(4096) == (gdn_decode.TUNING["block_v"], gdn_decode.TUNING["rec_warps"],
-                                           gdn_decode.TUNING["rec_order"])
+    assert gdn_decode.rec_launch(4096) == (8, 1, "grid3", 1, 1)
     monkeypatch.setitem(gdn_decode.TUNING, "rec_table", True)
     monkeypatch.setattr(gdn_decode, "REC_LAUNCH", table[:2])
     with pytest.raises(ValueError, match="covers 65 rows"):
         gdn_decode.rec_launch(65)
-    monkeypatch.setattr(gdn_decode, "REC_LAUNCH", [(None, 8, 1, "zigzag")])
-    with pytest.raises(ValueError, match="zigzag"):
-        gdn_decode.rec_launch(1)
+    for bad in ((None, 8, 1, "zigzag", 1, 1), (None, 8, 1, "grid3", 2, 1), (None, 8, 1, "flat", 0, 1)):
+        monkeypatch.setattr(gdn_decode, "REC_LAUNCH", [bad])
+        with pytest.raises(ValueError, match="bad recurrent-step launch"):
+            gdn_decode.rec_launch(1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
