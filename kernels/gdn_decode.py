@@ -105,7 +105,7 @@ def rec_launch(n: int) -> RecLaunch:
     row = next((e for e in REC_LAUNCH if e[0] is None or n <= e[0]), None)
     if row is None:
         raise ValueError(f"no REC_LAUNCH entry covers {n} rows: {REC_LAUNCH}")
-    return check_launch(row[1:])  # type: ignore[arg-type]
+    return check_launch(row[1:])
 
 
 try:
