@@ -144,11 +144,16 @@ def test_gated_rms_norm_kernel_matches_reference():
     assert rel(out, norm.rms_norm_gated_ref(x, z, w, 1e-6)) < 1e-2
 
 
-def test_kernels_replay_in_a_cuda_graph_over_static_slots():
+@pytest.mark.parametrize("entry", [None, (None, 64, 8, "flat", 1, 1), (None, 32, 4, "flat", 3, 2)],
+                         ids=["table", "flat_bv64", "loop_bv32_i3"])
+def test_kernels_replay_in_a_cuda_graph_over_static_slots(entry, monkeypatch):
     """Capture the convolution and the recurrent step over static slot / flag buffers, then
     restage other slots and flags and replay: each replay equals the same kernels run eagerly
     on the new slots from the same states, bit for bit (nothing in the captured region depends
-    on the values at capture), and those new slots only change."""
+    on the values at capture), and those new slots only change. entry: the one REC_LAUNCH
+    entry the step takes (None: the table as it is)."""
+    if entry is not None:
+        monkeypatch.setattr(gdn_decode, "REC_LAUNCH", [entry])
     n, s = 4, 12
     mixed_in = torch.randn(n, C, device=DEV, dtype=torch.bfloat16)
     ba = torch.randn(n, 2 * HV, device=DEV, dtype=torch.bfloat16)
