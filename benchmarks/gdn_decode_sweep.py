@@ -22,7 +22,8 @@ output and of the state against `gated_delta_rule_decode_slots_ref` from the sam
 variant over twice the fixed config's error plus one bf16 rounding of the largest output, or
 1e-4 on the fp32 state, or one that fails, is reported and not picked). "suggested_rec_launch" is the table the timings argue for (per n the fastest
 correct variant, kept at the current table's pick unless 3% faster; consecutive row counts
-with one config merged; max_rows = the largest n measured with it, None for the last), also
+with one config merged; max_rows = the largest n measured with it, None for the last; a row
+count left unmeasured keeps the current table's launch), also
 printed as Python to paste over REC_LAUNCH. Row counts are swept largest first; stops adding
 variants once --budget-s is spent (the JSON says which were skipped).
 
@@ -153,6 +154,8 @@ def sweep_rows(n: int, shp: dict, reps: int, deadline: float, copy_bps: float) -
         if shp["gdn_layers"]:
             row["step_ms_all_gdn_layers"] = {v: round(ok[v]["us"] * shp["gdn_layers"] / 1e3, 3)
                                              for v in ("fixed", "table", best) if v in ok}
+    else:  # not measured (budget spent or the baseline failed): the suggestion keeps the table's launch
+        row.update(pick="table (not measured)", pick_launch=list(gdn_decode.rec_launch(n)))
     del xs, x0, start, want_state, work
     torch.cuda.empty_cache()
     us = {v: r["us"] for v, r in row["variants"].items() if isinstance(r, dict)}
