@@ -39,8 +39,9 @@ slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row proje
 kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the step's states
 gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
 one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
-earlier projection routing) and "in_place_bv32" (in place, 32 value columns and 4 warps a
-program of the recurrent kernel instead of 8 and 1); for a hybrid (Qwen3-Next, Qwen3.5-MoE)
+earlier projection routing) and "in_place_bv32" (in place, the recurrent kernel's fixed
+launch with 32 value columns and 4 warps, the 3-D order, instead of gdn_decode.REC_LAUNCH,
+which takes 8 columns and 1 warp at batch 1); for a hybrid (Qwen3-Next, Qwen3.5-MoE)
 "glue_off" / "glue_on" (qwen3_next.FUSED_GLUE: the attention's output gate and the shared
 expert's combine in one kernel each, the residual adds inside the norms) and
 "moe_fused_glue_off" / "moe_fused_glue_on" (the same with kernels.moe.DECODE_FUSED on: the
@@ -104,17 +105,19 @@ def apply_variant(name: str) -> None:
 
 
 # --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
-# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's block_v and rec_warps,
+# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's rec_table, block_v, rec_warps
+# and rec_order: rec_table True takes gdn_decode.REC_LAUNCH by rows, False the fixed three;
 # qwen3_next.FUSED_GLUE, kernels.moe.DECODE_FUSED, kernels.moe.SHARED_IN_DOWN)
 KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
-         "block_v": gdn_decode.TUNING["block_v"], "rec_warps": gdn_decode.TUNING["rec_warps"],
+         "rec_table": gdn_decode.TUNING["rec_table"], "block_v": gdn_decode.TUNING["block_v"],
+         "rec_warps": gdn_decode.TUNING["rec_warps"], "rec_order": gdn_decode.TUNING["rec_order"],
          "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
          "shared_in_down": moe.SHARED_IN_DOWN}
 VARIANTS = {"in_place": {},
             "gathered": {"in_place_decode": False, "gated_norm_triton": False,
                          "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
             "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
-            "in_place_bv32": {"block_v": 32, "rec_warps": 4},  # one warp would spill (ptxas, sm90)
+            "in_place_bv32": {"rec_table": False, "block_v": 32, "rec_warps": 4},  # 1 warp would spill (sm90)
             # the hybrid's decode glue in fused kernels (qwen3_next.FUSED_GLUE), with and without
             # the three-launch MoE decode path
             "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
@@ -128,7 +131,8 @@ def set_knobs(name: str) -> dict:
     k = {**KNOBS, **VARIANTS[name]}
     gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
     linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
-    gdn_decode.TUNING.update(block_v=k["block_v"], rec_warps=k["rec_warps"])
+    gdn_decode.TUNING.update(rec_table=k["rec_table"], block_v=k["block_v"], rec_warps=k["rec_warps"],
+                             rec_order=k["rec_order"])
     qwen3_next.FUSED_GLUE, moe.DECODE_FUSED, moe.SHARED_IN_DOWN = k["fused_glue"], k["moe_decode_fused"], \
         k["shared_in_down"]
     return k

@@ -42,14 +42,71 @@ from kernels.gated_delta_rule import (
 )
 
 ENABLED = True  # False: the dispatchers keep the references on CUDA too
-# launch shapes (not tuned on a GPU yet). Recurrent step: a program per (row, value head,
-# block_v value columns) holds the [K, block_v] fp32 slice of its state in rec_warps warps; 8
-# columns give 16 programs a head, 512 at batch 1 for Qwen3.5's 32 value heads of 128, and
-# compile for sm90 at K = 128 in one warp without spilling (95 registers a thread; 32 columns
-# in one warp spill: tests/unit/test_gdn_decode_compile.py); benchmarks/decode_latency.py
-# --variants in_place_bv32 times 32 columns in 4 warps. Convolution: block_c channels a
-# program, at least 32 a warp (each element then has one owning thread, `_conv_update_kernel`).
-TUNING: dict = {"block_v": 8, "rec_warps": 1, "block_c": 512, "conv_warps": 4}
+# launch shapes. Recurrent step: a program holds the [K, block_v] fp32 slice of one (row,
+# value head)'s state in num_warps warps (docs/ARCHITECTURE.md §6.4, "recurrent step's launch
+# table"). Two program orders: "grid3", a grid (N rows, Hv heads, V / block_v) whose first axis
+# (the fastest in launch order) is the row, so neighbouring programs touch different slots; and
+# "flat", a 1-D grid of N * Hv * (V / block_v) programs, the column tile fastest, so
+# neighbouring programs cover one (row, head)'s contiguous K x V block and then the next
+# head's. 8 columns in one warp give 512 programs at batch 1 for Qwen3.5's 32 value heads of
+# 128 and compile for sm90 at K = 128 without spilling (95 registers a thread; 32 columns in
+# one warp spill: tests/unit/test_gdn_decode_compile.py). Wider tiles need more warps (a
+# thread holds K * block_v / (32 num_warps) values): each of a program's K strided row
+# segments is then block_v * 4 bytes (128-256 at 32-64 columns). "flat" with items > 1: a
+# program loops over that many consecutive tiles in `stages` pipeline stages (the next tiles'
+# state copied asynchronously into shared memory while one is computed, so more state is in
+# flight than the registers hold).
+# REC_LAUNCH: (max_rows, block_v, num_warps, order, items, stages), by max_rows ascending; a
+# step of n rows takes the first entry with n <= max_rows (None: any n). The fixed config up to
+# 16 rows; the wider flat entries are not measured on the H200 yet:
+# benchmarks/gdn_decode_sweep.py times each candidate and prints a table to paste here.
+REC_LAUNCH: list[tuple[int | None, int, int, str, int, int]] = [
+    (16, 8, 1, "grid3", 1, 1),
+    (64, 32, 4, "flat", 1, 1),
+    (None, 64, 8, "flat", 1, 1),
+]
+REC_ORDERS = ("grid3", "flat")
+# (block_v, num_warps) the sweep times in both orders, one tile a program: at most 64 state
+# values a thread at K = 128, which compile for sm90 without spilling
+# (tests/unit/test_gdn_decode_compile.py); and (block_v, num_warps, items, stages) it times as
+# "flat" loops
+REC_CANDIDATES = [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8), (128, 16)]
+REC_LOOP_CANDIDATES = [(8, 1, 4, 2), (16, 2, 4, 2), (32, 4, 4, 2), (32, 4, 4, 3), (32, 4, 8, 3), (64, 8, 2, 2),
+                       (64, 8, 4, 2), (64, 4, 4, 2)]
+# rec_table False: every step takes block_v, rec_warps, rec_order, rec_items, rec_stages below
+# (the config before the table: 8, 1, "grid3", 1, 1). Convolution: block_c channels a program, at least 32 a warp (each
+# element then has one owning thread, `_conv_update_kernel`).
+TUNING: dict = {"block_v": 8, "rec_warps": 1, "rec_order": "grid3", "rec_items": 1, "rec_stages": 1,
+                "rec_table": True, "block_c": 512, "conv_warps": 4}
+
+
+RecLaunch = tuple[int, int, str, int, int]  # (block_v, num_warps, order, items, stages)
+
+
+def check_launch(launch: RecLaunch) -> RecLaunch:
+    """launch as ints and a str; raises ValueError on an unknown order, items or stages < 1, or
+    grid3 with items > 1 (one tile a program)."""
+    bv, warps, order, items, stages = int(launch[0]), int(launch[1]), str(launch[2]), int(launch[3]), int(launch[4])
+    if order not in REC_ORDERS or bv < 1 or warps < 1 or items < 1 or stages < 1 or (order == "grid3" and items > 1):
+        raise ValueError(f"bad recurrent-step launch {launch!r}: (block_v, num_warps, order in {REC_ORDERS}, "
+                         f"items, stages), items 1 for grid3")
+    return bv, warps, order, items, stages
+
+
+def rec_launch(n: int) -> RecLaunch:
+    """(block_v, num_warps, order, items, stages) of the recurrent step's launch for a step of
+    n rows: the first `REC_LAUNCH` entry whose max_rows is None or >= n when
+    TUNING["rec_table"], else TUNING's block_v, rec_warps, rec_order, rec_items, rec_stages.
+    block_v is an upper bound (the launch caps it at V's next power of two). Raises ValueError
+    when no entry covers n, and `check_launch`'s."""
+    if not TUNING["rec_table"]:
+        return check_launch((TUNING["block_v"], TUNING["rec_warps"], TUNING["rec_order"], TUNING["rec_items"],
+                             TUNING["rec_stages"]))
+    row = next((e for e in REC_LAUNCH if e[0] is None or n <= e[0]), None)
+    if row is None:
+        raise ValueError(f"no REC_LAUNCH entry covers {n} rows: {REC_LAUNCH}")
+    return check_launch(row[1:])
+
 
 try:
     import triton
@@ -153,7 +210,8 @@ def gated_delta_rule_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   ssm_state: torch.Tensor, slots: torch.Tensor, has_initial: torch.Tensor,
                                   scale: float | None = None, use_qk_l2norm: bool = True) -> torch.Tensor:
     """`gated_delta_rule_decode_slots_ref` (see there for shapes): the Triton kernel on CUDA
-    (`triton_for`, a contiguous fp32 state), else the reference."""
+    (`triton_for`, a contiguous fp32 state; its launch by the number of rows, `rec_launch`),
+    else the reference."""
     if triton_for(v) and ssm_state.is_contiguous() and ssm_state.dtype == torch.float32:
         return gated_delta_rule_decode_slots_triton(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_initial,
                                                     scale, use_qk_l2norm)
@@ -209,23 +267,32 @@ if triton is not None:
             tl.store(sp + 1, s2, mask=cm)
             tl.store(sp + 2, new_last, mask=cm)
 
-    @triton.jit(do_not_specialize=["slot_ptr", "init_ptr", "init_stride"])
-    def _gdr_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr,
-                           init_ptr, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale,
-                           HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
-        # grid (N rows, HV value heads, V / BV). s: [S, HV, K, V] fp32 contiguous; o: [N, HV, V].
-        # The state slice [BK, BV] is loaded, updated and stored in one layout (each element
-        # by its own thread): in place without a barrier.
-        n = tl.program_id(0).to(tl.int64)
-        hv = tl.program_id(1)
+    @triton.jit
+    def _gdr_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr, init_ptr,
+                  sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale, n, hv, vt, item, total,
+                  HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, CHECK: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
+        # One item: row n (int64), value head hv, column tile vt. CHECK (a loop's tail): the item
+        # exists when item < total; else (n, hv, vt) are item 0's, so the scalar
+        # loads stay in bounds, and every vector access is masked by item < total (as vectors:
+        # Triton's interpreter rejects a scalar bool in a vector mask).
+        # s: [S, HV, K, V] fp32 contiguous; o: [N, HV, V]. The state slice [BK, BV] is loaded,
+        # updated and stored in one layout (each element by its own thread): in place without
+        # a barrier.
         hk = hv // GROUP
         rk = tl.arange(0, BK)
-        rv = tl.program_id(2) * BV + tl.arange(0, BV)
+        rv = vt * BV + tl.arange(0, BV)
         km = rk < K
         vm = rv < V
         slot = tl.load(slot_ptr + n).to(tl.int64)
-        init = tl.load(init_ptr + n * init_stride + 0 * rv) != 0  # the row's flag, as a [BV] mask
+        if CHECK:
+            km = km & ((item + 0 * rk) < total)
+            vm = vm & ((item + 0 * rv) < total)
+            init = tl.load(init_ptr + n * init_stride + 0 * rv, mask=vm, other=0) != 0
+        else:
+            init = tl.load(init_ptr + n * init_stride + 0 * rv) != 0  # the row's flag, as a [BV] mask
+        bl = tl.load(b_ptr + n * sb_n + hv)
+        x = tl.load(a_ptr + n * sa_n + hv).to(tl.float32)
         q = tl.load(q_ptr + n * sq_n + hk * sq_h + rk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + n * sk_n + hk * sk_h + rk, mask=km, other=0.0).to(tl.float32)
         if L2NORM:  # x / sqrt(sum(x^2) + eps), the reference's _l2norm
@@ -233,10 +300,9 @@ if triton is not None:
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
         q = q * scale
         v = tl.load(v_ptr + n * sv_n + hv * sv_h + rv, mask=vm, other=0.0).to(tl.float32)
-        bl = tl.load(b_ptr + n * sb_n + hv)
         bf = bl.to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-bf))).to(bl.dtype).to(tl.float32)  # sigmoid in b's dtype
-        x = tl.load(a_ptr + n * sa_n + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+        x = x + tl.load(dtb_ptr + hv).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold 20
         decay = tl.exp(-tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus)
         ptrs = s_ptr + (slot * HV + hv) * (K * V) + rk[:, None] * V + rv[None, :]
@@ -248,6 +314,38 @@ if triton is not None:
         o = tl.sum(h * q[:, None], axis=0)
         tl.store(ptrs, h, mask=m2)
         tl.store(o_ptr + (n * HV + hv) * V + rv, o.to(o_ptr.dtype.element_ty), mask=vm)
+
+    @triton.jit(do_not_specialize=["slot_ptr", "init_ptr", "init_stride", "total"])
+    def _gdr_decode_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr,
+                           init_ptr, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale, total,
+                           HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, NVT: tl.constexpr, FLAT: tl.constexpr,
+                           ITEMS: tl.constexpr, STAGES: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
+        # FLAT: a 1-D grid over the total = N * HV * NVT items, item = (row n, head hv, column
+        # tile vt) with vt fastest, then hv; a program takes ITEMS consecutive items (ITEMS > 1:
+        # a loop of STAGES pipeline stages, which Triton's pipeliner turns into asynchronous
+        # copies of the next items' state into shared memory while this one computes). Else the
+        # grid (N rows, HV value heads, NVT = V / BV), one item a program.
+        if FLAT:
+            if ITEMS == 1:
+                p = tl.program_id(0)
+                _gdr_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr, init_ptr,
+                          sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale,
+                          (p // (NVT * HV)).to(tl.int64), (p // NVT) % HV, p % NVT, p, total,
+                          HV, GROUP, K, V, BK, BV, False, L2NORM, EPS)
+            else:
+                for i in tl.range(0, ITEMS, num_stages=STAGES):
+                    p = tl.program_id(0) * ITEMS + i
+                    c = tl.where(p < total, p, 0)  # a tail item reads item 0's scalars, stores nothing
+                    _gdr_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr,
+                              init_ptr, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale,
+                              (c // (NVT * HV)).to(tl.int64), (c // NVT) % HV, c % NVT, p, total,
+                              HV, GROUP, K, V, BK, BV, True, L2NORM, EPS)
+        else:
+            _gdr_step(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, slot_ptr, init_ptr,
+                      sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sa_n, sb_n, init_stride, scale,
+                      tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2), 0, total,
+                      HV, GROUP, K, V, BK, BV, False, L2NORM, EPS)
 
     def _init_bytes(has_initial: torch.Tensor) -> torch.Tensor:
         """has_initial [N] bool (possibly strided, e.g. a graph's low-byte view) as uint8."""
@@ -284,11 +382,14 @@ if triton is not None:
                                              b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                                              ssm_state: torch.Tensor, slots: torch.Tensor,
                                              has_initial: torch.Tensor, scale: float | None = None,
-                                             use_qk_l2norm: bool = True) -> torch.Tensor:
-        """Triton `gated_delta_rule_decode_slots_ref` (same arguments): a program per (row,
-        value head, TUNING["block_v"] value columns). q, k, v, a, b may be strided views with
-        a unit last stride; ssm_state [S, Hv, K, V] contiguous fp32. Raises ValueError
-        otherwise."""
+                                             use_qk_l2norm: bool = True,
+                                             launch: RecLaunch | None = None) -> torch.Tensor:
+        """Triton `gated_delta_rule_decode_slots_ref` (same arguments): programs over the (row,
+        value head, block_v value columns) tiles, launched as `launch` = (block_v, num_warps,
+        order, items, stages) (None: `rec_launch(N)`; block_v capped at V's next power of two;
+        order "grid3" or "flat", items tiles a program, see `REC_LAUNCH`). q, k, v, a, b may be
+        strided views with a unit last stride; ssm_state [S, Hv, K, V] contiguous fp32. Raises
+        ValueError otherwise and on a bad launch (`check_launch`)."""
         n, hk, kd = q.shape
         hv, vd = v.shape[1], v.shape[2]
         _check_slots(slots, has_initial, n, ssm_state.shape[0])
@@ -298,15 +399,20 @@ if triton is not None:
             raise ValueError(f"decode kernel: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                              f"a {tuple(a.shape)} b {tuple(b.shape)} state {tuple(ssm_state.shape)} "
                              f"{ssm_state.dtype}")
+        block_v, warps, order, items, stages = rec_launch(n) if launch is None else check_launch(launch)
         q, k, v, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, a, b))
         o = torch.empty((n, hv, vd), dtype=v.dtype, device=v.device)
         if n == 0:
             return o
-        bv = min(triton.next_power_of_2(vd), TUNING["block_v"])
-        _gdr_decode_kernel[(n, hv, triton.cdiv(vd, bv))](
+        bv = min(triton.next_power_of_2(vd), block_v)
+        nvt = triton.cdiv(vd, bv)
+        total = n * hv * nvt
+        grid = (triton.cdiv(total, items),) if order == "flat" else (n, hv, nvt)
+        _gdr_decode_kernel[grid](
             q, k, v, a, b, A_log, dt_bias, ssm_state, o, slots, _init_bytes(has_initial),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
-            b.stride(0), has_initial.stride(0), kd ** -0.5 if scale is None else scale,
-            HV=hv, GROUP=hv // hk, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, L2NORM=use_qk_l2norm,
-            EPS=L2NORM_EPS, num_warps=TUNING["rec_warps"])
+            b.stride(0), has_initial.stride(0), kd ** -0.5 if scale is None else scale, total,
+            HV=hv, GROUP=hv // hk, K=kd, V=vd, BK=triton.next_power_of_2(kd), BV=bv, NVT=nvt,
+            FLAT=order == "flat", ITEMS=items, STAGES=stages, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+            num_warps=warps)
         return o

@@ -20,17 +20,21 @@
 #                                path; on with the shared combine apart; glue off / on without the MoE decode path)
 #   decode_glue_nostack_qwen3.5-35b-a3b.json  the same runner built with the projections apart (--stack off)
 #   step_profile_glue_qwen3.5-35b-a3b.json  the b1 kernel tables with the MoE decode path and the glue on
+#   gdn_sweep.json               with part "sweep" (or all): the recurrent decode step by launch config at
+#                                1..256 rows (benchmarks/gdn_decode_sweep.py, its suggested REC_LAUNCH),
+#                                then tests_gdn_decode_gpu.txt: tests/gpu/test_gdn_decode_gpu.py's tail
 #   bench.log                    the benchmarks' output tails and exit codes
-# Run from the repo root:  bash scripts/gpu_hybrid_check.sh [default|all|tests|decode|profile|routing|glue]
-# ("default": tests, decode and profile, about 400 s; "all" adds routing and glue)
+# Run from the repo root:  bash scripts/gpu_hybrid_check.sh [default|all|tests|decode|profile|routing|glue|sweep]
+# ("default": tests, decode and profile, about 400 s; "all" adds routing, glue and sweep)
 # Limits (seconds, environment): TEST_TIMEOUT 150, DECODE_TIMEOUT 150, PROFILE_TIMEOUT 150, ROUTING_TIMEOUT 90,
-# GLUE_TIMEOUT 200 (each of the glue part's four commands).
+# GLUE_TIMEOUT 200 (each of the glue part's four commands), SWEEP_TIMEOUT 150 (the sweep's --budget-s 100 and
+# the GPU tests' 150 apart).
 set -u
 PART=${1:-default}
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
-want() { [ "$PART" = "$1" ] || { [ "$PART" = default ] && [ "$1" != routing ] && [ "$1" != glue ]; } \
-  || [ "$PART" = all ]; }
+want() { [ "$PART" = "$1" ] || { [ "$PART" = default ] && [ "$1" != routing ] && [ "$1" != glue ] \
+  && [ "$1" != sweep ]; } || [ "$PART" = all ]; }
 if want tests; then
   tests="tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_gated_delta_rule_gpu.py tests/gpu/test_hybrid_gpu.py tests/gpu/test_hybrid_graphs_gpu.py"
   echo "tests: $tests" | tee "$OUT/tests_hybrid_gpu.txt"
@@ -65,4 +69,9 @@ if want glue; then
   run step_profile_glue_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/step_profile.py \
     --config qwen3.5-35b-a3b --gpu-memory-utilization 0.8 --parts b1 --decode-fusion on --glue on \
     --out "$OUT/step_profile_glue_qwen3.5-35b-a3b.json"
+fi
+if want sweep; then
+  run gdn_sweep "${SWEEP_TIMEOUT:-150}" python3 benchmarks/gdn_decode_sweep.py --budget-s 100 --out "$OUT/gdn_sweep.json"
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q tests/gpu/test_gdn_decode_gpu.py -p no:cacheprovider 2>&1 \
+    | tail -15 | tee "$OUT/tests_gdn_decode_gpu.txt"
 fi

@@ -5,6 +5,9 @@ the kernels captured in a CUDA graph over static slot buffers and replayed with 
 and the one-row routing of that model's large projections (in_proj_qkvz [12288, 2048],
 gated attention's qkv [9216, 2048], the stacked linear_attn.in_proj [12352, 2048]) to `kernels.gemv`.
 
+The recurrent step also with each launch config of `gdn_decode.REC_LAUNCH`, the fixed one
+before it (8 columns, 1 warp, the 3-D order) and a pipelined loop of 3 tiles a program, at 1,
+37 and 256 rows.
 Slots: N rows on a permutation of slots, a fresh row on a slot holding NaN, two fresh rows on
 one slot (the graphs' padding rows), slots no row names left bit-identical.
 Tolerances (relative norm error): bf16 outputs 1e-2 (summation order and one bf16 rounding);
@@ -89,9 +92,26 @@ def test_conv_update_kernel_matches_reference_on_the_slots(n):
     _check_slots(cache.float(), ref_cache.float(), before.float(), slots, flags, 0.0)
 
 
+# the launch table's configs, the fixed config before it (8 columns, 1 warp, grid3) and a loop
+# of 3 tiles a program (its tail program part empty at 37 rows: 37 * 32 * 4 tiles)
+LAUNCHES = sorted({tuple(e[1:]) for e in gdn_decode.REC_LAUNCH} | {(8, 1, "grid3", 1, 1), (32, 4, "flat", 3, 2)})
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 4, 64])
 def test_recurrent_step_kernel_matches_reference_on_the_slots(n, dtype):
+    _recurrent_step_check(n, dtype, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 37, 256])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: f"bv{c[0]}_w{c[1]}_{c[2]}_i{c[3]}_s{c[4]}")
+def test_recurrent_step_launch_configs_match_reference(launch, n, dtype):
+    """Each REC_LAUNCH entry (and the old fixed config) at any row count, not only its own."""
+    _recurrent_step_check(n, dtype, launch)
+
+
+def _recurrent_step_check(n: int, dtype: torch.dtype, launch) -> None:
     s = n + 8
     mixed = torch.randn(n, C, device=DEV, dtype=dtype)
     q = mixed[:, :HK * KD].view(n, HK, KD)
@@ -105,7 +125,11 @@ def test_recurrent_step_kernel_matches_reference_on_the_slots(n, dtype):
     cache = 0.1 * torch.randn(s, HV, KD, VD, device=DEV)
     _poison(cache, slots, flags)
     ref_cache, before = cache.clone(), cache.clone()
-    o = gdn_decode.gated_delta_rule_decode_slots(q, k, v, a, b, a_log, dt_bias, cache, slots, flags)
+    if launch is None:  # the dispatcher, its launch by rec_launch(n)
+        o = gdn_decode.gated_delta_rule_decode_slots(q, k, v, a, b, a_log, dt_bias, cache, slots, flags)
+    else:
+        o = gdn_decode.gated_delta_rule_decode_slots_triton(q, k, v, a, b, a_log, dt_bias, cache, slots, flags,
+                                                            launch=launch)
     o_ref = gdn_decode.gated_delta_rule_decode_slots_ref(q, k, v, a, b, a_log, dt_bias, ref_cache, slots, flags)
     assert o.shape == (n, HV, VD) and o.dtype == dtype
     assert rel(o, o_ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -120,11 +144,16 @@ def test_gated_rms_norm_kernel_matches_reference():
     assert rel(out, norm.rms_norm_gated_ref(x, z, w, 1e-6)) < 1e-2
 
 
-def test_kernels_replay_in_a_cuda_graph_over_static_slots():
+@pytest.mark.parametrize("entry", [None, (None, 64, 8, "flat", 1, 1), (None, 32, 4, "flat", 3, 2)],
+                         ids=["table", "flat_bv64", "loop_bv32_i3"])
+def test_kernels_replay_in_a_cuda_graph_over_static_slots(entry, monkeypatch):
     """Capture the convolution and the recurrent step over static slot / flag buffers, then
     restage other slots and flags and replay: each replay equals the same kernels run eagerly
     on the new slots from the same states, bit for bit (nothing in the captured region depends
-    on the values at capture), and those new slots only change."""
+    on the values at capture), and those new slots only change. entry: the one REC_LAUNCH
+    entry the step takes (None: the table as it is)."""
+    if entry is not None:
+        monkeypatch.setattr(gdn_decode, "REC_LAUNCH", [entry])
     n, s = 4, 12
     mixed_in = torch.randn(n, C, device=DEV, dtype=torch.bfloat16)
     ba = torch.randn(n, 2 * HV, device=DEV, dtype=torch.bfloat16)

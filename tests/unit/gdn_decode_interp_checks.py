@@ -11,6 +11,9 @@ Every state check runs on a cache of S = 7 slots with N = 5 rows on slots [5, 1,
 on a slot holding NaN (a reused slot), rows 2 and 4 are two fresh rows on one slot (the
 padding rows of a graph step on its scratch slot), slots 0, 2 and 4 belong to no row. The
 has_initial flags are read from an int64 row's low bytes, as a CUDA-graph step stages them.
+The recurrent step also runs each launch config (`launch_checks`: block_v, program order and
+tiles a program of every `gdn_decode.REC_LAUNCH` entry and of the sweep's candidates) at a V
+that leaves a partial column tile.
 Error values: relative norm error of the outputs and of the unique rows' states; for the
 shared slot, the smaller error against either row's state; for slots no row names, 0.0 when
 bit-identical, else 1.0.
@@ -126,27 +129,61 @@ def rec_checks(gen: torch.Generator) -> dict[str, float]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for name, hk, hv, kd, vd, bv, l2 in cases:
             name = f"{name}_{str(dtype)[6:]}"
-            gdn_decode.TUNING["block_v"] = bv
-            q, k, v, a, b, a_log, dt_bias = rec_inputs(gen, 5, hk, hv, kd, vd, dtype)
-            if not l2:  # an unnormalised k makes the delta rule diverge: give unit keys
-                k = torch.nn.functional.normalize(k.float(), dim=-1).to(dtype)
-            slots, init = slot_tensors(gen)
-            cache = fill((S, hv, kd, vd), torch.float32, gen) * 0.3
-            ref_cache, before = cache.clone(), cache.clone()
-            o = gdn_decode.gated_delta_rule_decode_slots_triton(q, k, v, a, b, a_log, dt_bias, cache, slots, init,
-                                                                None, l2)
-            o_ref = gdn_decode.gated_delta_rule_decode_slots_ref(q, k, v, a, b, a_log, dt_bias, ref_cache, slots,
-                                                                 init.clone(), None, l2)
-            res[f"{name}_out"] = rel(o.float(), o_ref.float())
-            alone = {}
-            for r in SHARED:
-                s1 = torch.zeros(1, hv, kd, vd)
-                gdn_decode.gated_delta_rule_decode_slots_ref(q[r:r + 1], k[r:r + 1], v[r:r + 1], a[r:r + 1],
-                                                             b[r:r + 1], a_log, dt_bias, s1, torch.tensor([0]),
-                                                             torch.tensor([False]), None, l2)
-                alone[r] = s1[0]
-            res.update(state_errors(name, cache, ref_cache, before, alone))
-    gdn_decode.TUNING["block_v"] = 8
+            gdn_decode.TUNING.update(block_v=bv, rec_table=False)  # the fixed config: bv, 1 warp, grid3
+            res.update(rec_case(gen, name, hk, hv, kd, vd, dtype, l2, None))
+    gdn_decode.TUNING.update(block_v=8, rec_table=True)
+    return res
+
+
+def rec_case(gen, name, hk, hv, kd, vd, dtype, l2, launch) -> dict[str, float]:
+    """One recurrent step of the 5 rows through the kernel with `launch` (None: rec_launch)
+    and through the reference; the output and slot errors (`state_errors`)."""
+    q, k, v, a, b, a_log, dt_bias = rec_inputs(gen, 5, hk, hv, kd, vd, dtype)
+    if not l2:  # an unnormalised k makes the delta rule diverge: give unit keys
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(dtype)
+    slots, init = slot_tensors(gen)
+    cache = fill((S, hv, kd, vd), torch.float32, gen) * 0.3
+    ref_cache, before = cache.clone(), cache.clone()
+    o = gdn_decode.gated_delta_rule_decode_slots_triton(q, k, v, a, b, a_log, dt_bias, cache, slots, init,
+                                                        None, l2, launch=launch)
+    o_ref = gdn_decode.gated_delta_rule_decode_slots_ref(q, k, v, a, b, a_log, dt_bias, ref_cache, slots,
+                                                         init.clone(), None, l2)
+    res = {f"{name}_out": rel(o.float(), o_ref.float())}
+    alone = {}
+    for r in SHARED:
+        s1 = torch.zeros(1, hv, kd, vd)
+        gdn_decode.gated_delta_rule_decode_slots_ref(q[r:r + 1], k[r:r + 1], v[r:r + 1], a[r:r + 1],
+                                                     b[r:r + 1], a_log, dt_bias, s1, torch.tensor([0]),
+                                                     torch.tensor([False]), None, l2)
+        alone[r] = s1[0]
+    res.update(state_errors(name, cache, ref_cache, before, alone))
+    return res
+
+
+def launches() -> list[tuple[int, str, int, int]]:
+    """(block_v, order, items, stages) of the launch-table checks: every REC_LAUNCH entry's, the
+    sweep's tiles in both orders and its loops, and loops whose items do not divide the 5 rows'
+    tiles (num_warps does not change what the interpreter computes)."""
+    out = {(e[1], e[3], e[4], e[5]) for e in gdn_decode.REC_LAUNCH}
+    out |= {(bv, o, 1, 1) for bv in (8, 16, 32, 64) for o in gdn_decode.REC_ORDERS}
+    out |= {(bv, "flat", items, st) for bv, _, items, st in gdn_decode.REC_LOOP_CANDIDATES}
+    out |= {(16, "flat", 3, 2), (64, "flat", 7, 3)}
+    return sorted(out)
+
+
+def launch_name(bv: int, order: str, items: int, stages: int) -> str:
+    return f"rec_launch_bv{bv}_{order}" + (f"_i{items}_s{stages}" if items > 1 else "")
+
+
+def launch_checks(gen: torch.Generator) -> dict[str, float]:
+    """Each launch of `launches()` at V = 72 (a partial last column tile for every block_v but
+    8; 64: two tiles, the second 8 wide), K = 12, Hv = 4 on Hk = 2, 5 rows, strided q/k/v/a/b
+    views, fp32 and bf16; names launch_name(...) + _{dtype}."""
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for bv, order, items, stages in launches():
+            name = f"{launch_name(bv, order, items, stages)}_{str(dtype)[6:]}"
+            res.update(rec_case(gen, name, 2, 4, 12, 72, dtype, True, (bv, 1, order, items, stages)))
     return res
 
 
@@ -224,6 +261,7 @@ def main() -> None:
     res.update(rec_checks(gen))
     res.update(norm_checks(gen))
     res.update(layer_checks(gen))
+    res.update(launch_checks(gen))  # last: the checks above keep their random inputs
     print("RESULT " + json.dumps(res))
 
 

@@ -2,7 +2,10 @@
 (kernels/norm.py) compiled ahead of time for the H200 (sm90) on a machine without a GPU:
 Triton's front end and ptxas (shipped in Triton's wheel) accept them at Qwen3.5-35B-A3B's shapes
 with the launch shapes the dispatchers use, and ptxas reports no spill (no stack frame) for the
-recurrent kernel's default tile (K = 128, 8 value columns, one warp). The interpreter tests
+recurrent kernel's tiles at K = 128: the fixed config (8 value columns, one warp), every
+`REC_LAUNCH` entry and the sweep's candidates (`REC_CANDIDATES`, at most 64 state values a
+thread; 32 columns in one warp or 64 in two spill, 104 and 88 bytes measured), and that
+those tiles move the state in 128-bit loads and stores. The interpreter tests
 (test_gdn_decode_interp.py) check what the kernels compute; this checks that the compiled path
 exists, which the interpreter does not. Skipped without Triton's CUDA backend or its tools.
 """
@@ -10,6 +13,7 @@ exists, which the interpreter does not. Skipped without Triton's CUDA backend or
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,10 +33,15 @@ except ImportError:  # an older Triton's layout
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, sig: dict, consts: dict, num_warps: int):
+def _compile(fn, sig: dict, consts: dict, num_warps: int, aligned: tuple[str, ...] = ()):
+    """fn compiled for sm90; `aligned`: arguments specialised as multiples of 16 (bytes for a
+    pointer), as a launch specialises them when they are (Triton's default for pointers and
+    ints not in do_not_specialize)."""
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     try:
         return triton.compile(ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
-                                        constexprs=consts), target=SM90, options={"num_warps": num_warps})
+                                        constexprs=consts, attrs=attrs), target=SM90,
+                              options={"num_warps": num_warps})
     except (RuntimeError, FileNotFoundError) as e:  # no ptxas in this Triton install
         if "ptxas" in str(e).lower():
             pytest.skip(f"no ptxas: {e}")
@@ -65,15 +74,47 @@ def test_conv_update_kernel_compiles_for_sm90(w):
     assert "ptx" in k.asm
 
 
-@pytest.mark.parametrize("block_v,warps", [(gdn_decode.TUNING["block_v"], gdn_decode.TUNING["rec_warps"]), (32, 4)])
-def test_recurrent_step_kernel_compiles_for_sm90_without_spills(block_v, warps):
+# the fixed config, every REC_LAUNCH entry, and benchmarks/gdn_decode_sweep.py's candidates
+REC_CONFIGS = sorted({(8, 1, "grid3", 1, 1)} | {tuple(e[1:]) for e in gdn_decode.REC_LAUNCH}
+                     | {(bv, w, "flat", 1, 1) for bv, w in gdn_decode.REC_CANDIDATES}
+                     | {(bv, w, "flat", it, st) for bv, w, it, st in gdn_decode.REC_LOOP_CANDIDATES})
+
+
+def _compile_rec(block_v: int, warps: int, order: str, items: int, stages: int):
+    """The recurrent kernel at Qwen3.5's shape with bf16 inputs, its pointers and q/k/v/a/b
+    strides 16-aligned as at a model launch (row strides 8192 and 64, head strides 128); the
+    slot and flag pointers and the flags' stride unspecialised, as the kernel declares."""
     sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr")}
     sig.update({"s_ptr": "*fp32", "o_ptr": "*bf16", "slot_ptr": "*i64", "init_ptr": "*u8"})
-    sig.update({n: "i32" for n in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sa_n", "sb_n", "init_stride")})
+    strides = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sa_n", "sb_n")
+    sig.update({n: "i32" for n in (*strides, "init_stride", "total")})
     sig["scale"] = "fp32"
-    k = _compile(gdn_decode._gdr_decode_kernel, sig,
-                 {"HV": 32, "GROUP": 2, "K": 128, "V": 128, "BK": 128, "BV": block_v, "L2NORM": True, "EPS": 1e-6},
-                 warps)
+    aligned = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "s_ptr", "o_ptr", *strides)
+    return _compile(gdn_decode._gdr_decode_kernel, sig,
+                    {"HV": 32, "GROUP": 2, "K": 128, "V": 128, "BK": 128, "BV": block_v, "NVT": 128 // block_v,
+                     "FLAT": order == "flat", "ITEMS": items, "STAGES": stages, "L2NORM": True, "EPS": 1e-6},
+                    warps, aligned)
+
+
+@pytest.mark.parametrize("block_v,warps,order,items,stages", REC_CONFIGS)
+def test_recurrent_step_state_moves_in_128_bit_accesses(block_v, warps, order, items, stages):
+    """Each thread's share of the [128, block_v] fp32 state slice (128 block_v / (32 warps)
+    values) is loaded and stored 4 values an instruction, and no scalar 32-bit store is left
+    (the output's is bf16; 32-bit scalar loads are pairs of bf16 q/k values)."""
+    ptx = _compile_rec(block_v, warps, order, items, stages).asm["ptx"]
+    per_thread = 128 * block_v // (32 * warps)
+    assert ptx.count("st.global.v4.b32") == per_thread // 4
+    assert "st.global.b32" not in ptx
+    if items == 1:
+        assert ptx.count("ld.global.v4.b32") == per_thread // 4
+    else:  # a loop's state loads are asynchronous 16-byte copies into shared memory
+        assert re.search(r"cp\.async\.c[ag]\.shared\.global(\.L2::\w+)? \[[^]]+\], \[[^]]+\], 0?x?10", ptx), \
+            "no 16-byte cp.async in the loop"
+
+
+@pytest.mark.parametrize("block_v,warps,order,items,stages", REC_CONFIGS)
+def test_recurrent_step_kernel_compiles_for_sm90_without_spills(block_v, warps, order, items, stages):
+    k = _compile_rec(block_v, warps, order, items, stages)
     stack = _stack_bytes(k)
     if stack is None:
         pytest.skip("no cuobjdump to read the resource usage")
