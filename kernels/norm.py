@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import ref_fast
+
 rms_norm_triton = None  # set by the GPU issue: same signature as rms_norm_ref
 fused_add_rms_norm_triton = None  # same signature as fused_add_rms_norm_ref
 rms_norm_gated_triton = None  # same signature as rms_norm_gated_ref
@@ -27,6 +29,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     Returns [..., hidden] in x's dtype.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if ref_fast.FEWER_OPS:  # F.rms_norm's fp32 composite without its casts: same bits, 8 ATen calls
+            return x.mul(x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
         # the same formula in one torch op (no casts happen in fp32): fewer small kernels
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()

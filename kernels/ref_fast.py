@@ -1,0 +1,15 @@
+"""The switch of the CPU decode path's op cuts (docs/ARCHITECTURE.md §6.4 "CPU decode ops").
+
+FEWER_OPS on (the default): the torch references that the CPU runs take forms with fewer
+ATen calls and the same values, bit for bit:
+- `kernels.norm.rms_norm_ref` in fp32: pow, mean, add_, rsqrt_, mul, mul_ (8 ATen calls)
+  instead of `F.rms_norm` (25: the same composite with its casts);
+- `kernels.rotary.rope_factors` once a step and `rotate_with_factors_` per layer instead of
+  the rotary table's gather and ~13 ops per layer (`ReferenceAttention`);
+- `kernels.attention.paged_attention_ref` at one decode: its KV gather as a slice of the
+  cache when its blocks are consecutive, its mask made additive once a step;
+- `kernels.cpu_quant_linear.QuantWeight.matmul`: the bf16 cast of x through a reused buffer.
+Off: the forms before (benchmarks/cpu_decode_profile.py --ab times both in one process).
+"""
+
+FEWER_OPS = True
