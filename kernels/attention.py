@@ -240,14 +240,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q_in = q
     if plan.dec_blocks is not None and plan.dec_tokens is None and not plan.prefills:
         first = plan.dec_first
-        if first is not None and ref_fast.FEWER_OPS and k_scale is None:  # consecutive blocks: a view
-            nb = plan.dec_blocks.shape[1]
-
-            def gather_k(blocks: torch.Tensor) -> torch.Tensor:
-                return k_cache[first:first + nb]
-
-            def gather_v(blocks: torch.Tensor) -> torch.Tensor:
-                return v_cache[first:first + nb]
+        if first is not None and ref_fast.FEWER_OPS and k_scale is None and k_cache.is_contiguous() \
+                and v_cache.is_contiguous():
+            # consecutive blocks: K and V as [1, kvh, S, d] views of the caches, one as_strided each
+            # (the strides of the gathered copy's view and transpose in `_decode`)
+            nb, bs = plan.dec_blocks.shape[1], k_cache.shape[1]
+            size, stride = (1, kvh, nb * bs, d), (nb * bs * kvh * d, d, kvh * d, 1)
+            off = first * bs * kvh * d  # as_strided's offset counts from the storage's start
+            k = k_cache.as_strided(size, stride, k_cache.storage_offset() + off)
+            v = v_cache.as_strided(size, stride, v_cache.storage_offset() + off)
+            o = F.scaled_dot_product_attention(q.view(1, kvh, g, d), k, v, attn_mask=plan.decode_mask(q.dtype),
+                                               scale=scale)
+            return o.reshape(1, h, d)
         return _decode(q, gather_k, gather_v, plan, g, scale).to(q_in.dtype)  # decode-only step: no scatter
     out = torch.empty_like(q)
     if plan.dec_blocks is not None:

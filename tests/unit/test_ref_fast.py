@@ -35,7 +35,7 @@ def _equal(a, b):
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (8, 960), (17, 100)])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (8, 960), (17, 100), (64, 4096)])
 def test_rms_norm_same_bits(switch, rows, hidden):
     g = torch.Generator().manual_seed(rows * hidden)
     for scale, eps in ((1e-3, 1e-5), (1.0, 1e-6), (300.0, 1e-12)):
@@ -80,7 +80,8 @@ def test_rotary_factors_same_bits(switch, tokens, adjacent):
 def test_decode_attention_same_bits(switch, blocks, seq_len):
     heads, kvh, d, bs = 9, 3, 64, 16
     g = torch.Generator().manual_seed(seq_len + blocks[0])
-    kc, vc = torch.randn(6, bs, kvh, d, generator=g), torch.randn(6, bs, kvh, d, generator=g)
+    kv = torch.randn(2, 6, bs, kvh, d, generator=g)
+    kc, vc = kv[0], kv[1]  # views of one buffer (as the KV cache's): v's storage offset is not 0
     q = torch.randn(1, heads, d, generator=g)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     lens = torch.tensor([seq_len], dtype=torch.int32)
@@ -104,3 +105,11 @@ def test_quant_matmul_x_buffer_same_bits(switch, scheme):
         x = torch.randn(rows, 128, generator=g)
         old, new = switch(lambda: qw.matmul(x))
         assert torch.equal(old, new)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_silu_and_mul_same_bits(switch, rows):
+    from kernels.activation import silu_and_mul_ref
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    old, new = switch(lambda: silu_and_mul_ref(x))
+    assert torch.equal(old, new)
