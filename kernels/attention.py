@@ -112,7 +112,7 @@ class RefAttentionPlan:
         form in `dtype` (0 where seen, -inf where not: what SDPA's CPU path turns a bool mask
         into on every call, `where(mask, 0, -inf)`), made once per step and dtype."""
         m = self.dec_mask
-        if m is None or not ref_fast.FEWER_OPS:
+        if m is None or not ref_fast.FEWER_OPS or m.device.type != "cpu":  # CPU SDPA's conversion
             return m
         f = self.dec_mask_float.get(dtype)
         if f is None:
@@ -182,7 +182,7 @@ def build_ref_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
         if any(lens[i] != nb * block_size for i in dec):
             dl = torch.tensor([lens[i] for i in dec], dtype=torch.long, device=dev)
             plan.dec_mask = (torch.arange(nb * block_size, device=dev) < dl[:, None])[:, None, None, :]
-        if ref_fast.FEWER_OPS and len(dec) == 1 and idx is None:
+        if ref_fast.FEWER_OPS and len(dec) == 1 and idx is None and dev.type == "cpu":
             row = plan.dec_blocks[0].tolist()
             if row == list(range(row[0], row[0] + nb)):
                 plan.dec_first = row[0]

@@ -41,7 +41,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     Returns [..., hidden] in x's dtype.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if ref_fast.FEWER_OPS:  # F.rms_norm's fp32 composite without its casts: same bits
+        if ref_fast.FEWER_OPS and x.device.type == "cpu":  # F.rms_norm's CPU fp32 composite, no casts
             n, e = _scalars(x.shape[-1], eps)  # mean = sum / n, as torch's mean; + eps
             return x.mul(x.pow(2).sum(-1, keepdim=True).div_(n).add_(e).rsqrt_()).mul_(weight)
         # the same formula in one torch op (no casts happen in fp32): fewer small kernels

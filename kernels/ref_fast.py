@@ -1,7 +1,7 @@
 """The switch of the CPU decode path's op cuts (docs/ARCHITECTURE.md §6.4 "CPU decode ops").
 
-FEWER_OPS on (the default): the torch references that the CPU runs take forms with fewer
-ATen calls and the same values, bit for bit:
+FEWER_OPS on (the default): the torch references take forms with fewer ATen calls and the
+same values, bit for bit, on CPU tensors (CUDA tensors keep the forms before):
 - `kernels.norm.rms_norm_ref` in fp32: pow, sum, div_, add_, rsqrt_, mul, mul_ with n and
   eps as cached 0-d tensors (~9 ATen calls) instead of `F.rms_norm` (25: the same composite
   with its casts and the scalars wrapped on every call);
