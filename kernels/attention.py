@@ -121,8 +121,6 @@ class RefAttentionPlan:
         return f
 
 
-
-
 # A prefill chunk after a cached prefix, of at least SPLIT_MIN_Q queries, runs as two CPU
 # flash-attention calls without a mask, merged by their log-sum-exp: the queries over the
 # prefix (all visible) and over the chunk itself (causal, so the kernel skips the blocks above

@@ -85,8 +85,9 @@ def apply_rotary_ref(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 def rope_factors(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The step's rotary factors for `rotate_with_factors_`, made once per step and shared by
     the layers: (cos2, sin2) fp32 [T, 1, rot_dim], cos2 = [cos, cos], sin2 = [-sin, sin] of
-    the tokens' rows of the `rope_cos_sin` table (positions [T] int64). None for a partial
-    rotary (rot_dim odd); the caller checks rot_dim == head_dim."""
+    the tokens' rows of the `rope_cos_sin` table (positions [T] int64). None for an odd
+    rot_dim; `rotary_and_store_kv_ref` uses them only where rot_dim == head_dim (no partial
+    rotary)."""
     half = cos_sin.shape[-1] // 2
     if 2 * half != cos_sin.shape[-1]:
         return None
