@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import ref_fast
+
 silu_and_mul_triton = None  # set by the GPU issue: same signature as silu_and_mul_ref
 
 
@@ -18,6 +20,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     x: [num_tokens, 2 * intermediate] (fp32/bf16/fp16). Returns [num_tokens, intermediate],
     x's dtype.
     """
+    if ref_fast.FEWER_OPS:  # the same two views by slicing (chunk: 8 ATen calls)
+        h = x.shape[-1] // 2
+        return F.silu(x[..., :h]) * x[..., h:]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import ref_fast
 from kernels.kv_quant import gather_dequantized, store_quantized
 
 store_kv_triton: Callable[..., None] | None  # store_kv_ref's signature
@@ -101,6 +102,23 @@ class RefAttentionPlan:
     dec_blocks: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     dec_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[_Prefill] = field(default_factory=list)
+    # ref_fast.FEWER_OPS: the first block of a lone decode whose blocks are consecutive ids (its
+    # gather is a slice of the cache), and dec_mask as SDPA's additive float mask per dtype
+    dec_first: int | None = None
+    dec_mask_float: dict = field(default_factory=dict)
+
+    def decode_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """dec_mask for SDPA: the bool mask itself, or with `ref_fast.FEWER_OPS` its additive
+        form in `dtype` (0 where seen, -inf where not: what SDPA's CPU path turns a bool mask
+        into on every call, `where(mask, 0, -inf)`), made once per step and dtype."""
+        m = self.dec_mask
+        if m is None or not ref_fast.FEWER_OPS or m.device.type != "cpu":  # CPU SDPA's conversion
+            return m
+        f = self.dec_mask_float.get(dtype)
+        if f is None:
+            f = self.dec_mask_float[dtype] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                ~m, float("-inf"))
+        return f
 
 
 # A prefill chunk after a cached prefix, of at least SPLIT_MIN_Q queries, runs as two CPU
@@ -162,6 +180,10 @@ def build_ref_plan(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tab
         if any(lens[i] != nb * block_size for i in dec):
             dl = torch.tensor([lens[i] for i in dec], dtype=torch.long, device=dev)
             plan.dec_mask = (torch.arange(nb * block_size, device=dev) < dl[:, None])[:, None, None, :]
+        if ref_fast.FEWER_OPS and len(dec) == 1 and idx is None and dev.type == "cpu":
+            row = plan.dec_blocks[0].tolist()
+            if row == list(range(row[0], row[0] + nb)):
+                plan.dec_first = row[0]
     for i, q in enumerate(q_lens):
         if q <= 1:
             continue
@@ -215,6 +237,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             return v_cache.index_select(0, blocks)
         q_in = q
     if plan.dec_blocks is not None and plan.dec_tokens is None and not plan.prefills:
+        first = plan.dec_first
+        if first is not None and ref_fast.FEWER_OPS and k_scale is None and k_cache.is_contiguous() \
+                and v_cache.is_contiguous():
+            # consecutive blocks: K and V as [1, kvh, S, d] views of the caches, one as_strided each
+            # (the strides of the gathered copy's view and transpose in `_decode`)
+            nb, bs = plan.dec_blocks.shape[1], k_cache.shape[1]
+            size, stride = (1, kvh, nb * bs, d), (nb * bs * kvh * d, d, kvh * d, 1)
+            off = first * bs * kvh * d  # as_strided's offset counts from the storage's start
+            k = k_cache.as_strided(size, stride, k_cache.storage_offset() + off)
+            v = v_cache.as_strided(size, stride, v_cache.storage_offset() + off)
+            o = F.scaled_dot_product_attention(q.view(1, kvh, g, d), k, v, attn_mask=plan.decode_mask(q.dtype),
+                                               scale=scale)
+            return o.reshape(1, h, d)
         return _decode(q, gather_k, gather_v, plan, g, scale).to(q_in.dtype)  # decode-only step: no scatter
     out = torch.empty_like(q)
     if plan.dec_blocks is not None:
@@ -249,7 +284,7 @@ def _decode(q, gather_k: Callable[[torch.Tensor], torch.Tensor], gather_v: Calla
     blocks = plan.dec_blocks.reshape(-1)
     k = gather_k(blocks).view(b, -1, kvh, d).transpose(1, 2)
     v = gather_v(blocks).view(b, -1, kvh, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.view(b, kvh, g, d), k, v, attn_mask=plan.dec_mask,
+    o = F.scaled_dot_product_attention(q.view(b, kvh, g, d), k, v, attn_mask=plan.decode_mask(q.dtype),
                                        scale=scale)
     return o.reshape(b, h, d)
 

@@ -39,9 +39,11 @@ product (dequantize, then x @ W.T in fp32). `QuantWeight` holds one layer's pack
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels import ref_fast
 
 # the weight-only scheme a CPU worker's Linear layers take after loading (set by the model
 # runner before loading, from the `quantization` setting): "none", "int8", "int4" or "gguf"
@@ -55,6 +57,7 @@ INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_N_ALIGN = 16  # rows of W a multiple of this (the pack op's requirement)
 INT8_K_ALIGN = 16  # columns of W a multiple of this (the bf16 int8 kernel's; module doc)
 ACT_DTYPE = torch.bfloat16  # the activations' dtype inside the products (module doc)
+XBUF_ROWS = 16  # rows of x whose ACT_DTYPE copy goes through a reused buffer (QuantWeight._xbuf)
 _INT4_INNER_K_TILES = 2  # the convert op's argument (the CUDA layout's; the CPU layout is fixed)
 
 
@@ -140,6 +143,9 @@ class QuantWeight:
     packed: torch.Tensor
     scales: torch.Tensor
     group_size: int = 0
+    # ref_fast.FEWER_OPS: the ACT_DTYPE copy of x for M <= XBUF_ROWS rows, reused (one copy_
+    # instead of x.to's four ATen calls; the product reads it before the next call)
+    _xbuf: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -151,11 +157,18 @@ class QuantWeight:
         [M, out_features] in x's dtype: x cast to ACT_DTYPE, the packed kernel, cast back.
         Equals `quant_linear_ref(x.to(ACT_DTYPE), self.dequantize())` up to the kernel's
         summation order and the ACT_DTYPE rounding of the output."""
-        xa = x.to(ACT_DTYPE)
-        if not xa.is_contiguous():
-            xa = xa.contiguous()
         int8 = self.scheme == "int8"
         kp = self.packed.shape[1] * (1 if int8 else 2)
+        m = x.shape[0]
+        if ref_fast.FEWER_OPS and kp == self.in_features and m <= XBUF_ROWS and x.dim() == 2:
+            xa = self._xbuf.get(m)
+            if xa is None:
+                xa = self._xbuf[m] = torch.empty(m, kp, dtype=ACT_DTYPE)
+            xa.copy_(x)  # the same rounding as x.to(ACT_DTYPE)
+        else:
+            xa = x.to(ACT_DTYPE)
+            if not xa.is_contiguous():
+                xa = xa.contiguous()
         if kp != self.in_features:
             xa = torch.nn.functional.pad(xa, (0, kp - self.in_features))
         if int8:
@@ -164,6 +177,8 @@ class QuantWeight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group_size, self.scales)
             if y.shape[1] != self.out_features:
                 y = y[:, :self.out_features].contiguous()
+        if ref_fast.FEWER_OPS and y.dtype != x.dtype:  # y.to(x.dtype) in two ATen calls, not four
+            return torch.empty(y.shape, dtype=x.dtype).copy_(y)
         return y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:

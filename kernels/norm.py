@@ -14,10 +14,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import ref_fast
+
 rms_norm_triton = None  # set by the GPU issue: same signature as rms_norm_ref
 fused_add_rms_norm_triton = None  # same signature as fused_add_rms_norm_ref
 rms_norm_gated_triton = None  # same signature as rms_norm_gated_ref
 GATED_TRITON = True  # False: rms_norm_gated keeps the reference on CUDA (the A/B baseline)
+
+
+_SCALARS: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scalars(n: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d fp32 CPU tensors of n and eps, made once: a Python number in div_ / add_ becomes
+    such a tensor on every call (three ATen calls each); the arithmetic is the same."""
+    t = _SCALARS.get((n, eps))
+    if t is None:
+        t = _SCALARS[(n, eps)] = (torch.tensor(float(n)), torch.tensor(eps))
+    return t
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,6 +41,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     Returns [..., hidden] in x's dtype.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if ref_fast.FEWER_OPS and x.device.type == "cpu":  # F.rms_norm's CPU fp32 composite, no casts
+            n, e = _scalars(x.shape[-1], eps)  # mean = sum / n, as torch's mean; + eps
+            return x.mul(x.pow(2).sum(-1, keepdim=True).div_(n).add_(e).rsqrt_()).mul_(weight)
         # the same formula in one torch op (no casts happen in fp32): fewer small kernels
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()

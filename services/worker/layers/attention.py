@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ref_fast
 from kernels.attention import RefAttentionPlan, paged_attention, paged_attention_ref
 from kernels.rope_decode import rope_paged_decode
-from kernels.rotary import rotary_and_store_kv
+from kernels.rotary import rope_factors, rotary_and_store_kv, rotary_and_store_kv_ref
 from services.worker.kv_cache import KVHandle, PagedKVSpec
 from services.worker.state_cache import StepState
 
@@ -166,15 +167,28 @@ class ReferenceAttention(AttentionBackend):
     there) and the torch reference of paged attention with meta.ref_plan's gathers (built
     per layer when it is None). Reads every KV dtype (fp8_e4m3, int8: the layer's scales go
     to the write and the read, `kernels.kv_quant`); the CUDA backends read the model dtype
-    and fp8_e4m3 (`kernels.kv_quant_triton`)."""
+    and fp8_e4m3 (`kernels.kv_quant_triton`). On the CPU with `kernels.ref_fast.
+    FEWER_OPS` the step's rotary factors are made once for all layers
+    (`kernels.rotary.rope_factors`; docs/ARCHITECTURE.md §6.4 "CPU decode ops")."""
 
-    __slots__ = ()
+    __slots__ = ("rope",)
+
+    def __init__(self, layers: Sequence[AttentionLayer], meta: AttentionMetadata):
+        super().__init__(layers, meta)
+        self.rope: tuple | None = None  # (cos_sin table, its rope_factors) of this step
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         a, m = self.layers[layer], self.meta
-        rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm, a.eps,
-                            a.k_scale, a.v_scale)
+        if ref_fast.FEWER_OPS and not q.is_cuda and q.dtype == torch.float32:
+            rope = self.rope
+            if rope is None or rope[0] is not a.cos_sin:
+                rope = self.rope = (a.cos_sin, rope_factors(a.cos_sin, positions))
+            rotary_and_store_kv_ref(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm,
+                                    a.eps, a.k_scale, a.v_scale, rope[1])
+        else:
+            rotary_and_store_kv(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, a.q_norm, a.k_norm,
+                                a.eps, a.k_scale, a.v_scale)
         return paged_attention_ref(q, a.k, a.v, m.cu_seqlens_q, m.seq_lens, m.block_tables, a.scale,
                                    m.ref_plan, a.k_scale, a.v_scale).reshape(q.shape[0], -1)
 

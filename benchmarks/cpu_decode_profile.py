@@ -1,0 +1,138 @@
+"""Where a batch-1 CPU decode step's time and ATen calls go (diagnostic, not a target).
+
+Loads SmolLM2 (or --model) in-process as a CPU worker (`benchmarks.common.load_runner`) with
+each --quantization scheme, prefills one prompt of --context tokens, then times decode steps
+(`ModelRunner.execute` of one seq, one token) and profiles one with torch.profiler
+(record_shapes): ms a step (median of --steps), ATen calls a step, and the top ops by self
+CPU time and by count. With --ab the steps alternate between the fast path and the one
+before it (`kernels.ref_fast.FEWER_OPS` off / on, step by step in this process), and the
+JSON has both sides.
+
+Usage: .venv/bin/python benchmarks/cpu_decode_profile.py [--quantization int4 int8]
+       [--threads 1] [--steps 64] [--ab] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import emit_json, load_runner  # noqa: E402
+from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+
+class Stream:
+    """One request on the runner: a prefill of ctx tokens, then one decode step per call."""
+
+    def __init__(self, runner, ctx: int, steps: int, rid: str = "p0"):
+        self.runner, self.rid, self.pos, self.step_id = runner, rid, 0, 0
+        bs = runner.block_size
+        self.table = list(range(-(-(ctx + steps + 8) // bs)))
+        prompt = [(7 * i + 11) % 10000 for i in range(ctx)]
+        self.token = self._run(prompt, first=True)
+
+    def _run(self, ids: list[int], first: bool = False) -> int:
+        seq = ScheduledSeq(self.rid, ids, self.pos, self.table if first else [], True,
+                           GREEDY if first else None, self.step_id, table_start=0 if first else len(self.table))
+        self.step_id += 1
+        out = self.runner.execute(StepPlan(self.step_id, [seq]))
+        self.pos += len(ids)
+        return out.sampled_token_ids[0]
+
+    def step(self) -> int:
+        self.token = self._run([self.token])
+        return self.token
+
+
+def profile_step(stream: Stream) -> dict:
+    """torch.profiler over one decode step: ATen calls, self CPU ms by op, top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        stream.step()
+    ev = prof.key_averages()
+    aten = [e for e in ev if e.key.startswith("aten::")]
+    calls = sum(e.count for e in aten)
+    by_time = sorted(aten, key=lambda e: -e.self_cpu_time_total)[:20]
+    by_count = sorted(aten, key=lambda e: -e.count)[:20]
+    shapes = Counter()
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key.startswith("aten::"):
+            shapes[f"{e.key} {e.input_shapes}"[:140]] += e.count
+    return {"aten_calls": calls,
+            "aten_self_ms": round(sum(e.self_cpu_time_total for e in aten) / 1e3, 3),
+            "top_self_ms": [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                            for e in by_time],
+            "top_calls": [{"op": e.key, "calls": e.count} for e in by_count],
+            "top_shapes": [{"op": k, "calls": n} for k, n in shapes.most_common(30)]}
+
+
+def set_fast(on: bool) -> None:
+    from kernels import ref_fast
+    ref_fast.FEWER_OPS = on
+
+
+def run_scheme(a: argparse.Namespace, q: str) -> dict:
+    runner, load_s = load_runner({"model": a.model, "device": "cpu", "quantization": q,
+                                  "num_threads": a.threads, "max_model_len": 4096})
+    sides = (False, True) if a.ab else (None,)
+    out: dict = {"load_seconds": round(load_s, 2)}
+    ms: dict = {s: [] for s in sides}
+    toks: dict = {s: [] for s in sides}
+    streams = {}
+    for s in sides:
+        if s is not None:
+            set_fast(s)
+        streams[s] = Stream(runner, a.context, 2 * a.steps + 16, rid=f"p{s}")
+        for _ in range(4):  # warm-up
+            streams[s].step()
+    for _ in range(a.steps):
+        for s in sides:
+            if s is not None:
+                set_fast(s)
+            t0 = time.perf_counter()
+            toks[s].append(streams[s].step())
+            ms[s].append(1e3 * (time.perf_counter() - t0))
+    for s in sides:
+        if s is not None:
+            set_fast(s)
+        key = {None: "default", False: "old", True: "fast"}[s]
+        out[key] = {"ms_per_step_median": round(statistics.median(ms[s]), 3),
+                    "ms_per_step_min": round(min(ms[s]), 3), "profile": profile_step(streams[s])}
+    if a.ab:
+        out["tokens_equal"] = toks[False] == toks[True]
+        out["speedup"] = round(out["old"]["ms_per_step_median"] / out["fast"]["ms_per_step_median"], 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    ap.add_argument("--quantization", nargs="+", default=["int4", "int8"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--ab", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    res = {"benchmark": "cpu_decode_profile", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
+           "context": a.context, "steps": a.steps, "load_avg_start": os.getloadavg(),
+           "schemes": {q: run_scheme(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
+    emit_json(res, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
