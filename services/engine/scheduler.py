@@ -290,8 +290,7 @@ class Scheduler:
             return None
         self.step_id += 1
         forget, self.worker_forget = self.worker_forget, []
-        send_context = self.spec is not None and self.spec.reads_context
-        plan = build_plan(self.step_id, scheduled, forget, send_context)  # advances the requests
+        plan = build_plan(self.step_id, scheduled, forget)  # advances the requests
         if self.connector is not None:
             self._add_transfers(plan)
         num_tokens = {w.request.request_id: w.num_tokens + len(w.drafts) for w in scheduled}
@@ -360,7 +359,7 @@ class Scheduler:
         (async scheduling): False while a running request that needs its previous result
         on this side (penalties, a grammar, a seq verifying or proposing drafts) still
         waits for one, so that it is not left out of a step."""
-        return not any(r.inflight and self._must_sync(r) for r in self.running)
+        return not any(r.inflight and (self._must_sync(r) or r.lookup_due) for r in self.running)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
                              preempted: list[Request]) -> bool:
@@ -383,6 +382,7 @@ class Scheduler:
         self._give_back_slot(victim)  # it recomputes from token 0 into the slot it gets next
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
         victim.draft_token_ids = []  # they follow a position it no longer holds
+        victim.lookup_due = False
         victim.num_computed_tokens = 0
         victim.epoch += 1  # (its lookup ended at admission: the connector is asked again)
         victim.status = RequestStatus.WAITING
