@@ -62,13 +62,17 @@ def ngram_lookup(context: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
     return drafts.tolist()
 
 
+BULK = 32  # appended positions from which the index is extended with one zip per n
+
+
 class NgramIndex:
     """The incremental form of `ngram_lookup` for one growing context (module doc).
 
-    min_n, max_n: the n-gram sizes (1 <= min_n <= max_n). The index holds, per n, every
-    n-gram of the context that ends at a position <= L - 2 (L: the context's length at the
-    last lookup) with the last such end; the context's own last n-gram (ending at L - 1) is
-    added only once a later token follows it, so a hit is always an earlier occurrence.
+    min_n, max_n: the n-gram sizes (1 <= min_n <= max_n). The index (one dict, keyed by the
+    n-gram's tuple, so n-grams of different n never collide) holds every n-gram of the
+    context that ends at a position <= L - 2 (L: the context's length at the last lookup),
+    with the last such end; the context's own last n-gram (ending at L - 1) is added only
+    once a later token follows it, so a hit is always an earlier occurrence.
     Token ids must be >= 0. Raises ValueError on a bad n range.
     """
 
@@ -79,7 +83,7 @@ class NgramIndex:
             raise ValueError(f"ngram: prompt_lookup_min {min_n} and prompt_lookup_max {max_n} "
                              "must satisfy 1 <= min <= max")
         self.min_n, self.max_n = min_n, max_n
-        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
+        self._ends: dict[tuple[int, ...], int] = {}
         self._upto = 0  # n-grams ending at positions < _upto are indexed
 
     @property
@@ -87,37 +91,38 @@ class NgramIndex:
         """Positions whose ending n-grams are in the index."""
         return self._upto
 
-    def extend(self, tokens: Sequence[int], upto: int) -> None:
-        """Index the n-grams ending at positions [indexed, upto), where `tokens` holds the
-        context's positions [indexed - max_n + 1 (or 0), upto) (the caller slices only what
-        is new, plus max_n - 1 tokens before it)."""
-        a = self._upto
-        if upto <= a:
-            return
-        base = max(0, a - self.max_n + 1)  # position of tokens[0]
-        for i, n in enumerate(range(self.min_n, self.max_n + 1)):
-            first = max(a, n - 1)  # first end position to add for this n
-            if first >= upto:
-                continue
-            lo = first - n + 1 - base  # index in tokens of that n-gram's first token
-            cols = [tokens[lo + m:upto - base - n + 1 + m] for m in range(n)]
-            # in position order: a later occurrence overwrites an earlier one (the most recent wins)
-            self._ends[i].update(zip(zip(*cols), range(first, upto)))
-        self._upto = upto
-
     def lookup(self, tokens: Callable[[int, int], Sequence[int]], length: int, k: int) -> list[int]:
         """`ngram_lookup` of a context of `length` tokens (which only ever grew since the
         last call); `tokens(start, end)` gives its positions [start, end) (so the caller's
-        storage is sliced, never copied whole). Indexes what is new first."""
-        if k <= 0 or length < self.min_n + 1:
+        storage is sliced, never copied whole). Indexes what is new first: one slice of the
+        context from max_n - 1 before the first new position, then per new position one
+        dict store per n (a zip per n from BULK new positions on, e.g. a prompt)."""
+        lo, hi = self.min_n, self.max_n
+        if k <= 0 or length < lo + 1:
             return []
-        if self._upto < length - 1:
-            start = max(0, self._upto - self.max_n + 1)
-            self.extend(tokens(start, length - 1), length - 1)
-        top = min(self.max_n, length - 1)
-        tail = list(tokens(length - top, length))
-        for n in range(top, self.min_n - 1, -1):
-            j = self._ends[n - self.min_n].get(tuple(tail[top - n:]))
+        d = self._ends
+        a, end = self._upto, length - 1
+        top = hi if hi < end else end  # the longest n that can occur earlier
+        if a < end:
+            base = a - hi + 1 if a >= hi - 1 else 0  # position of seg[0]
+            seg = tokens(base, length)
+            if end - a >= BULK:
+                for n in range(lo, hi + 1):
+                    first = a if a >= n - 1 else n - 1
+                    if first < end:  # in position order: the most recent end wins
+                        cols = [seg[first - n + 1 - base + m:end - n + 1 - base + m] for m in range(n)]
+                        d.update(zip(zip(*cols), range(first, end)))
+            else:
+                for p in range(a, end):
+                    e = p + 1 - base
+                    for n in range(lo, (hi if p + 1 >= hi else p + 1) + 1):
+                        d[tuple(seg[e - n:e])] = p
+            self._upto = end
+            tail = seg[length - top - base:]
+        else:
+            tail = tokens(length - top, length)
+        for n in range(top, lo - 1, -1):
+            j = d.get(tuple(tail[top - n:]))
             if j is not None:
                 return list(tokens(j + 1, min(j + 1 + k, length)))
         return []

@@ -84,9 +84,12 @@ class DraftScheduler:
             if r.inflight and r.lookup_due:
                 continue  # waiting for its result already
             r.lookup_due = False
-            r.draft_token_ids = []  # only this step's lookup counts
+            if r.draft_token_ids:
+                r.draft_token_ids = []  # only this step's lookup counts
+            if r.spec_inflight or not spec.wants_lookup(r, exact):
+                continue
             k = min(spec.kmax, self.room(r) - 1)
-            if k <= 0 or r.spec_inflight or not spec.wants_lookup(r, exact):
+            if k <= 0:
                 continue
             drafts = drafter.propose(r, k if exact else 1)
             if exact:
