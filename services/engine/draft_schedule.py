@@ -76,7 +76,9 @@ class DraftScheduler:
         step (`draft_token_ids`). Otherwise nothing verifies in this step (a verify step
         runs its graph only without pending tokens, §6.5): a request whose known tokens
         already have a match is marked `lookup_due`, so that the next plan waits for the
-        results in flight and looks up again; one without counts as an empty lookup."""
+        results in flight and looks up again; one without counts as an empty lookup. With
+        policy "fixed" every decode is marked (the pipeline then always waits, as it did
+        for the worker's proposals)."""
         spec, drafter = self.spec, self.drafter
         assert drafter is not None
         exact = not any(r.inflight for r in decodes)
@@ -90,6 +92,9 @@ class DraftScheduler:
                 continue
             k = min(spec.kmax, self.room(r) - 1)
             if k <= 0:
+                continue
+            if not exact and spec.fixed:  # "fixed" looks every decode up: every step waits
+                r.lookup_due = True
                 continue
             drafts = drafter.propose(r, k if exact else 1)
             if exact:
