@@ -123,6 +123,8 @@ class OracleWorker:
 
     def execute(self, plan: P.StepPlan) -> P.StepResult:
         firsts = {s.request_id: s.table_start == 0 for s in plan.seqs}
+        if any(s.num_draft for s in plan.seqs):  # a verify step replays its graph only without them (§6.5)
+            assert not any(P.PENDING_TOKEN in s.token_ids for s in plan.seqs), "a pending token in a verify step"
         self.state.resolve(plan)
         for rid in plan.forget:
             self.history.pop(rid, None)
