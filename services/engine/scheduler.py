@@ -37,10 +37,12 @@ conditions (services/engine/stop_conditions.py) and registers the blocks that be
 in the prefix cache.
 
 Speculative decoding (docs/ARCHITECTURE.md §5.5; `spec`, None when off): a decode holding
-drafts verifies k of them and a sampled seq asks for drafts for its next step
-(services/engine/draft_schedule.py); `update` walks the emitted tokens with the stop checks,
+drafts verifies k of them (n-gram drafts are looked up here at plan time, the engine-side
+drafter; the worker's proposers' come back with a result, a sampled seq asking for them,
+services/engine/draft_schedule.py); `update` walks the emitted tokens with the stop checks,
 then rolls the request back to its accepted positions. A request whose seq in flight
-verifies or proposes is never planned ahead.
+verifies or proposes is never planned ahead, nor, while one is in flight, a step after a
+lookup that found a match in a request's known tokens (`Request.lookup_due`).
 
 The scheduled requests become the step's `StepPlan` in services/engine/step_plan.py
 (`build_plan`: tokens, table increments, pending tokens, per-request extras). A request with
@@ -345,8 +347,9 @@ class Scheduler:
     def _must_sync(req: Request) -> bool:
         """Whether req's next seq needs its previous result on the engine's side: penalties
         count its token, a grammar's mask follows from it, and after a seq that verified
-        or proposed drafts the next one's tokens and position depend on what was accepted
-        and proposed (docs/ARCHITECTURE.md §5.5)."""
+        drafts (or asked the worker's proposer for some) the next one's tokens and position
+        depend on what was accepted and proposed (docs/ARCHITECTURE.md §5.5; n-gram
+        lookups never ask the worker)."""
         return req.spec_inflight or req.has_penalty or req.grammar is not None
 
     def _at_limit(self, req: Request) -> bool:
@@ -357,8 +360,9 @@ class Scheduler:
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be planned before the results of the plans in flight
         (async scheduling): False while a running request that needs its previous result
-        on this side (penalties, a grammar, a seq verifying or proposing drafts) still
-        waits for one, so that it is not left out of a step."""
+        on this side (penalties, a grammar, a seq verifying or proposing drafts, an n-gram
+        match to look up again with its tokens known, `lookup_due`) still waits for one, so
+        that it is not left out of a step."""
         return not any(r.inflight and (self._must_sync(r) or r.lookup_due) for r in self.running)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
