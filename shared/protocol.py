@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: state checkpoints in the kvstore (docs/ARCHITECTURE.md §4.5)
+PROTOCOL_VERSION = 3  # 2: state checkpoints in the kvstore (docs/ARCHITECTURE.md §4.5); 3: no context_token_ids
 # ScheduledSeq.token_ids entry for a token the workers sampled in the previous plan and the
 # engine has not seen yet (async scheduling: plan N+1 is sent while step N runs).
 PENDING_TOKEN = -1
@@ -262,15 +262,12 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     # accepted drafts, then one recovered or bonus token (StepResult.num_sampled). With
     # structured output, allowed_token_bitmask then holds num_draft + 1 masks, one per
     # position, back to back; with penalties, position i counts penalty_token_ids plus
-    # d1..di. num_propose: drafts the workers propose for this request after this step
-    # (0: none); they come back in StepResult.draft_token_ids. The block table covers
+    # d1..di. num_propose: drafts the workers' proposer (the model-based methods; n-gram
+    # drafts are the engine's) proposes for this request after this step (0: none); they
+    # come back in StepResult.draft_token_ids. The block table covers
     # start_pos + len(token_ids) + num_propose tokens (a drafter writes its KV there).
     num_draft: int = 0
     num_propose: int = 0
-    # With a proposer that reads the context (n-gram), a request's first seq (table_start
-    # 0) carries the tokens [0, start_pos) the workers never ran (a prefix-cache hit or a
-    # tier load), so the worker's token history (services/worker/spec/history.py) is whole.
-    context_token_ids: list[int] = []
     # A model with recurrent layers (gated DeltaNet; docs/ARCHITECTURE.md §4.7): the
     # request's state slot (services/engine/state_slots.py), -1 for a model without. The
     # seq continues from the slot's state when start_pos > 0; at start_pos 0 (a new or

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.model_runner import ModelRunner
+from shared.ngram import NgramIndex
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenLogprob
 
 
@@ -116,6 +117,17 @@ class SpecRun:
         return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else 1.0
 
 
+def ngram_drafts(prompts: list[list[int]], min_n: int, max_n: int, k: int = 16) -> DraftFn:
+    """A `DraftFn` that plays the engine's n-gram drafter (services/engine/ngram_drafts.py):
+    up to k drafts looked up in prompt i + its outputs (one `NgramIndex` per prompt)."""
+    index = [NgramIndex(min_n, max_n) for _ in prompts]
+
+    def draft(i: int, outs: list[int], proposed: list[int]) -> list[int]:
+        ctx = prompts[i] + outs
+        return index[i].lookup(lambda a, b: ctx[a:b], len(ctx), k)
+    return draft
+
+
 def spec_run(runner: ModelRunner, prompts: list[list[int]], n: int, k: int,
              sampling: SamplingParams | None = None, chunk: int | None = None,
              drafts: DraftFn | None = None) -> SpecRun:
@@ -124,7 +136,9 @@ def spec_run(runner: ModelRunner, prompts: list[list[int]], n: int, k: int,
 
     Every sampled seq asks for k drafts (num_propose = k); the next seq of the request is
     [last token, d1..dj] with num_draft = j, where the drafts are the runner's proposal
-    (`StepResult.draft_token_ids`) or, with `drafts` given, what it returns (truncated to k,
+    (`StepResult.draft_token_ids`), for method "ngram" (no worker proposer: its drafts are
+    the engine's) the engine's lookup over prompt + outputs (`shared.ngram.NgramIndex`, the
+    runner's prompt_lookup range), or, with `drafts` given, what it returns (truncated to k,
     e.g. a test's right or wrong guesses). Drafts are also cut so that no step emits past
     n tokens. Tokens emitted past n are dropped; finished requests are named in the next
     plan's `forget`. Prefill in chunks of at most `chunk` tokens (None: whole prompts),
@@ -133,6 +147,8 @@ def spec_run(runner: ModelRunner, prompts: list[list[int]], n: int, k: int,
     ValueError when the KV cache is too small, and for a step result with an error.
     """
     sampling = sampling or SamplingParams(temperature=0.0)
+    if drafts is None and runner.proposer is None and getattr(runner, "spec_method", None) == "ngram":
+        drafts = ngram_drafts(prompts, *runner.prompt_lookup)
     bs = runner.block_size
     slot = -1 if getattr(runner, "state_cache", None) is None else 0
     tables, nxt = [], 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.block_manager import BlockManager
+from services.engine.ngram_drafts import Drafter, NgramDrafter
 from services.engine.request import Request
 from services.engine.spec_policy import SpecPolicy
 from services.engine.step_plan import SeqWork
@@ -26,12 +27,19 @@ class DraftScheduler:
     """Drafts and proposals for the scheduler's seqs (module doc).
 
     spec: the policy. bm: the scheduler's block manager. max_model_len: tokens of one request.
+    drafter: the engine-side drafter (method "ngram": `NgramDrafter`, built from spec's
+    config when not given), or None: the workers propose (the model-based methods).
     """
 
-    def __init__(self, spec: SpecPolicy, bm: BlockManager, max_model_len: int):
+    def __init__(self, spec: SpecPolicy, bm: BlockManager, max_model_len: int,
+                 drafter: Drafter | None = None):
         self.spec = spec
         self.bm = bm
         self.max_model_len = max_model_len
+        cfg = spec.cfg
+        if drafter is None and cfg.method == "ngram":
+            drafter = NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.drafter = drafter
 
     def room(self, req: Request) -> int:
         """Tokens req may still emit (max_tokens, max_model_len), counting those in flight."""
@@ -50,20 +58,57 @@ class DraftScheduler:
         about `step_tokens` tokens before drafts. async_ok: nothing else keeps the pipeline
         from planning ahead. budget: the step's token budget (None: unbounded); the drafts
         chosen fit in what the step leaves of it (drafts past it would displace decodes or
-        prefill tokens, which the policy's gains do not count)."""
+        prefill tokens, which the policy's gains do not count). With an engine-side
+        drafter the decodes' drafts are looked up here first (`look_up`)."""
         spec = self.spec
-        cands = [(r, min(len(r.draft_token_ids), spec.kmax, self.room(r) - 1))
-                 for r in decodes if r.draft_token_ids and not r.inflight]
         spec.begin_step(step_tokens, len(decodes), async_ok,
                         None if budget is None else max(0, budget - step_tokens))
+        if self.drafter is not None:
+            self.look_up(decodes)
+        cands = [(r, min(len(r.draft_token_ids), spec.kmax, self.room(r) - 1))
+                 for r in decodes if r.draft_token_ids and not r.inflight]
         return spec.choose(cands) if cands else {}
+
+    def look_up(self, decodes: list[Request]) -> None:
+        """The engine-side drafter's turn (docs/ARCHITECTURE.md §5.5), for the decodes the
+        policy wants drafts for (`SpecPolicy.wants_lookup`). When no decode of the step has
+        a token in flight, each one's drafts are looked up in its tokens and kept for this
+        step (`draft_token_ids`). Otherwise nothing verifies in this step (a verify step
+        runs its graph only without pending tokens, §6.5): a request whose known tokens
+        already have a match is marked `lookup_due`, so that the next plan waits for the
+        results in flight and looks up again; one without counts as an empty lookup. With
+        policy "fixed" every decode is marked (the pipeline then always waits, as it did
+        for the worker's proposals)."""
+        spec, drafter = self.spec, self.drafter
+        assert drafter is not None
+        exact = not any(r.inflight for r in decodes)
+        for r in decodes:
+            if r.inflight and r.lookup_due:
+                continue  # waiting for its result already
+            r.lookup_due = False
+            if r.draft_token_ids:
+                r.draft_token_ids = []  # only this step's lookup counts
+            if r.spec_inflight or not spec.wants_lookup(r, exact):
+                continue
+            k = min(spec.kmax, self.room(r) - 1)
+            if k <= 0:
+                continue
+            if not exact and spec.fixed:  # "fixed" looks every decode up: every step waits
+                r.lookup_due = True
+                continue
+            drafts = drafter.propose(r, k if exact else 1)
+            if exact:
+                r.draft_token_ids = drafts
+            else:
+                r.lookup_due = bool(drafts)
+            spec.observe_lookup(r, bool(drafts), exact)
 
     def decode(self, req: Request, end: int, k: int, budget: int) -> SeqWork | None:
         """req's decode (its tokens up to `end`) with k of its drafts (fewer within
         `budget` or its grammar) and the drafts it asks for next, blocks allocated; None
         when it verifies and asks none, or the blocks are short: then it runs plain."""
         drafts = req.draft_token_ids
-        if not drafts and not self.spec.may_ask(req):
+        if not drafts and (self.drafter is not None or not self.spec.may_ask(req)):
             return None  # it runs plain: the common step of a request with nothing to copy
         n = end - req.num_computed_tokens
         declined = bool(drafts) and k == 0  # the policy's choice (not the budget's)
@@ -71,7 +116,7 @@ class DraftScheduler:
         masks = None
         if k and req.grammar is not None:
             k, masks = req.grammar.draft_bitmasks(drafts[:k])
-        p = self.spec.num_propose(req, k, self.propose_limit(req, k), declined)
+        p = 0 if self.drafter is not None else self.spec.num_propose(req, k, self.propose_limit(req, k), declined)
         if not (k or p) or not self.bm.allocate(req, end + k + p):
             return None
         return SeqWork(req, n, drafts[:k], p, masks if k else None)
@@ -79,7 +124,7 @@ class DraftScheduler:
     def prefill(self, req: Request, end: int) -> int:
         """Drafts a prefill chunk of req ending at `end` asks for: only its last chunk
         (which samples) may ask."""
-        if end != req.num_tokens or req.sampling.max_tokens <= 0:
+        if end != req.num_tokens or req.sampling.max_tokens <= 0 or self.drafter is not None:
             return 0
         return self.spec.num_propose(req, 0, self.propose_limit(req, 0))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shared.protocol import FinishReason, SamplingParams, TokenLogprob
 
@@ -53,10 +53,13 @@ class Request:
     those plans whose tokens have not come back yet (the next decode feeds PENDING_TOKEN; a
     verify seq counts one, and nothing is planned past it);
     epoch counts preemptions, so a result of a plan made before one only adds its tokens.
-    Speculative decoding (docs/ARCHITECTURE.md §5.5): draft_token_ids are the drafts the
-    workers proposed after the request's last seq (current epoch only; cleared when its
-    next seq is planned and on preemption); spec_inflight is True while a seq that verified
-    or proposed drafts is in flight (the next plan must wait for its result); spec is the
+    Speculative decoding (docs/ARCHITECTURE.md §5.5): draft_token_ids are the drafts for its
+    next seq (proposed by the workers after its last seq, or found at plan time by the
+    engine-side drafter; current epoch only; cleared when its next seq is planned and on
+    preemption); spec_inflight is True while a seq that verified or proposed drafts is in
+    flight (the next plan must wait for its result); lookup_due: the engine-side drafter
+    found a match in its known tokens while a token was in flight, so the next plan waits
+    for that result and looks up again; drafter_state: that drafter's index; spec is the
     speculation policy's per-request state (`services.engine.spec_policy.SpecState`), None
     while speculation is off.
     KV tier load failures (docs/ARCHITECTURE.md §4.5): void_epoch is the epoch from which
@@ -71,7 +74,7 @@ class Request:
                  "block_hashes", "num_registered_blocks", "num_cached_tokens",
                  "output_logprobs", "prompt_logprobs", "prompt_logprobs_sent", "grammar",
                  "worker_blocks", "inflight", "epoch", "draft_token_ids", "spec_inflight", "spec",
-                 "state_slot", "void_epoch", "no_tier_loads")
+                 "lookup_due", "drafter_state", "state_slot", "void_epoch", "no_tier_loads")
 
     def __init__(self, request_id: str, frontend: bytes, prompt_token_ids: list[int],
                  sampling: SamplingParams, arrival_time: float | None = None):
@@ -102,6 +105,8 @@ class Request:
         self.draft_token_ids: list[int] = []  # drafts for the next seq (§5.5)
         self.spec_inflight = False  # a seq that verified or proposed is in flight
         self.spec: SpecState | None = None  # the speculation policy's state (spec_policy.py)
+        self.lookup_due = False  # the engine-side drafter wants its next plan after this result
+        self.drafter_state: Any = None  # the engine-side drafter's index (ngram_drafts.py)
         self.state_slot = -1  # a hybrid model's recurrent-state slot while running (state_slots.py)
         self.void_epoch = 0  # results of plans of an older epoch are dropped (a failed tier load)
         self.no_tier_loads = False  # a tier load of it failed: it recomputes, never loads again

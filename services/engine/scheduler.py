@@ -37,10 +37,12 @@ conditions (services/engine/stop_conditions.py) and registers the blocks that be
 in the prefix cache.
 
 Speculative decoding (docs/ARCHITECTURE.md §5.5; `spec`, None when off): a decode holding
-drafts verifies k of them and a sampled seq asks for drafts for its next step
-(services/engine/draft_schedule.py); `update` walks the emitted tokens with the stop checks,
+drafts verifies k of them (n-gram drafts are looked up here at plan time, the engine-side
+drafter; the worker's proposers' come back with a result, a sampled seq asking for them,
+services/engine/draft_schedule.py); `update` walks the emitted tokens with the stop checks,
 then rolls the request back to its accepted positions. A request whose seq in flight
-verifies or proposes is never planned ahead.
+verifies or proposes is never planned ahead, nor, while one is in flight, a step after a
+lookup that found a match in a request's known tokens (`Request.lookup_due`).
 
 The scheduled requests become the step's `StepPlan` in services/engine/step_plan.py
 (`build_plan`: tokens, table increments, pending tokens, per-request extras). A request with
@@ -290,8 +292,7 @@ class Scheduler:
             return None
         self.step_id += 1
         forget, self.worker_forget = self.worker_forget, []
-        send_context = self.spec is not None and self.spec.reads_context
-        plan = build_plan(self.step_id, scheduled, forget, send_context)  # advances the requests
+        plan = build_plan(self.step_id, scheduled, forget)  # advances the requests
         if self.connector is not None:
             self._add_transfers(plan)
         num_tokens = {w.request.request_id: w.num_tokens + len(w.drafts) for w in scheduled}
@@ -346,8 +347,9 @@ class Scheduler:
     def _must_sync(req: Request) -> bool:
         """Whether req's next seq needs its previous result on the engine's side: penalties
         count its token, a grammar's mask follows from it, and after a seq that verified
-        or proposed drafts the next one's tokens and position depend on what was accepted
-        and proposed (docs/ARCHITECTURE.md §5.5)."""
+        drafts (or asked the worker's proposer for some) the next one's tokens and position
+        depend on what was accepted and proposed (docs/ARCHITECTURE.md §5.5; n-gram
+        lookups never ask the worker)."""
         return req.spec_inflight or req.has_penalty or req.grammar is not None
 
     def _at_limit(self, req: Request) -> bool:
@@ -358,9 +360,10 @@ class Scheduler:
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be planned before the results of the plans in flight
         (async scheduling): False while a running request that needs its previous result
-        on this side (penalties, a grammar, a seq verifying or proposing drafts) still
-        waits for one, so that it is not left out of a step."""
-        return not any(r.inflight and self._must_sync(r) for r in self.running)
+        on this side (penalties, a grammar, a seq verifying or proposing drafts, an n-gram
+        match to look up again with its tokens known, `lookup_due`) still waits for one, so
+        that it is not left out of a step."""
+        return not any(r.inflight and (self._must_sync(r) or r.lookup_due) for r in self.running)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, taken: set[str],
                              preempted: list[Request]) -> bool:
@@ -383,6 +386,7 @@ class Scheduler:
         self._give_back_slot(victim)  # it recomputes from token 0 into the slot it gets next
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)
         victim.draft_token_ids = []  # they follow a position it no longer holds
+        victim.lookup_due = False
         victim.num_computed_tokens = 0
         victim.epoch += 1  # (its lookup ended at admission: the connector is asked again)
         victim.status = RequestStatus.WAITING

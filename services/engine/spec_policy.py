@@ -91,13 +91,15 @@ class SpecState:
     back empty.
     """
 
-    __slots__ = ("accepted", "trials", "probing", "empty")
+    __slots__ = ("accepted", "trials", "probing", "empty", "declined", "verifying")
 
     def __init__(self, prior: float):
         self.accepted = prior * PRIOR_WEIGHT
         self.trials = PRIOR_WEIGHT
         self.probing = False
         self.empty = 0
+        self.declined = False  # `choose` took none of its drafts last time it held some
+        self.verifying = False  # ... took some (its next step looks up again)
 
     @property
     def acceptance(self) -> float:
@@ -121,7 +123,6 @@ class SpecPolicy:
         self.cfg = cfg
         self.kmax = cfg.num_speculative_tokens
         self.fixed = cfg.policy == "fixed"
-        self.reads_context = cfg.method == "ngram"  # its first seq carries context_token_ids
         self.async_scheduling = async_scheduling
         self.cost = StepCostModel()
         self.acceptance = 0.5  # engine-wide moving average: the prior of new requests
@@ -166,7 +167,8 @@ class SpecPolicy:
         t = self.cost.plain_cost(self._n)
         if t is not None and not (async_ok and self.async_scheduling):
             t += self.cost.overhead
-        self._base = self._b / t if t else None
+        # a measured 0 s (a coarse or fake clock) counts as a nanosecond, as in _spec_rate
+        self._base = self._b / max(t, 1e-9) if t is not None else None
         self._probe_step = False
         if not self.fixed:
             self._since_probe += 1
@@ -178,8 +180,10 @@ class SpecPolicy:
     def _could_pay(self) -> bool:
         """Whether speculation could pay in this step at all: every sampled seq verifying
         kmax drafts, all of them accepted, beats the plain rate by MARGIN (True while the
-        costs are unknown)."""
-        if self._base is None:
+        costs are unknown, or no step with drafts was measured yet: a plain curve of one
+        size would extrapolate the drafts in proportion, and with no proposal steps, n-gram
+        drafting would never measure one)."""
+        if self._base is None or not self.cost.spec:
             return True
         d = self._b * self.kmax if self._room is None else min(self._room, self._b * self.kmax)
         if d <= 0:
@@ -237,6 +241,7 @@ class SpecPolicy:
             if st.probing:  # a probe's drafts: verified whatever the acceptance says
                 k = min(usable, PROBE_DRAFTS, room - forced_k if room is not None else PROBE_DRAFTS)
                 if k <= 0:
+                    st.probing = False  # no room: the probe is dropped
                     continue
                 ks[req.request_id] = k
                 forced_k += k
@@ -272,6 +277,10 @@ class SpecPolicy:
             ks[rid] = ks.get(rid, 0) + 1
         if best_k:  # speculation pays on its merits here: probe the others often again
             self._probe_interval = PROBE_MIN
+        for req, _ in cands:
+            if req.spec is not None:
+                req.spec.verifying = req.request_id in ks
+                req.spec.declined = not req.spec.verifying
         self.last = {"tokens": self._n, "seqs": self._b, "candidates": len(cands),
                      "drafts": forced_k + best_k, "probe_drafts": forced_k,
                      "rate_plain": self._base, "rate_chosen": best_rate}
@@ -286,6 +295,47 @@ class SpecPolicy:
         st = req.spec
         a = self.acceptance if st is None else st.acceptance
         return (st is None or st.empty < EMPTY_RUN) and a > self.break_even_acceptance()
+
+    def wants_lookup(self, req: Request, exact: bool) -> bool:
+        """Whether the engine-side drafter looks `req` up in this step (docs/ARCHITECTURE.md
+        §5.5): always with "fixed"; in a probe step, while its probe is on its way, and
+        after a step in which it verified drafts;
+        otherwise where its acceptance alone would pay (`may_ask`). exact: the lookup's
+        drafts may verify now (no token in flight); when not, a hit makes the next plan wait
+        for the results in flight, which a request whose drafts `choose` declined last time
+        does not do (it is looked up only in steps planned after their results, and in
+        probe steps)."""
+        if self.fixed or self._probe_step:
+            return True
+        st = req.spec
+        if st is not None:
+            if st.probing or st.verifying:
+                return True
+            if st.declined and not exact:
+                return False
+        return self.may_ask(req)
+
+    def observe_lookup(self, req: Request, found: bool, exact: bool = True) -> None:
+        """The engine-side drafter looked `req` up and `found` drafts (or none). exact: the
+        drafts may verify in this step; a hit that may not (a token in flight) is counted
+        at the next lookup. An empty lookup is one failed trial (as an empty proposal). A
+        hit in a probe step, of a request that would not look up on its merits, makes its
+        next seq a probe (it verifies PROBE_DRAFTS of the drafts, whatever its estimate)."""
+        st = self.state(req)
+        if found:
+            if self._probe_step and not self.fixed and not st.probing:
+                if st.declined or st.empty >= EMPTY_RUN or st.acceptance <= self.break_even_acceptance():
+                    st.probing = True
+            if exact:
+                self.num_proposals += 1
+                st.empty = 0
+            return
+        self.num_proposals += 1
+        self.num_empty_proposals += 1
+        st.observe(0, 1, PROBE_ALPHA if st.probing else ALPHA)
+        st.probing = st.verifying = False
+        st.empty += 1
+        self.acceptance -= GLOBAL_ALPHA * self.acceptance
 
     def num_propose(self, req: Request, k: int, limit: int, declined: bool = False) -> int:
         """Drafts `req` asks for after this step's seq (which verifies k drafts); at most

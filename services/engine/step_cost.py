@@ -29,7 +29,8 @@ more slowly (fewer k = 4 steps at full acceptance). An estimate interpolates lin
 bucket points, made non-decreasing in tokens (a running maximum), and extrapolates past the
 ends with the slope of the nearest segment; with one bucket only, in proportion to the
 tokens (the pessimistic guess: speculation then waits for a second measured size rather
-than assuming drafts are free). Units: seconds, tokens.
+than assuming drafts are free), except that a spec curve of one bucket follows the plain
+curve's growth from it where that has two (`spec_cost`). Units: seconds, tokens.
 
 The in-process executor (services/engine/executor.py) runs a plan when it is submitted, so
 under async scheduling the result taken up next carries the following step's time: time
@@ -170,9 +171,26 @@ class StepCostModel:
 
     def spec_cost(self, tokens: float) -> float | None:
         """Expected device time of a spec step (the plain curve stands in before any spec
-        sample); None when nothing was measured."""
+        sample); None when nothing was measured. While the spec curve has one measured size
+        x0 and the plain curve two or more, the estimate is spec(x0) + the plain curve's
+        growth from x0 to `tokens` (a verify's tokens cost what any step's tokens cost, its
+        extra is the offset); with one plain size below x0, the slope from that point to
+        spec(x0) (which counts the extra as growth: pessimistic): n-gram drafts verify with no proposal step of another size
+        (docs/ARCHITECTURE.md §5.5), so a first probe's k = 1 would otherwise be
+        extrapolated in proportion and k would never grow past it."""
         t = self.spec.estimate(tokens)
-        return self.plain.estimate(tokens) if t is None else t
+        if t is None:
+            return self.plain.estimate(tokens)
+        if len(self.spec.seconds) == 1 and self.plain.seconds:
+            (x0,), (y0,) = self.spec._points()
+            if len(self.plain.seconds) >= 2:
+                p_t, p_0 = self.plain.estimate(tokens), self.plain.estimate(x0)
+                assert p_t is not None and p_0 is not None
+                return max(0.0, y0 + p_t - p_0)
+            (xp,), (yp,) = self.plain._points()
+            if xp < x0:  # the slope from the plain point, which holds the spec step's extra too
+                return max(0.0, y0 + max(0.0, (y0 - yp) / (x0 - xp)) * (tokens - x0))
+        return t
 
     def stats(self) -> dict:
         """The curves' points, their dropped spikes ([plain, spec]) and the overhead (for the

@@ -15,9 +15,9 @@ Per-request extras, only where used (plans stay small otherwise):
 - prompt logprobs: `num_prompt_tokens` (the worker gathers them chunk by chunk);
 - structured output: `allowed_token_bitmask` from the request's grammar, for sampled seqs.
 Speculative decoding (§5.5): a decode with drafts runs `[last token, d1..dk]` with
-`num_draft = k` (and k + 1 grammar masks, computed by the scheduler); a sampled seq may ask
-for `num_propose` drafts after the step; with a proposer that reads the context (n-gram), a
-request's first seq that starts past token 0 carries `context_token_ids`.
+`num_draft = k` (and k + 1 grammar masks, computed by the scheduler); with a worker-side
+proposer (the model-based methods) a sampled seq may ask for `num_propose` drafts after the
+step (n-gram drafts are found by the engine at plan time: never).
 """
 
 from __future__ import annotations
@@ -49,12 +49,10 @@ class SeqWork(NamedTuple):
     state_save: int = -1  # the checkpoint slot to save the state into after this chunk
 
 
-def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str],
-               send_context: bool = False) -> StepPlan:
+def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str]) -> StepPlan:
     """The plan of step `step_id` for `scheduled` (in plan order; each request's blocks
     already cover its chunk, drafts and proposals). forget: ids of ended requests whose
-    tables the workers drop (`StepPlan.forget`). send_context: the proposer reads the
-    context (first seqs starting past 0 carry `context_token_ids`).
+    tables the workers drop (`StepPlan.forget`).
 
     Advances each request as the plan is sent: `num_computed_tokens` over all its tokens
     (drafts included: the KV is written before any later plan runs; `Scheduler.update`
@@ -88,8 +86,6 @@ def build_plan(step_id: int, scheduled: list[SeqWork], forget: list[str],
             state_restore=work.state_restore,
             state_save=work.state_save,
         )
-        if send_context and not known and start > 0:
-            seq.context_token_ids = req.token_slice(0, start)
         req.worker_blocks = len(req.block_ids)
         req.num_computed_tokens = end + len(drafts)
         if sample:

@@ -169,6 +169,9 @@ class ModelRunner:
         self.proposer = build_proposer(cfg, self)  # drafter weights load here (before the KV sizing)
         spec_cfg = cfg.speculative
         self.num_speculative_tokens = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
+        self.spec_method = spec_cfg.method if spec_cfg is not None else None
+        # n-gram's n range, for drivers that play the engine's drafter (tests/runner_driver.py)
+        self.prompt_lookup = (spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max) if spec_cfg is not None else None
         draft_specs = self.proposer.kv_specs() if self.proposer is not None else []
         if self.proposer is not None and self.proposer.target_layer_ids:
             # the CausalLM contract's aux_hidden_layers (models/base.py), set once before any forward
@@ -230,8 +233,6 @@ class ModelRunner:
                                   cfg.max_num_batched_tokens, self.kv.k_scale[0], self.kv.v_scale[0])
         self.plan_state = PlanState()  # what the engine sends once per request
         self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
-        # the proposer's token history (spec/history.py), fed here: None unless it reads the context
-        self.history = getattr(self.proposer, "history", None)
         self.draft_probs = DraftProbs()  # q of the last proposal per request (probabilistic drafting)
         # the last step that sampled: (the device ids of each sampled seq's last emitted token
         # [rows] int64, request id -> row); a PENDING_TOKEN of the next plan is read from it
@@ -336,7 +337,7 @@ class ModelRunner:
             # one checkpoint in a kvstore state slot (shared/state_layout.py; the engine checks it)
             "state_checkpoint_bytes": self.kv_transfer.state_bytes,
             "speculative": proposer_report(self.proposer, self.num_speculative_tokens, self.draft_kv,
-                                           self.draft_block_bytes),
+                                           self.draft_block_bytes, self.spec_method),
             # Triton compiles before ready and where the compile hooks sit (jit_watch.py)
             "jit_startup_compiles": jit_watch.WATCH.startup_compiles, "jit_hooks": self.jit_hooks,
             # verify steps' CUDA graphs (verify_graphs.py), only when captured
@@ -373,8 +374,6 @@ class ModelRunner:
         if plan.forget:
             self._forget(plan.forget)
         self.plan_state.resolve(plan)  # whole block tables and sampling params (plan_state.py)
-        if self.history is not None:
-            self.history.write(plan.seqs)
         load_error = self.kv_transfer.before_step(plan)
         if load_error:  # the inputs are garbage: no forward; the engine recomputes (§4.5)
             result = StepResult(plan.step_id, [], kv_load_error=load_error)
@@ -403,8 +402,6 @@ class ModelRunner:
     def _forget(self, request_ids: list[str]) -> None:
         """Drop what the runner and its proposer keep for requests that ended."""
         self.draft_probs.drop(request_ids)
-        if self.history is not None:
-            self.history.forget(request_ids)
         if self.proposer is not None:
             self.proposer.forget(request_ids)
 
@@ -432,13 +429,10 @@ class ModelRunner:
                 assert out.token_tensor is not None  # Sampler.sample always returns the device ids
                 self._last_sampled = (out.token_tensor, {s.request_id: j for j, s in enumerate(sampled)})
                 self._last_kept = kept
-            if self.history is not None or self.proposer is not None:
+            if self.proposer is not None:
                 if emitted is None:
                     emitted = [[t] for t in result.sampled_token_ids]
-                if self.history is not None:
-                    self.history.emit(sampled, emitted)
-                if self.proposer is not None:
-                    self._propose(result, fwd, emitted)
+                self._propose(result, fwd, emitted)
         for i, chunk_logits in fwd.prompt_logits.items():
             result.prompt_logprobs[seqs[i].request_id] = self.prompt_scorer.score(seqs[i], chunk_logits)
         if self.state_cache is not None:  # prefix-cache checkpoints of the recurrent state (§4.7)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from services.engine.ngram_drafts import Drafter
+from services.engine.request import Request
 from shared import protocol as P
 from shared.plan_state import PlanState
 
@@ -82,20 +84,19 @@ class OracleWorker:
         output_index): how many of the wanted drafts to return (default: all).
     bm: the engine's block manager; a write into a block it shares or has named fails.
     clock, step_cost(plan): a simulated clock advanced by step_cost(plan) seconds per step.
-    reads_context: the proposer reads the context (n-gram): the worker's token history,
-        built from context_token_ids and the tokens it ran, must equal the KV's.
+    Its drafts reach the engine through `OracleDrafter` (the engine-side drafter seam of
+    method "ngram", services/engine/ngram_drafts.py), or, for seqs with num_propose, with
+    the step result as a worker-side proposer's do.
     """
 
     def __init__(self, block_size: int, vocab: int = VOCAB, *,
                  mistake: Callable[[str, int], bool] = lambda rid, i: False,
                  proposer: Callable[[str, list[int], int, int], list[int]] | None = None,
                  short: Callable[[str, int], int] | None = None, bm=None,
-                 clock: FakeClock | None = None, step_cost: Callable[[P.StepPlan], float] | None = None,
-                 reads_context: bool = True):
+                 clock: FakeClock | None = None, step_cost: Callable[[P.StepPlan], float] | None = None):
         self.bs, self.vocab = block_size, vocab
         self.mistake, self.proposer, self.short = mistake, proposer, short
         self.bm, self.clock, self.step_cost = bm, clock, step_cost
-        self.reads_context = reads_context
         self.state = PlanState()
         self.kv: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.history: dict[str, list[int]] = {}
@@ -122,6 +123,8 @@ class OracleWorker:
 
     def execute(self, plan: P.StepPlan) -> P.StepResult:
         firsts = {s.request_id: s.table_start == 0 for s in plan.seqs}
+        if any(s.num_draft for s in plan.seqs):  # a verify step replays its graph only without them (§6.5)
+            assert not any(P.PENDING_TOKEN in s.token_ids for s in plan.seqs), "a pending token in a verify step"
         self.state.resolve(plan)
         for rid in plan.forget:
             self.history.pop(rid, None)
@@ -143,12 +146,7 @@ class OracleWorker:
             assert len(table) * self.bs >= s.start_pos + len(toks) + s.num_propose, "blocks do not cover"
             hist = self.history.setdefault(rid, [])
             if firsts[rid]:
-                hist[:] = list(s.context_token_ids)
-                if self.reads_context:
-                    assert len(hist) == s.start_pos, "context_token_ids do not reach start_pos"
-                else:
-                    assert not hist, "context sent to a proposer that does not read it"
-                    hist[:] = self._read(table, s.start_pos)[0]
+                hist[:] = self._read(table, s.start_pos)[0]
             del hist[s.start_pos:]
             assert len(hist) == s.start_pos, "the plan skips tokens"
             hist.extend(toks)
@@ -219,3 +217,27 @@ class OracleWorker:
             out = oracle_continuation(ctx, n)
         return [(t + 1 + i) % self.vocab if self.mistake(rid, output_index + i) else t
                 for i, t in enumerate(out[:n])]
+
+
+class OracleDrafter(Drafter):
+    """The oracle worker's drafts as the engine-side drafter's (`Drafter.propose`): for a
+    request's known tokens, `worker`'s proposal (its mistakes, short counts and proposer
+    apply, keyed by the output index of the first draft), recorded in `worker.proposals`.
+    Install with `install(core, worker)`."""
+
+    def __init__(self, worker: OracleWorker):
+        self.worker = worker
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        ctx = req.prompt_token_ids + req.output_token_ids
+        oi = len(req.output_token_ids)
+        drafts = self.worker._propose(req.request_id, ctx, oi, k)
+        self.worker.proposals.append((req.request_id, oi, drafts))
+        return drafts
+
+    @staticmethod
+    def install(core, worker: OracleWorker) -> None:
+        """Make `worker`'s proposals the drafts of `core`'s scheduler (an `EngineCore` with
+        method "ngram")."""
+        assert core.scheduler.drafts is not None and core.scheduler.drafts.drafter is not None
+        core.scheduler.drafts.drafter = OracleDrafter(worker)

@@ -1,8 +1,8 @@
-"""N-gram prompt lookup and the worker's token history (services/worker/spec/ngram.py,
-history.py; docs/ARCHITECTURE.md §5.5). The lookup is checked against a brute-force search
-written out here from the rule (longest n first, most recent earlier occurrence), the
-history against the token list a request really has, and the proposer through the runner
-(CPU, dummy tiny-Qwen3 weights) against plain decoding."""
+"""N-gram prompt lookup (shared/ngram.py) and the engine's drafter (services/engine/
+ngram_drafts.py; docs/ARCHITECTURE.md §5.5). The lookup, stateless and incremental, is
+checked against a brute-force search written out here from the rule (longest n first, most
+recent earlier occurrence), and n-gram speculation through the runner (CPU, dummy
+tiny-Qwen3 weights, the drafts looked up as the engine does) against plain decoding."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ import pytest
 import torch
 
 from benchmarks.common import model_dir
+from services.engine.ngram_drafts import NgramDrafter
+from services.engine.request import Request
 from services.worker.model_runner import ModelRunner
-from services.worker.spec.history import UNKNOWN, TokenHistory
-from services.worker.spec.ngram import NgramProposer, ngram_lookup
 from shared.config import build_config
-from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan
+from shared.ngram import NgramIndex, ngram_lookup
+from shared.protocol import SamplingParams
 from tests.runner_driver import generate, spec_run
 
 GREEDY = SamplingParams(temperature=0.0)
+UNKNOWN = -1  # a position never seen: matches nothing, stops the drafts
 
 
 def _brute(ctx: list[int], lo: int, hi: int, k: int) -> list[int]:
@@ -43,7 +45,7 @@ def test_lookup_equals_the_brute_force_search(vocab):
     for trial in range(400):
         L = int(rng.integers(1, 60))
         ctx = rng.integers(0, vocab, L).astype(np.int32)
-        if trial % 7 == 0:  # positions the worker never saw
+        if trial % 7 == 0:  # positions never seen (negative ids)
             ctx[rng.integers(0, L, 2)] = UNKNOWN
         lo = int(rng.integers(1, 4))
         hi = lo + int(rng.integers(0, 3))
@@ -67,44 +69,46 @@ def test_lookup_prefers_the_longest_ngram_then_the_most_recent_occurrence():
     assert ngram_lookup(a([1, 2, 1, 2]), 2, 2, 0) == []
 
 
-def test_history_follows_prefill_decode_verify_and_rollback():
-    h = TokenHistory(initial_capacity=2)  # grows several times below
-    seq = ScheduledSeq("a", [10, 11, 12], 0, [0], False, GREEDY)
-    h.write([seq])
-    h.write([ScheduledSeq("a", [13, 14], 3, [0], True, GREEDY)])
-    h.emit([ScheduledSeq("a", [13, 14], 3, [0], True, GREEDY)], [[20]])
-    assert h.tokens("a").tolist() == [10, 11, 12, 13, 14, 20]
-    # a verify seq [last, d1, d2, d3]: two drafts accepted, then a recovered token
-    v = ScheduledSeq("a", [20, 30, 31, 32], 5, [0], True, GREEDY, num_draft=3)
-    h.write([v])
-    assert h.tokens("a").tolist() == [10, 11, 12, 13, 14, 20, 30, 31, 32]
-    h.emit([v], [[30, 31, 40]])
-    assert h.tokens("a").tolist() == [10, 11, 12, 13, 14, 20, 30, 31, 40]  # d3 rolled back
-    # a pending input keeps the token the worker emitted there
-    p = ScheduledSeq("a", [PENDING_TOKEN], 8, [0], True, GREEDY)
-    h.write([p])
-    assert h.tokens("a").tolist()[-1] == 40
-    h.emit([p], [[41]])
-    assert h.length("a") == 10 and h.tokens("a").tolist()[-2:] == [40, 41]
-    # a preemption restarts the request from token 0: everything after is gone
-    h.write([ScheduledSeq("a", [10, 11], 0, [0], False, GREEDY)])
-    assert h.tokens("a").tolist() == [10, 11]
+@pytest.mark.parametrize("vocab", [2, 3, 7, 50])
+def test_the_incremental_index_equals_the_brute_force_search_after_every_append(vocab):
+    """A context that grows by 1-5 tokens at a time (a decode, a verify's accepted drafts, a
+    prefill chunk): after every append, `NgramIndex.lookup` gives what the exhaustive search
+    of the whole context gives, for random n ranges and k."""
+    rng = np.random.default_rng(100 + vocab)
+    for trial in range(60):
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        idx = NgramIndex(lo, hi)
+        ctx: list[int] = []
+        for _ in range(40):
+            ctx += rng.integers(0, vocab, int(rng.choice([1, 1, 1, 2, 5]))).tolist()
+            k = int(rng.integers(0, 6))
+            got = idx.lookup(lambda a, b, c=ctx: c[a:b], len(ctx), k)
+            assert got == _brute(ctx, lo, hi, k), (trial, ctx, lo, hi, k)
+
+
+def test_the_index_skips_lookups_it_was_not_asked_for():
+    """Appends between two lookups (a request not looked up for a while) are indexed at the
+    next one, in order: the most recent occurrence still wins."""
+    idx = NgramIndex(2, 2)
+    ctx = [1, 2, 3]
+    assert idx.lookup(lambda a, b: ctx[a:b], 3, 2) == []
+    ctx += [1, 2, 4, 9, 1, 2]  # "1 2" now followed by 3 (first) and 4 (later)
+    assert idx.lookup(lambda a, b: ctx[a:b], len(ctx), 2) == [4, 9] == _brute(ctx, 2, 2, 2)
     with pytest.raises(ValueError):
-        h.tokens("a")[0] = 1  # a read-only view
-    h.forget(["a"])
-    assert h.length("a") == 0 and h.tokens("a").size == 0 and len(h) == 0
+        NgramIndex(3, 2)
 
 
-def test_history_takes_context_tokens_and_marks_gaps_unknown():
-    h = TokenHistory()
-    # a prefix-cache hit: the first seq starts at 4 and carries the tokens before it
-    h.write([ScheduledSeq("b", [5, 6], 4, [0], True, GREEDY, context_token_ids=[1, 2, 3, 4])])
-    assert h.tokens("b").tolist() == [1, 2, 3, 4, 5, 6]
-    # a request first seen past position 0 without its context: the gap matches nothing
-    h.write([ScheduledSeq("c", [7, 8], 3, [0], True, GREEDY)])
-    assert h.tokens("c").tolist() == [UNKNOWN] * 3 + [7, 8]
-    h.write([ScheduledSeq("d", [PENDING_TOKEN], 2, [0], True, GREEDY)])
-    assert h.tokens("d").tolist() == [UNKNOWN] * 3
+def test_the_engine_drafter_looks_up_a_requests_prompt_and_outputs():
+    """`NgramDrafter.propose` over a `Request`: prompt and outputs as one context, the
+    index kept on the request (`drafter_state`) and brought up to date as outputs arrive."""
+    req = Request("q", b"fe", [5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=10))
+    d = NgramDrafter(1, 3)
+    assert d.propose(req, 3) == [7, 8, 5] == _brute(req.prompt_token_ids, 1, 3, 3)
+    assert isinstance(req.drafter_state, NgramIndex)
+    req.output_token_ids += [7, 8]  # "5 6 7 8" then "5 6 7 8": the latest "6 7 8" is at 1..3
+    whole = req.prompt_token_ids + req.output_token_ids
+    assert d.propose(req, 4) == _brute(whole, 1, 3, 4) == [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +125,11 @@ def ngram_runner():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_the_runner_feeds_the_ngram_proposers_history(ngram_runner):
+def test_the_runner_has_no_ngram_proposer_and_reports_the_drafts_as_the_engines(ngram_runner):
     r = ngram_runner
-    assert isinstance(r.proposer, NgramProposer) and r.history is r.proposer.history
-    assert r.report()["speculative"]["method"] == "ngram" and r.draft_kv is None
-    prompt = [7, 8, 9, 7, 8]
-    res = r.execute(StepPlan(0, [ScheduledSeq("h", prompt, 0, [80], True, GREEDY, 0, num_propose=3)]))
-    t = res.sampled_token_ids[0]
-    assert r.history.tokens("h").tolist() == [*prompt, t]
-    assert res.draft_token_ids["h"] == ngram_lookup(np.array([*prompt, t]), 1, 3, 3)
-    r.execute(StepPlan(1, [], forget=["h"]))
-    assert r.history.length("h") == 0
+    assert r.proposer is None and r.draft_kv is None
+    rep = r.report()["speculative"]
+    assert rep["method"] == "ngram" and rep["drafts"] == "engine" and rep["num_speculative_tokens"] == 4
 
 
 def test_ngram_speculation_gives_the_tokens_of_plain_decoding(ngram_runner):
@@ -145,7 +143,6 @@ def test_ngram_speculation_gives_the_tokens_of_plain_decoding(ngram_runner):
     # greedy dummy weights repeat their tokens: prompt lookup finds them
     run = spec_run(ngram_runner, prompts, 24, 4)
     assert run.num_accepted > 0 and run.acceptance_length > 1.5
-    assert len(ngram_runner.history) == 0  # the driver's last plan forgot every request
 
 
 

@@ -26,7 +26,7 @@ from services.engine.core import EngineCore  # noqa: E402
 from services.engine.executor import InProcessExecutor  # noqa: E402
 from shared import protocol as P  # noqa: E402
 from tests.unit.engine_rig import Outbox, core_config, drive, toy_info  # noqa: E402
-from tests.unit.spec_oracle_rig import OracleWorker, allowed_ids  # noqa: E402
+from tests.unit.spec_oracle_rig import OracleDrafter, OracleWorker, allowed_ids  # noqa: E402
 
 TOKENS = ["</s>", *"0123456789", "[", "]", ",", " ", "a", "b", ", ", "12", "x"]
 V, EOS, BS = len(TOKENS), 0, 4
@@ -82,7 +82,7 @@ def _fresh_masks(compiled, outputs: list[int], drafts: list[int]) -> list[bytes]
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_grammar_masks_per_verified_position(model_dir, async_scheduling):
-    plain = _run(_core(model_dir, None, async_scheduling), OracleWorker(BS, V, reads_context=False),
+    plain = _run(_core(model_dir, None, async_scheduling), OracleWorker(BS, V),
                  async_scheduling)
     ref = {r.request_id: plain.tokens(r.request_id) for r in _requests()}
     for rid, toks in ref.items():
@@ -98,6 +98,7 @@ def test_grammar_masks_per_verified_position(model_dir, async_scheduling):
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"})
     core = _core(model_dir, spec, async_scheduling)
     worker = OracleWorker(BS, V, proposer=replay, mistake=wrong, bm=core.scheduler.bm)
+    OracleDrafter.install(core, worker)
     out = _run(core, worker, async_scheduling)
     for rid, toks in ref.items():
         assert out.tokens(rid) == toks and out.final(rid).finish_reason == "stop"

@@ -321,3 +321,23 @@ def test_empty_proposals_stop_the_asking_and_a_copy_that_starts_late_is_found(as
     assert 60 <= first_on < 60 + 2 * PROBE_MAX // 4
     accepted = sum(a for _, i, _, a in worker.verified if i >= first_on)
     assert accepted >= 0.7 * (200 - first_on)
+
+
+def test_ngram_lookups_that_find_nothing_never_make_a_step_wait():
+    """The engine's n-gram drafter (docs/ARCHITECTURE.md §5.5) with nothing to copy, under
+    async scheduling: lookups and probes are no steps of their own, and one that finds
+    nothing keeps the pipeline planning ahead: after each request's first decode every
+    decode feeds its pending token, and nothing is verified. Outputs equal the plain run's."""
+    reqs = _reqs(6)
+    plain, _, _, _ = _simulate(None, 0.0, gpu_like, reqs, seqs=6)
+    core, worker = pair(spec_json(4, "adaptive"), 0.0, 1, step_cost=gpu_like, max_model_len=400, max_num_seqs=6,
+                        async_scheduling=True, worker_kw={"short": lambda rid, i: 0})
+    waits = []
+    got = outputs(run(core, worker, reqs, True, check=lambda c: waits.append(not c.scheduler.can_schedule_ahead())),
+                  reqs)
+    assert got == plain and not worker.verified and not any(waits)
+    s = core.stats()
+    assert s["spec_decode_num_proposals"] == s["spec_decode_num_empty_proposals"] > 0
+    assert s["spec_decode_num_probes"] > 0
+    decodes = sum(r.sampling.max_tokens - 1 for r in reqs)
+    assert worker.pending_fed >= decodes - 2 * len(reqs)

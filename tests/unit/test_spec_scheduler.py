@@ -22,7 +22,7 @@ from services.engine.executor import InProcessExecutor
 from services.engine.pipeline import StepPipeline
 from shared import protocol as P
 from tests.unit.engine_rig import Outbox, core_config, toy_info
-from tests.unit.spec_oracle_rig import EOS, VOCAB, FakeClock, OracleWorker, oracle_continuation
+from tests.unit.spec_oracle_rig import EOS, VOCAB, FakeClock, OracleDrafter, OracleWorker, oracle_continuation
 
 BS = 4
 
@@ -53,7 +53,9 @@ def pair(spec: str | None, rate: float = 0.0, seed: int = 0, step_cost=cpu_like,
     clock = FakeClock()
     core = make_core(spec, clock=clock, **core_kw)
     worker = OracleWorker(BS, mistake=mistakes(rate, seed), bm=core.scheduler.bm, clock=clock,
-                          step_cost=step_cost, reads_context=spec is not None, **(worker_kw or {}))
+                          step_cost=step_cost, **(worker_kw or {}))
+    if spec is not None:
+        OracleDrafter.install(core, worker)
     return core, worker
 
 
@@ -289,7 +291,7 @@ def test_a_result_that_does_not_match_its_plan_is_refused():
     core = make_core(spec_json(2))
     core.add(b"fe", P.AddRequest("x", [1, 2, 3], P.SamplingParams(temperature=0, max_tokens=10), 0.0))
     out = core.plan_step()
-    assert out is not None and out.plan.seqs[0].num_propose == 2
+    assert out is not None and out.plan.seqs[0].num_propose == 0  # n-gram drafts are the engine's
     with pytest.raises(ValueError):  # a prefill's last chunk verifies nothing: one token
         core.finish_step(out, P.StepResult(out.plan.step_id, [4, 5], num_sampled=[2]))
     with pytest.raises(ValueError):

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import spec_stats as st
 from benchmarks.spec_prompts import SETS, hashed_token_ids
-from services.worker.spec.ngram import ngram_lookup
+from shared.ngram import ngram_lookup
 
 
 def _run(tok_s, ttft=10.0, tpot=2.0, errors=0):

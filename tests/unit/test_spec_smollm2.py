@@ -11,7 +11,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.worker.model_runner import ModelRunner
-from services.worker.spec.ngram import ngram_lookup
 from shared.config import build_config
 from shared.protocol import PENDING_TOKEN, SamplingParams, ScheduledSeq, StepPlan
 from tests.runner_driver import generate, spec_run
@@ -101,24 +100,3 @@ def test_a_pending_token_after_a_verify_step_is_the_last_emitted_token(runner, p
             ScheduledSeq("b", [PENDING_TOKEN], p + 3, tables["b"], True, sp, 4)]
     assert runner.execute(StepPlan(2, seqs)).sampled_token_ids == [ref[4], ref[4]]
     runner.execute(StepPlan(3, [], forget=["a", "b"]))
-
-
-def test_a_first_seq_past_position_0_brings_its_context_for_the_lookup(runner, prompts, plain):
-    """Request b reuses a's first blocks (a prefix-cache hit): it starts at a block boundary
-    with context_token_ids, and its drafts are looked up in the whole prompt."""
-    prompt, ref = prompts[0], plain.tokens[0]
-    bs = runner.block_size
-    hit = (len(prompt) - 1) // bs * bs
-    assert hit > 0
-    sp = SamplingParams(temperature=0.0)
-    a_table = [110, 111, 112, 113]
-    runner.execute(StepPlan(0, [ScheduledSeq("a", prompt, 0, a_table, False, sp, 0)]))
-    b_table = a_table[:hit // bs] + [120, 121, 122]
-    seq = ScheduledSeq("b", prompt[hit:], hit, b_table, True, sp, 0, num_propose=4,
-                       context_token_ids=prompt[:hit])
-    res = runner.execute(StepPlan(1, [seq], forget=["a"]))
-    assert res.sampled_token_ids == [ref[0]]
-    whole = [*prompt, ref[0]]
-    assert runner.history.tokens("b").tolist() == whole
-    assert res.draft_token_ids["b"] == ngram_lookup(runner.history.tokens("b"), 1, 3, 4) != []
-    runner.execute(StepPlan(2, [], forget=["b"]))

@@ -1,7 +1,7 @@
 """Speculative decoding in the worker (docs/ARCHITECTURE.md §5.5): proposers (`base.Proposer`
-and one module per method), verification (`verify`), the runner's verify and propose halves
-of a step (`step`) and the worker's token history (`history`, for proposers that read the
-context).
+and one module per model-based method), verification (`verify`) and the runner's verify and
+propose halves of a step (`step`). n-gram drafts are the engine's (services/engine/
+ngram_drafts.py): the worker only verifies them, with no proposer.
 
 `build_proposer(cfg, runner)` is the registry: `cfg.speculative.method` -> the proposer
 class, imported on first use (a method's module may pull in weights loaders or kernels the
@@ -15,9 +15,9 @@ from typing import Any
 
 from services.worker.spec.base import Proposer
 
+ENGINE_METHODS = ("ngram",)  # drafts found by the engine at plan time: no worker proposer
 # method -> (module, class); every class is built as cls(cfg, spec, runner)
 PROPOSERS: dict[str, tuple[str, str]] = {
-    "ngram": ("services.worker.spec.ngram", "NgramProposer"),
     "draft_model": ("services.worker.spec.draft_model", "DraftModelProposer"),
     "eagle": ("services.worker.spec.eagle", "EagleProposer"),
     "dflash": ("services.worker.spec.dflash", "DFlashProposer"),
@@ -26,7 +26,7 @@ PROPOSERS: dict[str, tuple[str, str]] = {
 
 def build_proposer(cfg: Any, runner: Any) -> Proposer | None:
     """The proposer of `cfg.speculative` (a `KestrelConfig`; None when speculative decoding
-    is off), built as `cls(cfg, spec, runner)`.
+    is off or its drafts are the engine's, `ENGINE_METHODS`), built as `cls(cfg, spec, runner)`.
 
     runner: the `ModelRunner` being built; at this point it has device, dtype, spec (the
     target's `ModelSpec`), max_model_len, block_size, model (weights loaded), fusion,
@@ -36,7 +36,7 @@ def build_proposer(cfg: Any, runner: Any) -> Proposer | None:
     whatever the proposer's constructor raises (a missing drafter folder, ...).
     """
     spec = cfg.speculative
-    if spec is None:
+    if spec is None or spec.method in ENGINE_METHODS:
         return None
     entry = PROPOSERS.get(spec.method)
     if entry is None:
@@ -57,13 +57,18 @@ def build_proposer(cfg: Any, runner: Any) -> Proposer | None:
     return proposer
 
 
-def proposer_report(proposer: Proposer | None, k: int, kv: Any, kv_bytes_per_block: int) -> dict | None:
-    """The proposer's startup facts for the worker's report (None without one): method, k
-    (num_speculative_tokens), its weight bytes, its KV group's bytes (`kv`: the group's
-    `KVCache`, or None) and bytes per block, the target layers it reads, and its own
-    `ProposerInfo.detail`."""
+def proposer_report(proposer: Proposer | None, k: int, kv: Any, kv_bytes_per_block: int,
+                    method: str | None = None) -> dict | None:
+    """The proposer's startup facts for the worker's report (None with speculation off):
+    method, k (num_speculative_tokens), its weight bytes, its KV group's bytes (`kv`: the
+    group's `KVCache`, or None) and bytes per block, the target layers it reads, and its own
+    `ProposerInfo.detail`. method: the configured method; one of `ENGINE_METHODS` (no
+    proposer) reports no weights, no KV and `"drafts": "engine"`."""
     if proposer is None:
-        return None
+        if method not in ENGINE_METHODS:
+            return None
+        return {"method": method, "num_speculative_tokens": k, "weight_bytes": 0, "kv_bytes": 0,
+                "kv_bytes_per_block": 0, "target_layer_ids": [], "drafts": "engine"}
     info = proposer.info()
     return {"method": info.method, "num_speculative_tokens": k, "weight_bytes": info.weight_bytes,
             "kv_bytes": kv.bytes if kv is not None else 0, "kv_bytes_per_block": kv_bytes_per_block,
