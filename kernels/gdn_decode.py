@@ -57,13 +57,15 @@ ENABLED = True  # False: the dispatchers keep the references on CUDA too
 # state copied asynchronously into shared memory while one is computed, so more state is in
 # flight than the registers hold).
 # REC_LAUNCH: (max_rows, block_v, num_warps, order, items, stages), by max_rows ascending; a
-# step of n rows takes the first entry with n <= max_rows (None: any n). The fixed config up to
-# 16 rows; the wider flat entries are not measured on the H200 yet:
-# benchmarks/gdn_decode_sweep.py times each candidate and prints a table to paste here.
+# step of n rows takes the first entry with n <= max_rows (None: any n). From the H200 sweep
+# (2026-12-03, benchmarks/gdn_decode_sweep.py, Qwen3.5-35B-A3B's shape, one layer; the old fixed
+# config (8, 1, grid3) in the same run): 1 row 4.18 -> 3.91 us, 8 rows 15.4 -> 11.6, 32 rows
+# 81 -> 40, 256 rows 1,117 -> 274 us (23% -> 93% of the copy bandwidth), outputs and states
+# against the reference (benchmarks/results/2026-12-03_h200_gdn_decode_sweep.json).
 REC_LAUNCH: list[tuple[int | None, int, int, str, int, int]] = [
-    (16, 8, 1, "grid3", 1, 1),
-    (64, 32, 4, "flat", 1, 1),
-    (None, 64, 8, "flat", 1, 1),
+    (1, 16, 1, "grid3", 1, 1),
+    (8, 16, 1, "flat", 1, 1),
+    (None, 64, 4, "flat", 1, 1),
 ]
 REC_ORDERS = ("grid3", "flat")
 # (block_v, num_warps) the sweep times in both orders, one tile a program: at most 64 state

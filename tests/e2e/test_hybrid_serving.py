@@ -164,15 +164,19 @@ def test_prefix_cache_hits_on_a_hybrid_resume_from_state_checkpoints_and_equal_c
 
 
 def test_ngram_speculation_on_a_hybrid_model_gives_the_same_output(hybrid, plain_run):
-    """Every decode verifies drafts (policy fixed); random prompts give few accepted ones,
-    so most verify steps roll the recurrent state back."""
+    """Every decode that finds an n-gram verifies its drafts (policy fixed); the random model's
+    outputs give few accepted ones, so most verify steps roll the recurrent state back."""
     import json
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed", "prompt_lookup_min": 1}
     alone, together, stats = _serve_and_run(hybrid[0], "--speculative-config", json.dumps(spec))
     assert (alone, together) == plain_run[:2]
     # drafts were verified and some rejected: the recurrent state rolled back
-    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    # (how many are accepted is the random model's luck: 0-2 of ~100 drafted tokens in runs so far;
+    # acceptance then rollback on a hybrid, with drafts that must be accepted, is
+    # tests/parity/hf_checks.assert_speculation_is_lossless's forced-draft check)
+    assert stats["spec_decode_num_drafts"] > 0, stats
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
 
 

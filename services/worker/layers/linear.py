@@ -13,6 +13,7 @@ from torch import nn
 from kernels import cpu_linear, cpu_quant_linear
 from kernels.activation import silu_and_mul
 from kernels.cpu_quant_linear import QuantWeight
+from kernels import fp8_linear, w4a16_linear
 from kernels.fp8_linear import Fp8Weight
 from kernels.linear import _check_fused, linear
 from kernels.norm import rms_norm
@@ -266,3 +267,10 @@ def shard_rows(param: torch.Tensor, shard: int | None) -> torch.Tensor:
     if not 0 <= shard < len(sizes):
         raise IndexError(f"shard {shard} out of {len(sizes)}")
     return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+
+def weights_unquantized() -> bool:
+    """Whether no weight quantization is in use (`kernels.fp8_linear.MODE` and
+    `kernels.w4a16_linear.MODE` both "off"): the condition for stacking projections of
+    different checkpoint tensors into one weight, which must be one format."""
+    return fp8_linear.MODE == "off" and w4a16_linear.MODE == "off"

@@ -35,13 +35,12 @@ import dataclasses
 import torch
 from torch import nn
 
-from kernels import fp8_linear, w4a16_linear
-from kernels.hybrid_glue import sigmoid_gate_mul
 from services.worker.kv_cache import PagedKVSpec
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.gated_deltanet import GatedDeltaNet
-from services.worker.layers.linear import Linear
+from services.worker.layers.glue import sigmoid_gate_mul
+from services.worker.layers.linear import Linear, weights_unquantized
 from services.worker.layers.moe import SparseMoeBlock
 from services.worker.layers.norm import ZeroCenteredRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
@@ -54,9 +53,9 @@ from shared.model_spec import FULL_ATTENTION, ModelSpec
 # Changes the parameter layout, so it is read when the model is built; False: the
 # checkpoint's projections as they are (the A/B baseline). Under FP8 / 4-bit weights the
 # model keeps them apart (`stacks_projections`): a stacked weight must be one format.
-STACK_PROJECTIONS = True
-# The decode glue in fused kernels (module doc); read at each forward. Off until measured
-# on a GPU (benchmarks/decode_latency.py --variants glue_off glue_on).
+STACK_PROJECTIONS = False  # off: not yet timed on the H200 (docs/ARCHITECTURE.md §6.3)
+# The decode glue in fused kernels (module doc); read at each forward. Off: 15% faster at batch
+# 1 on the H200, but its bf16 logits differ more than expected (docs/ARCHITECTURE.md §6.3).
 FUSED_GLUE = False
 
 
@@ -65,7 +64,7 @@ def stacks_projections() -> bool:
     FP8 nor 4-bit weights in use (`kernels.fp8_linear.MODE`, `kernels.w4a16_linear.MODE`,
     set by the runner before it builds the model: a checkpoint may quantize some of the
     stacked parts and not others, and the router stays in the model dtype)."""
-    return STACK_PROJECTIONS and fp8_linear.MODE == "off" and w4a16_linear.MODE == "off"
+    return STACK_PROJECTIONS and weights_unquantized()
 
 
 def partial_rotary_factor(hf_config) -> float:
