@@ -22,34 +22,41 @@ rewrites its KV.
 --gemv-plans takes the plans gemv_sweep.py found (--w4-plans those of w4a16_sweep.py, for the
 W4A16 decode kernels); --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
---ab old new [--ab-rounds 2] measures graphs TPOT only, in one process, for each round the
-variants named in turn (A B A B), the decode graphs captured again before each
-(`ModelRunner.recapture_graphs`; the switches are read at capture), each checked by the logits
-of one graph step against the first variant's (`check_logits_rel_vs_first`,
-`check_argmax_same`): old = the MoE block's five launches after the router projection and
-decode attention's second merge launch (the path before the decode fusion), new = the
-three-launch MoE decode path (`kernels.moe.DECODE_FUSED`) and the in-kernel merge
-(fused_merge), moe / merge = one of the two alone, pps1 / pps2 = the MoE path with the rotary decode
-kernel's programs_per_sm (its split count) set to 1 / 2. The JSON's "ab" lists every round,
-"ab_median" the median per variant; the file is rewritten after each round.
---variants A B A B ... runs one runner's graphs TPOT once per named variant, in that order,
-the decode graphs recaptured for each (one model load for an A/B; the eager mode is then not
-run). Variants (`VARIANTS`): "in_place" (the defaults: a hybrid's decode updates its state
-slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row projections up to
-kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path: the step's states
-gathered and scattered back around fla's recurrent kernel, the torch glue and gated norm, and
-one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas" (in place, the
-earlier projection routing) and "in_place_bv32" (in place, the recurrent kernel's fixed
-launch with 32 value columns and 4 warps, the 3-D order, instead of gdn_decode.REC_LAUNCH,
-which takes 8 columns and 1 warp at batch 1); for a hybrid (Qwen3-Next, Qwen3.5-MoE)
-"glue_off" / "glue_on" (qwen3_next.FUSED_GLUE: the attention's output gate and the shared
-expert's combine in one kernel each, the residual adds inside the norms) and
-"moe_fused_glue_off" / "moe_fused_glue_on" (the same with kernels.moe.DECODE_FUSED on: the
-shared expert then added in the MoE down kernel) and "moe_fused_glue_on_apart" (its combine as
-its own kernel, kernels.moe.SHARED_IN_DOWN off).
+--ab A B ... [--ab-rounds 2] and --variants A B ... time graphs TPOT only, in one process
+and one model load, the decode graphs captured again for each variant
+(`ModelRunner.recapture_graphs`; the switches are read at capture); the eager mode is then
+not run. Both take the names of `VARIANTS`, one dict of variants whose knobs (`KNOB_NAMES`)
+override the run's baseline (the knobs' values after the command line's settings) and are
+set back to it after: --ab runs the named variants in turn --ab-rounds times (A B A B),
+each checked by the logits of one graph step against the first variant's
+(`check_logits_rel_vs_first`, `check_argmax_same`; not for a hybrid), the JSON's "ab"
+listing every round, "ab_median" the median per variant and "ab_variants" each variant's
+moe_decode_fused, fused_merge and programs_per_sm (None: not set by the variant), the file
+rewritten after each round; --variants runs each named variant once, in the order given,
+the JSON's "variants" one row each with every knob's value. These JSON fields are the ones
+the two flags wrote before they shared `VARIANTS` (--variants' rows now also carry
+fused_merge and programs_per_sm), so older results compare.
+Variants: old = the MoE block's five launches after the router projection and decode
+attention's second merge launch (the path before the decode fusion), new = the three-launch
+MoE decode path (`kernels.moe.DECODE_FUSED`) and the in-kernel merge (fused_merge), moe /
+merge = one of the two alone, pps1 / pps2 = the MoE path with the rotary decode kernel's
+programs_per_sm (its split count) set to 1 / 2; "in_place" (the defaults: a hybrid's decode
+updates its state slots in place, kernels/gdn_decode.py, with the gated-norm kernel; one-row
+projections up to kernels.linear.GEMV_MAX_WEIGHT on the gemv), "gathered" (the earlier path:
+the step's states gathered and scattered back around fla's recurrent kernel, the torch glue
+and gated norm, and one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_place_cublas"
+(in place, the earlier projection routing) and "in_place_bv32" (in place, the recurrent
+kernel's fixed launch with 32 value columns and 4 warps, the 3-D order, instead of
+gdn_decode.REC_LAUNCH, which takes 8 columns and 1 warp at batch 1); for a hybrid (Qwen3-Next,
+Qwen3.5-MoE) "glue_off" / "glue_on" (qwen3_next.FUSED_GLUE: the attention's output gate and
+the shared expert's combine in one kernel each, the residual adds inside the norms; with
+kernels.moe.DECODE_FUSED on, its default, the shared expert is added in the MoE down kernel)
+and "moe_fused_glue_on_apart" (glue on, its combine as its own kernel, kernels.moe.SHARED_IN_DOWN
+off). (The former "moe_fused_glue_off" / "moe_fused_glue_on" were glue_off / glue_on with
+DECODE_FUSED forced on; since it is on by default they are gone.)
 --stack off builds a hybrid with its projections apart (qwen3_next.STACK_PROJECTIONS: the
 layout is fixed at load, so that A/B is two runs; the JSON's "stacked_projections" says which).
---variants and --ab are exclusive (both re-capture the graphs, `ModelRunner.recapture_graphs`).
+--variants and --ab are exclusive.
 --quantization fp8 quantizes the dummy bf16 weights at load (kernels/fp8_linear.py: e4m3,
 per-channel scales; batch 1 runs the fp8-weight Triton kernel); the roofline then counts the
 bytes held (fp8 projections, the bf16 embedding, lm_head and norms). --quantization awq / gptq
@@ -60,8 +67,7 @@ Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
        [--w4-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
-       [--ab old new moe merge ...] [--ab-rounds 2]
-       [--variants gathered in_place gathered in_place] [--stack on|off]
+       [--ab old new ...] [--ab-rounds 2] [--variants gathered in_place gathered in_place] [--stack on|off]
 """
 
 from __future__ import annotations
@@ -90,52 +96,73 @@ from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
-# --ab variants: (kernels.moe.DECODE_FUSED, the decode kernels' fused_merge, the rotary decode
-# kernel's programs_per_sm: None keeps the default)
-AB_VARIANTS = {"old": (False, False, None), "new": (True, True, None), "moe": (True, False, None),
-               "merge": (False, True, None), "pps1": (True, False, 1), "pps2": (True, False, 2)}
-_PPS_DEFAULT = rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"]
+# --ab and --variants: each variant is the knobs it changes (VARIANTS); the others keep the
+# run's baseline, their values after the command line's settings (`read_knobs`; --moe-launches
+# torch turns moe_decode_fused off, --attn may set fused_merge and programs_per_sm). The knobs,
+# read when the decode graphs are captured: in_place_decode (gated_deltanet.IN_PLACE_DECODE),
+# gated_norm_triton (norm.GATED_TRITON), gemv_max_weight (linear.GEMV_MAX_WEIGHT), gdn_decode.TUNING's
+# rec_table, block_v, rec_warps and rec_order (rec_table True takes gdn_decode.REC_LAUNCH by rows,
+# False the fixed three), fused_glue (qwen3_next.FUSED_GLUE), moe_decode_fused
+# (kernels.moe.DECODE_FUSED), shared_in_down (kernels.moe.SHARED_IN_DOWN), fused_merge (both
+# decode kernels' in-kernel merge: rope_decode.ROPE_DECODE_DEFAULTS' and
+# attention_triton.DECODE_DEFAULTS'; read from the one in use) and programs_per_sm (the rotary
+# decode kernel's).
+KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
+              "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm")
+VARIANTS: dict[str, dict] = {
+    # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
+    # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
+    "old": {"moe_decode_fused": False, "fused_merge": False},
+    "new": {"moe_decode_fused": True, "fused_merge": True},
+    "moe": {"moe_decode_fused": True, "fused_merge": False},
+    "merge": {"moe_decode_fused": False, "fused_merge": True},
+    "pps1": {"moe_decode_fused": True, "fused_merge": False, "programs_per_sm": 1},
+    "pps2": {"moe_decode_fused": True, "fused_merge": False, "programs_per_sm": 2},
+    # a hybrid's decode (scripts/gpu_hybrid_check.sh)
+    "in_place": {},
+    "gathered": {"in_place_decode": False, "gated_norm_triton": False, "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
+    "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
+    "in_place_bv32": {"rec_table": False, "block_v": 32, "rec_warps": 4},  # 1 warp would spill (sm90)
+    # the hybrid's decode glue in fused kernels (qwen3_next.FUSED_GLUE), on the three-launch MoE
+    # decode path (kernels.moe.DECODE_FUSED, on by default); _apart: the shared expert's combine
+    # as its own kernel instead of in the MoE down kernel
+    "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
+    "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False}}
+assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
-def apply_variant(name: str) -> None:
-    """Set the switches of an --ab variant (read when the decode graphs are captured)."""
-    moe.DECODE_FUSED, fused, pps = AB_VARIANTS[name]
-    rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = fused
-    rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = _PPS_DEFAULT if pps is None else pps
+def _merge_defaults() -> dict:
+    """The launch defaults of the decode attention kernel in use (rotary-fused or not: --attn's
+    target)."""
+    return rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS
 
 
-# --variants: each the knobs it changes from KNOBS (gated_deltanet.IN_PLACE_DECODE,
-# norm.GATED_TRITON, linear.GEMV_MAX_WEIGHT, gdn_decode.TUNING's rec_table, block_v, rec_warps
-# and rec_order: rec_table True takes gdn_decode.REC_LAUNCH by rows, False the fixed three;
-# qwen3_next.FUSED_GLUE, kernels.moe.DECODE_FUSED, kernels.moe.SHARED_IN_DOWN)
-KNOBS = {"in_place_decode": True, "gated_norm_triton": True, "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
-         "rec_table": gdn_decode.TUNING["rec_table"], "block_v": gdn_decode.TUNING["block_v"],
-         "rec_warps": gdn_decode.TUNING["rec_warps"], "rec_order": gdn_decode.TUNING["rec_order"],
-         "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
-         "shared_in_down": moe.SHARED_IN_DOWN}
-VARIANTS = {"in_place": {},
-            "gathered": {"in_place_decode": False, "gated_norm_triton": False,
-                         "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
-            "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
-            "in_place_bv32": {"rec_table": False, "block_v": 32, "rec_warps": 4},  # 1 warp would spill (sm90)
-            # the hybrid's decode glue in fused kernels (qwen3_next.FUSED_GLUE), with and without
-            # the three-launch MoE decode path
-            "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
-            "moe_fused_glue_off": {"moe_decode_fused": True, "fused_glue": False},
-            "moe_fused_glue_on": {"moe_decode_fused": True, "fused_glue": True},
-            "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False}}
+def read_knobs() -> dict:
+    """The knobs' current values (KNOB_NAMES, module comment above), e.g. the run's baseline."""
+    return {"in_place_decode": gated_deltanet.IN_PLACE_DECODE, "gated_norm_triton": norm.GATED_TRITON,
+            "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
+            **{k: gdn_decode.TUNING[k] for k in ("rec_table", "block_v", "rec_warps", "rec_order")},
+            "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
+            "shared_in_down": moe.SHARED_IN_DOWN, "fused_merge": _merge_defaults()["fused_merge"],
+            "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"]}
 
 
-def set_knobs(name: str) -> dict:
-    """Set the knobs of variant `name` (the others at KNOBS' values); returns them."""
-    k = {**KNOBS, **VARIANTS[name]}
+def variant_knobs(name: str, baseline: dict) -> dict:
+    """Every knob's value under variant `name`: its VARIANTS entry over `baseline`. KeyError
+    for an unknown name."""
+    return {**baseline, **VARIANTS[name]}
+
+
+def set_knobs(k: dict) -> None:
+    """Set every knob (a dict of all KNOB_NAMES, as `read_knobs` / `variant_knobs` give)."""
     gated_deltanet.IN_PLACE_DECODE, norm.GATED_TRITON = k["in_place_decode"], k["gated_norm_triton"]
     linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
     gdn_decode.TUNING.update(rec_table=k["rec_table"], block_v=k["block_v"], rec_warps=k["rec_warps"],
                              rec_order=k["rec_order"])
     qwen3_next.FUSED_GLUE, moe.DECODE_FUSED, moe.SHARED_IN_DOWN = k["fused_glue"], k["moe_decode_fused"], \
         k["shared_in_down"]
-    return k
+    rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = k["fused_merge"]
+    rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = k["programs_per_sm"]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -203,22 +230,33 @@ def decode_steps(runner, prompt, table, steps, replay_table) -> tuple[list[float
     return walls, gpus
 
 
-def run_variants(runner, names, prompt, table, replay_table, steps, roof) -> list[dict]:
-    """Graphs TPOT per variant of `VARIANTS`, in the order named: set the variant's knobs,
-    recapture the decode graphs (the old ones freed first), warm up, time `steps` steps.
-    The knobs are left at the last variant's."""
+def time_variant(runner, knobs: dict, prompt, table, replay_table, steps: int, roof: float) -> dict:
+    """Set `knobs` (`set_knobs`), capture the decode graphs again (the old ones and their pool
+    freed first), warm up 8 steps and time `steps`. Returns capture_s, tpot_ms and
+    gpu_forward_ms (medians, ms), fraction_of_roofline and gpu_fraction_of_roofline."""
+    set_knobs(knobs)
+    torch.cuda.synchronize()
+    cap = runner.recapture_graphs()
+    decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
+    walls, gpus = decode_steps(runner, prompt, table, steps, replay_table)
+    tpot, gpu = statistics.median(walls), statistics.median(gpus)
+    return {"capture_s": round(cap, 3), "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
+            "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)}
+
+
+def run_variants(runner, names, baseline: dict, prompt, table, replay_table, steps, roof) -> list[dict]:
+    """--variants: graphs TPOT per variant of `VARIANTS`, in the order named (`time_variant`).
+    One row each: variant, every knob's value, capture_seconds, tpot_ms, gpu_forward_ms and
+    the two roofline fractions. The knobs are set back to `baseline` after."""
     out = []
-    for name in names:
-        knobs = set_knobs(name)
-        torch.cuda.synchronize()
-        runner.recapture_graphs()  # the old graphs (and their pool) go first
-        decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
-        walls, gpus = decode_steps(runner, prompt, table, steps, replay_table)
-        tpot, gpu = statistics.median(walls), statistics.median(gpus)
-        out.append({"variant": name, **knobs, "capture_seconds": round(runner.graphs.capture_seconds, 3),
-                    "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
-                    "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)})
-        print(json.dumps(out[-1]), flush=True)
+    try:
+        for name in names:
+            knobs = variant_knobs(name, baseline)
+            t = time_variant(runner, knobs, prompt, table, replay_table, steps, roof)
+            out.append({"variant": name, **knobs, "capture_seconds": t.pop("capture_s"), **t})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        set_knobs(baseline)
     return out
 
 
@@ -251,9 +289,9 @@ def main() -> None:
     ap.add_argument("--attn", default=None,
                     help="JSON overrides of kernels.rope_decode.ROPE_DECODE_DEFAULTS (or of the unfused "
                          "kernel's DECODE_DEFAULTS with --rope-decode off)")
-    ap.add_argument("--ab", nargs="+", choices=sorted(AB_VARIANTS), default=None,
-                    help="graphs-only A/B in one process: these variants in turn, --ab-rounds times, the "
-                         "graphs captured again before each (module doc)")
+    ap.add_argument("--ab", nargs="+", choices=sorted(VARIANTS), default=None,
+                    help="graphs-only A/B in one process: these variants (VARIANTS) in turn, --ab-rounds times, "
+                         "the graphs captured again before each (module doc)")
     ap.add_argument("--ab-rounds", type=int, default=2)
     ap.add_argument("--quantization", choices=["none", "fp8", "awq", "gptq"], default="none",
                     help="weights: bf16 (none), fp8 e4m3 quantized at load (kernels/fp8_linear.py), or awq / "
@@ -262,8 +300,9 @@ def main() -> None:
                     help="a hybrid model's stacked projections (qwen3_next.STACK_PROJECTIONS; the weight layout "
                          "is chosen at load, so an A/B of it is two runs)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
-                    help="graphs TPOT once per variant, in this order, recapturing the graphs (e.g. gathered "
-                         "in_place gathered in_place: an A/B in one model load); no eager run then")
+                    help="graphs TPOT once per variant (VARIANTS, as --ab's), in this order, recapturing the "
+                         "graphs (e.g. gathered in_place gathered in_place: an A/B in one model load); no eager "
+                         "run then")
     a = ap.parse_args()
     if a.ab and a.variants:
         ap.error("--ab and --variants are exclusive")
@@ -275,7 +314,7 @@ def main() -> None:
     fusion.FUSE_ONE_ROW = a.fused_layers == "on"  # read when the runner chooses its FusionPlan
     qwen3_next.STACK_PROJECTIONS = a.stack == "on"  # read when the model is built
     if a.attn:
-        (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS).update(json.loads(a.attn))
+        _merge_defaults().update(json.loads(a.attn))
     if a.gemv_plans:
         with open(a.gemv_plans) as fh:
             for key, plan in json.load(fh).items():
@@ -302,7 +341,7 @@ def main() -> None:
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
            "moe_decode_fused": moe.DECODE_FUSED, "stack": a.stack,
            "stacked_projections": bool(getattr(runner.model, "stacked", False)), "fused_glue": qwen3_next.FUSED_GLUE,
-           "fused_merge": (rope_decode.ROPE_DECODE_DEFAULTS if rope_decode.ENABLED else at.DECODE_DEFAULTS)["fused_merge"],
+           "fused_merge": _merge_defaults()["fused_merge"],
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
            "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()}}
     # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
@@ -312,13 +351,14 @@ def main() -> None:
     bytes_per_token = roof_bytes["total"]
     roof = bytes_per_token / bw
     res.update(bytes_per_token=bytes_per_token, roofline_bytes=roof_bytes, roofline_ms=round(roof * 1e3, 4))
+    baseline = read_knobs()  # after the command line's settings (VARIANTS' comment)
     if a.ab:
-        run_ab(runner, a, res, prompt, table, replay_table, roof)
+        run_ab(runner, a, res, baseline, prompt, table, replay_table, roof)
         return
     if a.variants:
         if runner.graphs is None:
             raise SystemExit("--variants needs CUDA graphs")
-        res["variants"] = run_variants(runner, a.variants, prompt, table, replay_table,
+        res["variants"] = run_variants(runner, a.variants, baseline, prompt, table, replay_table,
                                        a.steps, roof)
     graphs = runner.graphs
     for mode in ((["graphs"] if graphs else []) + ["eager"]) if not a.variants else []:
@@ -337,41 +377,42 @@ def main() -> None:
             json.dump(res, fh, indent=1)
 
 
-def run_ab(runner, a, res: dict, prompt, table, replay_table, roof: float) -> None:
-    """The --ab rounds (module doc): per round and variant, apply it, capture the graphs
-    again, warm up 8 steps, time a.steps; res["ab"] gets one row each, res["ab_median"] the
-    median TPOT / GPU time per variant. Writes a.out after every round."""
+def run_ab(runner, a, res: dict, baseline: dict, prompt, table, replay_table, roof: float) -> None:
+    """--ab (module doc): per round and variant of `VARIANTS`, `time_variant`; res["ab"] gets
+    one row each (round, variant, capture_s, the times, the logits check), res["ab_median"]
+    the median TPOT / GPU time per variant, res["ab_variants"] each variant's
+    moe_decode_fused, fused_merge and programs_per_sm (None: the baseline's, not set by the
+    variant). Writes a.out after every round; the knobs are set back to `baseline` after."""
     if runner.graphs is None:
         raise SystemExit("--ab needs decode graphs (CUDA, not --enforce-eager)")
-    res["ab"], res["ab_variants"] = [], {v: dict(zip(("moe_decode_fused", "fused_merge", "programs_per_sm"),
-                                                     AB_VARIANTS[v])) for v in a.ab}
+    knobs = {v: variant_knobs(v, baseline) for v in a.ab}
+    res["ab"], res["ab_variants"] = [], {v: {"moe_decode_fused": knobs[v]["moe_decode_fused"],
+                                             "fused_merge": knobs[v]["fused_merge"],
+                                             "programs_per_sm": VARIANTS[v].get("programs_per_sm")} for v in a.ab}
     # a correctness check per round: the graph step's logits for token 1 right after the prompt
     # (the same inputs for every variant: the prompt's KV comes from the prefill, which no
     # variant changes) against the first variant's; not for a hybrid (its state moves on)
     check = StepPlan(10 ** 6, [ScheduledSeq("chk", [1], len(prompt), table, True, GREEDY, 1)])
     first: torch.Tensor | None = None
-    for rnd in range(a.ab_rounds):
-        for v in a.ab:
-            apply_variant(v)
-            cap = runner.recapture_graphs()
-            decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
-            walls, gpus = decode_steps(runner, prompt, table, a.steps, replay_table)
-            tpot, gpu = statistics.median(walls), statistics.median(gpus)
-            row = {"round": rnd, "variant": v, "capture_s": round(cap, 3),
-                   "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
-                   "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)}
-            if runner.state_cache is None:
-                lg = step_logits(runner, check).float()
-                first = lg if first is None else first
-                row["check_logits_rel_vs_first"] = float((lg - first).norm() / first.norm().clamp_min(1e-30))
-                row["check_argmax_same"] = bool(torch.equal(lg.argmax(-1), first.argmax(-1)))
-            res["ab"].append(row)
-            print(json.dumps(res["ab"][-1]), flush=True)
-        res["ab_median"] = {v: {k: round(statistics.median(r[k] for r in res["ab"] if r["variant"] == v), 4)
-                                for k in ("tpot_ms", "gpu_forward_ms", "fraction_of_roofline")} for v in a.ab}
-        if a.out:
-            with open(a.out, "w") as fh:
-                json.dump(res, fh, indent=1)
+    try:
+        for rnd in range(a.ab_rounds):
+            for v in a.ab:
+                row = {"round": rnd, "variant": v,
+                       **time_variant(runner, knobs[v], prompt, table, replay_table, a.steps, roof)}
+                if runner.state_cache is None:
+                    lg = step_logits(runner, check).float()
+                    first = lg if first is None else first
+                    row["check_logits_rel_vs_first"] = float((lg - first).norm() / first.norm().clamp_min(1e-30))
+                    row["check_argmax_same"] = bool(torch.equal(lg.argmax(-1), first.argmax(-1)))
+                res["ab"].append(row)
+                print(json.dumps(res["ab"][-1]), flush=True)
+            res["ab_median"] = {v: {k: round(statistics.median(r[k] for r in res["ab"] if r["variant"] == v), 4)
+                                    for k in ("tpot_ms", "gpu_forward_ms", "fraction_of_roofline")} for v in a.ab}
+            if a.out:
+                with open(a.out, "w") as fh:
+                    json.dump(res, fh, indent=1)
+    finally:
+        set_knobs(baseline)
     print(json.dumps(res["ab_median"], indent=1))
 
 

@@ -24,7 +24,6 @@ needed on the GPU machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -39,18 +38,12 @@ from benchmarks.common import emit_json, model_dir  # noqa: E402
 from benchmarks.serve_process import ServeProcess  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.kv_layout import kv_layout_for  # noqa: E402
+from shared.model_spec import model_spec_for  # noqa: E402
 from shared.state_layout import state_layout_for  # noqa: E402
 from shared.kvstore_client import KVStoreClient  # noqa: E402
 
 BS = 16
 STATE_FRACTION = 0.5  # the server's default --kv-offload-state-fraction
-
-
-def cfg_vocab(model: str) -> int:
-    """vocab_size of the model folder's config.json (a text_config's for a multimodal one)."""
-    with open(os.path.join(model, "config.json")) as fh:
-        c = json.load(fh)
-    return int(c.get("vocab_size") or c.get("text_config", {})["vocab_size"])
 
 
 def main() -> int:
@@ -125,7 +118,7 @@ def main() -> int:
         while not stats().get("kv_tier_connected"):
             time.sleep(0.1)
         rnd = random.Random(0)
-        vocab = cfg_vocab(a.model)  # ids 1000..20000, or within a small test vocabulary
+        vocab = model_spec_for(cfg).vocab_size  # ids 1000..20000, or within a small test vocabulary
         LO, HI = min(1000, vocab // 10), min(20000, vocab)
         prompt = [rnd.randrange(LO, HI) for _ in range(a.tokens)]
         out = {"tokens": a.tokens, "pool_gib": pool_gib, "block_bytes": block_bytes,

@@ -16,8 +16,8 @@
 #   with part "glue" (or all): the stacked projections and fused decode glue (qwen3_next.STACK_PROJECTIONS,
 #   FUSED_GLUE; docs/ARCHITECTURE.md §6.3):
 #   tests_glue_gpu.txt           pytest tail of tests/gpu/test_hybrid_glue_gpu.py, test_moe_gpu.py, test_hybrid_graphs_gpu.py
-#   decode_glue_qwen3.5-35b-a3b.json        stacked: graphs TPOT per variant (glue off / on, with the MoE decode
-#                                path; on with the shared combine apart; glue off / on without the MoE decode path)
+#   decode_glue_qwen3.5-35b-a3b.json        stacked: graphs TPOT per variant (glue off / on twice, with the MoE
+#                                decode path, its default; on with the shared combine apart)
 #   decode_glue_nostack_qwen3.5-35b-a3b.json  the same runner built with the projections apart (--stack off)
 #   step_profile_glue_qwen3.5-35b-a3b.json  the b1 kernel tables with the MoE decode path and the glue on
 #   gdn_sweep.json               with part "sweep" (or all): the recurrent decode step by launch config at
@@ -60,11 +60,11 @@ if want glue; then
   # shellcheck disable=SC2086  # one argument per test file
   timeout "${GLUE_TIMEOUT:-200}" python3 -m pytest -q $tests -p no:cacheprovider 2>&1 | tail -40 | tee -a "$OUT/tests_glue_gpu.txt"
   run decode_glue_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/decode_latency.py --config qwen3.5-35b-a3b \
-    --gpu-memory-utilization 0.8 --steps 64 --variants moe_fused_glue_off moe_fused_glue_on moe_fused_glue_off \
-    moe_fused_glue_on moe_fused_glue_on_apart glue_off glue_on --out "$OUT/decode_glue_qwen3.5-35b-a3b.json"
+    --gpu-memory-utilization 0.8 --steps 64 --variants glue_off glue_on glue_off glue_on \
+    moe_fused_glue_on_apart --out "$OUT/decode_glue_qwen3.5-35b-a3b.json"
   run decode_glue_nostack_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/decode_latency.py \
     --config qwen3.5-35b-a3b --gpu-memory-utilization 0.8 --steps 64 --stack off \
-    --variants moe_fused_glue_off moe_fused_glue_on moe_fused_glue_off moe_fused_glue_on \
+    --variants glue_off glue_on glue_off glue_on \
     --out "$OUT/decode_glue_nostack_qwen3.5-35b-a3b.json"
   run step_profile_glue_qwen3.5-35b-a3b "${GLUE_TIMEOUT:-200}" python3 benchmarks/step_profile.py \
     --config qwen3.5-35b-a3b --gpu-memory-utilization 0.8 --parts b1 --decode-fusion on --glue on \

@@ -21,13 +21,12 @@ import itertools
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.interp_runner import run_interp_checks
+
 TOL = {"float32": 1e-5, "float16": 3e-3}
 DTYPES = ("float32", "float16")
 PROLOGUES = ("plain", "norm", "silu")
@@ -94,12 +93,7 @@ def run_steps(runner) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def interp_results() -> dict:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks(__file__, timeout_s=600)  # this file, main()
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)

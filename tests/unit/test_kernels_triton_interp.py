@@ -10,28 +10,18 @@ softmax probabilities before the P@V dot).
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+
+from tests.interp_runner import run_interp_checks
 
 pytest.importorskip("triton")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "float16": 3e-3}
 
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, float]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/unit/triton_interp_checks.py"), "1"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks("tests/unit/triton_interp_checks.py", "1")  # "1": the inputs' seed
 
 
 KERNELS = ["rms_norm", "fused_add_rms_norm", "rms_norm_strided", "silu_and_mul",

@@ -14,27 +14,16 @@ Skipped when triton is not installed.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-pytest.importorskip("triton")
+from tests.interp_runner import run_interp_checks
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, list[int]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/unit/rejection_interp_checks.py")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interp_checks("tests/unit/rejection_interp_checks.py", timeout_s=600)
 
 
 @pytest.mark.parametrize("case", ["rows_v1000", "rows_v777_strided", "rows_v256"])
