@@ -17,11 +17,14 @@ LAYERS = ("linear_attention", "full_attention", "linear_attention", "linear_atte
 
 def write_tiny_qwen3_next(path: pathlib.Path, *, vocab: int = 101, hidden: int = 64, head_dim: int = 16,
                           linear_dim: int = 16, moe: int = 24, shared: int = 32, std: float = 0.15,
-                          layers: tuple[str, ...] = LAYERS, seed: int = 0) -> pathlib.Path:
+                          layers: tuple[str, ...] = LAYERS, seed: int = 0,
+                          bf16_exact: bool = False) -> pathlib.Path:
     """Write the checkpoint into the folder `path` (config.json and model.safetensors) and
     return it. hidden: hidden size; head_dim: the attention heads' (4 query, 2 KV heads);
     linear_dim: the gated DeltaNet's key and value head dim (2 key, 4 value heads); in every
     layer 6 experts (2 a token) of intermediate size `moe` and a shared expert of `shared`.
+    bf16_exact: every weight rounded to a bfloat16 value (still saved in fp32), so that an
+    fp32 run of the checkpoint has exactly a bf16 run's weights (a truth for bf16 rounding).
     Needs transformers."""
     import transformers
 
@@ -44,5 +47,7 @@ def write_tiny_qwen3_next(path: pathlib.Path, *, vocab: int = 101, hidden: int =
                 p.uniform_(-1.0, 1.0)
             elif p.dim() >= 2:
                 p.normal_(0, std)
+            if bf16_exact:
+                p.copy_(p.bfloat16().float())
     model.save_pretrained(path)
     return path

@@ -53,10 +53,10 @@ from shared.model_spec import FULL_ATTENTION, ModelSpec
 # Changes the parameter layout, so it is read when the model is built; False: the
 # checkpoint's projections as they are (the A/B baseline). Under FP8 / 4-bit weights the
 # model keeps them apart (`stacks_projections`): a stacked weight must be one format.
-STACK_PROJECTIONS = False  # off: not yet timed on the H200 (docs/ARCHITECTURE.md §6.3)
-# The decode glue in fused kernels (module doc); read at each forward. Off: 15% faster at batch
-# 1 on the H200, but its bf16 logits differ more than expected (docs/ARCHITECTURE.md §6.3).
-FUSED_GLUE = False
+STACK_PROJECTIONS = True  # H200: stacked + glue 2.97 ms a token, apart 3.12 (docs/ARCHITECTURE.md §6.3)
+# The decode glue in fused kernels (module doc); read at each forward. 14-16% faster at batch 1
+# on the H200, its bf16 logits as close to fp32's as the torch glue's (docs/ARCHITECTURE.md §6.3).
+FUSED_GLUE = True
 
 
 def stacks_projections() -> bool:
