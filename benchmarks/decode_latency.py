@@ -85,7 +85,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gdn_decode, gemv, linear, moe, norm, pdl, rope_decode, w4a16_gemv  # noqa: E402
+from kernels import gdn_decode, gemv, linear, moe, moe_decode_triton, norm, pdl, rope_decode, w4a16_gemv  # noqa: E402
 from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
@@ -105,10 +105,12 @@ GREEDY = SamplingParams(temperature=0.0)
 # False the fixed three), fused_glue (qwen3_next.FUSED_GLUE), moe_decode_fused
 # (kernels.moe.DECODE_FUSED), shared_in_down (kernels.moe.SHARED_IN_DOWN), fused_merge (both
 # decode kernels' in-kernel merge: rope_decode.ROPE_DECODE_DEFAULTS' and
-# attention_triton.DECODE_DEFAULTS'; read from the one in use) and programs_per_sm (the rotary
-# decode kernel's).
+# attention_triton.DECODE_DEFAULTS'; read from the one in use), programs_per_sm (the rotary
+# decode kernel's) and moe_decode_tuned (kernels.moe_decode_triton.USE_TUNED: the MoE decode
+# path's swept gate_up configs and down plans, off: the untuned defaults).
 KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
-              "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm")
+              "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm",
+              "moe_decode_tuned")
 VARIANTS: dict[str, dict] = {
     # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
     # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
@@ -127,7 +129,9 @@ VARIANTS: dict[str, dict] = {
     # decode path (kernels.moe.DECODE_FUSED, on by default); _apart: the shared expert's combine
     # as its own kernel instead of in the MoE down kernel
     "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
-    "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False}}
+    "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False},
+    # the MoE decode path's swept launch choices (benchmarks/moe_decode_sweep.py) against the defaults
+    "moe_tuned": {"moe_decode_tuned": True}, "moe_untuned": {"moe_decode_tuned": False}}
 assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
@@ -144,7 +148,8 @@ def read_knobs() -> dict:
             **{k: gdn_decode.TUNING[k] for k in ("rec_table", "block_v", "rec_warps", "rec_order")},
             "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
             "shared_in_down": moe.SHARED_IN_DOWN, "fused_merge": _merge_defaults()["fused_merge"],
-            "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"]}
+            "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"],
+            "moe_decode_tuned": moe_decode_triton.USE_TUNED}
 
 
 def variant_knobs(name: str, baseline: dict) -> dict:
@@ -163,6 +168,7 @@ def set_knobs(k: dict) -> None:
         k["shared_in_down"]
     rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = k["fused_merge"]
     rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = k["programs_per_sm"]
+    moe_decode_triton.USE_TUNED = k["moe_decode_tuned"]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:

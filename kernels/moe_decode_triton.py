@@ -50,8 +50,16 @@ from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 MAX_TOKENS = 8  # tokens a step that take this path (`kernels.moe.moe_block`; more: the five-launch path)
 ROUTE_TILE_ELEMS = 8192  # next_pow2(T) x next_pow2(E) of the router program's register tiles, at most
 # down-projection plan (`down_plan`): weight elements a program holds a tile, the longest K
-# tile (longer rows loop over K), programs per SM at least (narrower row tiles first), warps
-DOWN_TUNING: dict = {"tile_elems": 8192, "max_block_k": 2048, "programs_per_sm": 2, "num_warps": 4}
+# tile (longer rows loop over K), programs per SM at least (narrower row tiles first; by token
+# count where measured), warps. programs_per_sm_by_tokens {1: 8}: H200, 2026-12-03,
+# benchmarks/moe_decode_sweep.py at T = 1 (BLOCK_N 2 best for Qwen3.5-35B-A3B's and
+# Qwen3-30B-A3B's experts; the other counts are not swept yet)
+DOWN_TUNING: dict = {"tile_elems": 8192, "max_block_k": 2048, "programs_per_sm": 2, "num_warps": 4,
+                     "programs_per_sm_by_tokens": {1: 8}}
+# The decode path's measured choices: the gate_up configs of kernels/moe_configs/ (`moe_triton.
+# pick_config`) and DOWN_TUNING's programs_per_sm_by_tokens; False takes the untuned defaults
+# (the A/B baseline: benchmarks/decode_latency.py variant moe_untuned)
+USE_TUNED = True
 
 
 def fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
@@ -215,12 +223,14 @@ def down_plan(num_tokens: int, n: int, k: int, device: torch.device, tuning: dic
     """(BLOCK_N, BLOCK_K, num_warps) of `_moe_down_sum_kernel` for w2's per-expert [n, k] =
     [H, I]: BLOCK_K = next_pow2(k) up to tuning["max_block_k"] (longer rows loop over K);
     BLOCK_N from tuning["tile_elems"] / BLOCK_K (2..64), halved down to 2 until the grid
-    (num_tokens x n / BLOCK_N) has tuning["programs_per_sm"] programs per SM. tuning:
-    DOWN_TUNING when None (the heuristic of `kernels.gemv.heuristic_plan`, not tuned here)."""
+    (num_tokens x n / BLOCK_N) has tuning["programs_per_sm"] programs per SM (with USE_TUNED,
+    tuning["programs_per_sm_by_tokens"][num_tokens] where given). tuning: DOWN_TUNING when
+    None (the heuristic of `kernels.gemv.heuristic_plan`, swept by benchmarks/moe_decode_sweep.py)."""
     tu = DOWN_TUNING if tuning is None else tuning
     bk = min(triton.next_power_of_2(k), tu["max_block_k"])
     bn = max(2, min(64, tu["tile_elems"] // bk))
-    target = tu["programs_per_sm"] * num_sms(device)
+    by_tokens = tu.get("programs_per_sm_by_tokens", {}) if USE_TUNED else {}
+    target = by_tokens.get(num_tokens, tu["programs_per_sm"]) * num_sms(device)
     while bn > 2 and num_tokens * triton.cdiv(n, bn) < target:
         bn //= 2
     return bn, bk, tu["num_warps"]
@@ -295,7 +305,8 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
             or tuple(w2.shape) != (e, h, w13.shape[1] // 2) or not fits(t, e, top_k)):
         raise ValueError(f"fused_moe_decode: x {tuple(x.shape)} {x.dtype}, logits {tuple(router_logits.shape)}, "
                          f"w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)}, top_k {top_k}")
-    cfg = config or moe_triton.pick_config(t, e, top_k, w13.shape[1], h, x.element_size())
+    cfg = config or (moe_triton.pick_config(t, e, top_k, w13.shape[1], h, x.element_size()) if USE_TUNED
+                     else moe_triton.default_config(t, e, top_k, x.element_size()))
     if min(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) < 16 or w13.stride(2) != 1:
         raise ValueError(f"fused_moe_decode: config {cfg} (blocks >= 16), w13 strides {w13.stride()}")
     if x.stride(1) != 1:

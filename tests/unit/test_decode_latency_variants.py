@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import decode_latency as dl
 from kernels import attention_triton as at
-from kernels import gdn_decode, linear, moe, norm, rope_decode
+from kernels import gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode
 from services.worker.layers import gated_deltanet
 from services.worker.models import qwen3_next
 
@@ -40,6 +40,8 @@ EXPECTED = {
     "glue_off": {"FUSED_GLUE": False},
     "glue_on": {"FUSED_GLUE": True},
     "moe_fused_glue_on_apart": {"DECODE_FUSED": True, "FUSED_GLUE": True, "SHARED_IN_DOWN": False},
+    "moe_tuned": {"USE_TUNED": True},
+    "moe_untuned": {"USE_TUNED": False},
 }
 
 
@@ -48,6 +50,7 @@ def state() -> dict:
     s = {"IN_PLACE_DECODE": gated_deltanet.IN_PLACE_DECODE, "GATED_TRITON": norm.GATED_TRITON,
          "GEMV_MAX_WEIGHT": linear.GEMV_MAX_WEIGHT, "FUSED_GLUE": qwen3_next.FUSED_GLUE,
          "DECODE_FUSED": moe.DECODE_FUSED, "SHARED_IN_DOWN": moe.SHARED_IN_DOWN,
+         "USE_TUNED": moe_decode_triton.USE_TUNED,
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -72,7 +75,8 @@ def with_changes(base: dict, changes: dict) -> dict:
 def isolated(monkeypatch):
     """Every switch back at its value after the test (the dicts as copies of their own)."""
     for mod, name in ((gated_deltanet, "IN_PLACE_DECODE"), (norm, "GATED_TRITON"), (linear, "GEMV_MAX_WEIGHT"),
-                      (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN")):
+                      (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
+                      (moe_decode_triton, "USE_TUNED")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))
