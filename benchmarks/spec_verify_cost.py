@@ -208,23 +208,33 @@ class _HostCounter:
 
     def reset(self) -> None:
         self.fwd_s, self.ops_out, self.ops_in, self.reads, self.by_op = 0.0, 0, 0, 0, {}
+        self.fwd_first = self.fwd_last = self.read_start = self.read_end = None
 
     def _timed(self, fn):
         def call(*a, **kw):
             self.depth += 1
             t0 = time.perf_counter()
+            if self.fwd_first is None:
+                self.fwd_first = t0
             try:
                 return fn(*a, **kw)
             finally:
-                self.fwd_s += time.perf_counter() - t0
+                self.fwd_last = t1 = time.perf_counter()
+                self.fwd_s += t1 - t0
                 self.depth -= 1
         return call
 
     def _reading(self, fn):
         def call(t, *a, **kw):
-            if not self.depth:
-                self.reads += 1
-            return fn(t, *a, **kw)
+            if self.depth:
+                return fn(t, *a, **kw)
+            self.reads += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(t, *a, **kw)
+            finally:
+                if t.device.type != "cpu" or not torch.cuda.is_available():  # the step's device reads
+                    self.read_start, self.read_end = t0, time.perf_counter()
         return call
 
     def __enter__(self):
@@ -248,7 +258,10 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
     forward (run_model + compute_logits; on CUDA their launches, the device work is waited
     for at the host read, so it lands in `outside`), ms outside it, and per step the ATen
     ops outside and inside the forward and the host reads (tolist/item: device syncs on
-    CUDA). `identical`: both verify paths gave the same tokens every step. `profile`: the
+    CUDA); before_forward_ms (execute's start to the first forward launch) and
+    after_last_read_ms (the end of the step's last device read, on the CPU its last host read
+    of a tensor, to execute's end): on CUDA together the host time the device sits idle.
+    `identical`: both verify paths gave the same tokens every step. `profile`: the
     top functions of the services/ and shared/ trees (the model's own left out) by cumulative ms a step (cProfile,
     its own steps, overhead included) of each mode at the largest batch. On the CPU the
     verify-graph path's host side runs too (`verify_fast_graph`, `verify_full_graph`:
@@ -305,10 +318,13 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
                     with counter, counter.mode:
                         t0 = time.perf_counter()
                         res = runner.execute(plan)
-                        wall = time.perf_counter() - t0
+                        t1 = time.perf_counter()
+                    c = counter
                     if i >= 3:
-                        stats[name].append((wall, counter.fwd_s, counter.ops_out, counter.ops_in, counter.reads,
-                                            dict(counter.by_op)))
+                        pre = (c.fwd_first or t1) - t0
+                        read_end = c.read_end if c.read_end is not None and c.read_end > (c.fwd_last or t0) else t1
+                        stats[name].append((t1 - t0, c.fwd_s, c.ops_out, c.ops_in, c.reads, dict(c.by_op),
+                                            pre, t1 - read_end))
                         toks[name].append((res.sampled_token_ids, res.num_sampled))
             prof_rows: dict[str, list] = {}
             for name, kk, fast in modes if b == max(batches) else []:
@@ -343,6 +359,8 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
                          "outside_ms": round(med(x[0] - x[1] for x in xs) * 1e3, 4),
                          "aten_ops_outside": int(med(x[2] for x in xs)), "aten_ops_forward": int(med(x[3] for x in xs)),
                          "host_reads": int(med(x[4] for x in xs)),
+                         "before_forward_ms": round(med(x[6] for x in xs) * 1e3, 4),
+                         "after_last_read_ms": round(med(x[7] for x in xs) * 1e3, 4),
                          "ops_outside_top": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])}
         row["identical"] = all(toks[m] == toks["verify_full"] for m, _, _ in modes if m != "decode")
         row["outside_ms_saved"] = round(row["verify_full"]["outside_ms"] - row["verify_fast"]["outside_ms"], 4)
