@@ -43,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -256,14 +257,15 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
     random drafts with the fast path (`spec.step.FAST_VERIFY`) on and off, interleaved step
     by step in this process (the A/B). Median over reps of: wall ms, ms inside the model
     forward (run_model + compute_logits; on CUDA their launches, the device work is waited
-    for at the host read, so it lands in `outside`), ms outside it, and per step the ATen
-    ops outside and inside the forward and the host reads (tolist/item: device syncs on
-    CUDA); before_forward_ms (execute's start to the first forward launch) and
+    for at the host read, so it lands in `outside`), ms outside it, the host reads
+    (tolist/item: device syncs on CUDA); and the ATen ops outside and inside the forward of
+    one more step (a TorchDispatchMode, kept out of the timed steps); before_forward_ms (execute's start to the first forward launch) and
     after_last_read_ms (the end of the step's last device read, on the CPU its last host read
     of a tensor, to execute's end): on CUDA together the host time the device sits idle.
     `identical`: both verify paths gave the same tokens every step. `profile`: the
-    top functions of the services/ and shared/ trees (the model's own left out) by cumulative ms a step (cProfile,
-    its own steps, overhead included) of each mode at the largest batch. On the CPU the
+    top functions of the services/ and shared/ trees (the model's own left out) by
+    cumulative ms a step (cProfile, its own steps, overhead included) of each mode at the
+    largest batch. On the CPU the
     verify-graph path's host side runs too (`verify_fast_graph`, `verify_full_graph`:
     `replay_verify` over tests/unit/verify_graphs_rig.py's stand-in, whose "replay" is the
     eager forward of the padded buffers, timed as forward, plus one torch.where outside)."""
@@ -303,10 +305,12 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
         drafts = [torch.randint(3, 10000, (k,), generator=g).tolist() for _ in range(b)]
         seqs = [(ids[j], last[j], drafts[j], tables[j]) for j in range(b)]
         stats: dict[str, list[tuple]] = {m: [] for m, _, _ in modes}
+        ops: dict[str, tuple] = {}
         toks: dict[str, list] = {m: [] for m, _, _ in modes}
         counter = _HostCounter(runner)
         try:
-            for i in range(3 + reps):
+            for i in range(4 + reps):  # 3 warm-up steps, the timed ones, a last one counting ATen ops
+                count_ops = i == 3 + reps
                 for name, kk, fast in modes:
                     spec_step.FAST_VERIFY = fast
                     runner.verify_graphs = graphs_of[name]
@@ -315,16 +319,17 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
                     if cuda:
                         torch.cuda.synchronize()
                     counter.reset()
-                    with counter, counter.mode:
+                    with counter, (counter.mode if count_ops else contextlib.nullcontext()):
                         t0 = time.perf_counter()
                         res = runner.execute(plan)
                         t1 = time.perf_counter()
                     c = counter
-                    if i >= 3:
+                    if count_ops:
+                        ops[name] = (c.ops_out, c.ops_in, dict(c.by_op))
+                    elif i >= 3:
                         pre = (c.fwd_first or t1) - t0
                         read_end = c.read_end if c.read_end is not None and c.read_end > (c.fwd_last or t0) else t1
-                        stats[name].append((t1 - t0, c.fwd_s, c.ops_out, c.ops_in, c.reads, dict(c.by_op),
-                                            pre, t1 - read_end))
+                        stats[name].append((t1 - t0, c.fwd_s, c.reads, pre, t1 - read_end))
                         toks[name].append((res.sampled_token_ids, res.num_sampled))
             prof_rows: dict[str, list] = {}
             for name, kk, fast in modes if b == max(batches) else []:
@@ -353,15 +358,15 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
         for name, _, _ in modes:
             xs = stats[name]
             med = statistics.median
-            ops = xs[len(xs) // 2][5]
+            ops_out, ops_in, by_op = ops[name]
             row[name] = {"wall_ms": round(med(x[0] for x in xs) * 1e3, 4),
                          "forward_ms": round(med(x[1] for x in xs) * 1e3, 4),
                          "outside_ms": round(med(x[0] - x[1] for x in xs) * 1e3, 4),
-                         "aten_ops_outside": int(med(x[2] for x in xs)), "aten_ops_forward": int(med(x[3] for x in xs)),
-                         "host_reads": int(med(x[4] for x in xs)),
-                         "before_forward_ms": round(med(x[6] for x in xs) * 1e3, 4),
-                         "after_last_read_ms": round(med(x[7] for x in xs) * 1e3, 4),
-                         "ops_outside_top": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])}
+                         "aten_ops_outside": ops_out, "aten_ops_forward": ops_in,
+                         "host_reads": int(med(x[2] for x in xs)),
+                         "before_forward_ms": round(med(x[3] for x in xs) * 1e3, 4),
+                         "after_last_read_ms": round(med(x[4] for x in xs) * 1e3, 4),
+                         "ops_outside_top": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:12])}
         row["identical"] = all(toks[m] == toks["verify_full"] for m, _, _ in modes if m != "decode")
         row["outside_ms_saved"] = round(row["verify_full"]["outside_ms"] - row["verify_fast"]["outside_ms"], 4)
         if "verify_full_graph" in row:
