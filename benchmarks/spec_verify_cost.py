@@ -337,7 +337,7 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
                 runner.verify_graphs = graphs_of[name]
                 pr = cProfile.Profile()
                 n_prof = max(3, reps // 2)
-                for i in range(n_prof):
+                for _ in range(n_prof):
                     step += 1
                     plan = verify_plan(step, seqs, context, kk)
                     pr.enable()
