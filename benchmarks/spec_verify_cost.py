@@ -27,6 +27,11 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
    of the same runner. tok/s, speedup, measured L, identical outputs.
 4. `--parts profile` (CUDA only): per-kernel device time of batch-1 decode and verify steps
    (`profile_steps`), to see where a verify step's time goes.
+5. `--parts host`: the host side of a verify step (`host_cost`): time outside the model
+   forward, ATen ops and host reads of a decode step and of a k = --e2e-k greedy verify step
+   with the fast path (`spec.step.FAST_VERIFY`) on and off in the same run (--host-batches,
+   --host-reps), and cProfile's top worker functions. --fast-verify on|off sets the path of
+   the other parts (the A/B of the verify and e2e parts runs them twice).
 Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
 JSON (settings, device, runner report, the three parts) to --out and stdout.
 
@@ -38,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -172,6 +178,208 @@ def profile_steps(runner, k: int, context: int, steps: int = 5, top: int = 14) -
     return out
 
 
+# the model's own trees, left out of host_cost's profile (their time is the forward's)
+_FORWARD_TREES = ("services/worker/models", "services/worker/layers")
+
+
+class _HostCounter:
+    """Per step: seconds inside the model forward (`run_model`, `compute_logits`), ATen ops
+    outside and inside it (a TorchDispatchMode), and host reads (`Tensor.tolist` / `item`
+    calls: each is a device sync on CUDA) while `on`. Patches the runner's instance and
+    torch.Tensor's two methods only inside `with`."""
+
+    def __init__(self, runner):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.runner, self.fwd_s, self.ops_out, self.ops_in, self.reads, self.depth = runner, 0.0, 0, 0, 0, 0
+        self.by_op: dict[str, int] = {}
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if counter.depth:
+                    counter.ops_in += 1
+                else:
+                    counter.ops_out += 1
+                    name = str(func.overloadpacket.__name__)
+                    counter.by_op[name] = counter.by_op.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def reset(self) -> None:
+        self.fwd_s, self.ops_out, self.ops_in, self.reads, self.by_op = 0.0, 0, 0, 0, {}
+        self.fwd_first = self.fwd_last = self.read_start = self.read_end = None
+
+    def _timed(self, fn):
+        def call(*a, **kw):
+            self.depth += 1
+            t0 = time.perf_counter()
+            if self.fwd_first is None:
+                self.fwd_first = t0
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.fwd_last = t1 = time.perf_counter()
+                self.fwd_s += t1 - t0
+                self.depth -= 1
+        return call
+
+    def _reading(self, fn):
+        def call(t, *a, **kw):
+            if self.depth:
+                return fn(t, *a, **kw)
+            self.reads += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(t, *a, **kw)
+            finally:
+                if t.device.type != "cpu" or not torch.cuda.is_available():  # the step's device reads
+                    self.read_start, self.read_end = t0, time.perf_counter()
+        return call
+
+    def __enter__(self):
+        r = self.runner
+        self._saved = (r.run_model, r.model.compute_logits, torch.Tensor.tolist, torch.Tensor.item)
+        r.run_model, r.model.compute_logits = self._timed(r.run_model), self._timed(r.model.compute_logits)
+        torch.Tensor.tolist, torch.Tensor.item = self._reading(torch.Tensor.tolist), self._reading(torch.Tensor.item)
+        return self
+
+    def __exit__(self, *exc):
+        r = self.runner
+        r.run_model, r.model.compute_logits, torch.Tensor.tolist, torch.Tensor.item = self._saved
+        del r.__dict__["run_model"], r.model.__dict__["compute_logits"]  # back to the class methods
+
+
+def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda: bool, top: int = 16) -> dict:
+    """Part 5 (--parts host): the host side of a verify step against a decode step.
+    Per batch: `execute` of a plain decode plan (k = 0), and of a greedy verify plan of k
+    random drafts with the fast path (`spec.step.FAST_VERIFY`) on and off, interleaved step
+    by step in this process (the A/B). Median over reps of: wall ms, ms inside the model
+    forward (run_model + compute_logits; on CUDA their launches, the device work is waited
+    for at the host read, so it lands in `outside`), ms outside it, the host reads
+    (tolist/item: device syncs on CUDA); and the ATen ops outside and inside the forward of
+    one more step (a TorchDispatchMode, kept out of the timed steps); before_forward_ms (execute's start to the first forward launch) and
+    after_last_read_ms (the end of the step's last device read, on the CPU its last host read
+    of a tensor, to execute's end): on CUDA together the host time the device sits idle.
+    `identical`: both verify paths gave the same tokens every step. `profile`: the
+    top functions of the services/ and shared/ trees (the model's own left out) by
+    cumulative ms a step (cProfile, its own steps, overhead included) of each mode at the
+    largest batch. On the CPU the
+    verify-graph path's host side runs too (`verify_fast_graph`, `verify_full_graph`:
+    `replay_verify` over tests/unit/verify_graphs_rig.py's stand-in, whose "replay" is the
+    eager forward of the padded buffers, timed as forward, plus one torch.where outside)."""
+    import cProfile
+    import pstats
+
+    from services.worker.spec import step as spec_step
+
+    g = torch.Generator().manual_seed(5)
+    bs = runner.block_size
+    need = -(-(context + k + 2) // bs)
+    out: dict = {"k": k, "context": context, "reps": reps, "rows": []}
+    step = 20000
+    modes = [("decode", 0, True), ("verify_fast", k, True), ("verify_full", k, False)]
+    graphs_of = {"decode": runner.verify_graphs, "verify_fast": runner.verify_graphs,
+                 "verify_full": runner.verify_graphs}
+    if not cuda:  # the verify-graph path's host side, over the CPU stand-in of the graphs
+        from tests.unit.verify_graphs_rig import EagerReplayGraphs
+
+        stand_in = EagerReplayGraphs(runner._verify_graph_forward, max(batches), k, runner.max_model_len, bs,
+                                     (runner.num_blocks - 1) * bs)
+        modes += [("verify_fast_graph", k, True), ("verify_full_graph", k, False)]
+        graphs_of.update(verify_fast_graph=stand_in, verify_full_graph=stand_in)
+    saved_graphs = runner.verify_graphs
+    for b in batches:
+        if b * need > runner.num_blocks:
+            out["rows"].append({"batch": b, "skipped": f"needs {b * need} KV blocks"})
+            continue
+        ids = [f"h{b}_{j}" for j in range(b)]
+        tables = [list(range(j * need, (j + 1) * need)) for j in range(b)]
+        last = []
+        for j in range(b):
+            prompt = torch.randint(3, 10000, (context,), generator=g).tolist()
+            res = runner.execute(StepPlan(step, [ScheduledSeq(ids[j], prompt, 0, tables[j], True, GREEDY)]))
+            last.append(res.sampled_token_ids[0])
+            step += 1
+        drafts = [torch.randint(3, 10000, (k,), generator=g).tolist() for _ in range(b)]
+        seqs = [(ids[j], last[j], drafts[j], tables[j]) for j in range(b)]
+        stats: dict[str, list[tuple]] = {m: [] for m, _, _ in modes}
+        ops: dict[str, tuple] = {}
+        toks: dict[str, list] = {m: [] for m, _, _ in modes}
+        counter = _HostCounter(runner)
+        try:
+            for i in range(4 + reps):  # 3 warm-up steps, the timed ones, a last one counting ATen ops
+                count_ops = i == 3 + reps
+                for name, kk, fast in modes:
+                    spec_step.FAST_VERIFY = fast
+                    runner.verify_graphs = graphs_of[name]
+                    step += 1
+                    plan = verify_plan(step, seqs, context, kk)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    counter.reset()
+                    with counter, (counter.mode if count_ops else contextlib.nullcontext()):
+                        t0 = time.perf_counter()
+                        res = runner.execute(plan)
+                        t1 = time.perf_counter()
+                    c = counter
+                    if count_ops:
+                        ops[name] = (c.ops_out, c.ops_in, dict(c.by_op))
+                    elif i >= 3:
+                        pre = (c.fwd_first or t1) - t0
+                        read_end = c.read_end if c.read_end is not None and c.read_end > (c.fwd_last or t0) else t1
+                        stats[name].append((t1 - t0, c.fwd_s, c.reads, pre, t1 - read_end))
+                        toks[name].append((res.sampled_token_ids, res.num_sampled))
+            prof_rows: dict[str, list] = {}
+            for name, kk, fast in modes if b == max(batches) else []:
+                spec_step.FAST_VERIFY = fast
+                runner.verify_graphs = graphs_of[name]
+                pr = cProfile.Profile()
+                n_prof = max(3, reps // 2)
+                for _ in range(n_prof):
+                    step += 1
+                    plan = verify_plan(step, seqs, context, kk)
+                    pr.enable()
+                    runner.execute(plan)
+                    pr.disable()
+                ps = pstats.Stats(pr)
+                fns = []
+                for (fname, line, fn), (_cc, nc, _tt, ct, _callers) in ps.stats.items():  # type: ignore[attr-defined]
+                    rel = os.path.relpath(fname, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                    if rel.startswith(("services", "shared")) and not rel.startswith(_FORWARD_TREES):
+                        fns.append((ct / n_prof * 1e3, nc // n_prof, f"{rel}:{line}({fn})"))
+                fns.sort(reverse=True)
+                prof_rows[name] = [{"ms": round(ms, 4), "calls": c, "fn": f} for ms, c, f in fns[:top]]
+        finally:
+            spec_step.FAST_VERIFY = True
+            runner.verify_graphs = saved_graphs
+        row: dict = {"batch": b}
+        for name, _, _ in modes:
+            xs = stats[name]
+            med = statistics.median
+            ops_out, ops_in, by_op = ops[name]
+            row[name] = {"wall_ms": round(med(x[0] for x in xs) * 1e3, 4),
+                         "forward_ms": round(med(x[1] for x in xs) * 1e3, 4),
+                         "outside_ms": round(med(x[0] - x[1] for x in xs) * 1e3, 4),
+                         "aten_ops_outside": ops_out, "aten_ops_forward": ops_in,
+                         "host_reads": int(med(x[2] for x in xs)),
+                         "before_forward_ms": round(med(x[3] for x in xs) * 1e3, 4),
+                         "after_last_read_ms": round(med(x[4] for x in xs) * 1e3, 4),
+                         "ops_outside_top": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:12])}
+        row["identical"] = all(toks[m] == toks["verify_full"] for m, _, _ in modes if m != "decode")
+        row["outside_ms_saved"] = round(row["verify_full"]["outside_ms"] - row["verify_fast"]["outside_ms"], 4)
+        if "verify_full_graph" in row:
+            row["outside_ms_saved_graph"] = round(row["verify_full_graph"]["outside_ms"]
+                                                  - row["verify_fast_graph"]["outside_ms"], 4)
+        if prof_rows:
+            row["profile"] = prof_rows
+        out["rows"].append(row)
+        runner.execute(StepPlan(step + 1, [], forget=ids))
+        step += 2
+    return out
+
+
 def _one_run(runner, prompts: list[list[int]], n: int, prefix: str, spec: str | None,
              max_num_batched_tokens: int) -> tuple[dict, dict, dict]:
     """prompts (one request each, greedy, n tokens, ignore_eos) through a fresh core
@@ -283,11 +491,16 @@ def main() -> None:
     ap.add_argument("--e2e-reps", type=int, default=None)
     ap.add_argument("--dm-batches", type=int, nargs="+", default=None)
     ap.add_argument("--dm-reps", type=int, default=1, help="timed runs per draft-model point (after a warm-up)")
-    ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model", "profile"],
+    ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model", "profile", "host"],
                     default=["verify", "e2e", "draft_model"])
     ap.add_argument("--attention", choices=["multi_query", "prefill"], default="multi_query",
                     help="the kernel of verify steps' attention: the split-K multi-query kernel "
                          "(kernels/attention_multi_query.py, the default) or the varlen prefill kernel")
+    ap.add_argument("--host-batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--host-reps", type=int, default=None)
+    ap.add_argument("--fast-verify", choices=["on", "off"], default="on",
+                    help="the greedy fast path of verification (services/worker/spec/step.py FAST_VERIFY) for the "
+                         "verify and e2e parts (the host part measures both)")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -318,7 +531,13 @@ def main() -> None:
             with open(a.out, "w") as fh:
                 json.dump({**res, "complete": False}, fh, indent=1)
 
-    if "verify" in a.parts or "e2e" in a.parts or "profile" in a.parts:
+    from services.worker.spec import step as spec_step
+    spec_step.FAST_VERIFY = a.fast_verify == "on"
+    if a.host_reps is None:
+        a.host_reps = 10 if tiny else 50
+    if "host" in a.parts and "verify" not in a.parts and "e2e" not in a.parts:
+        a.ks = [a.e2e_k]
+    if any(p in a.parts for p in ("verify", "e2e", "profile", "host")):
         with registered():
             runner, startup = load_runner({**cli, "speculative_config": spec_json(max(max(a.ks), a.e2e_k))})
         res.update(runner=runner.report(), startup_seconds=round(startup, 2))
@@ -329,6 +548,11 @@ def main() -> None:
         if "profile" in a.parts and cuda:
             with without_proposer(runner):
                 res["profile"] = profile_steps(runner, a.e2e_k, a.context)
+            save_partial()
+        if "host" in a.parts:
+            with without_proposer(runner):
+                res["host_cost"] = host_cost(runner, a.host_batches, a.e2e_k, a.context, a.host_reps, cuda)
+            spec_step.FAST_VERIFY = a.fast_verify == "on"
             save_partial()
         if "e2e" in a.parts:
             res["e2e_replay"] = e2e_replay(runner, a.e2e_k, a.e2e_lengths, a.e2e_prompt_len, a.e2e_tokens,

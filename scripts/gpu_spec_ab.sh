@@ -7,6 +7,8 @@
 # ./gpu_out): env.txt, tests.txt, svc_<config>_<variant>.json, bench.log, summary.txt.
 # Run from the repo root:  bash scripts/gpu_spec_ab.sh [CONFIG ...]   (default qwen3-0.6b)
 #   VARIANTS="base=--attention,multi_query p=--attention,prefill" BENCH_ARGS="--parts verify profile" bash scripts/gpu_spec_ab.sh
+#   VARIANTS="off=--fast-verify,off on=--fast-verify,on" BENCH_ARGS="--parts host verify e2e --ks 4 --batches 1 32" \
+#     bash scripts/gpu_spec_ab.sh   (the greedy fast path of verification; the host part A/Bs it within each run)
 set -u
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
@@ -40,6 +42,15 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "svc_*.json"))):
             print(f"  b={x['batch']} k={x['k']}: {x['wall_ms']:.3f} ms, break-even L {x['break_even_L']}")
         else:
             print(f"  b={x['batch']} {x.get('mode')}: {x['wall_ms']:.3f} ms")
+    for x in (r.get("host_cost") or {}).get("rows", []):
+        for m in ("decode", "verify_fast", "verify_full"):
+            y = x.get(m)
+            if y:
+                print(f"  host b={x['batch']} {m}: wall {y['wall_ms']:.3f} ms, outside the forward "
+                      f"{y['outside_ms']:.3f} ms (before {y['before_forward_ms']:.3f}, after the read "
+                      f"{y['after_last_read_ms']:.3f}), {y['aten_ops_outside']} ops, {y['host_reads']} reads")
+        if "identical" in x:
+            print(f"  host b={x['batch']}: identical {x['identical']}, saved {x.get('outside_ms_saved')} ms")
     pr = r.get("profile")
     for part in ("decode", "verify") if pr else ():
         print(f"  profile {part}: {pr[part]['total_us']} us of kernels a step; top:")

@@ -445,8 +445,9 @@ class ModelRunner:
         emitted tokens per sampled seq."""
         v = verify_drafts(self.sampler, logits, sampled, self.draft_probs)
         v.fill(result)
-        last = torch.tensor([toks[-1] for toks in v.tokens], dtype=torch.long)
-        self._last_sampled = (last.to(logits.device), {s.request_id: j for j, s in enumerate(sampled)})
+        last = torch.tensor([toks[-1] for toks in v.tokens], dtype=torch.long, pin_memory=logits.is_cuda)
+        self._last_sampled = (last.to(logits.device, non_blocking=True),
+                              {s.request_id: j for j, s in enumerate(sampled)})
         self._last_kept = None  # a decode graph copies it into its own buffer when it needs it
         return v.tokens
 

@@ -110,12 +110,17 @@ def verify_layout(seqs: list[ScheduledSeq], block_size: int, max_model_len: int,
         if end > len(table) * block_size or end > max_model_len or len(table) > max_blocks:
             return None
         ids.extend(s.token_ids)
-        ids.extend([0] * (w - n))
-        for p in range(start, end):
-            pos.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-        pos.extend(min(p, last_pos) for p in range(end, start + w))
-        slots.extend([-1] * (w - n))
+        pos.extend(range(start, end))
+        blk, off = divmod(start, block_size)
+        if off + n <= block_size:  # the usual case: every real token in one block
+            base = table[blk] * block_size
+            slots.extend(range(base + off, base + off + n))
+        else:
+            slots.extend([table[p // block_size] * block_size + p % block_size for p in range(start, end)])
+        if n < w:
+            ids.extend([0] * (w - n))
+            pos.extend([min(p, last_pos) for p in range(end, start + w)])
+            slots.extend([-1] * (w - n))
         lens.append(start + w)
         rows.extend(range(i * w, i * w + n))
         offsets.append(offsets[-1] + n)

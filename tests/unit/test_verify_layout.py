@@ -56,6 +56,28 @@ def test_a_mixed_step_keeps_the_eager_rows_and_pads_after_them():
     assert [lay.positions[r] for r in range(3 * w, 4 * w)] == [62, 63, 63, 63]
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_random_steps_keep_the_eager_tokens_positions_and_slots(block_size):
+    import random
+
+    rng = random.Random(block_size)
+    for _ in range(20):
+        seqs = []
+        for j in range(rng.randint(1, 9)):
+            start, k = rng.randrange(60), rng.randint(0, 4)
+            table = rng.sample(range(200), -(-(start + 1 + k) // block_size))
+            seqs.append(_seq(f"r{j}", start, k, table))
+        if graph_k(seqs) == 0:
+            continue
+        lay = verify_layout(seqs, block_size, 64, 200)
+        assert lay is not None
+        ids_e, pos_e, meta = prepare_step(seqs, block_size, 64, torch.device("cpu"), False)
+        assert [lay.ids[r] for r in lay.rows] == ids_e.tolist()
+        assert [lay.positions[r] for r in lay.rows] == pos_e.tolist()
+        assert [lay.slots[r] for r in lay.rows] == meta.slot_mapping.tolist()
+        assert sum(sl == -1 for sl in lay.slots) == len(lay.slots) - len(lay.rows)
+
+
 def test_a_uniform_step_has_no_padding_row():
     seqs = [_seq("a", 5, 2, [7, 3, 9]), _seq("b", 0, 2, [1])]
     lay = verify_layout(seqs, BS, 64, 16)

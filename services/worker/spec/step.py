@@ -62,6 +62,10 @@ class DraftProbs:
         """Keep q [len(token_ids), vocab] fp32 of drafts proposed for positions first_pos..."""
         self._kept[request_id] = (first_pos, token_ids, probs)
 
+    def __len__(self) -> int:
+        """Requests with a kept proposal (0: `take` would give None for every seq)."""
+        return len(self._kept)
+
     def drop(self, request_ids: list[str]) -> None:
         """Forget these requests' kept proposals (ended, or proposed again without q)."""
         for r in request_ids:
@@ -100,6 +104,11 @@ class Verified:
                                for x in (lp if lp is not None else [None] * len(toks))]
 
 
+# The greedy fast path of `verify_drafts` (verify.plain_greedy): one argmax, no per-position
+# rows. A switch for the A/B of benchmarks/spec_verify_cost.py --parts host; on by default.
+FAST_VERIFY = True
+
+
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq],
                   store: DraftProbs) -> Verified:
     """Verify the sampled seqs of a step with drafts (module doc).
@@ -107,10 +116,16 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSe
     logits: [sum(num_draft + 1), vocab] fp32, the rows of `logit_rows` (raw: not processed).
     seqs: the sampled seqs (resolved), in plan order. store: the kept draft distributions;
     a seq whose drafts have one is verified by rejection sampling against it.
+    A step whose seqs are all plain greedy (`verify.plain_greedy`) and hold no kept q
+    takes one argmax over every row and `verify.accept_greedy` (`FAST_VERIFY`): the same
+    tokens, without the per-position rows and the sampler's processor checks.
     Raises ValueError like `Sampler.sample` and `verify.expand_rows`.
     """
+    probs = [store.take(s) for s in seqs] if store else [None] * len(seqs)
+    if FAST_VERIFY and verify.plain_greedy(seqs) and all(q is None for q in probs):
+        drawn = logits.argmax(dim=-1).tolist()  # the one host read of the step
+        return Verified(verify.accept_greedy(seqs, drawn), [None] * len(seqs))
     rows, starts = verify.expand_rows(seqs)
-    probs = [store.take(s) for s in seqs]
     tokens: list[list[int]] = [[] for _ in seqs]
     lps: list[list[TokenLogprob] | None] = [None] * len(seqs)
     point = [j for j, q in enumerate(probs) if q is None]

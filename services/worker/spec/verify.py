@@ -77,6 +77,41 @@ def expand_rows(seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[int]
     return rows, starts
 
 
+def plain_greedy(seqs: list[ScheduledSeq]) -> bool:
+    """Whether every seq's rows would leave the sampler's processors idle and draw the argmax:
+    greedy (temperature 0), no logit_bias, no min_tokens mask at any of its positions
+    (output_index >= min_tokens), no penalties, no structured-output mask and no logprobs.
+    Such seqs verify on `accept_greedy` over one argmax of their raw logits: the very
+    tokens of `expand_rows` + `Sampler.sample` + `accept_point_mass` (which then runs no
+    processor and takes the same argmax), without the per-position rows (§5.5)."""
+    for s in seqs:
+        p = s.sampling
+        if (p is None or p.temperature != 0 or p.logit_bias or s.output_index < p.min_tokens
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+                or s.allowed_token_bitmask is not None or p.logprobs is not None):
+            return False
+    return True
+
+
+def accept_greedy(seqs: list[ScheduledSeq], drawn: list[int]) -> list[list[int]]:
+    """Point-mass acceptance (`accept_point_mass`) from the argmax of every kept row,
+    `drawn` (sum(num_draft + 1) ints, seq after seq): per seq its drafts while each equals
+    the draw at its position, then the first differing draw (or the bonus draw)."""
+    out: list[list[int]] = []
+    a = 0
+    for s in seqs:
+        k = s.num_draft
+        n = 1
+        if k:
+            t = s.token_ids
+            base = len(t) - k - 1  # t[base + n] is draft d_n
+            while n <= k and drawn[a + n - 1] == t[base + n]:
+                n += 1
+        out.append(drawn[a:a + n])
+        a += k + 1
+    return out
+
+
 @dataclass
 class VerifyOutput:
     """Per sampled seq: emitted tokens (1..num_draft+1; accepted drafts then the recovered
