@@ -29,8 +29,8 @@ for the whole run (a stand-in for a neighbour's load that is the same in every r
 Usage: .venv/bin/python benchmarks/cpu_decode_profile.py [--quantization int4 int8]
        [--threads 1] [--steps 64] [--ab] [--out FILE]
        .venv/bin/python benchmarks/cpu_decode_profile.py --levels --quantization int4 \
-           [--tokens 128] [--rounds 5] [--server-variant base] [--busy 0] [--after-start 0]
-           [--out FILE]
+           [--tokens 128] [--rounds 5] [--server-variant base] [--busy 0] [--concurrent]
+           [--after-start 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def main() -> int:
     ap.add_argument("--server-variant", action="append", default=None,
                     help="with --levels: name[:arg,arg] extra kestrel serve args (repeatable; default base)")
     ap.add_argument("--busy", type=int, default=0, help="with --levels: spinning neighbour processes")
+    ap.add_argument("--concurrent", action="store_true", help="with --levels: 8 streams at once too")
     ap.add_argument("--after-start", type=float, default=0.0,
                     help="with --levels: seconds of back-to-back streams from each fresh server's start, "
                          "standby spares on (benchmarks/cpu_serve_levels.py)")

@@ -9,6 +9,8 @@ stream's start (seconds after /health), decode tok/s, and whether the spares wer
 it ended (`kestrel:*-standby*` children). It shows what the spares' imports cost a serving
 group (services/supervisor/standby.py: made STANDBY_DELAY_S after the group starts, then
 only once the group is idle; `--standby-idle-wait-s 0` for the old timing).
+With --concurrent each round also runs 8 streams at once on every server (`http8:<variant>`:
+output tok/s of all 8, 8 x tokens / wall seconds, as cpu_decode.py's concurrent8).
 
 The servers run this checkout's code (PYTHONPATH is set to the repo root before they start:
 `.venv/bin/kestrel` alone imports the checkout the venv was installed from).
@@ -81,6 +83,18 @@ def level_http(srv, name: str, n: int) -> dict:
             "cpu_ms_per_token": {k: round(1e3 * (c1[k] - c0[k]) / n, 3) for k in c1 if k in c0}}
 
 
+def concurrent8(srv, name: str, n: int) -> float:
+    """8 HTTP streams of n tokens at once: output tok/s of all (8 n / wall seconds)."""
+    import concurrent.futures as cf
+
+    from benchmarks.cpu_decode import stream_one
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda _: stream_one(srv.base_url, name, n), range(8)))
+    return 8 * n / (time.perf_counter() - t0)
+
+
 def _spin() -> None:
     while True:
         pass
@@ -118,7 +132,8 @@ def levels_run(a: argparse.Namespace) -> int:
         level_core(runner, prompt, 16, "warm-b")
         for srv in srvs.values():
             stream_one(srv.base_url, name, 16)
-        levels = ["runner", "core", *(f"http:{k}" for k in srvs)]
+        levels = ["runner", "core", *(f"http:{k}" for k in srvs),
+                  *(f"http8:{k}" for k in srvs if a.concurrent)]
         rounds = []
         for r in range(a.rounds):
             row: dict = {"load_avg": os.getloadavg()}
@@ -127,6 +142,8 @@ def levels_run(a: argparse.Namespace) -> int:
                     row[lv], ids_a = level_runner(runner, prompt, a.tokens, f"a{r}")
                 elif lv == "core":
                     row[lv], ids_b = level_core(runner, prompt, a.tokens, f"b{r}-")
+                elif lv.startswith("http8:"):
+                    row[lv] = concurrent8(srvs[lv[6:]], name, a.tokens)
                 else:
                     h = level_http(srvs[lv[5:]], name, a.tokens)
                     row[lv], row[lv + ":cpu_ms_per_token"] = h["tok_s"], h["cpu_ms_per_token"]
