@@ -130,7 +130,7 @@ class TimedRunner:
 
 
 def run_core(core, runner, requests: list, prefix: str = "r",
-             tokens: dict | None = None) -> tuple[float, int, int, dict]:
+             tokens: dict | None = None, token_times: list | None = None) -> tuple[float, int, int, dict]:
     """Add requests ((prompt token ids, `SamplingParams`) each; ids prefix + index, distinct
     from an earlier run's: the runner keeps its last tables) to `core` and run its steps
     on an `InProcessExecutor` over `runner` until done, in the engine's synchronous order
@@ -141,7 +141,9 @@ def run_core(core, runner, requests: list, prefix: str = "r",
     (`gpu_event_seconds`, `gpu_by_step_kind`; None on CPU). Raises RuntimeError when the
     core refuses a request or a request fails (a step's fault), AssertionError when work is
     left that nothing can run. tokens: when given, each request's output token ids are
-    appended to tokens[request id] (a list made on first use)."""
+    appended to tokens[request id] (a list made on first use). token_times: when given, one
+    `time.perf_counter()` (seconds) is appended per output token, taken when its step's
+    outputs are out of `finish_step` (what a client of the engine could see)."""
     import torch
 
     from services.engine.executor import InProcessExecutor
@@ -164,11 +166,14 @@ def run_core(core, runner, requests: list, prefix: str = "r",
         result = executor.result(out.plan.step_id)
         t3 = time.perf_counter()
         emitted = core.finish_step(out, result)
-        t_upd += time.perf_counter() - t3
+        t4 = time.perf_counter()
+        t_upd += t4 - t3
         for _, o in emitted.outputs():
             if o.error:
                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
             out_tokens += len(o.new_token_ids)
+            if token_times is not None:
+                token_times.extend([t4] * len(o.new_token_ids))
             if tokens is not None:
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         steps += 1

@@ -8,14 +8,34 @@ CPU time and by count. With --ab the steps alternate between the fast path and t
 before it (`kernels.ref_fast.FEWER_OPS` off / on, step by step in this process), and the
 JSON has both sides.
 
+With --levels (one --quantization scheme; benchmarks/cpu_serve_levels.py) it times batch-1
+greedy decode of --tokens tokens from the chat prompt of benchmarks/cpu_decode.py at three
+levels, in one run, --rounds
+rounds, the order reversed every other round: (a) `runner`: the step loop above (one
+`ModelRunner.execute` a token); (b) `core`: an `EngineCore` on an `InProcessExecutor` over
+the same runner (`benchmarks.common.run_core`: plan, execute, finish_step, no processes);
+(c) `http`: `kestrel serve` (tests/e2e/server.KestrelServer, the worker's threads as the
+server derives them, standby spares off so that their start-up imports do not land in a
+round) streamed over HTTP, one server per --server-variant ("name" or "name:arg,arg",
+extra `kestrel serve` arguments; all started before the first round). Each level's figure is
+decode tok/s: (tokens - 1) / (last token's time - first token's time), as cpu_decode.py's
+batch 1; the JSON gives each round, the median / min / max per level, each level's ratio to
+`runner` per round, the CPU ms per token of each server process (psutil, over the
+stream), whether (a) and (b) decoded the same ids, and the load average (`uptime`) at
+start, per round and at the end (the VM is shared). --busy N starts N spinning processes
+for the whole run (a stand-in for a neighbour's load that is the same in every round).
+--after-start S adds fresh servers with their standby spares on (benchmarks/cpu_serve_levels.py).
+
 Usage: .venv/bin/python benchmarks/cpu_decode_profile.py [--quantization int4 int8]
        [--threads 1] [--steps 64] [--ab] [--out FILE]
+       .venv/bin/python benchmarks/cpu_decode_profile.py --levels --quantization int4 \
+           [--tokens 128] [--rounds 5] [--server-variant base] [--busy 0] [--concurrent]
+           [--after-start 0] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,11 +55,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 class Stream:
     """One request on the runner: a prefill of ctx tokens, then one decode step per call."""
 
-    def __init__(self, runner, ctx: int, steps: int, rid: str = "p0"):
+    def __init__(self, runner, ctx: int, steps: int, rid: str = "p0", prompt: list[int] | None = None):
+        """prompt: the prompt's token ids (default: ctx synthetic ids; ctx is then its length)."""
         self.runner, self.rid, self.pos, self.step_id = runner, rid, 0, 0
         bs = runner.block_size
-        self.table = list(range(-(-(ctx + steps + 8) // bs)))
-        prompt = [(7 * i + 11) % 10000 for i in range(ctx)]
+        if prompt is None:
+            prompt = [(7 * i + 11) % 10000 for i in range(ctx)]
+        self.table = list(range(-(-(len(prompt) + steps + 8) // bs)))
         self.token = self._run(prompt, first=True)
 
     def _run(self, ids: list[int], first: bool = False) -> int:
@@ -125,8 +147,23 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--levels", action="store_true", help="runner / core / HTTP decode rates (module doc)")
+    ap.add_argument("--tokens", type=int, default=128, help="with --levels: tokens a stream")
+    ap.add_argument("--rounds", type=int, default=5, help="with --levels: rounds, order alternating")
+    ap.add_argument("--server-variant", action="append", default=None,
+                    help="with --levels: name[:arg,arg] extra kestrel serve args (repeatable; default base)")
+    ap.add_argument("--busy", type=int, default=0, help="with --levels: spinning neighbour processes")
+    ap.add_argument("--concurrent", action="store_true", help="with --levels: 8 streams at once too")
+    ap.add_argument("--after-start", type=float, default=0.0,
+                    help="with --levels: seconds of back-to-back streams from each fresh server's start, "
+                         "standby spares on (benchmarks/cpu_serve_levels.py)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.levels:
+        from benchmarks.cpu_serve_levels import levels_run
+
+        a.server_variant = a.server_variant or ["base"]
+        return levels_run(a)
     res = {"benchmark": "cpu_decode_profile", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
            "context": a.context, "steps": a.steps, "load_avg_start": os.getloadavg(),
            "schemes": {q: run_scheme(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}

@@ -79,6 +79,7 @@ class KestrelConfig:
     body_timeout: float
     max_incomplete_connections: int
     engine_standby: bool
+    standby_idle_wait_s: float      # seconds; 0: spares made without waiting for an idle group
     restart_max: int
     restart_window_s: float
     watchdog_config: str | None
@@ -271,6 +272,8 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise ValueError("setting gpu_memory_utilization: must be in (0, 1], got "
                          f"{cfg.gpu_memory_utilization!r}")
+    if cfg.standby_idle_wait_s < 0:
+        raise ValueError(f"setting standby_idle_wait_s: must be >= 0, got {cfg.standby_idle_wait_s!r}")
     if cfg.num_threads <= 0:
         raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:

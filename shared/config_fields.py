@@ -96,6 +96,10 @@ FIELDS: list[Field] = [
           "their headers; a new one beyond closes the one waiting longest"),
     Field("engine_standby", parse_bool, True, "keep a pre-imported spare engine and worker "
           "(about 0.3 GB RSS each) to restart a dead engine group without the imports"),
+    Field("standby_idle_wait_s", float, 120.0, "seconds past the engine group's first 10 s that the "
+          "supervisor waits for the group to be idle (services/supervisor/standby.py) before it makes "
+          "the spares anyway, so that their imports do not take the cores from serving; 0: make them "
+          "at 10 s, busy or not"),
     Field("restart_max", int, 5, "restarts of one process within restart_window_s before giving up"),
     Field("restart_window_s", float, 60.0, "window for restart_max, seconds"),
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),

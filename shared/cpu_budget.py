@@ -10,7 +10,10 @@ Default threads (docs/ARCHITECTURE.md §8.3):
 - CPU: `available - 1` (at least 1, at most CPU_MAX_THREADS): one CPU is left for the
   engine and the frontend, which run beside the worker. An OpenMP pool wider than the free
   CPUs spins against them (a 2-core host with one other busy process: two 32-token streams
-  took 52 s with 2 threads; 1 thread gave about 24 tok/s).
+  took 52 s with 2 threads; 1 thread gave about 24 tok/s). Measured again with SmolLM2 int4
+  over HTTP (benchmarks/cpu_decode_profile.py --levels --concurrent, the 2-core VM): 2 threads
+  win on an otherwise quiet host (batch 1 110 vs 97 tok/s, 8 streams 390 vs 302) and collapse
+  beside one spinning process (34 vs 93, 103 vs 288), so 1 stays the default.
 - GPU: at most GPU_MAX_THREADS: the host side of a GPU step is small tensor work (H200
   host, 16 cores, serve_bench at 256 streams: 8,305 -> 9,445 output tok/s with 2 threads
   instead of all).

@@ -67,7 +67,7 @@ import urllib.request
 from collections.abc import Callable
 
 from services.supervisor.restart import RestartPolicy
-from services.supervisor.standby import STANDBY_DELAY_S, Standby
+from services.supervisor.standby import STANDBY_DELAY_S, IdleGate, Standby
 from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
 from shared.config import KestrelConfig
 from shared.gguf_source import require_gguf
@@ -181,6 +181,7 @@ class Supervisor:
                   spare),
         ]
         self.group_started = time.monotonic()  # the engine group's last (re)start
+        self.standby_gate = IdleGate(cfg.standby_idle_wait_s)  # spares wait for an idle group
         self.frontends = [
             Child(f"frontend-{i}", base + ["frontend", "--frontend-index", str(i),
                                            "--resolved-config", resolved], env)
@@ -261,12 +262,15 @@ class Supervisor:
 
     def wants_standbys(self) -> bool:
         """Whether spares are missing while the engine group has run STANDBY_DELAY_S
-        without a restart pending (then `make_standbys` once /health says 200)."""
+        without a restart pending and is idle, or cfg.standby_idle_wait_s more seconds have
+        passed (`IdleGate`; then `make_standbys` once /health says 200)."""
         return ("engine" not in self.pending
                 and time.monotonic() - self.group_started >= STANDBY_DELAY_S
                 and all(c.alive() for c in self.engine_group)
                 and any(c.standby is not None and not c.standby.alive()
-                        for c in self.engine_group))
+                        for c in self.engine_group)
+                and self.standby_gate.open([c.proc.pid for c in self.engine_group if c.proc is not None],
+                                           self.group_started + STANDBY_DELAY_S))
 
     def make_standbys(self) -> None:
         """Start the missing spares of the engine group (standby.py)."""
