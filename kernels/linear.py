@@ -33,6 +33,14 @@ kernels did on each x tile it loads (prologue) or on the output tile (epilogue):
   it. Two streams of one device must not run split launches at the same time. The older
   path (`split_reduce="kernel"`: a second kernel sums the partials) is the default, and is
   used for a first call made inside CUDA-graph capture.
+- one tile (`SKINNY_PDL`, the default at 2..16 rows: `_skinny_pdl_kernel`, issue 15): the
+  K-loop kernel's fused path lost to its launches (below) and it has no PDL, so a verify
+  step's chain of skinny kernels, split sums and norm / SiLU kernels ran back to back. Here
+  each program loads its whole [BLOCK_N, BLOCK_K] W tile at once (K split so that a range
+  fits `SKINNY_PDL_TUNING`, as kernels.gemv does) before `kernels.pdl.pdl_wait`; x, the
+  prologue and the single dot come after, while W streams in, and the split is summed in
+  the kernel by the last program of the N tile (same counters and protocol as above). The
+  fusion plan fuses 2..16-row steps with it (services.worker.fusion.FUSE_SMALL_BATCHES).
 Measured on the H200 (benchmarks/kernel_sweep.py --only fused, Qwen3-0.6B's 28-layer
 linear stack at M=1 in one CUDA graph): unfused 851 us, unfused with the in-kernel split sum
 813 us, fused 1,302 us. The fused prologues cost more than the launches they save, so the
@@ -74,8 +82,9 @@ SKINNY_MAX_WEIGHT = 16 << 20
 # which PDL cannot overlap with the kernel before; lm_heads (over 100M) stay on cuBLAS.
 GEMV_MAX_WEIGHT = 32 << 20
 _HALF = (torch.bfloat16, torch.float16)
-# The SiLU-and-mul prologue runs inside the projection's kernel at one row only (the gemv
-# kernel); at 2..16 rows `linear` runs `silu_and_mul` first, then the skinny kernel. H200,
+# The SiLU-and-mul prologue runs inside the projection's kernel at one row (the gemv kernel)
+# and on the one-tile skinny kernel (SKINNY_PDL); on the K-loop skinny kernel `linear` runs
+# `silu_and_mul` first, then the kernel. H200, K-loop kernel,
 # benchmarks/kernel_sweep.py --only silu, Qwen3-0.6B's 28 down projections in one graph:
 # 1 row 101 us in-kernel vs 120 us apart; 2..16 rows 576-595 us in-kernel vs 245-251 us apart
 # (benchmarks/results/2026-12-01_h200_silu_down.json).
@@ -126,8 +135,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `linear_ref` (see there for shapes and rounding): one launch of
     `kernels.gemv` for a single row (`gemv.ENABLED`), or of the skinny kernel, when
-    `skinny_applies(x, weight)` (a SiLU-and-mul prologue then runs as its own kernel first:
-    SILU_IN_KERNEL_ROWS), otherwise F.linear with the prologue and the residual add as
+    `skinny_applies(x, weight)` (with SKINNY_PDL off a SiLU-and-mul prologue then runs as its
+    own kernel first: SILU_IN_KERNEL_ROWS), otherwise F.linear with the prologue and the residual add as
     separate ops (the `rms_norm` / `silu_and_mul` dispatchers, an in-place add), which is
     the reference on the CPU; a weight packed by `kernels.cpu_linear.pack` (CPU fp32) takes
     `packed_linear` in F.linear's place. Callers state the math (e.g. `silu_mul=True` for an MLP's
@@ -147,7 +156,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = _one_row(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
         if y is not None:
             return y
-        if silu_mul:  # SILU_IN_KERNEL_ROWS: at 2..16 rows the SiLU runs as its own kernel
+        if silu_mul and not SKINNY_PDL:  # SILU_IN_KERNEL_ROWS: the K-loop kernel's SiLU runs apart
             x, silu_mul = silu_and_mul(x), False
         return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                     silu_mul=silu_mul, residual=residual)
@@ -172,8 +181,20 @@ except ImportError:  # CPU-only installs: the dispatcher keeps the reference
 # K-split partials are summed ("atomic": by the last split program; "kernel": a 2nd kernel)
 SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3,
                        "split_reduce": "kernel"}
+# The one-tile skinny kernel (`_skinny_pdl_kernel`) for 2..SKINNY_MAX_ROWS rows: each program
+# loads its whole W tile before the PDL wait (as kernels.gemv), its K split is summed in the
+# kernel (no second launch), and the fused prologues run on the x tile while W streams in.
+# False: the K-loop kernel above with the 2-kernel split sum, the path before issue 15 (the
+# fusion plan then keeps 2..16-row steps unfused: services.worker.fusion.FUSE_SMALL_BATCHES).
+# Read at every call: flip it to A/B time both paths in one process (benchmarks/spec_verify_cost.py
+# --skinny); the fusion plan reads it when the runner is built.
+SKINNY_PDL = True
+# its plan (`skinny_pdl_plan`): at most tile_elems W elements a program (registers), K ranges
+# of at most max_block_k, BLOCK_N 16..64, programs_per_sm programs per SM; untuned heuristic
+SKINNY_PDL_TUNING: dict = {"tile_elems": 16384, "max_block_k": 1024, "programs_per_sm": 1, "num_warps": 4}
 
 if triton is not None:
+    from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
     def _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m,
@@ -251,6 +272,70 @@ if triton is not None:
         else:
             _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
 
+    @triton.jit(do_not_specialize=["M"])  # the step's rows: no variant per row count
+    def _skinny_pdl_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, nw_ptr, r_ptr, cnt_ptr, M, N, K,
+                           sx_m, sw_n, sy_m, sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr,
+                           NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr,
+                           SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+        # the one-tile variant (SKINNY_PDL, docs/ARCHITECTURE.md §6): grid (N tiles, K splits),
+        # program (n, s) owns BLOCK_N rows of W over the s-th range of k_per_split columns,
+        # loaded as one [BLOCK_N, BLOCK_K] tile (BLOCK_K = next power of two of k_per_split,
+        # masked) before the PDL wait; then x, the prologue, one dot and the split-K sum by
+        # the last program of the N tile (cnt: int32 per N tile, ws: [splits, M, N] fp32).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        rk = pid_k * k_per_split + kk
+        rm = tl.arange(0, BLOCK_M)
+        nmask = rn < N
+        kmask = (kk < k_per_split) & (rk < K)
+        mmask = rm < M
+        # W and the norm weight are written by no kernel of a step: loaded before the wait
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * sw_n + rk[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
+        pdl_wait(USE_PDL)
+        pdl_release(USE_PDL)
+        x_rows = x_ptr + rm[:, None] * sx_m
+        xmask = mmask[:, None] & kmask[None, :]
+        x = tl.load(x_rows + rk[None, :], mask=xmask, other=0.0)
+        if SILU:  # x holds the gate; as silu_and_mul_ref: silu rounded, then the product
+            u = tl.load(x_rows + K + rk[None, :], mask=xmask, other=0.0)
+            gf = x.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(x.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        if NORM:  # rstd of each row over all of K (from L2), then as rms_norm_ref
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, NORM_BLOCK):
+                rr = k0 + tl.arange(0, NORM_BLOCK)
+                xf = tl.load(x_rows + rr[None, :], mask=mmask[:, None] & (rr < K)[None, :], other=0.0)
+                xf = xf.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+            x = (xn.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xn.dtype)
+        acc = tl.dot(x, tl.trans(w))
+        if SPLIT:
+            ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
+            out_mask = mmask[:, None] & nmask[None, :]
+            tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
+            # every thread's partial is stored before the release below (CTA barrier, then
+            # one gpu-scope acq_rel atomic); the last arrival acquires all partials
+            tl.debug_barrier()
+            n_splits = tl.num_programs(1)
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s_i in range(0, n_splits):  # split order: deterministic
+                    tot += tl.load(ws_tile + s_i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
+        else:
+            _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+
     @triton.jit(do_not_specialize=["M", "n_splits"])
     def _split_sum_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, sr_m, sy_m, n_splits,
                           HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -288,19 +373,75 @@ if triton is not None:
             split_k = min(split_k, max_split)
         return bn, bk, split_k
 
+    def skinny_pdl_plan(n: int, k: int, device: torch.device, tuning: dict | None = None) -> tuple[int, int, int]:
+        """(BLOCK_N, SPLIT, num_warps) of the one-tile kernel for W [n, k] (`SKINNY_PDL_TUNING`
+        unless `tuning`): split K (powers of two) until a program's range fits
+        max_block_k; BLOCK_N = tile_elems / BLOCK_K within 16..64; then halve BLOCK_N down to
+        16, and past that double the split (while a range keeps 64 columns), until the grid
+        has programs_per_sm programs per SM. BLOCK_K is the next power of two of the range."""
+        t = SKINNY_PDL_TUNING if tuning is None else tuning
+        split = 1
+        while triton.next_power_of_2(triton.cdiv(k, split)) > t["max_block_k"]:
+            split *= 2
+        bk = triton.next_power_of_2(triton.cdiv(k, split))
+        bn = max(16, min(64, t["tile_elems"] // bk))
+        target = t["programs_per_sm"] * num_sms(device)
+        while triton.cdiv(n, bn) * split < target:
+            if bn > 16:
+                bn //= 2
+            elif triton.cdiv(k, 2 * split) >= 64:
+                split *= 2
+            else:
+                break
+        return bn, split, t["num_warps"]
+
+    def _skinny_pdl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                    norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
+                    residual: torch.Tensor | None, block_n: int | None, split_k: int | None,
+                    num_warps: int | None, pdl: bool | None) -> bool:
+        """Launch `_skinny_pdl_kernel` into y; False (nothing launched) when the K split needs
+        the tile counters and they would be allocated inside CUDA-graph capture."""
+        m = x.shape[0]
+        n, k = weight.shape
+        bn, sp, warps = skinny_pdl_plan(n, k, x.device)
+        bn = block_n or bn
+        k_per = triton.cdiv(k, max(1, min(split_k or sp, k)))
+        bk, sp = max(16, triton.next_power_of_2(k_per)), triton.cdiv(k, k_per)  # the dot's K >= 16; no empty split
+        n_tiles = triton.cdiv(n, bn)
+        counters = _tile_counters(x.device, n_tiles) if sp > 1 else y
+        if counters is None:
+            return False
+        ws = torch.empty((sp, m, n), dtype=torch.float32, device=x.device) if sp > 1 else y
+        pdl = use_pdl(x.device) if pdl is None else pdl
+        _skinny_pdl_kernel[(n_tiles, sp)](
+            x, weight, y if bias is None else bias, y, ws,
+            x if norm_weight is None else norm_weight, y if residual is None else residual,
+            counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            0 if residual is None else residual.stride(0), k_per, eps,
+            HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu_mul,
+            HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, BLOCK_M=16, BLOCK_N=bn,
+            BLOCK_K=bk, NORM_BLOCK=min(256, triton.next_power_of_2(k)), num_warps=num_warps or warps,
+            **launch_args(pdl))
+        return True
+
     def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                              norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                              silu_mul: bool = False, residual: torch.Tensor | None = None,
                              block_n: int | None = None, block_k: int | None = None,
                              split_k: int | None = None, num_warps: int | None = None,
-                             num_stages: int | None = None, split_reduce: str | None = None) -> torch.Tensor:
+                             num_stages: int | None = None, split_reduce: str | None = None,
+                             one_tile: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
         """Triton `linear_ref` for x with M <= 64 rows (same shapes, dtypes and fused steps;
         norm_weight and silu_mul not both: `linear` checks the arguments).
 
-        weight must have unit stride along K; x and residual may be row-strided views. The
-        tile arguments default to `skinny_plan`; split_reduce ("atomic" or "kernel") to
-        SKINNY_TUNING. Raises ValueError for M > 64, a weight whose last stride is not 1 or
-        an unknown split_reduce.
+        weight must have unit stride along K; x and residual may be row-strided views.
+        one_tile (default SKINNY_PDL) takes the one-tile kernel for M <= SKINNY_MAX_ROWS
+        (`_skinny_pdl_kernel`: W tile loaded before the PDL wait, the split summed in the
+        kernel; tiles from `skinny_pdl_plan`, block_n / split_k / num_warps override it, pdl
+        overrides `kernels.pdl.use_pdl`); else, or when its split would need counters first
+        allocated inside graph capture, the K-loop kernel, whose tile arguments default to
+        `skinny_plan` and split_reduce ("atomic" or "kernel") to SKINNY_TUNING. Raises
+        ValueError for M > 64, a weight whose last stride is not 1 or an unknown split_reduce.
         """
         m = x.shape[0]
         n, k = weight.shape
@@ -318,6 +459,10 @@ if triton is not None:
         if k == 0:
             return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                       silu_mul=silu_mul, residual=residual))
+        if (SKINNY_PDL if one_tile is None else one_tile) and m <= SKINNY_MAX_ROWS:
+            if _skinny_pdl(x, weight, bias, y, norm_weight, eps, silu_mul, residual, block_n, split_k,
+                           num_warps, pdl):
+                return y
         bn, bk, split = skinny_plan(m, n, k, x.device, block_n, block_k, split_k)
         bm = max(16, triton.next_power_of_2(m))
         k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk

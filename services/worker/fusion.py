@@ -26,10 +26,13 @@ from kernels import linear as linear_kernels
 # epilogue): 4 projection launches and the attention a layer, no norm kernels. False keeps
 # batch 1 on the unfused path (benchmarks/decode_latency.py --fused-layers off).
 FUSE_ONE_ROW = True
-# The fused path on the skinny kernel (2..16 rows) is off: on the H200 it measured slower
-# than the unfused sequence (Qwen3-0.6B b=1 linear stack in one CUDA graph,
-# benchmarks/kernel_sweep.py --only fused: 1,302 against 851 us).
-FUSE_SMALL_BATCHES = False
+# The fused path at 2..16 rows (verify steps of 1 + k rows a seq, small decode batches).
+# None: on exactly when the one-tile skinny kernel is (`kernels.linear.SKINNY_PDL`), whose
+# prologues run on the x tile while its W tile streams in. On the K-loop kernel the fused
+# path measured slower than the unfused sequence (H200, Qwen3-0.6B b=1 linear stack in one
+# CUDA graph, benchmarks/kernel_sweep.py --only fused: 1,302 against 851 us), so with
+# SKINNY_PDL off those steps stay unfused. True / False force it.
+FUSE_SMALL_BATCHES: bool | None = None
 
 
 class FusionPlan:
@@ -56,12 +59,15 @@ class FusionPlan:
         tokens is fused when T == 1 with one_row (default FUSE_ONE_ROW) and the gemv kernel on
         (`kernels.gemv.ENABLED`), or 1 <= T <= SKINNY_MAX_ROWS with small_batches (default
         FUSE_SMALL_BATCHES), and `kernels.linear.skinny_applies` takes every projection at
-        T rows (CUDA, bf16/fp16, weights up to SKINNY_MAX_WEIGHT). Never on the CPU, nor with
+        T rows (CUDA, bf16/fp16, weights up to SKINNY_MAX_WEIGHT); small_batches None follows
+        `kernels.linear.SKINNY_PDL`. Never on the CPU, nor with
         quantized projections (their weights are meta-device placeholders: FP8 layers run their
         prologues and epilogues as separate ops, which the unfused path does in fewer kernels).
-        Read the module flags and gemv.ENABLED now: set them before the runner is built."""
+        Read the module flags, SKINNY_PDL and gemv.ENABLED now: set them before the runner is built."""
         one_row = FUSE_ONE_ROW if one_row is None else one_row
         small_batches = FUSE_SMALL_BATCHES if small_batches is None else small_batches
+        if small_batches is None:
+            small_batches = linear_kernels.SKINNY_PDL
         if device.type != "cuda" or not projections or any(w.device.type == "meta" for w in projections):
             return cls(frozenset())
         rows = set()

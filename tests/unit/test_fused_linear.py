@@ -7,7 +7,8 @@ layer path of the Llama / Qwen3 models that uses it.
    x K split (1, 2, 4; K = 300 divides by none of them) x M in {1, 3, 16}, N = 37 (odd,
    tiles of 16), fp32 and fp16, against `linear_ref` in the input dtype and in fp64 (the
    larger error counts); the in-kernel split sum equal bit for bit to the 2-kernel one and
-   the tile counters zero after every launch; a tiny Llama (with biases) and Qwen3 whose
+   the tile counters zero after every launch (the K-loop kernel, `one_tile=False`; the
+   one-tile kernel has test_skinny_pdl_interp.py); a tiny Llama (with biases) and Qwen3 whose
    fused layer path runs through the kernel, against their unfused path.
 2. In this process: the dispatcher's argument errors, its CPU path against `linear_ref`, and
    the fused layer path forced on the CPU (reference ops) equal to the unfused path bit for
@@ -222,11 +223,11 @@ def _kernel_checks(out: dict) -> None:
         tiles = dict(block_n=16, block_k=32, split_k=split)
         L._split_sum_kernel = _Forbidden()
         try:
-            got = L.skinny_linear_triton(x, w, bias, split_reduce="atomic", **tiles, **kw)
+            got = L.skinny_linear_triton(x, w, bias, split_reduce="atomic", one_tile=False, **tiles, **kw)
         finally:
             L._split_sum_kernel = real_sum
         counters_zero = all(bool((c == 0).all()) for c in TILE_COUNTERS.values())
-        two_kernel = L.skinny_linear_triton(x, w, bias, split_reduce="kernel", **tiles, **kw)
+        two_kernel = L.skinny_linear_triton(x, w, bias, split_reduce="kernel", one_tile=False, **tiles, **kw)
         ref = L.linear_ref(x, w, bias, **kw)
         d64 = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kw.items()}
         ref64 = L.linear_ref(x.double(), w.double(), None if bias is None else bias.double(), **d64)
@@ -260,6 +261,7 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
     # gemv: K ranges of at most 64 columns, so rows of 128 and more split
     L.SKINNY_TUNING.update(block_k=32, programs_per_sm=2)
     gemv.TUNING.update(max_block_k=64)
+    L.SKINNY_PDL = False  # the K-loop kernel (the one-tile one: tests/unit/skinny_pdl_interp_checks.py)
     for arch, dname, one_row in itertools.product(("llama_bias", "qwen3"), DTYPES, ("skinny", "gemv")):
         runner = tiny_runner(tmp / f"{arch}_{dname}_{one_row}", arch, dname)
         unpack_cpu_weights(runner.model)  # the kernel wants dense row-major weights (as on the GPU)
