@@ -190,8 +190,10 @@ SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "nu
 # --skinny); the fusion plan reads it when the runner is built.
 SKINNY_PDL = True
 # its plan (`skinny_pdl_plan`): at most tile_elems W elements a program (registers), K ranges
-# of at most max_block_k, BLOCK_N 16..64, programs_per_sm programs per SM; untuned heuristic
-SKINNY_PDL_TUNING: dict = {"tile_elems": 16384, "max_block_k": 1024, "programs_per_sm": 1, "num_warps": 4}
+# of at most max_block_k, BLOCK_N 16..64, programs_per_sm programs per SM; untuned heuristic),
+# and how its K splits are summed ("atomic": in the kernel; "kernel": by `_split_sum_kernel`)
+SKINNY_PDL_TUNING: dict = {"tile_elems": 16384, "max_block_k": 1024, "programs_per_sm": 1, "num_warps": 4,
+                           "split_reduce": "atomic"}
 
 if triton is not None:
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
@@ -276,13 +278,15 @@ if triton is not None:
     def _skinny_pdl_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, nw_ptr, r_ptr, cnt_ptr, M, N, K,
                            sx_m, sw_n, sy_m, sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr,
                            NORM: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr,
-                           SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                           SPLIT: tl.constexpr, ATOMIC: tl.constexpr, USE_PDL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           NORM_BLOCK: tl.constexpr):
         # the one-tile variant (SKINNY_PDL, docs/ARCHITECTURE.md §6): grid (N tiles, K splits),
         # program (n, s) owns BLOCK_N rows of W over the s-th range of k_per_split columns,
         # loaded as one [BLOCK_N, BLOCK_K] tile (BLOCK_K = next power of two of k_per_split,
         # masked) before the PDL wait; then x, the prologue, one dot and the split-K sum by
-        # the last program of the N tile (cnt: int32 per N tile, ws: [splits, M, N] fp32).
+        # the last program of the N tile (ATOMIC; cnt: int32 per N tile, ws: [splits, M, N]
+        # fp32), else by `_split_sum_kernel` after it (no counters: a first call in capture).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -322,17 +326,18 @@ if triton is not None:
             ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
             out_mask = mmask[:, None] & nmask[None, :]
             tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
-            # every thread's partial is stored before the release below (CTA barrier, then
-            # one gpu-scope acq_rel atomic); the last arrival acquires all partials
-            tl.debug_barrier()
-            n_splits = tl.num_programs(1)
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_splits - 1:
-                tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s_i in range(0, n_splits):  # split order: deterministic
-                    tot += tl.load(ws_tile + s_i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
+            if ATOMIC:
+                # every thread's partial is stored before the release below (CTA barrier,
+                # then one gpu-scope acq_rel atomic); the last arrival acquires all partials
+                tl.debug_barrier()
+                n_splits = tl.num_programs(1)
+                arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_splits - 1:
+                    tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    for s_i in range(0, n_splits):  # split order: deterministic, as _split_sum_kernel
+                        tot += tl.load(ws_tile + s_i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+                    tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
         else:
             _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
 
@@ -398,9 +403,10 @@ if triton is not None:
     def _skinny_pdl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                     norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
                     residual: torch.Tensor | None, block_n: int | None, split_k: int | None,
-                    num_warps: int | None, pdl: bool | None) -> bool:
-        """Launch `_skinny_pdl_kernel` into y; False (nothing launched) when the K split needs
-        the tile counters and they would be allocated inside CUDA-graph capture."""
+                    num_warps: int | None, pdl: bool | None, reduce: str) -> None:
+        """Launch `_skinny_pdl_kernel` into y. A K split is summed in the kernel, unless
+        reduce is "kernel" or the tile counters would be allocated inside CUDA-graph capture:
+        then by `_split_sum_kernel` (the same sum, bit for bit)."""
         m = x.shape[0]
         n, k = weight.shape
         bn, sp, warps = skinny_pdl_plan(n, k, x.device)
@@ -408,21 +414,30 @@ if triton is not None:
         k_per = triton.cdiv(k, max(1, min(split_k or sp, k)))
         bk, sp = max(16, triton.next_power_of_2(k_per)), triton.cdiv(k, k_per)  # the dot's K >= 16; no empty split
         n_tiles = triton.cdiv(n, bn)
-        counters = _tile_counters(x.device, n_tiles) if sp > 1 else y
-        if counters is None:
-            return False
+        counters = _tile_counters(x.device, n_tiles) if sp > 1 and reduce == "atomic" else None
         ws = torch.empty((sp, m, n), dtype=torch.float32, device=x.device) if sp > 1 else y
         pdl = use_pdl(x.device) if pdl is None else pdl
         _skinny_pdl_kernel[(n_tiles, sp)](
             x, weight, y if bias is None else bias, y, ws,
             x if norm_weight is None else norm_weight, y if residual is None else residual,
-            counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            y if counters is None else counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
             0 if residual is None else residual.stride(0), k_per, eps,
             HAS_BIAS=bias is not None, NORM=norm_weight is not None, SILU=silu_mul,
-            HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, BLOCK_M=16, BLOCK_N=bn,
-            BLOCK_K=bk, NORM_BLOCK=min(256, triton.next_power_of_2(k)), num_warps=num_warps or warps,
-            **launch_args(pdl))
-        return True
+            HAS_RES=residual is not None, SPLIT=sp > 1, ATOMIC=counters is not None, USE_PDL=pdl,
+            BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, NORM_BLOCK=min(256, triton.next_power_of_2(k)),
+            num_warps=num_warps or warps, **launch_args(pdl))
+        if sp > 1 and counters is None:
+            _split_sum(ws, bias, residual, y, sp)
+
+    def _split_sum(ws: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                   y: torch.Tensor, split: int) -> None:
+        """y = epilogue(sum over splits of ws [split, M, N] in split order): `_split_sum_kernel`."""
+        m, n = y.shape
+        blk = 1024
+        _split_sum_kernel[(m, triton.cdiv(n, blk))](
+            ws, y if bias is None else bias, y if residual is None else residual, y, m, n,
+            0 if residual is None else residual.stride(0), y.stride(0), split,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=blk)
 
     def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                              norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -437,10 +452,11 @@ if triton is not None:
         weight must have unit stride along K; x and residual may be row-strided views.
         one_tile (default SKINNY_PDL) takes the one-tile kernel for M <= SKINNY_MAX_ROWS
         (`_skinny_pdl_kernel`: W tile loaded before the PDL wait, the split summed in the
-        kernel; tiles from `skinny_pdl_plan`, block_n / split_k / num_warps override it, pdl
-        overrides `kernels.pdl.use_pdl`); else, or when its split would need counters first
-        allocated inside graph capture, the K-loop kernel, whose tile arguments default to
-        `skinny_plan` and split_reduce ("atomic" or "kernel") to SKINNY_TUNING. Raises
+        kernel unless split_reduce (default SKINNY_PDL_TUNING's) is "kernel" or the counters
+        would be allocated inside graph capture; tiles from `skinny_pdl_plan`, block_n / split_k / num_warps override
+        it, pdl overrides `kernels.pdl.use_pdl`); else the K-loop kernel, whose tile
+        arguments default to `skinny_plan` and split_reduce ("atomic" or "kernel") to
+        SKINNY_TUNING. Raises
         ValueError for M > 64, a weight whose last stride is not 1 or an unknown split_reduce.
         """
         m = x.shape[0]
@@ -460,9 +476,9 @@ if triton is not None:
             return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps,
                                       silu_mul=silu_mul, residual=residual))
         if (SKINNY_PDL if one_tile is None else one_tile) and m <= SKINNY_MAX_ROWS:
-            if _skinny_pdl(x, weight, bias, y, norm_weight, eps, silu_mul, residual, block_n, split_k,
-                           num_warps, pdl):
-                return y
+            _skinny_pdl(x, weight, bias, y, norm_weight, eps, silu_mul, residual, block_n, split_k, num_warps,
+                        pdl, split_reduce or SKINNY_PDL_TUNING["split_reduce"])
+            return y
         bn, bk, split = skinny_plan(m, n, k, x.device, block_n, block_k, split_k)
         bm = max(16, triton.next_power_of_2(m))
         k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -480,9 +496,5 @@ if triton is not None:
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or SKINNY_TUNING["num_warps"],
             num_stages=num_stages or SKINNY_TUNING["num_stages"])
         if split > 1 and counters is None:
-            blk = 1024
-            _split_sum_kernel[(m, triton.cdiv(n, blk))](
-                ws, y if bias is None else bias, y if residual is None else residual, y, m, n,
-                0 if residual is None else residual.stride(0), y.stride(0), split,
-                HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=blk)
+            _split_sum(ws, bias, residual, y, split)
         return y

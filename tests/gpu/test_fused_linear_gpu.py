@@ -99,13 +99,15 @@ def test_fused_skinny_linear_matches_reference(dtype, pro, res, m):
     assert L.skinny_applies(x, w)
     assert rel(L.linear(x, w, b, **kw), ref) < TOL[dtype]  # the dispatcher's own plan
     for split in (1, 2, 4):
-        got = L.skinny_linear_triton(x, w, b, split_k=split, block_k=128, split_reduce="atomic", **kw)
+        got = L.skinny_linear_triton(x, w, b, split_k=split, block_k=128, split_reduce="atomic", one_tile=False, **kw)
         assert rel(got, ref) < TOL[dtype], split
         if split > 1:
-            two = L.skinny_linear_triton(x, w, b, split_k=split, block_k=128, split_reduce="kernel", **kw)
+            two = L.skinny_linear_triton(x, w, b, split_k=split, block_k=128, split_reduce="kernel", one_tile=False,
+                                         **kw)
             assert torch.equal(got, two), split
             for _ in range(20):  # a counter race would sum a partial that is not there yet
-                assert torch.equal(L.skinny_linear_triton(x, w, b, split_k=split, block_k=128, **kw), two)
+                assert torch.equal(L.skinny_linear_triton(x, w, b, split_k=split, block_k=128, one_tile=False, **kw),
+                                   two)
     assert _counters_zero()
 
 
@@ -134,7 +136,9 @@ def test_qwen3_projections_fused_equal_the_unfused_kernel_sequence(dtype, m, mon
     assert _counters_zero()
 
 
-def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counters():
+@pytest.mark.parametrize("one_tile", [False, True])
+def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counters(one_tile, monkeypatch):
+    monkeypatch.setattr(L, "SKINNY_PDL", one_tile)  # the K-loop kernel, or the one-tile one
     dtype, m = torch.bfloat16, 4
     x, w, b, kw = _inputs("norm", True, m, 1024, 3072, dtype)
 
@@ -142,12 +146,13 @@ def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counter
         return L.linear(L.linear(x, w, b, **kw), w[:, :1024], residual=kw["residual"])
 
     eager = step()
-    default = L.SKINNY_TUNING["split_reduce"]
-    L.SKINNY_TUNING["split_reduce"] = "kernel"  # compile the 2-kernel path outside capture too
+    default = L.SKINNY_TUNING["split_reduce"], L.SKINNY_PDL_TUNING["split_reduce"]
+    # compile the 2-kernel path outside capture too
+    L.SKINNY_TUNING["split_reduce"] = L.SKINNY_PDL_TUNING["split_reduce"] = "kernel"
     try:
         assert torch.equal(step(), eager)
     finally:
-        L.SKINNY_TUNING["split_reduce"] = default
+        L.SKINNY_TUNING["split_reduce"], L.SKINNY_PDL_TUNING["split_reduce"] = default
     saved = dict(TILE_COUNTERS)
     assert saved, "the eager call allocated the counters"
     try:
@@ -196,7 +201,7 @@ def test_fused_path_is_chosen_for_1_to_16_rows_of_half_dtypes_on_cuda(one_layer_
     r = one_layer_runner
     cuda = torch.device("cuda")
     proj = r.model.fusable_projections()
-    assert r.fusion.fused(1) and not r.fusion.fused(2)  # the runner's default plan
+    assert r.fusion.fused(1) and r.fusion.fused(2) == L.SKINNY_PDL  # the runner's default plan
     assert len(proj) == 4 and all(p.dtype == torch.bfloat16 for p in proj)
     for rows, dtype, want in ((1, torch.bfloat16, True), (16, torch.bfloat16, True), (17, torch.bfloat16, False),
                               (4, torch.float16, False), (4, torch.float32, False)):

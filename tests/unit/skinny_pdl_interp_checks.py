@@ -6,6 +6,8 @@ Kernel cases: rows 2, 5, 9, 16 x prologue (plain, norm, silu) x residual x K spl
 forced; the plan's own) x fp32 / fp16, N = 37 and K = 300 (multiples of no tile), against
 `linear_ref` in the input dtype and in fp64 (the larger relative error counts). Recorded per
 case: that error, the split count, whether the tile counters are zero afterwards, whether
+the in-kernel split sum equals the `_split_sum_kernel` one (split_reduce="kernel", the
+path of a first call inside graph capture) bit for bit, whether
 the residual output is bit for bit round(round(x @ W.T + b) + r) of the kernel's own plain
 output (the rounding of fused_add_rms_norm), and which kernels launched (the K-loop kernel
 and the split-sum kernel must not).
@@ -77,6 +79,8 @@ def _kernel_checks(out: dict) -> None:
         finally:
             L._skinny_kernel, L._split_sum_kernel = real
         counters_zero = all(bool((c == 0).all()) for c in TILE_COUNTERS.values())
+        two = L.skinny_linear_triton(x, w, bias, one_tile=True, split_reduce="kernel",
+                                     residual=r if res else None, **tiles, **kw)
         kw_ref = {**kw, "residual": r if res else None}
         ref = L.linear_ref(x, w, bias, **kw_ref)
         d64 = {k: (v.double() if torch.is_tensor(v) else v) for k, v in kw_ref.items()}
@@ -86,7 +90,8 @@ def _kernel_checks(out: dict) -> None:
         out[f"{pro}_{'res' if res else 'nores'}_s{split or 'plan'}_m{m}_{dname}"] = {
             "err": max(_rel(got, ref), _rel(got, ref64)), "counters_zero": counters_zero,
             "residual_exact": bool(torch.equal(got, (plain.float() + r.float()).to(dt))) if res else True,
-            "splits": -(-K // k_per), "old_kernels": launched["old"]}
+            "splits": -(-K // k_per), "old_kernels": launched["old"],
+            "equal_to_split_sum_kernel": bool(torch.equal(got, two))}
 
 
 def _model_checks(out: dict, tmp: pathlib.Path) -> None:

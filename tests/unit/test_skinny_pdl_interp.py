@@ -27,6 +27,7 @@ def test_one_tile_skinny_kernel_matches_reference(results, case):
     assert r["counters_zero"], f"{case}: a tile counter was left non-zero"
     assert r["residual_exact"], f"{case}: the residual add is not round(round(y) + r)"
     assert r["old_kernels"] == 0, case
+    assert r["equal_to_split_sum_kernel"], f"{case}: the in-kernel split sum differs from the 2-kernel one"
 
 
 def test_cases_really_split_k(results):
