@@ -32,6 +32,8 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
    with the fast path (`spec.step.FAST_VERIFY`) on and off in the same run (--host-batches,
    --host-reps), and cProfile's top worker functions. --fast-verify on|off sets the path of
    the other parts (the A/B of the verify and e2e parts runs them twice).
+--skinny one_tile|k_loop picks the 2..16-row projection kernel for the whole run
+(kernels/linear.py SKINNY_PDL; scripts/gpu_verifyk.sh runs both).
 Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
 JSON (settings, device, runner report, the three parts) to --out and stdout.
 
@@ -501,12 +503,18 @@ def main() -> None:
     ap.add_argument("--fast-verify", choices=["on", "off"], default="on",
                     help="the greedy fast path of verification (services/worker/spec/step.py FAST_VERIFY) for the "
                          "verify and e2e parts (the host part measures both)")
+    ap.add_argument("--skinny", choices=["one_tile", "k_loop"], default="one_tile",
+                    help="the 2..16-row projection kernel (kernels/linear.py SKINNY_PDL): the one-tile kernel "
+                         "with PDL, the in-kernel split sum and the fused layer path at 2..16 rows (default), or "
+                         "the K-loop kernel with its 2-kernel split sum and those steps unfused (before issue 15)")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.attention == "prefill":
         from kernels import attention_triton
         attention_triton.DECODE_DEFAULTS["multi_query"] = False
+    from kernels import linear as linear_kernels
+    linear_kernels.SKINNY_PDL = a.skinny == "one_tile"  # read by the runner's FusionPlan at load
     tiny = a.tiny
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 15, the verify step's kernel chain on the device machine (about 5 minutes on the H200):
+# the GPU tests of the one-tile skinny kernel (kernels/linear.py SKINNY_PDL) and of the verify
+# paths it serves, then benchmarks/spec_verify_cost.py (verify cost at k = 4, batch 1 / 8 / 32,
+# batch-1 replay end to end, the per-kernel profile) for the K-loop kernel (the path before,
+# k_loop) and the one-tile one (one_tile). Everything lands under $OUT (default ./gpu_out):
+# env.txt, bench.log, svc_qwen3-0.6b_<variant>.json, summary.txt.
+# Run from the repo root:  bash scripts/gpu_verifyk.sh
+set -u
+# shellcheck source=scripts/gpu_env.sh
+. "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt, run
+run tests_kernels "${TEST_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_skinny_pdl_gpu.py \
+  tests/gpu/test_fused_linear_gpu.py tests/gpu/test_spec_runner_gpu.py::test_verify_logits_equal_decode_logits_in_bf16
+run tests_verify_graphs "${GRAPH_TEST_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_verify_graphs_gpu.py -k bf16
+for v in k_loop one_tile; do
+  run "svc_$v" "${BENCH_TIMEOUT:-70}" python3 benchmarks/spec_verify_cost.py --config qwen3-0.6b --skinny "$v" \
+    --parts verify e2e profile --ks 4 --batches 1 8 32 --out "$OUT/svc_qwen3-0.6b_$v.json" \
+    --notes "scripts/gpu_verifyk.sh --skinny $v"
+done
+python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
+import json, os, sys
+for v in ("k_loop", "one_tile"):
+    p = os.path.join(sys.argv[1], f"svc_qwen3-0.6b_{v}.json")
+    if not os.path.exists(p):
+        print(f"== {v}: no result")
+        continue
+    r = json.load(open(p))
+    print(f"== {v} complete={r.get('complete')}")
+    for x in r.get("verify_cost", []):
+        extra = f", break-even L {x['break_even_L']}" if x.get("mode") == "verify" else ""
+        print(f"  b={x['batch']} k={x['k']} {x.get('mode')}: {x['wall_ms']:.3f} ms wall, {x.get('gpu_ms')} ms gpu{extra}")
+    pr = r.get("profile")
+    for part in ("decode", "verify") if pr else ():
+        print(f"  profile {part}: {pr[part]['total_us']} us of kernels a step; top:")
+        for x in pr[part]["top"][:10]:
+            print(f"    {x['us']:8.1f} us x{x['calls']:3d} {x['kernel']}")
+    e = r.get("e2e_replay")
+    if e:
+        print(f"  e2e plain {e['plain']['output_tok_per_s']} tok/s")
+        for pt in e["points"]:
+            print(f"  e2e L={pt['measured_L']}: {pt['output_tok_per_s']} tok/s, speedup {pt['speedup']}, "
+                  f"efficiency {pt['efficiency']}, identical {pt['identical']}")
+PY
