@@ -23,6 +23,7 @@ Copy bandwidth (device-to-device, read + write) is measured first, as the ceilin
 Writes JSON to --out; prints the best variants last.
 
 Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention|silu]
+       [--skinny k_loop|one_tile]   (the 2..16-row kernel: kernels/linear.py SKINNY_PDL; default k_loop)
 """
 
 from __future__ import annotations
@@ -262,8 +263,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few variants only (a smoke run)")
     ap.add_argument("--only", choices=["linear", "fused", "attention", "silu"], default=None)
+    ap.add_argument("--skinny", choices=["k_loop", "one_tile"], default="k_loop",
+                    help="the 2..16-row kernel the linear, fused and silu parts time (kernels/linear.py SKINNY_PDL): "
+                         "the K-loop kernel, whose launch parameters (SKINNY_TUNING) the linear part sweeps, or "
+                         "the one-tile kernel with PDL (its own plan, SKINNY_PDL_TUNING)")
     a = ap.parse_args()
-    res = {"benchmark": "kernel_sweep", "device": device_name(), "torch": torch.__version__,
+    linear.SKINNY_PDL = a.skinny == "one_tile"
+    res = {"benchmark": "kernel_sweep", "device": device_name(), "torch": torch.__version__, "skinny": a.skinny,
            "triton": triton.__version__, "copy_bandwidth_TBps": round(copy_bandwidth() / 1e12, 3)}
     if a.only in (None, "attention"):
         res["attention"] = sweep_attention(a.quick)

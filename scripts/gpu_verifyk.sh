@@ -5,7 +5,8 @@
 # batch-1 replay end to end, the per-kernel profile) for the K-loop kernel (the path before,
 # k_loop) and the one-tile one (one_tile). Everything lands under $OUT (default ./gpu_out):
 # env.txt, bench.log, svc_qwen3-0.6b_<variant>.json, summary.txt.
-# Run from the repo root:  bash scripts/gpu_verifyk.sh
+# Run from the repo root:  bash scripts/gpu_verifyk.sh   (SWEEP=1 adds benchmarks/kernel_sweep.py --only fused
+# for both kernels, about a minute more)
 set -u
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt, run
@@ -13,6 +14,11 @@ run tests_kernels "${TEST_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovide
   tests/gpu/test_fused_linear_gpu.py tests/gpu/test_spec_runner_gpu.py::test_verify_logits_equal_decode_logits_in_bf16
 run tests_verify_graphs "${GRAPH_TEST_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_verify_graphs_gpu.py -k bf16
+if [ "${SWEEP:-0}" = 1 ]; then  # opt-in: the fused linear stack alone, one graph, both kernels
+  for v in k_loop one_tile; do
+    run "sweep_$v" 60 python3 benchmarks/kernel_sweep.py --only fused --quick --skinny "$v" --out "$OUT/sweep_fused_$v.json"
+  done
+fi
 for v in k_loop one_tile; do
   run "svc_$v" "${BENCH_TIMEOUT:-70}" python3 benchmarks/spec_verify_cost.py --config qwen3-0.6b --skinny "$v" \
     --parts verify e2e profile --ks 4 --batches 1 8 32 --out "$OUT/svc_qwen3-0.6b_$v.json" \
