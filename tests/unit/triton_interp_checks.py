@@ -8,6 +8,7 @@ switch is read when triton is first imported. fp32 and fp16 only: the interprete
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -253,8 +254,8 @@ def main() -> None:
             xs = torch.randn(m, k + 4, generator=gen).to(dt)[:, 2:k + 2]
             ws = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
             bs_ = torch.randn(n, generator=gen).to(dt)
-            for bias in (None, bs_):
-                errs.append(rel(linear.skinny_linear_triton(xs, ws, bias, **kw),
+            for bias, one_tile in itertools.product((None, bs_), (False, True)):  # the K-loop and one-tile kernels
+                errs.append(rel(linear.skinny_linear_triton(xs, ws, bias, one_tile=one_tile, **kw),
                                 linear.linear_ref(xs.float(), ws.float(), None if bias is None else bias.float())))
         out[f"skinny_linear_{name}"] = max(errs)
         # one-row matrix-vector kernel: one tile, odd N and K, K split over programs that
