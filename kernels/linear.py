@@ -36,8 +36,9 @@ kernels did on each x tile it loads (prologue) or on the output tile (epilogue):
 - one tile (`SKINNY_PDL`, the default at 2..16 rows: `_skinny_pdl_kernel`, issue 15): the
   K-loop kernel's fused path lost to its launches (below) and it has no PDL, so a verify
   step's chain of skinny kernels, split sums and norm / SiLU kernels ran back to back. Here
-  each program loads its whole [BLOCK_N, BLOCK_K] W tile at once (K split so that a range
-  fits `SKINNY_PDL_TUNING`, as kernels.gemv does) before `kernels.pdl.pdl_wait`; x, the
+  each program loads its whole [BLOCK_N, BLOCK_K] W tile at once (K split in ranges of at
+  most 256 columns, `SKINNY_PDL_TUNING`: x and both dot operands sit in registers) before
+  `kernels.pdl.pdl_wait`; x, the
   prologue and the single dot come after, while W streams in, and the split is summed in
   the kernel by the last program of the N tile (same counters and protocol as above). The
   fusion plan fuses 2..16-row steps with it (services.worker.fusion.FUSE_SMALL_BATCHES).
@@ -190,9 +191,13 @@ SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "nu
 # --skinny); the fusion plan reads it when the runner is built.
 SKINNY_PDL = True
 # its plan (`skinny_pdl_plan`): at most tile_elems W elements a program (registers), K ranges
-# of at most max_block_k, BLOCK_N 16..64, programs_per_sm programs per SM; untuned heuristic),
-# and how its K splits are summed ("atomic": in the kernel; "kernel": by `_split_sum_kernel`)
-SKINNY_PDL_TUNING: dict = {"tile_elems": 16384, "max_block_k": 1024, "programs_per_sm": 1, "num_warps": 4,
+# of at most max_block_k, BLOCK_N 16..64, programs_per_sm programs per SM (not yet timed), and
+# how its K splits are summed ("atomic": in the kernel; "kernel": by `_split_sum_kernel`).
+# Registers (ptxas -v for sm_90a of Triton 3.9's PTX, bf16, 4 warps): the x tile [16, BLOCK_K]
+# and both dot operands sit in registers, so they grow with BLOCK_K: [32, 256] tiles 80 (plain)
+# / 162 (norm) / 168 (SiLU + residual + split) registers, no spills; [16, 1024] 255 with spills
+# (308 bytes with the norm, 20 KB with the SiLU); [64, 256] 165-255.
+SKINNY_PDL_TUNING: dict = {"tile_elems": 8192, "max_block_k": 256, "programs_per_sm": 1, "num_warps": 4,
                            "split_reduce": "atomic"}
 
 if triton is not None:
@@ -380,14 +385,12 @@ if triton is not None:
 
     def skinny_pdl_plan(n: int, k: int, device: torch.device, tuning: dict | None = None) -> tuple[int, int, int]:
         """(BLOCK_N, SPLIT, num_warps) of the one-tile kernel for W [n, k] (`SKINNY_PDL_TUNING`
-        unless `tuning`): split K (powers of two) until a program's range fits
-        max_block_k; BLOCK_N = tile_elems / BLOCK_K within 16..64; then halve BLOCK_N down to
-        16, and past that double the split (while a range keeps 64 columns), until the grid
-        has programs_per_sm programs per SM. BLOCK_K is the next power of two of the range."""
+        unless `tuning`): K split in cdiv(k, max_block_k) ranges (Qwen3-0.6B: 4, 8, 4 and 12
+        of 256 columns); BLOCK_N = tile_elems / BLOCK_K within 16..64; then halve BLOCK_N down
+        to 16, and past that double the split (while a range keeps 64 columns), until the
+        grid has programs_per_sm programs per SM. BLOCK_K is the next power of two of the range."""
         t = SKINNY_PDL_TUNING if tuning is None else tuning
-        split = 1
-        while triton.next_power_of_2(triton.cdiv(k, split)) > t["max_block_k"]:
-            split *= 2
+        split = triton.cdiv(k, t["max_block_k"])
         bk = triton.next_power_of_2(triton.cdiv(k, split))
         bn = max(16, min(64, t["tile_elems"] // bk))
         target = t["programs_per_sm"] * num_sms(device)
