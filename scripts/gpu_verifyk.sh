@@ -10,9 +10,9 @@
 set -u
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt, run
-run tests_kernels "${TEST_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_skinny_pdl_gpu.py \
+run tests_kernels "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_skinny_pdl_gpu.py \
   tests/gpu/test_fused_linear_gpu.py tests/gpu/test_spec_runner_gpu.py::test_verify_logits_equal_decode_logits_in_bf16
-run tests_verify_graphs "${GRAPH_TEST_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider \
+run tests_verify_graphs "${GRAPH_TEST_TIMEOUT:-45}" python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_verify_graphs_gpu.py -k bf16
 if [ "${SWEEP:-0}" = 1 ]; then  # opt-in: the fused linear stack alone, one graph, both kernels
   for v in k_loop one_tile; do
@@ -20,7 +20,7 @@ if [ "${SWEEP:-0}" = 1 ]; then  # opt-in: the fused linear stack alone, one grap
   done
 fi
 for v in k_loop one_tile; do
-  run "svc_$v" "${BENCH_TIMEOUT:-70}" python3 benchmarks/spec_verify_cost.py --config qwen3-0.6b --skinny "$v" \
+  run "svc_$v" "${BENCH_TIMEOUT:-60}" python3 benchmarks/spec_verify_cost.py --config qwen3-0.6b --skinny "$v" \
     --parts verify e2e profile --ks 4 --batches 1 8 32 --out "$OUT/svc_qwen3-0.6b_$v.json" \
     --notes "scripts/gpu_verifyk.sh --skinny $v"
 done

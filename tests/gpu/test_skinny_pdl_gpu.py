@@ -2,10 +2,11 @@
 loaded before the PDL wait, the K split summed in the kernel, the RMSNorm / SiLU-and-mul
 prologues and the residual epilogue) on CUDA, and the verify step that runs on it.
 
-- rows 2, 5, 9, 16 x prologue x residual x K split (1, 2, 3 forced with ragged ranges; the
-  plan's own) with PDL (and each prologue at 5 rows without), odd N and K (1031 x 1000), bf16 and fp16, against `linear_ref`
-  in fp64; the in-kernel split sum equal bit for bit to the `_split_sum_kernel` one over 20
-  repeats (a counter race shows as a mismatch); counters zero afterwards;
+- rows 2, 5, 9, 16 in bf16 and 5 in fp16 x prologue x residual x K split (1, 2, 3 forced with
+  ragged ranges; the plan's own) with PDL (and each prologue at 5 rows without), odd N and K
+  (1031 x 1000), against `linear_ref` in fp64; the in-kernel split sum equal bit for bit to
+  the `_split_sum_kernel` one over 20 repeats (a counter race shows as a mismatch); counters
+  zero afterwards;
 - Qwen3-0.6B's four projections at 5 rows against fp64;
 - a chain of dependent one-tile launches with PDL (each reads the output of the one before,
   with norm, residual and SiLU prologues) captured in a CUDA graph: 20 replays equal the
@@ -63,11 +64,12 @@ def _counters_zero() -> bool:
     return all(bool((c == 0).all()) for c in TILE_COUNTERS.values())
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype,m", [(torch.bfloat16, 2), (torch.bfloat16, 5), (torch.bfloat16, 9),
+                                     (torch.bfloat16, 16), (torch.float16, 5)],
+                         ids=["bf16-m2", "bf16-m5", "bf16-m9", "bf16-m16", "fp16-m5"])
 @pytest.mark.parametrize("pro", ["plain", "norm", "silu"])
 @pytest.mark.parametrize("res", [False, True])
-@pytest.mark.parametrize("m", [2, 5, 9, 16])
-def test_one_tile_skinny_kernel_matches_reference(dtype, pro, res, m):
+def test_one_tile_skinny_kernel_matches_reference(dtype, m, pro, res):
     _check_one_tile(dtype, pro, res, m, True)
 
 
