@@ -38,10 +38,10 @@ kernels did on each x tile it loads (prologue) or on the output tile (epilogue):
   step's chain of skinny kernels, split sums and norm / SiLU kernels ran back to back. Here
   each program loads its whole [BLOCK_N, BLOCK_K] W tile at once (K split in ranges of at
   most 256 columns, `SKINNY_PDL_TUNING`: x and both dot operands sit in registers) before
-  `kernels.pdl.pdl_wait`; x, the
-  prologue and the single dot come after, while W streams in, and the split is summed in
-  the kernel by the last program of the N tile (same counters and protocol as above). The
-  fusion plan fuses 2..16-row steps with it (services.worker.fusion.FUSE_SMALL_BATCHES).
+  `kernels.pdl.pdl_wait`; x, the prologue and the single dot come after, while W streams
+  in, and the split is summed in the kernel by the last program of the N tile (same
+  counters and protocol as above). The fusion plan fuses 2..16-row steps with it
+  (services.worker.fusion.FUSE_SMALL_BATCHES). Not yet timed on a GPU.
 Measured on the H200 (benchmarks/kernel_sweep.py --only fused, Qwen3-0.6B's 28-layer
 linear stack at M=1 in one CUDA graph): unfused 851 us, unfused with the in-kernel split sum
 813 us, fused 1,302 us. The fused prologues cost more than the launches they save, so the
@@ -455,12 +455,13 @@ if triton is not None:
         weight must have unit stride along K; x and residual may be row-strided views.
         one_tile (default SKINNY_PDL) takes the one-tile kernel for M <= SKINNY_MAX_ROWS
         (`_skinny_pdl_kernel`: W tile loaded before the PDL wait, the split summed in the
-        kernel unless split_reduce (default SKINNY_PDL_TUNING's) is "kernel" or the counters
-        would be allocated inside graph capture; tiles from `skinny_pdl_plan`, block_n / split_k / num_warps override
-        it, pdl overrides `kernels.pdl.use_pdl`); else the K-loop kernel, whose tile
-        arguments default to `skinny_plan` and split_reduce ("atomic" or "kernel") to
-        SKINNY_TUNING. Raises
-        ValueError for M > 64, a weight whose last stride is not 1 or an unknown split_reduce.
+        kernel unless split_reduce (default SKINNY_PDL_TUNING's) is "kernel" or the
+        counters would be allocated inside graph capture; tiles from `skinny_pdl_plan`,
+        block_n / split_k / num_warps override it, block_k / num_stages do not apply; pdl
+        overrides `kernels.pdl.use_pdl`); else the K-loop kernel, whose tile arguments
+        default to `skinny_plan` and split_reduce ("atomic" or "kernel") to SKINNY_TUNING.
+        Raises ValueError for M > 64, a weight whose last stride is not 1 or an unknown
+        split_reduce.
         """
         m = x.shape[0]
         n, k = weight.shape
