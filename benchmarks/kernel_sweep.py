@@ -1,6 +1,7 @@
 """Launch-parameter sweep of the decode-path kernels on one GPU, for choosing defaults.
 
-1. Skinny linear (`kernels.linear`): every projection of every layer of a model shape
+1. Skinny linear (`kernels.linear`; --skinny picks the K-loop kernel, whose SKINNY_TUNING it
+   sweeps, or the one-tile one, whose SKINNY_PDL_TUNING it sweeps): every projection of every layer of a model shape
    (Qwen3-0.6B, Llama-3.1-8B) at M rows, distinct weights per layer (so the weights
    stream from HBM as in decode, not from L2), captured in one CUDA graph and replayed:
    time per pass, and bytes (weights + activations) / time in TB/s. cuBLAS (`F.linear`)
@@ -80,11 +81,17 @@ def graph_time(fn, reps: int = 20) -> float:
 
 def sweep_linear(quick: bool) -> dict:
     res: dict = {}
-    variants = [dict(block_k=bk, programs_per_sm=pp, num_warps=nw, num_stages=ns)
-                for bk, pp, nw, ns in itertools.product((128, 256, 512), (1, 2, 4), (4, 8), (3, 5))]
+    if linear.SKINNY_PDL:  # the one-tile kernel (--skinny one_tile): its plan's knobs
+        tuning, fmt = linear.SKINNY_PDL_TUNING, "mbk{max_block_k}_te{tile_elems}_pp{programs_per_sm}_w{num_warps}"
+        variants = [dict(max_block_k=bk, tile_elems=te, programs_per_sm=pp, num_warps=nw)
+                    for bk, te, pp, nw in itertools.product((256, 128, 512), (8192, 4096, 16384), (1, 2), (4, 8))]
+    else:
+        tuning, fmt = linear.SKINNY_TUNING, "bk{block_k}_pp{programs_per_sm}_w{num_warps}_s{num_stages}"
+        variants = [dict(block_k=bk, programs_per_sm=pp, num_warps=nw, num_stages=ns)
+                    for bk, pp, nw, ns in itertools.product((128, 256, 512), (1, 2, 4), (4, 8), (3, 5))]
     if quick:
         variants = variants[:4]
-    default = dict(linear.SKINNY_TUNING)
+    default = dict(tuning)
     for name, (layers, mats, head) in SHAPES.items():
         ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
               for _ in range(layers)]
@@ -101,13 +108,13 @@ def sweep_linear(quick: bool) -> dict:
                 return run
             row = {"cublas_us": graph_time(layers_fn(F.linear)) * 1e6}
             for v in variants:
-                linear.SKINNY_TUNING.update(v)
-                key = "bk{block_k}_pp{programs_per_sm}_w{num_warps}_s{num_stages}".format(**v)
+                tuning.update(v)
+                key = fmt.format(**v)
                 try:
                     row[key] = graph_time(layers_fn(linear.skinny_linear_triton)) * 1e6
                 except Exception as e:  # a variant that fails to compile is reported, not fatal
                     row[key] = f"error: {type(e).__name__}: {str(e)[:120]}"
-            linear.SKINNY_TUNING.update(default)
+            tuning.update(default)
             best = min((k for k in row if k != "cublas_us" and isinstance(row[k], float)), key=row.get)
             row["best"] = best
             row["weight_bytes"] = wbytes
