@@ -53,16 +53,17 @@ class DraftScheduler:
         return min(self.room(req) - 2, self.max_model_len - req.num_tokens - req.inflight - num_draft)
 
     def choose(self, decodes: list[Request], step_tokens: int, async_ok: bool,
-               budget: int | None = None) -> dict[str, int]:
+               budget: int | None = None, mixed: bool = False) -> dict[str, int]:
         """The policy's k per request id for the decodes that hold drafts, in a step of
         about `step_tokens` tokens before drafts. async_ok: nothing else keeps the pipeline
         from planning ahead. budget: the step's token budget (None: unbounded); the drafts
         chosen fit in what the step leaves of it (drafts past it would displace decodes or
-        prefill tokens, which the policy's gains do not count). With an engine-side
-        drafter the decodes' drafts are looked up here first (`look_up`)."""
+        prefill tokens, which the policy's gains do not count). mixed: prefill tokens are
+        expected in the step. With an engine-side drafter the decodes' drafts are looked
+        up here first (`look_up`)."""
         spec = self.spec
         spec.begin_step(step_tokens, len(decodes), async_ok,
-                        None if budget is None else max(0, budget - step_tokens))
+                        None if budget is None else max(0, budget - step_tokens), mixed)
         if self.drafter is not None:
             self.look_up(decodes)
         cands = [(r, min(len(r.draft_token_ids), spec.kmax, self.room(r) - 1))
@@ -82,12 +83,22 @@ class DraftScheduler:
         spec, drafter = self.spec, self.drafter
         assert drafter is not None
         exact = not any(r.inflight for r in decodes)
+        # No acceptance pays in this step and it does not probe: only requests whose probe
+        # is on its way or that verified last time are looked up (`SpecPolicy.wants_lookup`),
+        # tested here without a call per decode, so that such a step costs the engine what
+        # a plain one does
+        quiet = spec.lookups_quiet()
         for r in decodes:
-            if r.inflight and r.lookup_due:
-                continue  # waiting for its result already
-            r.lookup_due = False
+            if r.lookup_due:
+                if r.inflight:
+                    continue  # waiting for its result already
+                r.lookup_due = False
             if r.draft_token_ids:
                 r.draft_token_ids = []  # only this step's lookup counts
+            if quiet:
+                st = r.spec
+                if st is None or not (st.probing or st.verifying):
+                    continue
             if r.spec_inflight or not spec.wants_lookup(r, exact):
                 continue
             k = min(spec.kmax, self.room(r) - 1)
@@ -95,12 +106,14 @@ class DraftScheduler:
                 continue
             if not exact and spec.fixed:  # "fixed" looks every decode up: every step waits
                 r.lookup_due = True
+                spec.num_lookup_waits += 1
                 continue
             drafts = drafter.propose(r, k if exact else 1)
             if exact:
                 r.draft_token_ids = drafts
             else:
                 r.lookup_due = bool(drafts)
+                spec.num_lookup_waits += r.lookup_due
             spec.observe_lookup(r, bool(drafts), exact)
 
     def decode(self, req: Request, end: int, k: int, budget: int) -> SeqWork | None:
