@@ -19,8 +19,10 @@ step replays a verify graph only at <= 32 seqs all verifying the same k (1.5 ms 
 seq), else it runs eagerly (docs/ARCHITECTURE.md §6.5, MIXED_K off).
 
 Reported per variant (plain, spec): simulated seconds and output tok/s, steps, synchronous
-plans, verify steps, probe steps, lookups, and the engine's real CPU time per step (the
-worker's own time excluded; indicative on a shared machine). `ratio` = spec / plain
+plans, verify steps, probe steps, lookups, the engine's real CPU time per step (the
+worker's own time excluded; indicative on a shared machine), of it the speculation's
+(`Scheduler._choose_drafts`: the policy and the lookups), and the requests whose output
+differs from their script (`wrong_outputs`, 0: token for token the plain decoding). `ratio` = spec / plain
 simulated throughput. Usage:
   .venv/bin/python benchmarks/spec_load_sim.py [--concurrency 256] [--requests 1024]
       [--loops 0.4] [--prompt 24] [--max-tokens 128] [--out FILE]
@@ -43,6 +45,7 @@ from services.engine.pipeline import StepPipeline  # noqa: E402
 from shared import protocol as P  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.model_spec import ModelSpec  # noqa: E402
+from shared.procutil import freeze_gc  # noqa: E402
 
 VOCAB = 30000
 
@@ -74,6 +77,13 @@ def h200_like(plan: P.StepPlan) -> float:
     if b <= 32 and len(ks) == 1:
         return 1.5e-3 + 40e-6 * b
     return 14e-3 + 3e-6 * tokens
+
+
+def cheap_verify(plan: P.StepPlan) -> float:
+    """A device where every step replays a graph (no eager steps): 1.0 ms + 2.5 us a token
+    (a verify of 256 seqs x 5 tokens, 4.2 ms, against 1.64 ms for their decode): drafts
+    that are right pay even at 256 seqs."""
+    return 1.0e-3 + 2.5e-6 * sum(len(s.token_ids) for s in plan.seqs)
 
 
 def engine_s(plan: P.StepPlan) -> float:
@@ -112,8 +122,6 @@ class ScriptWorker:
         sampled: list[int] = []
         counts: list[int] = []
         spec = False
-        for rid in plan.forget:
-            self._scripts.pop(rid, None)
         for s in plan.seqs:
             if not s.sample:
                 continue
@@ -198,6 +206,8 @@ def run_load(spec: str | None, concurrency: int, requests: int, loops: float, pr
     out_tokens = 0
     due: list[float] = [0.0] * min(concurrency, requests)  # when the client sends its next requests
     spec_time = [0.0]
+    got: dict[str, list[int]] = {}  # output tokens per request
+    lengths: dict[str, int] = {}
     sched = core.scheduler
     if sched.drafts is not None:  # the engine's speculation work per step, timed apart
         choose = sched._choose_drafts
@@ -220,6 +230,7 @@ def run_load(spec: str | None, concurrency: int, requests: int, loops: float, pr
                 mt = max_tokens // 2 + rng.randrange(max_tokens + 1)  # spread, so requests end apart
                 sp = P.SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True)
                 assert core.add(b"fe", P.AddRequest(f"q{sent}", ids, sp, float(sent))) is None
+                lengths[f"q{sent}"] = mt
                 sent += 1
             elif at > clock.t:
                 keep.append(at)
@@ -228,12 +239,15 @@ def run_load(spec: str | None, concurrency: int, requests: int, loops: float, pr
         if em is not None:
             for _, o in em.outputs():
                 out_tokens += len(o.new_token_ids)
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     finished += 1
                     due.append(clock.t + client_delay_s)
     while pipe.busy():
         pipe.advance()
     real = time.perf_counter() - t0 - worker.seconds
+    # the truth: each request's script (the worker's plain decoding), token for token
+    wrong = sum(got.get(rid, []) != [worker.script(rid, i) for i in range(n)] for rid, n in lengths.items())
     s = core.stats()
     return {"sim_s": clock.t, "tok_per_s": out_tokens / clock.t, "steps": s["num_steps"],
             "sync_plans": s.get("num_sync_plans"), "engine_us_per_step": 1e6 * real / max(1, s["num_steps"]),
@@ -242,7 +256,7 @@ def run_load(spec: str | None, concurrency: int, requests: int, loops: float, pr
             "lookups": s.get("spec_ngram_lookups", 0), "lookup_waits": s.get("spec_ngram_lookup_waits", 0),
             "drafts": s.get("spec_decode_num_draft_tokens", 0),
             "accepted": s.get("spec_decode_num_accepted_tokens", 0),
-            "k_hist": s.get("spec_decode_k_hist"), "stats": s}
+            "k_hist": s.get("spec_decode_k_hist"), "wrong_outputs": wrong, "stats": s}
 
 
 def main() -> None:
@@ -255,6 +269,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out")
     a = ap.parse_args()
+    freeze_gc()  # garbage collection as in the engine process (a lookup's tuples otherwise trigger passes)
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": a.k})
     rows = []
     for c in a.concurrency:
