@@ -18,9 +18,12 @@ services/engine/step_cost.py).
 - Cost: the step's expected duration from the measured curves: `spec_cost(N + K)` for a
   step of N tokens plus K drafts that verifies or proposes (device time, plus the engine's
   own time between result and plan, `overhead`, which such a step waits for), against
-  `plain_cost(N)` for the same step without drafts (plus `overhead` only where the
-  pipeline is synchronous anyway: async scheduling off, or a request with penalties or a
-  grammar running).
+  `plain_cost(N)` for the same step without drafts (its decode-only or, with prefill
+  tokens expected, its mixed curve; plus `overhead` only where the pipeline is
+  synchronous anyway: async scheduling off, or a request with penalties or a grammar
+  running). In a step with prefill tokens the break-even acceptance and the probe test
+  hold for a step of its decodes alone too (drafts found now may verify in the next step,
+  which may have none).
 - Choice: the step's output rate (tokens emitted / expected duration) is what is
   maximised. The i-th draft of a request with acceptance a adds a^i tokens; the drafts
   are taken in decreasing order of that gain and the best total K is kept (for a given K
@@ -44,7 +47,8 @@ services/engine/step_cost.py).
   speculates on its merits sets it back to PROBE_MIN. A step only probes where
   speculation could pay at all: every sampled seq verifying k drafts, all accepted, beats
   the plain step by MARGIN on the measured curves (at a large batch, or where verify steps
-  run eagerly, it does not, and nothing is probed). Probing all requests in one step pays
+  run eagerly, it does not, and nothing is probed; a probe's drafts held in such a step
+  are dropped). Probing all requests in one step pays
   the synchronous steps (a proposal, then a verify) once per interval: probes of requests
   one by one, each on its own clock, made almost every step at 256 concurrent requests
   synchronous (H200, spec_serve.py: 0.54-0.64x of plain).
