@@ -39,7 +39,8 @@ the two servers, plain first or spec first alternately (by round and by row). Ea
 records its wall time and the Triton compiles / CUDA graph captures its server's worker
 met during it (`worker_jit_compiles` of the engine stats, services/worker/jit_watch.py),
 so that a stall shows in the JSON: per row `rounds` {plain, spec}: [{output_tok_per_s,
-wall_s, jit_compiles, steps}, ...] in round order, and per server `jit_compiles_warmup`
+wall_s, jit_compiles, steps, sync_plans (plans the pipeline waited for), spec_steps (with a
+seq that verified), probes, lookups (n-gram)}, ...] in round order, and per server `jit_compiles_warmup`
 (during the warm-up; 0 from the first run on is the startup warm-ups' promise); a server
 whose worker compiled keeps its log (its warnings name the kernels), listed in `server_logs`, and those
 warnings themselves are in `jit_serving_compiles` (each names what differs from the closest earlier compile).
@@ -90,7 +91,8 @@ from benchmarks.spec_prompts import SETS, hashed_token_ids  # noqa: E402
 SIDES = ("plain", "spec")
 ENGINE_KEYS = ("num_steps", "num_generated_tokens", "num_preemptions", "spec_decode_num_proposals",
                "spec_decode_num_empty_proposals", "spec_decode_num_probes", "spec_decode_k_hist",
-               "worker_jit_compiles")
+               "worker_jit_compiles", "num_sync_plans", "spec_decode_num_spec_steps", "spec_ngram_lookups",
+               "spec_ngram_lookup_waits")
 TINY = {"config": "tiny-qwen3", "device": "cpu", "concurrency": [1, 4], "max_tokens": 16,
         "repeats": 2, "warmup_tokens": 8, "check_levels": [4], "requests_per_concurrency": 2.0}
 
@@ -267,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                     s = runs[c][kind][side][-1]
                     rounds[c][kind][side].append({"output_tok_per_s": s["output_tok_per_s"], "wall_s": round(wall, 3),
                                                   "jit_compiles": delta.get("worker_jit_compiles"),
-                                                  "steps": delta.get("num_steps")})
+                                                  "steps": delta.get("num_steps"),
+                                                  "sync_plans": delta.get("num_sync_plans"),
+                                                  "spec_steps": delta.get("spec_decode_num_spec_steps"),
+                                                  "probes": delta.get("spec_decode_num_probes"),
+                                                  "lookups": delta.get("spec_ngram_lookups")})
                     print(f"round {rnd} c={c} {kind} {side}: {s['output_tok_per_s']} tok/s in {wall:.2f} s, "
                           f"{s['errors']} errors, {delta.get('worker_jit_compiles')} worker compiles "
                           f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)

@@ -76,7 +76,7 @@ class NgramIndex:
     Token ids must be >= 0. Raises ValueError on a bad n range.
     """
 
-    __slots__ = ("min_n", "max_n", "_ends", "_upto")
+    __slots__ = ("min_n", "max_n", "_ends", "_upto", "last_length")
 
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:
@@ -85,6 +85,7 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self._ends: dict[tuple[int, ...], int] = {}
         self._upto = 0  # n-grams ending at positions < _upto are indexed
+        self.last_length = 0  # the context's length at the last lookup (a caller may set it)
 
     @property
     def indexed(self) -> int:
@@ -98,6 +99,7 @@ class NgramIndex:
         context from max_n - 1 before the first new position, then per new position one
         dict store per n (a zip per n from BULK new positions on, e.g. a prompt)."""
         lo, hi = self.min_n, self.max_n
+        self.last_length = length
         if k <= 0 or length < lo + 1:
             return []
         d = self._ends

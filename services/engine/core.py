@@ -114,6 +114,9 @@ class EngineCore:
         self._last_result_at = 0.0  # when the last step's result was taken up
         self._busy_since: float | None = None  # a result taken up with work left (step_cost.py)
         self._in_flight = 0  # plans made whose results were not applied yet
+        # plans made after a result with work left and nothing in flight: the pipeline waited
+        # for that result (synchronous steps: async scheduling off, or it may not plan ahead)
+        self.num_sync_plans = 0
         self.num_kv_load_failures = 0  # steps whose tier loads failed (their requests recomputed)
 
     # ------------------------------------------------------------------ requests in
@@ -242,6 +245,8 @@ class EngineCore:
         if out is not None:
             out.planned_at = now = self.clock()
             out.planned_ahead = self._in_flight > 0
+            if not out.planned_ahead and self._busy_since is not None:
+                self.num_sync_plans += 1
             self._in_flight += 1
             if self._busy_since is not None and self.spec is not None:
                 self.spec.cost.observe_overhead(now - self._busy_since)
@@ -266,7 +271,7 @@ class EngineCore:
         if (self.spec is not None and not result.error and not result.jit_compiles and not result.kv_load_error
                 and (out.planned_ahead or not self._in_flight)):
             self.spec.observe_step(out.total_tokens, now - max(out.planned_at, self._last_result_at),
-                                   out.speculative)
+                                   out.speculative, out.has_prefill)
         self._last_result_at = now
         self.num_steps += 1
         if self.connector is not None:
@@ -343,6 +348,7 @@ class EngineCore:
                 "num_waiting": len(s.waiting), "num_steps": self.num_steps,
                 "num_preemptions": s.num_preemptions,
                 "num_generated_tokens": s.num_generated_tokens,
+                "num_sync_plans": self.num_sync_plans,
                 "worker_jit_compiles": self.num_jit_compiles,
                 "kv_load_failures": self.num_kv_load_failures, **s.bm.stats(),
                 **(self.connector.stats() if self.connector is not None else {}),

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from services.engine.block_manager import BlockManager
 from services.engine.ngram_drafts import Drafter, NgramDrafter
-from services.engine.request import Request
+from services.engine.request import Request, RequestStatus
 from services.engine.spec_policy import SpecPolicy
 from services.engine.step_plan import SeqWork
 
@@ -40,6 +40,8 @@ class DraftScheduler:
         if drafter is None and cfg.method == "ngram":
             drafter = NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.drafter = drafter
+        # requests an engine-side lookup left a state on (look_up), by id, in the order met
+        self._watch: dict[str, Request] = {}
 
     def room(self, req: Request) -> int:
         """Tokens req may still emit (max_tokens, max_model_len), counting those in flight."""
@@ -53,23 +55,23 @@ class DraftScheduler:
         return min(self.room(req) - 2, self.max_model_len - req.num_tokens - req.inflight - num_draft)
 
     def choose(self, decodes: list[Request], step_tokens: int, async_ok: bool,
-               budget: int | None = None) -> dict[str, int]:
+               budget: int | None = None, mixed: bool = False) -> dict[str, int]:
         """The policy's k per request id for the decodes that hold drafts, in a step of
         about `step_tokens` tokens before drafts. async_ok: nothing else keeps the pipeline
         from planning ahead. budget: the step's token budget (None: unbounded); the drafts
         chosen fit in what the step leaves of it (drafts past it would displace decodes or
-        prefill tokens, which the policy's gains do not count). With an engine-side
-        drafter the decodes' drafts are looked up here first (`look_up`)."""
+        prefill tokens, which the policy's gains do not count). mixed: prefill tokens are
+        expected in the step. With an engine-side drafter the decodes' drafts are looked
+        up here first (`look_up`)."""
         spec = self.spec
         spec.begin_step(step_tokens, len(decodes), async_ok,
-                        None if budget is None else max(0, budget - step_tokens))
-        if self.drafter is not None:
-            self.look_up(decodes)
+                        None if budget is None else max(0, budget - step_tokens), mixed)
+        pool = self.look_up(decodes) if self.drafter is not None else decodes
         cands = [(r, min(len(r.draft_token_ids), spec.kmax, self.room(r) - 1))
-                 for r in decodes if r.draft_token_ids and not r.inflight]
+                 for r in pool if r.draft_token_ids and not r.inflight]
         return spec.choose(cands) if cands else {}
 
-    def look_up(self, decodes: list[Request]) -> None:
+    def look_up(self, decodes: list[Request]) -> list[Request]:
         """The engine-side drafter's turn (docs/ARCHITECTURE.md §5.5), for the decodes the
         policy wants drafts for (`SpecPolicy.wants_lookup`). When no decode of the step has
         a token in flight, each one's drafts are looked up in its tokens and kept for this
@@ -78,16 +80,35 @@ class DraftScheduler:
         already have a match is marked `lookup_due`, so that the next plan waits for the
         results in flight and looks up again; one without counts as an empty lookup. With
         policy "fixed" every decode is marked (the pipeline then always waits, as it did
-        for the worker's proposals)."""
+        for the worker's proposals).
+
+        In a step where no acceptance pays and nobody is probed (`SpecPolicy.lookups_quiet`),
+        only requests whose probe is on its way or that verified last time are looked up,
+        and only those an earlier lookup left a state on (drafts, `lookup_due`, a probe,
+        a verify: `_watch`) are visited at all, so that such a step costs the engine what a
+        plain one does, not a pass over every decode. Returns the decodes visited (those
+        that may hold drafts now)."""
         spec, drafter = self.spec, self.drafter
         assert drafter is not None
         exact = not any(r.inflight for r in decodes)
-        for r in decodes:
-            if r.inflight and r.lookup_due:
-                continue  # waiting for its result already
-            r.lookup_due = False
+        quiet = spec.lookups_quiet()
+        watch = self._watch
+        if quiet:
+            todo = [r for r in watch.values() if r.status == RequestStatus.RUNNING
+                    and r.num_computed_tokens >= r.num_tokens + r.inflight - 1]  # (a decode, as the scheduler's)
+        else:
+            todo = decodes
+        for r in todo:
+            if r.lookup_due:
+                if r.inflight:
+                    continue  # waiting for its result already
+                r.lookup_due = False
             if r.draft_token_ids:
                 r.draft_token_ids = []  # only this step's lookup counts
+            if quiet:  # (wants_lookup's answer in such a step, without the call)
+                st = r.spec
+                if st is None or not (st.probing or st.verifying):
+                    continue
             if r.spec_inflight or not spec.wants_lookup(r, exact):
                 continue
             k = min(spec.kmax, self.room(r) - 1)
@@ -95,13 +116,24 @@ class DraftScheduler:
                 continue
             if not exact and spec.fixed:  # "fixed" looks every decode up: every step waits
                 r.lookup_due = True
+                spec.num_lookup_waits += 1
                 continue
             drafts = drafter.propose(r, k if exact else 1)
             if exact:
                 r.draft_token_ids = drafts
             else:
                 r.lookup_due = bool(drafts)
+                spec.num_lookup_waits += r.lookup_due
             spec.observe_lookup(r, bool(drafts), exact)
+        for r in todo:  # the requests whose state may want a lookup in a later quiet step
+            st = r.spec
+            if r.lookup_due or r.draft_token_ids or (st is not None and (st.probing or st.verifying)):
+                watch[r.request_id] = r
+            else:
+                watch.pop(r.request_id, None)
+        for rid in [rid for rid, r in watch.items() if r.is_finished]:
+            del watch[rid]
+        return todo
 
     def decode(self, req: Request, end: int, k: int, budget: int) -> SeqWork | None:
         """req's decode (its tokens up to `end`) with k of its drafts (fewer within

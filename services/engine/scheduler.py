@@ -74,7 +74,8 @@ class SchedulerOutput:
     """What one step runs: the plan for the workers and the requests in plan order.
 
     num_tokens: tokens per request id (drafts included); total_tokens: their sum.
-    speculative: a seq verifies or proposes drafts. planned_at: the engine core's clock
+    speculative: a seq verifies or proposes drafts. has_prefill: a seq is a prefill
+    chunk. planned_at: the engine core's clock
     when the plan was made; planned_ahead: another plan was in flight then (the engine
     core times the steps with both, services/engine/step_cost.py)."""
 
@@ -85,6 +86,7 @@ class SchedulerOutput:
     epochs: list[int] = field(default_factory=list)  # each request's epoch when planned
     total_tokens: int = 0
     speculative: bool = False
+    has_prefill: bool = False  # a seq is a prefill chunk (the step cost's "mixed" curve)
     planned_at: float = 0.0
     planned_ahead: bool = False
 
@@ -115,6 +117,7 @@ class Scheduler:
         self.eos = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._num_sync_running = 0  # running requests with penalties or a grammar (`_needs_sync`)
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.num_preemptions = 0  # cumulative
@@ -158,6 +161,7 @@ class Scheduler:
             self.connector.release(request)
         if request in self.running:
             self.running.remove(request)
+            self._num_sync_running -= self._needs_sync(request)
         elif self.waiting_for_kv.pop(request.request_id, None) is not None:
             pass  # a reservation that comes later goes back (the connector sees it finished)
         else:
@@ -203,7 +207,9 @@ class Scheduler:
                 continue  # nothing to run: its last chunk sampled nothing (max_tokens 0)
             if req.inflight and (self._must_sync(req) or self._at_limit(req)):
                 continue  # its pending token decides (or is its last): wait for it
-            work = drafts.decode(req, end, ks.get(req.request_id, 0), budget) if drafts else None
+            work = None  # (drafts.decode's first test, inlined: the common decode holds no drafts)
+            if drafts is not None and (req.draft_token_ids or drafts.drafter is None):
+                work = drafts.decode(req, end, ks.get(req.request_id, 0), budget)
             if work is None:
                 if not self._allocate_or_preempt(req, end, taken, preempted):
                     continue
@@ -213,6 +219,7 @@ class Scheduler:
             taken.add(req.request_id)
             budget -= work.num_tokens + len(work.drafts)
 
+        num_decodes = len(scheduled)
         prefill_budget = min(budget, self.prefill_cap_with_decodes) if scheduled else budget
         for req in prefills:
             if req.status != RequestStatus.RUNNING or prefill_budget <= 0:
@@ -284,6 +291,7 @@ class Scheduler:
             if req.first_scheduled is None:
                 req.first_scheduled = time.time()
             self.running.append(req)
+            self._num_sync_running += self._needs_sync(req)
             scheduled.append(SeqWork(req, n, num_propose=p, state_restore=restore if computed else -1,
                                      state_save=self._checkpoint_slot(save)))
             prefill_budget -= n
@@ -296,11 +304,14 @@ class Scheduler:
         if self.connector is not None:
             self._add_transfers(plan)
         num_tokens = {w.request.request_id: w.num_tokens + len(w.drafts) for w in scheduled}
+        speculative = any(s.num_draft or s.num_propose for s in plan.seqs)
+        if speculative and self.spec is not None:
+            self.spec.num_spec_steps += 1
         return SchedulerOutput(plan=plan, requests=[w.request for w in scheduled],
                                num_tokens=num_tokens, preempted=preempted,
                                epochs=[w.request.epoch for w in scheduled],
                                total_tokens=sum(num_tokens.values()),
-                               speculative=any(s.num_draft or s.num_propose for s in plan.seqs))
+                               speculative=speculative, has_prefill=len(scheduled) > num_decodes)
 
     def _choose_drafts(self, drafts: DraftScheduler, decodes: list[Request],
                        prefills: list[Request]) -> dict[str, int]:
@@ -314,8 +325,9 @@ class Scheduler:
             demand += r.num_tokens
         left = self.budget - len(decodes)
         cap = min(left, self.prefill_cap_with_decodes) if decodes else left
-        async_ok = not any(r.has_penalty or r.grammar is not None for r in self.running)
-        return drafts.choose(decodes, len(decodes) + max(0, min(demand, cap)), async_ok, self.budget)
+        async_ok = not self._num_sync_running  # (a count kept, not a pass over the running requests)
+        prefill = max(0, min(demand, cap))
+        return drafts.choose(decodes, len(decodes) + prefill, async_ok, self.budget, mixed=prefill > 0)
 
     def _add_transfers(self, plan: StepPlan) -> None:
         """Put the connector's copies for this step into `plan`."""
@@ -342,6 +354,12 @@ class Scheduler:
         if self.connector is not None and (plan.kv_loads or plan.kv_stores or plan.state_loads
                                            or plan.state_stores):
             self.connector.step_done(plan, store_ok)
+
+    @staticmethod
+    def _needs_sync(req: Request) -> bool:
+        """Whether every seq of req needs its previous result on the engine's side
+        (penalties, a grammar: fixed while it runs)."""
+        return req.has_penalty or req.grammar is not None
 
     @staticmethod
     def _must_sync(req: Request) -> bool:
@@ -382,6 +400,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         """Free the victim's blocks and put it first in line to recompute from token 0."""
         self.running.remove(victim)
+        self._num_sync_running -= self._needs_sync(victim)
         self.bm.free(victim)
         self._give_back_slot(victim)  # it recomputes from token 0 into the slot it gets next
         victim.worker_blocks = 0  # its next seq sends a new whole table (replacing the old)

@@ -18,9 +18,12 @@ services/engine/step_cost.py).
 - Cost: the step's expected duration from the measured curves: `spec_cost(N + K)` for a
   step of N tokens plus K drafts that verifies or proposes (device time, plus the engine's
   own time between result and plan, `overhead`, which such a step waits for), against
-  `plain_cost(N)` for the same step without drafts (plus `overhead` only where the
-  pipeline is synchronous anyway: async scheduling off, or a request with penalties or a
-  grammar running).
+  `plain_cost(N)` for the same step without drafts (its decode-only or, with prefill
+  tokens expected, its mixed curve; plus `overhead` only where the pipeline is
+  synchronous anyway: async scheduling off, or a request with penalties or a grammar
+  running). In a step with prefill tokens the break-even acceptance and the probe test
+  hold for a step of its decodes alone too (drafts found now may verify in the next step,
+  which may have none).
 - Choice: the step's output rate (tokens emitted / expected duration) is what is
   maximised. The i-th draft of a request with acceptance a adds a^i tokens; the drafts
   are taken in decreasing order of that gain and the best total K is kept (for a given K
@@ -44,13 +47,15 @@ services/engine/step_cost.py).
   speculates on its merits sets it back to PROBE_MIN. A step only probes where
   speculation could pay at all: every sampled seq verifying k drafts, all accepted, beats
   the plain step by MARGIN on the measured curves (at a large batch, or where verify steps
-  run eagerly, it does not, and nothing is probed). Probing all requests in one step pays
+  run eagerly, it does not, and nothing is probed; a probe's drafts held in such a step
+  are dropped). Probing all requests in one step pays
   the synchronous steps (a proposal, then a verify) once per interval: probes of requests
   one by one, each on its own clock, made almost every step at 256 concurrent requests
   synchronous (H200, spec_serve.py: 0.54-0.64x of plain).
 Counters (`stats`): vLLM's spec_decode_num_drafts (seqs that verified drafts),
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, plus proposals, empty
-proposals and probes; the policy's inputs (the curves, overhead, the engine-wide
+proposals, probe steps, steps that verified or proposed, n-gram lookups and the lookups that
+made the next plan wait; the policy's inputs (the curves, overhead, the engine-wide
 acceptance) and its last choice.
 """
 
@@ -135,6 +140,9 @@ class SpecPolicy:
         self.num_proposals = 0
         self.num_empty_proposals = 0
         self.num_probes = 0  # probe steps
+        self.num_spec_steps = 0  # steps planned with a seq that verifies or proposes
+        self.num_lookups = 0  # engine-side drafter lookups (n-gram)
+        self.num_lookup_waits = 0  # lookups that marked `lookup_due` (the next plan waits)
         self._since_probe = 0  # steps since the last probe step
         self._probe_interval = PROBE_MIN
         self._probe_step = False  # this step probes (begin_step)
@@ -142,6 +150,9 @@ class SpecPolicy:
         self._n = 1
         self._b = 1
         self._base: float | None = None  # the plain step's rate, tokens/s (None: unknown)
+        self._async = async_scheduling
+        self._mixed = False
+        self._pays: bool | None = None  # could_pay, once per step
         self._a_star: float | None = None
         self._room: int | None = None
         self.last: dict = {}
@@ -155,59 +166,89 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ per step
 
-    def begin_step(self, num_tokens: int, num_sampled: int, async_ok: bool, room: int | None = None) -> None:
+    def begin_step(self, num_tokens: int, num_sampled: int, async_ok: bool, room: int | None = None,
+                   mixed: bool = False) -> None:
         """A step of about `num_tokens` tokens before drafts, `num_sampled` of its seqs
         emitting tokens, is being planned. async_ok: a plain step could be planned ahead
         (nothing else forces the pipeline to wait). room: the drafts its token budget
         leaves room for (None: no bound); the adaptive choice stays within it (drafts past
-        it would displace decodes or prefill tokens, which their gains do not count)."""
+        it would displace decodes or prefill tokens, which their gains do not count).
+        mixed: prefill tokens are expected in it (its plain cost is the mixed curve's,
+        services/engine/step_cost.py)."""
         self._n, self._b = max(1, num_tokens), max(1, num_sampled)
         self._room = room
         self._a_star = None
-        t = self.cost.plain_cost(self._n)
-        if t is not None and not (async_ok and self.async_scheduling):
-            t += self.cost.overhead
-        # a measured 0 s (a coarse or fake clock) counts as a nanosecond, as in _spec_rate
-        self._base = self._b / max(t, 1e-9) if t is not None else None
+        self._async = async_ok and self.async_scheduling
+        self._mixed = mixed
+        self._base = self._plain_rate(self._n, mixed)
+        self._pays = None
         self._probe_step = False
         if not self.fixed:
             self._since_probe += 1
-            if self._since_probe >= self._probe_interval and self._could_pay():
+            if self._since_probe >= self._probe_interval and self.could_pay():
                 self._probe_step, self._since_probe = True, 0
                 self._probe_interval = min(PROBE_MAX, 2 * self._probe_interval)
                 self.num_probes += 1
 
-    def _could_pay(self) -> bool:
+    def _plain_rate(self, n: int, mixed: bool) -> float | None:
+        """The plain step's rate at n tokens, tokens/s (None: nothing measured); with the
+        engine's overhead where the pipeline waits anyway."""
+        t = self.cost.plain_cost(n, mixed)
+        if t is None:
+            return None
+        if not self._async:
+            t += self.cost.overhead
+        # a measured 0 s (a coarse or fake clock) counts as a nanosecond, as in _spec_rate
+        return self._b / max(t, 1e-9)
+
+    def could_pay(self) -> bool:
         """Whether speculation could pay in this step at all: every sampled seq verifying
-        kmax drafts, all of them accepted, beats the plain rate by MARGIN (True while the
-        costs are unknown, or no step with drafts was measured yet: a plain curve of one
-        size would extrapolate the drafts in proportion, and with no proposal steps, n-gram
-        drafting would never measure one)."""
-        if self._base is None or not self.cost.spec:
+        kmax drafts, all of them accepted, beats the plain rate by MARGIN, and, in a step
+        with prefill tokens, also beats a step of its decodes alone (a probe's drafts
+        found now may verify in the next step, without them). True while the costs are
+        unknown, or no step with drafts was measured yet: a plain curve of one size would
+        extrapolate the drafts in proportion, and with no proposal steps, n-gram drafting
+        would never measure one. Computed once per step."""
+        if self._pays is None:
+            self._pays = self._pays_at(self._n, self._base)
+            if self._pays and self._mixed:
+                self._pays = self._pays_at(self._b, self._plain_rate(self._b, False))
+        return self._pays
+
+    def _pays_at(self, n: int, base: float | None) -> bool:
+        if base is None or not self.cost.spec:
             return True
         d = self._b * self.kmax if self._room is None else min(self._room, self._b * self.kmax)
         if d <= 0:
             return False
-        r = self._spec_rate(d, float(d))
-        return r is not None and r > self._base * (1.0 + MARGIN)
+        r = self._spec_rate(d, float(d), n)
+        return r is not None and r > base * (1.0 + MARGIN)
 
-    def _spec_rate(self, drafts: int, gain: float) -> float | None:
-        t = self.cost.spec_cost(self._n + drafts)
+    def _spec_rate(self, drafts: int, gain: float, n: int | None = None) -> float | None:
+        t = self.cost.spec_cost((self._n if n is None else n) + drafts)
         # a measured 0 s (a coarse or fake clock) counts as a nanosecond: free, not a fault
         return None if t is None else (self._b + gain) / max(t + self.cost.overhead, 1e-9)
 
     def break_even_acceptance(self) -> float:
         """The least per-draft acceptance at which one request verifying some k drafts
-        alone beats this step's plain rate by MARGIN (0 while the costs are unknown; 2 when
-        no acceptance would). Computed once per step."""
+        alone beats this step's plain rate by MARGIN, and in a step with prefill tokens
+        also a step of its decodes alone (the drafts a lookup finds now may verify in the
+        next step, which may have none; and a match found while tokens are in flight makes
+        that step wait); 0 while the costs are unknown; 2 when no acceptance would.
+        Computed once per step."""
         if self._a_star is None:
-            self._a_star = 0.0 if self._base is None else self._break_even(self._base)
+            a = 0.0 if self._base is None else self._break_even(self._base, self._n)
+            if self._mixed and self._base is not None and a < 2.0:
+                base = self._plain_rate(self._b, False)
+                if base is not None:
+                    a = max(a, self._break_even(base, self._b))
+            self._a_star = a
         return self._a_star
 
-    def _break_even(self, base: float) -> float:
+    def _break_even(self, base: float, n: int) -> float:
         best = 2.0
         for k in range(1, self.kmax + 1):
-            r = self._spec_rate(k, 0.0)
+            r = self._spec_rate(k, 0.0, n)
             assert r is not None  # a plain cost is known, so a spec one is too
             # (B + E) / T1 > (1 + MARGIN) * base  <=>  E > (1 + MARGIN) * base * T1 - B
             need = (1.0 + MARGIN) * base * (self._b / r) - self._b
@@ -240,8 +281,8 @@ class SpecPolicy:
             st = self.state(req)
             if st.probing:  # a probe's drafts: verified whatever the acceptance says
                 k = min(usable, PROBE_DRAFTS, room - forced_k if room is not None else PROBE_DRAFTS)
-                if k <= 0:
-                    st.probing = False  # no room: the probe is dropped
+                if k <= 0 or not self.could_pay():
+                    st.probing = False  # no room, or a step where nothing could pay: dropped
                     continue
                 ks[req.request_id] = k
                 forced_k += k
@@ -296,6 +337,12 @@ class SpecPolicy:
         a = self.acceptance if st is None else st.acceptance
         return (st is None or st.empty < EMPTY_RUN) and a > self.break_even_acceptance()
 
+    def lookups_quiet(self) -> bool:
+        """Whether `wants_lookup` holds in this step only for requests whose probe is on its
+        way or that verified drafts last time: not "fixed", no probe step, and no acceptance
+        would pay on its own at this batch (break-even above 1)."""
+        return not self.fixed and not self._probe_step and self.break_even_acceptance() > 1.0
+
     def wants_lookup(self, req: Request, exact: bool) -> bool:
         """Whether the engine-side drafter looks `req` up in this step (docs/ARCHITECTURE.md
         §5.5): always with "fixed"; in a probe step, while its probe is on its way, and
@@ -321,6 +368,7 @@ class SpecPolicy:
         at the next lookup. An empty lookup is one failed trial (as an empty proposal). A
         hit in a probe step, of a request that would not look up on its merits, makes its
         next seq a probe (it verifies PROBE_DRAFTS of the drafts, whatever its estimate)."""
+        self.num_lookups += 1
         st = self.state(req)
         if found:
             if self._probe_step and not self.fixed and not st.probing:
@@ -383,10 +431,10 @@ class SpecPolicy:
             else:
                 st.empty = 0
 
-    def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
+    def observe_step(self, tokens: int, seconds: float, speculative: bool, mixed: bool = False) -> None:
         """A step of `tokens` tokens (drafts included) took `seconds`; speculative: a seq
-        verified or proposed."""
-        self.cost.observe(tokens, seconds, speculative)
+        verified or proposed; mixed: it ran a prefill chunk."""
+        self.cost.observe(tokens, seconds, speculative, mixed)
 
     def stats(self) -> dict:
         """Counters, inputs and the last choice (module doc), for `EngineCore.stats`."""
@@ -402,6 +450,9 @@ class SpecPolicy:
             "spec_decode_num_proposals": self.num_proposals,
             "spec_decode_num_empty_proposals": self.num_empty_proposals,
             "spec_decode_num_probes": self.num_probes,
+            "spec_decode_num_spec_steps": self.num_spec_steps,
+            "spec_ngram_lookups": self.num_lookups,
+            "spec_ngram_lookup_waits": self.num_lookup_waits,
             "spec_decode_k_hist": list(self.k_hist),
             "spec_policy_inputs": {"acceptance": self.acceptance, **self.cost.stats(),
                                    "last_step": dict(self.last)},

@@ -7,9 +7,15 @@ a decode of a few sequences costs about the same at 1 or 8 tokens each. So nothi
 assumed: the engine measures each step's duration (`EngineCore.finish_step`) and feeds it
 here with the step's token count.
 
-Two curves are kept, because the two kinds of step differ by more than their tokens:
-- "plain" steps (no seq verifies or proposes drafts): with async scheduling their measured
-  duration is the pipeline's cycle (the engine's own work overlaps the device's);
+Three curves are kept, because the kinds of step differ by more than their tokens:
+- "plain" steps (no seq verifies or proposes drafts) of decodes only: with async scheduling
+  their measured duration is the pipeline's cycle (the engine's own work overlaps the
+  device's);
+- "mixed" plain steps, with a prefill chunk: on a GPU they run eagerly where a decode-only
+  step replays a CUDA graph (H200, Qwen3-0.6B: ~15 ms against 3.2 ms at 256 seqs,
+  benchmarks/results/2026-12-03_h200_spec_serve_engine_ngram.json), so one curve of both
+  put a 256-decode step at 9-12 ms as soon as a few prefill tokens were expected, and
+  speculation and probes looked cheap at 256 seqs;
 - "spec" steps (a seq verifies or proposes): the device's time for the step, proposer
   included (verify steps may run eagerly where a plain decode replays a CUDA graph).
 Each curve is a set of buckets over the token count (exact up to 16 tokens, then 25% wide).
@@ -136,7 +142,7 @@ class CostCurve:
 
 
 class StepCostModel:
-    """The plain and spec curves (module doc) and the engine's own time per step.
+    """The plain, mixed and spec curves (module doc) and the engine's own time per step.
 
     overhead: moving average of the engine's work between a result and the next plan
     (apply the result, send the outputs, plan), seconds; a step that verifies or proposes
@@ -145,13 +151,15 @@ class StepCostModel:
 
     def __init__(self) -> None:
         self.plain = CostCurve()
+        self.mixed = CostCurve()
         self.spec = CostCurve()
         self.overhead = 0.0
         self._overhead_n = 0
 
-    def observe(self, tokens: int, seconds: float, spec: bool) -> None:
-        """A step of `tokens` tokens took `seconds`; spec: it verified or proposed drafts."""
-        (self.spec if spec else self.plain).observe(tokens, seconds)
+    def observe(self, tokens: int, seconds: float, spec: bool, mixed: bool = False) -> None:
+        """A step of `tokens` tokens took `seconds`; spec: it verified or proposed drafts;
+        mixed: it ran a prefill chunk (a plain one goes to the mixed curve)."""
+        (self.spec if spec else self.mixed if mixed else self.plain).observe(tokens, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """The engine spent `seconds` between a step's result and the next plan."""
@@ -163,10 +171,16 @@ class StepCostModel:
         a = max(ALPHA / 2, 1.0 / self._overhead_n)
         self.overhead += a * (seconds - self.overhead)
 
-    def plain_cost(self, tokens: float) -> float | None:
-        """Expected duration of a plain step (the spec curve stands in before any plain
-        sample); None when nothing was measured."""
+    def plain_cost(self, tokens: float, mixed: bool = False) -> float | None:
+        """Expected duration of a plain step, decodes only or (mixed) with a prefill chunk;
+        None when nothing was measured. Stand-ins while its curve is empty: for a mixed
+        step the decode-only curve (cheaper: speculation looks dearer), for a decode-only
+        step the mixed curve, then the spec curve."""
+        if mixed and self.mixed:
+            return self.mixed.estimate(tokens)
         t = self.plain.estimate(tokens)
+        if t is None:
+            t = self.mixed.estimate(tokens)
         return self.spec.estimate(tokens) if t is None else t
 
     def spec_cost(self, tokens: float) -> float | None:
@@ -175,12 +189,13 @@ class StepCostModel:
         x0 and the plain curve two or more, the estimate is spec(x0) + the plain curve's
         growth from x0 to `tokens` (a verify's tokens cost what any step's tokens cost, its
         extra is the offset); with one plain size below x0, the slope from that point to
-        spec(x0) (which counts the extra as growth: pessimistic): n-gram drafts verify with no proposal step of another size
+        spec(x0) (which counts the extra as growth: pessimistic) above x0 and spec(x0) below
+        it: n-gram drafts verify with no proposal step of another size
         (docs/ARCHITECTURE.md §5.5), so a first probe's k = 1 would otherwise be
         extrapolated in proportion and k would never grow past it."""
         t = self.spec.estimate(tokens)
         if t is None:
-            return self.plain.estimate(tokens)
+            return self.plain_cost(tokens)
         if len(self.spec.seconds) == 1 and self.plain.seconds:
             (x0,), (y0,) = self.spec._points()
             if len(self.plain.seconds) >= 2:
@@ -189,12 +204,15 @@ class StepCostModel:
                 return max(0.0, y0 + p_t - p_0)
             (xp,), (yp,) = self.plain._points()
             if xp < x0:  # the slope from the plain point, which holds the spec step's extra too
-                return max(0.0, y0 + max(0.0, (y0 - yp) / (x0 - xp)) * (tokens - x0))
+                # (above x0 only: below it, that steep slope fell to 0 s within a few tokens
+                # and made every draft look free; a smaller spec step is taken at spec(x0))
+                return y0 + max(0.0, (y0 - yp) / (x0 - xp)) * max(0.0, tokens - x0)
         return t
 
     def stats(self) -> dict:
-        """The curves' points, their dropped spikes ([plain, spec]) and the overhead (for the
-        engine's stats)."""
-        return {"cost_plain": self.plain.points(), "cost_spec": self.spec.points(),
-                "cost_dropped": [self.plain.dropped, self.spec.dropped],
+        """The curves' points, their dropped spikes ([plain and mixed, spec]) and the
+        overhead (for the engine's stats)."""
+        return {"cost_plain": self.plain.points(), "cost_plain_mixed": self.mixed.points(),
+                "cost_spec": self.spec.points(),
+                "cost_dropped": [self.plain.dropped + self.mixed.dropped, self.spec.dropped],
                 "engine_overhead_s": self.overhead}

@@ -111,6 +111,31 @@ def test_the_engine_drafter_looks_up_a_requests_prompt_and_outputs():
     assert d.propose(req, 4) == _brute(whole, 1, 3, 4) == [5, 6, 7, 8]
 
 
+def test_sparse_lookups_far_behind_search_statelessly_and_step_after_step_ones_catch_up():
+    """`NgramDrafter.propose` on a request whose index lags far behind (its first lookup, or
+    one long after its last: a probe every 16-256 steps): the stateless search, the index
+    left as it was; a lookup a step later brings the index up to date, and from then on it
+    adds the new tokens only. Every answer equals the brute-force search over prompt +
+    outputs."""
+    rng = np.random.default_rng(3)
+    req = Request("q", b"fe", [int(t) for t in rng.integers(0, 12, 40)], SamplingParams(max_tokens=400))
+    d = NgramDrafter(2, 4)
+
+    def check():
+        assert d.propose(req, 4) == _brute(req.prompt_token_ids + req.output_token_ids, 2, 4, 4)
+
+    check()  # its first lookup, 40 tokens behind
+    idx = req.drafter_state
+    assert idx.indexed == 0
+    req.output_token_ids += [int(t) for t in rng.integers(0, 12, 60)]  # 60 steps without a lookup
+    check()
+    assert idx.indexed == 0  # sparse and far behind: stateless
+    for _ in range(6):  # step after step: the index catches up, then grows by the new tokens
+        req.output_token_ids += [int(t) for t in rng.integers(0, 12, 2)]
+        check()
+        assert idx.indexed == req.num_tokens - 1
+
+
 @pytest.fixture(scope="module")
 def ngram_runner():
     folder = model_dir("tiny-qwen3")

@@ -341,3 +341,101 @@ def test_ngram_lookups_that_find_nothing_never_make_a_step_wait():
     assert s["spec_decode_num_probes"] > 0
     decodes = sum(r.sampling.max_tokens - 1 for r in reqs)
     assert worker.pending_fed >= decodes - 2 * len(reqs)
+
+
+def test_a_spec_curve_of_one_point_never_prices_a_smaller_step_at_zero():
+    """One spec point (257 tokens, 15.6 ms: an eager verify) and one plain point just below
+    it (256 tokens, 3.2 ms: a graph decode): the slope between them is the spec step's
+    extra, ~12 ms a token; below 257 the estimate once followed it down to 0 s (every draft
+    then looked free at 256 seqs). It stays at spec(257) there, and grows with that slope
+    above."""
+    sp = SpecPolicy(SpeculativeConfig("ngram", 4), async_scheduling=True)
+    sp.observe_step(256, 0.0032, False)
+    sp.observe_step(257, 0.0156, True)
+    assert sp.cost.spec_cost(253) == pytest.approx(0.0156)
+    assert sp.cost.spec_cost(258) == pytest.approx(0.0156 + (0.0156 - 0.0032))
+    sp.begin_step(252, 252, async_ok=True)
+    assert sp.break_even_acceptance() == 2.0 and not sp.could_pay()
+
+
+def test_steps_with_a_prefill_chunk_have_a_curve_of_their_own():
+    """Decode-only steps of 256 seqs at 3.2 ms (a CUDA graph) and steps with a prefill
+    chunk at 15 ms (eager): a step of 256 decodes expected with 20 prefill tokens is priced
+    on the mixed curve, one of decodes alone on the decode curve; one curve of both priced
+    the decode step at the mixed steps' cost as soon as its tokens passed theirs."""
+    sp = SpecPolicy(SpeculativeConfig("ngram", 4), async_scheduling=True)
+    for n in (64, 128, 256):
+        sp.observe_step(n, 1.0e-3 + 8.5e-6 * n, False)
+        sp.observe_step(n + 40, 0.014 + 3e-6 * (n + 40), False, mixed=True)
+    assert sp.cost.plain_cost(256) == pytest.approx(1.0e-3 + 8.5e-6 * 256)
+    assert sp.cost.plain_cost(276, mixed=True) == pytest.approx(0.014 + 3e-6 * 276, rel=0.01)
+    assert sp.cost.plain_cost(276) < 0.004
+    assert sp.stats()["spec_policy_inputs"]["cost_plain_mixed"]
+
+
+def test_eager_verifies_at_a_large_batch_are_not_probed_even_in_a_step_with_prefill():
+    """Verify steps at 256 seqs cost 17-25 ms (eager), decode steps 3.2 ms, steps with a
+    prefill chunk 15 ms: all 256 seqs verifying 4 drafts, all accepted, would beat the
+    mixed step but not a step of the decodes alone, where a probe's drafts found now may
+    verify; so no step probes, no acceptance pays (no lookups), and a probe's drafts held
+    in such a step are dropped."""
+    sp = SpecPolicy(SpeculativeConfig("ngram", 4), async_scheduling=True)
+    for n in (64, 128, 256):
+        sp.observe_step(n, 1.0e-3 + 8.5e-6 * n, False)
+        sp.observe_step(n + 40, 0.014 + 3e-6 * (n + 40), False, mixed=True)
+    for n in (300, 600, 1300):
+        sp.observe_step(n, 0.014 + 8e-6 * n, True)
+    for mixed in (False, True):
+        for _ in range(2 * PROBE_MAX):
+            sp.begin_step(256 + 20 * mixed, 256, async_ok=True, mixed=mixed)
+            assert not sp.could_pay() and sp.lookups_quiet()
+        assert sp.num_probes == 0
+    r = _req("r", 0.9, sp)
+    sp.state(r).probing = True
+    sp.begin_step(256, 256, async_ok=True)
+    assert sp.choose([(r, 4)]) == {} and not sp.state(r).probing
+    sp.begin_step(1, 1, async_ok=True)  # one seq: a verify of 5 tokens (~14 ms) vs 1 ms: no
+    assert not sp.could_pay()
+
+
+def _load(spec, loops: float, cost, concurrency: int = 256, max_tokens: int = 64):
+    """2 x concurrency requests of 24 prompt tokens, max_tokens / 2 .. 3 max_tokens / 2
+    outputs each (benchmarks/spec_load_sim.py `run_load`)."""
+    from benchmarks.spec_load_sim import run_load
+    return run_load(spec, concurrency, 2 * concurrency, loops, prompt=24, max_tokens=max_tokens, cost=cost)
+
+
+def test_a_256_request_load_where_speculation_cannot_pay_runs_as_a_plain_one():
+    """256 concurrent requests on the simulated H200 of benchmarks/spec_load_sim.py (decode
+    graphs 3.2 ms at 256 seqs; verify steps and steps with prefill eager, ~15 ms), n-gram
+    speculation on (adaptive), outputs that fall into loops of a few tokens (all of them,
+    or 40%: drafts right there): a verify step never pays at this batch, so after the first
+    steps (no verify measured yet) the engine looks up nobody, makes no step wait and
+    probes nobody. Before, probes every 16..256 steps looked every request up and verified,
+    and a spec curve of one point priced drafts at 0 s: 2389 lookups that made the next
+    plan wait, 19 synchronous plans (this load at 1024 requests, all looping). Outputs equal
+    the scripts token for token."""
+    from benchmarks.spec_load_sim import h200_like
+    plain = _load(None, 1.0, h200_like)
+    assert plain["wrong_outputs"] == 0 and plain["sync_plans"] == 0
+    for loops in (1.0, 0.4):
+        got = _load(spec_json(4, "adaptive"), loops, h200_like)
+        assert got["wrong_outputs"] == 0
+        assert got["lookups"] <= 5 * 256, got  # the first steps (nothing measured yet) and a probe
+        assert got["lookup_waits"] <= 64 and got["sync_plans"] <= 3, got
+        assert got["verify_steps"] <= 2 and got["probes"] <= 2, got
+        assert got["steps"] <= plain["steps"] + 2
+
+
+def test_a_256_request_load_where_verifies_are_cheap_still_speculates():
+    """The same load on a device where every step replays a graph (a verify of 256 x 5
+    tokens 4.2 ms against a decode's 1.6 ms), every output looping: speculation pays and
+    goes on, k = 4 for most verifies, in fewer steps and less simulated time than plain;
+    outputs equal the scripts."""
+    from benchmarks.spec_load_sim import cheap_verify
+    plain = _load(None, 1.0, cheap_verify, max_tokens=256)
+    got = _load(spec_json(4, "adaptive"), 1.0, cheap_verify, max_tokens=256)
+    assert got["wrong_outputs"] == 0 == plain["wrong_outputs"]
+    assert got["accepted"] >= 8000, got  # of ~131k output tokens (loops start after 8..80)
+    assert got["k_hist"][4] >= 0.5 * sum(got["k_hist"]), got
+    assert got["steps"] < 0.8 * plain["steps"] and got["sim_s"] < 0.9 * plain["sim_s"], (got, plain)

@@ -296,3 +296,27 @@ def test_a_result_that_does_not_match_its_plan_is_refused():
         core.finish_step(out, P.StepResult(out.plan.step_id, [4, 5], num_sampled=[2]))
     with pytest.raises(ValueError):
         core.finish_step(out, P.StepResult(out.plan.step_id, [4, 5], num_sampled=[1]))
+
+
+def test_the_count_of_running_requests_that_need_their_results_follows_the_queue():
+    """`Scheduler._num_sync_running` (running requests with penalties or a grammar: the
+    policy's `async_ok`, kept as a count rather than a pass per step) equals a recount over
+    the running requests after every turn, through admissions, preemptions (few blocks) and
+    finishes, and is 0 at the end."""
+    reqs = [P.AddRequest(f"p{i}", [random.Random(i).randrange(1, VOCAB) for _ in range(26 - 3 * i)],
+                         P.SamplingParams(temperature=0, max_tokens=25, ignore_eos=True,
+                                          repetition_penalty=1.3 if i % 3 == 0 else 1.0), float(i))
+            for i in range(8)]
+    core, worker = pair(spec_json(4, "adaptive"), 0.2, 9, async_scheduling=True, num_blocks=16, budget=16,
+                        max_model_len=64)
+    seen = []
+
+    def check(c):
+        s = c.scheduler
+        want = sum(r.has_penalty or r.grammar is not None for r in s.running)
+        assert s._num_sync_running == want
+        seen.append(want)
+
+    run(core, worker, reqs, True, check=check)
+    assert core.scheduler._num_sync_running == 0 and max(seen) > 0
+    assert core.scheduler.num_preemptions > 0
