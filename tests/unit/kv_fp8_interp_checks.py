@@ -47,7 +47,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits, fp8_dot_q  # noqa: E402
+from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits, e4m3_words_fp16, fp8_dot_q  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 
@@ -98,6 +98,30 @@ def bits_codes() -> float:
     fin = torch.isfinite(want)
     nan_ok = torch.equal(got.float()[~fin] * 256, torch.tensor([480.0, -480.0]))
     return 0.0 if int(fin.sum()) == 254 and torch.equal(got.float()[fin] * 256, want[fin]) and nan_ok else float("inf")
+
+
+@triton.jit
+def _words_kernel(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
+    ww = tl.arange(0, R)[:, None] * (C // 4) + tl.arange(0, C // 4)[None, :]
+    y = e4m3_words_fp16(tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + ww), R, C)
+    tl.store(y_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], y)
+
+
+def words_codes() -> float:
+    """0.0 when `e4m3_words_fp16` gives, for all 256 codes in every byte position of a word
+    (the codes in 4 rotations, [4, 256] bytes read as [4, 64] uint32 words), the fp16 of
+    `e4m3_fp16_bits` (value * 2^-8, NaN codes +-480 * 2^-8) bit for bit, in its order: position t
+    holds code t with bits 0 and 1 swapped (`kernels.kv_quant_triton.word_order`); else inf."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    rows = torch.stack([codes.roll(r) for r in range(4)])  # code c at every position mod 4
+    want = torch.empty(256, dtype=torch.float16)
+    _bits_kernel[(1,)](codes, want, BLOCK=256)
+    got = torch.empty(4, 256, dtype=torch.float16)
+    _words_kernel[(1,)](rows.contiguous(), got, R=4, C=256)
+    t = torch.arange(256)
+    order = (t & -4) | ((t & 1) << 1) | ((t >> 1) & 1)
+    ok = torch.equal(got.view(torch.int16), want[rows.long()][:, order].view(torch.int16))
+    return 0.0 if ok else float("inf")
 
 
 @triton.jit
@@ -252,7 +276,7 @@ def decode_readers(out: dict, gen: torch.Generator, ks: torch.Tensor, vs: torch.
 
 def main() -> None:
     gen = torch.Generator().manual_seed(7)
-    out: dict[str, float] = {"cast_ok": float(cast_ok()), "bits_codes": bits_codes()}
+    out: dict[str, float] = {"cast_ok": float(cast_ok()), "bits_codes": bits_codes(), "words_codes": words_codes()}
     for mag in (1e-30, 1e-3, 1.0, 3e4, 1e30):
         out[f"q_scale_{mag:g}"], out[f"q_scale_{mag:g}_max"] = q_scale(torch.randn(16, 32, generator=gen) * mag)
     out["q_scale_zero"] = q_scale(torch.zeros(16, 32))[1]
