@@ -225,6 +225,8 @@ DECODE_READERS = {  # (seqs, heads, kv heads, head_dim, block_size, kwargs) of t
                         {"decode_config": {"prefetch": True, "block_n": 16}}),
     "decode_graph_bound_hd24": ([(20, 1), (5, 1)], 6, 3, 24, 16, {"max_seq_len": 256}),
     "decode_long_tiles": ([(300, 1), (129, 1)], 8, 2, 16, 16, {"decode_config": {"block_n": 128}}),
+    # head_dim 18: rows of no whole words, the word formats fall back to byte loads (fp8_dot_code)
+    "decode_odd_hd18": ([(40, 1), (7, 1), (130, 1)], 4, 2, 18, 16, {}),
 }
 ROPE_CASES = (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
               ([17, 0], 16, True, {"block_n": 16, "splits": 1}),
