@@ -20,13 +20,14 @@ The fp8 kernels run with their fp8 defaults (`DECODE_FP8_DEFAULTS`,
 fp8 dot format of SWEEP_DOTS (`kernels.kv_quant_triton.FP8_DOTS`: "fp16" the hardware
 widening, "fp16_words" / "fp16_vwords" the word widening of both tiles / of V) crossed with
 key tiles (TILES: block_n / num_warps / num_stages / programs_per_sm), and REFERENCE ("q"
-widens to bf16, "fp16_bits"), each with its bf16 / fp8 ratio and its output's relative error against the
-bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
+widens to bf16, "fp16_bits", and register caps, CAPPED), each with its bf16 / fp8 ratio and
+its output's relative error against the bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
 kernel and class the variant of the best geometric-mean ratio ("best": what to put in the
 FP8 defaults tables), and prints one line per kernel and variant ("SUMMARY ...": its ratio
 at each context x batch).
 
-Writes <--out>/kv_quant_attention.json (--out: a folder, made if missing) and prints it.
+Writes <--out>/kv_quant_attention.json (--out: a folder, made if missing; rewritten after each
+case with "partial": true until the run ends) and prints it.
 Usage: python benchmarks/kv_quant_attention.py [--out DIR] [--contexts 8192 32768]
        [--batches 1 64] [--reps 10] [--replays 5] [--kv-gib 40] [--variants]
 """
@@ -34,6 +35,7 @@ Usage: python benchmarks/kv_quant_attention.py [--out DIR] [--contexts 8192 3276
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -54,15 +56,22 @@ KERNELS = ("decode_kernel", "rope_decode_kernel")
 # kernel's own: the split count at batch 1), and the REFERENCE variants. Pruned by the
 # 2026-12-02 sweep (benchmarks/results/2026-12-02_h200_kv_quant_attention_variants.json):
 # 8 warps (0.55-0.68), 3 stages and the kernels' bf16 tiles ("base", 0.70-0.93) lost
-# everywhere; "q" and "fp16_bits" kept at the default tile only.
+# everywhere, 2 stages at 128 keys (0.89-1.17) but for the rope kernel's "many" default; "q" and
+# "fp16_bits" kept at the default tile only.
 SWEEP_DOTS = ("fp16", "fp16_words", "fp16_vwords")
 # Smaller tiles for occupancy (sm_90 compiles, 4 warps: "fp16" at 128 keys takes 195 registers,
 # 2 programs an SM; the word formats 94-128 registers but 40-68 KB of shared memory at 128 keys,
 # 22-37 KB at 64: 5 programs; docs/ARCHITECTURE.md §4.6).
 TILES: dict = {"n32w4s1": (32, 4, 1, None), "n64w4s1": (64, 4, 1, None), "n128w4s1": (128, 4, 1, None),
-               "n32w4s2": (32, 4, 2, None), "n64w4s2": (64, 4, 2, None), "n128w4s2": (128, 4, 2, None),
-               "n64w2s1": (64, 2, 1, None), "n64w4s1p8": (64, 4, 1, 8)}
-REFERENCE = ("q/n128w4s1", "fp16_bits/n128w4s1")
+               "n32w4s2": (32, 4, 2, None), "n64w4s2": (64, 4, 2, None), "n32w2s1": (32, 2, 1, None),
+               "n64w4s1p8": (64, 4, 1, 8)}
+# register caps (maxnreg, "r<n>"): sm_90 compiles, registers -> programs an SM (spill instructions):
+# fp16 n128 195 -> 128: 2 -> 4 (100), fp16 n64 137 -> 128: 3 -> 4 (14), fp16_vwords n128 128 -> 96:
+# 4 -> 5 (59), the word formats n64 94 -> 80: 5 -> 6 (18-30)
+CAPPED: dict = {"n128w4s1r128": (128, 4, 1, None, 128), "n64w4s1r128": (64, 4, 1, None, 128),
+                "n128w4s1r96": (128, 4, 1, None, 96), "n64w4s1r80": (64, 4, 1, None, 80)}
+REFERENCE = ("q/n128w4s1", "fp16_bits/n128w4s1", "fp16/n128w4s1r128", "fp16/n64w4s1r128",
+             "fp16_vwords/n128w4s1r96", "fp16_words/n64w4s1r80", "fp16_vwords/n64w4s1r80")
 
 
 def fp8_variants(kname: str) -> dict[str, dict]:
@@ -75,9 +84,9 @@ def fp8_variants(kname: str) -> dict[str, dict]:
     out = {}
     for name in names:
         dot, tname = name.split("/")
-        bn, nw, ns, pps = TILES[tname]
+        bn, nw, ns, pps, mr = (*TILES[tname], None) if tname in TILES else CAPPED[tname]
         out[name] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns,
-                     "programs_per_sm": pps or base["programs_per_sm"]}
+                     "programs_per_sm": pps or base["programs_per_sm"], "maxnreg": mr}
     return out
 
 
@@ -242,6 +251,10 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="time every fp8 variant too (module doc)")
     args = ap.parse_args()
     t0 = time.time()
+    path = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "kv_quant_attention.json")
     result: dict = {"benchmark": "kv_quant_attention", "device": device_name(),
                     "shape": {"num_heads": H, "num_kv_heads": KVH, "head_dim": D, "block_size": BS},
                     "kv_capacity": {"kv_gib": args.kv_gib, **_capacity(args.kv_gib)}, "cases": []}
@@ -253,6 +266,9 @@ def main() -> None:
                 result["cases"].append(_case(ctx, b, args.reps, args.replays, args.variants))
                 print({k: v for k, v in result["cases"][-1].items() if k not in KERNELS},
                       {k: result["cases"][-1][k]["bf16_over_fp8"] for k in KERNELS}, flush=True)
+                if path:  # the cases so far, in case a time limit ends the run
+                    with open(path, "w") as fh:
+                        json.dump({**result, "partial": True}, fh, indent=1)
         if args.variants:
             result["best"] = _best(result["cases"])
             _summary(result["cases"])
@@ -261,10 +277,6 @@ def main() -> None:
         result["fp8_defaults"] = {"decode_kernel": attention_triton.DECODE_FP8_DEFAULTS,
                                   "rope_decode_kernel": rope_decode.ROPE_DECODE_FP8_DEFAULTS}
     result["wall_s"] = round(time.time() - t0, 1)
-    path = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "kv_quant_attention.json")
     emit_json(result, path)
 
 

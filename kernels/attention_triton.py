@@ -50,10 +50,12 @@ _LOG2E = 1.4426950408889634
 # multi_query: steps of 2 .. a few queries per seq (verify steps) run the split-K kernel of
 # `kernels.attention_multi_query` instead of the prefill kernel. programs_per_sm: the split
 # count's target (`decode_splits`). fp8_dot: the dots' format over an fp8_e4m3 cache
-# (`kernels.kv_quant_triton.FP8_DOTS`; ignored for other caches).
+# (`kernels.kv_quant_triton.FP8_DOTS`; ignored for other caches). maxnreg: a cap on the registers
+# a thread (None: the compiler's choice), for occupancy: more programs an SM, at some spills.
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                          "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False,
-                         "min_split_tiles": 1, "multi_query": True, "programs_per_sm": 4, "fp8_dot": "q"}
+                         "min_split_tiles": 1, "multi_query": True, "programs_per_sm": 4, "fp8_dot": "q",
+                         "maxnreg": None}
 # an fp8_e4m3 cache: overrides of DECODE_DEFAULTS (under the caller's decode_config) by the
 # class of the launch, seqs x kv_heads below the SMs ("few") or not ("many")
 # (`kernels.kv_quant_triton.fp8_overrides`; docs/ARCHITECTURE.md §4.6). Picked by
@@ -346,6 +348,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          FP8_DOT=fp8_dot,
                                          num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
+                                         **({"maxnreg": dc["maxnreg"]} if dc["maxnreg"] else {}),
                                          **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)
         return out

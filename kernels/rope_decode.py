@@ -65,10 +65,12 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # (gemv_sweep.py --only rope --config qwen3-30b-a3b), but TPOT did not follow (decode_latency.py
 # --ab moe pps1: 2.93 / 2.92 against 3.03 / 2.94 ms; Qwen3-0.6B 0.877 / 0.870 against 0.876 / 0.859),
 # so the default stays (benchmarks/results/2026-12-03_h200_*pps*.json).
-# fp8_dot: the dots' format over an fp8_e4m3 cache (`kernels.kv_quant_triton.FP8_DOTS`).
+# fp8_dot: the dots' format over an fp8_e4m3 cache (`kernels.kv_quant_triton.FP8_DOTS`); maxnreg:
+# as in kernels.attention_triton.DECODE_DEFAULTS.
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
-                              "max_seqs": None, "fused_merge": False, "min_split_tiles": 1, "fp8_dot": "q"}
+                              "max_seqs": None, "fused_merge": False, "min_split_tiles": 1, "fp8_dot": "q",
+                              "maxnreg": None}
 # an fp8_e4m3 cache: overrides of ROPE_DECODE_DEFAULTS (under the caller's decode_config) by
 # the launch's class, as kernels.attention_triton.DECODE_FP8_DEFAULTS (docs/ARCHITECTURE.md §4.6).
 # From the same sweep: "few" fp16 dots, 128-key tiles, one stage: bf16 / fp8 1.22 (8K) and
@@ -274,6 +276,7 @@ if triton is not None:
             FUSED_MERGE=cnt is not None, KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
             **fused_merge_constants(h, kvh, d, splits, cnt is not None),
             FP8_DOT=fp8_dot, num_warps=dc["num_warps"],
-            num_stages=dc["num_stages"], **launch_args(pdl))
+            num_stages=dc["num_stages"], **({"maxnreg": dc["maxnreg"]} if dc["maxnreg"] else {}),
+            **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out
