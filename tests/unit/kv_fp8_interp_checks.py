@@ -22,6 +22,9 @@ torch's float8_e4m3fn -> fp32 (times 2^8; exact for the 254 finite codes, the tw
 must read +-480); "q_scale_<magnitude>" the relative error of `fp8_dot_q`'s fp16 q times its
 undo factor against q (fp64), "q_scale_zero" the largest |value| it gives for q = 0.
 
+Sweep variants ("variant_<kernel>_<name>"): every variant of benchmarks/kv_quant_attention.py
+--variants on both decode kernels, bf16 q, awkward lengths.
+
 Writers (the store kernel, the rotary + store kernel, the fused rotary decode's token write):
 triton 3.9's interpreter casts fp32 to e4m3 wrongly at binade edges (31.7 -> 16.0; the GPU
 rounds to nearest even), so the reference here is the torch reference's pre-cast value
@@ -276,6 +279,23 @@ def decode_readers(out: dict, gen: torch.Generator, ks: torch.Tensor, vs: torch.
                 out[f"rope_decode_write_{name}_{tag}"] = max(werrs)
 
 
+def sweep_variants(out: dict, gen: torch.Generator, ks: torch.Tensor, vs: torch.Tensor) -> None:
+    """Every fp8 variant benchmarks/kv_quant_attention.py --variants times, both decode kernels,
+    bf16 q, awkward lengths (a partition boundary inside a block, a 1-token context, a partial
+    last tile): "variant_<kernel>_<name>" (the interpreter ignores warps, stages and register
+    caps; block_n, the format and the split count are what it checks)."""
+    from benchmarks.kv_quant_attention import fp8_variants
+
+    for name, cfg in fp8_variants("decode_kernel").items():
+        q, kc, vc, cu, sl, bt, ref = fp8_paged_case([(300, 1), (0, 1), (77, 1), (129, 1)], 8, 2, 16, 16,
+                                                    torch.bfloat16, gen, ks, vs)
+        got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, 16 ** -0.5, 1, 301, cfg, k_scale=ks, v_scale=vs)
+        out[f"variant_decode_kernel_{name}"] = rel(got, ref)
+    for name, cfg in fp8_variants("rope_decode_kernel").items():
+        e, we, r = rope_decode_fp8_case([300, 1, 77, 129], 16, False, cfg, torch.bfloat16, gen, ks, vs)
+        out[f"variant_rope_decode_kernel_{name}"] = max(e, r)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(7)
     out: dict[str, float] = {"cast_ok": float(cast_ok()), "bits_codes": bits_codes(), "words_codes": words_codes()}
@@ -284,6 +304,7 @@ def main() -> None:
     out["q_scale_zero"] = q_scale(torch.zeros(16, 32))[1]
     ks, vs = torch.tensor(0.0625), torch.tensor(0.03)  # real = stored * scale; stored up to ~100
     decode_readers(out, gen, ks, vs)
+    sweep_variants(out, gen, ks, vs)
     for dt in (torch.float32, torch.float16):
         name = str(dt).removeprefix("torch.")
         # the store kernel: awkward token count, a padding row (slot -1), saturation (x / scale > 448)

@@ -21,7 +21,9 @@ probabilities (3e-3 for fp32 and fp16 q, measured ~1e-4..3e-4; bf16 q 2e-2, the 
 bound: the interpreter's bf16 output rounding, measured ~3e-3, ~1e-2 for the rotary decode
 whose q the interpreter rotates in bf16). The integer widening is checked exactly on all 256
 codes, the word widening (uint32 words, its column order `word_order`) against it on every code
-at every byte position, and the q scaling at magnitudes 1e-30..1e30.
+at every byte position, and the q scaling at magnitudes 1e-30..1e30. Every variant of the
+benchmark's --variants sweep (benchmarks/kv_quant_attention.py) runs on both decode kernels with
+bf16 q (2e-2).
 Skipped when triton is not installed.
 """
 
@@ -88,6 +90,18 @@ def test_integer_widening_gives_every_finite_e4m3_code_exactly_times_two_to_minu
 
 def test_word_widening_gives_the_integer_widenings_bits_for_every_code_at_every_byte_position(interp_results):
     assert interp_results["words_codes"] == 0.0
+
+
+def _sweep_names() -> list[str]:
+    from benchmarks.kv_quant_attention import fp8_variants
+
+    return [f"{k}_{n}" for k in ("decode_kernel", "rope_decode_kernel") for n in fp8_variants(k)]
+
+
+@pytest.mark.parametrize("name", _sweep_names())
+def test_every_benchmarked_fp8_variant_matches_the_dequantizing_reference(interp_results, name):
+    err = interp_results[f"variant_{name}"]
+    assert err <= TOL_FP16_DOTS["bfloat16"], f"{name}: relative error {err}"
 
 
 def test_every_dot_format_is_checked():
