@@ -55,7 +55,6 @@ FP8_E4M3_MAX = 448.0  # also kernels.kv_quant.FP8_E4M3_MAX
 FP8_DOTS = {"q": 0, "fp16": 9, "fp16_bits": 18, "fp16_words": 27, "fp16_vwords": 25}
 
 
-
 @triton.jit
 def kv_tile(x, like, KV_FP8: tl.constexpr):
     """A loaded cache tile in the compute dtype (that of the tensor `like`, the kernel's q):

@@ -13,7 +13,8 @@
 #   env.txt                  GPU, driver, clocks, torch and triton versions, the commit
 #   tests_fp8kv.txt / .xml   pytest tail; junit XML with the measured errors (record_property)
 #   kv_quant_attention.json  the sweep's figures (us per call, GB/s, ratios, rel. errors, best)
-#   summary.txt              one line per kernel and variant: bf16 / fp8 at each context x batch
+#   summary.txt              one line per kernel and variant: bf16 / fp8 at each context x batch and
+#                            its largest output error against bf16 KV (~0.04: the e4m3 rounding)
 #   bench.log                each part's exit code, time and output tail
 # Run from the repo root:  bash scripts/gpu_fp8kv.sh [all|tests|sweep]
 set -u
@@ -35,11 +36,14 @@ d = json.load(open(sys.argv[1]))
 cases = d.get("cases", [])
 for kname in ("decode_kernel", "rope_decode_kernel"):
     rows = {"(defaults)": {f"{c['context']}x{c['batch']}": c[kname]["bf16_over_fp8"] for c in cases}}
+    errs: dict = {}
     for c in cases:
         for v, r in c[kname].get("variants", {}).items():
             rows.setdefault(v, {})[f"{c['context']}x{c['batch']}"] = r.get("bf16_over_fp8", r.get("error", "?"))
+            errs[v] = max(errs.get(v, 0.0), r.get("rel_err_vs_bf16", float("inf")))
     for v, r in rows.items():
-        print(f"{kname:18s} {v:24s} " + " ".join(f"{k}={x}" for k, x in r.items()))
+        err = f" max_rel_err_vs_bf16={errs[v]:.4f}" if v in errs else ""
+        print(f"{kname:18s} {v:24s} " + " ".join(f"{k}={x}" for k, x in r.items()) + err)
 print("partial (a time limit cut the run):", d.get("partial", False), "wall_s:", d.get("wall_s"))
 print("best:", json.dumps(d.get("best"), indent=1))
 EOF
