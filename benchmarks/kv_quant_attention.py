@@ -20,7 +20,7 @@ The fp8 kernels run with their fp8 defaults (`DECODE_FP8_DEFAULTS`,
 fp8 dot format of SWEEP_DOTS (`kernels.kv_quant_triton.FP8_DOTS`: "fp16" the hardware
 widening, "fp16_words" / "fp16_vwords" the word widening of both tiles / of V) crossed with
 key tiles (TILES: block_n / num_warps / num_stages / programs_per_sm), and REFERENCE (register
-caps, CAPPED), each with its bf16 / fp8 ratio and its output's relative error against the bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
+caps and the in-kernel split merge, CAPPED), each with its bf16 / fp8 ratio and its output's relative error against the bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
 kernel and class the variant of the best geometric-mean ratio ("best": what to put in the
 FP8 defaults tables), and prints one line per kernel and variant ("SUMMARY ...": its ratio
 at each context x batch).
@@ -67,10 +67,14 @@ TILES: dict = {"n32w4s1": (32, 4, 1, None), "n64w4s1": (64, 4, 1, None), "n128w4
 # register caps (maxnreg, "r<n>"): sm_90 compiles, registers -> programs an SM (spill instructions):
 # fp16 n128 195 -> 128: 2 -> 4 (100), fp16 n64 137 -> 128: 3 -> 4 (14), fp16_vwords n128 128 -> 96:
 # 4 -> 5 (59), the word formats n64 94 -> 80: 5 -> 6 (18-30)
-CAPPED: dict = {"n128w4s1r128": (128, 4, 1, None, 128), "n64w4s1r128": (64, 4, 1, None, 128),
-                "n128w4s1r96": (128, 4, 1, None, 96), "n64w4s1r80": (64, 4, 1, None, 80)}
+# "fm": the split merge in the decode kernel (fused_merge: no merge launch; at batch 1, 32K, the
+# kernel is ~20-40 us and a launch a few): tiles of these, (block_n, num_warps, num_stages,
+# programs_per_sm, maxnreg, fused_merge), are timed in the formats REFERENCE names only
+CAPPED: dict = {"n128w4s1r128": (128, 4, 1, None, 128, False), "n64w4s1r128": (64, 4, 1, None, 128, False),
+                "n128w4s1r96": (128, 4, 1, None, 96, False), "n64w4s1r80": (64, 4, 1, None, 80, False),
+                "n128w4s1fm": (128, 4, 1, None, None, True), "n64w4s1fm": (64, 4, 1, None, None, True)}
 REFERENCE = ("fp16/n128w4s1r128", "fp16/n64w4s1r128", "fp16_vwords/n128w4s1r96", "fp16_words/n64w4s1r80",
-             "fp16_vwords/n64w4s1r80")
+             "fp16_vwords/n64w4s1r80", "fp16/n128w4s1fm", "fp16_words/n64w4s1fm", "fp16_vwords/n64w4s1fm")
 
 
 def fp8_variants(kname: str) -> dict[str, dict]:
@@ -83,9 +87,9 @@ def fp8_variants(kname: str) -> dict[str, dict]:
     out = {}
     for name in names:
         dot, tname = name.split("/")
-        bn, nw, ns, pps, mr = (*TILES[tname], None) if tname in TILES else CAPPED[tname]
+        bn, nw, ns, pps, mr, fm = (*TILES[tname], None, False) if tname in TILES else CAPPED[tname]
         out[name] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns,
-                     "programs_per_sm": pps or base["programs_per_sm"], "maxnreg": mr}
+                     "programs_per_sm": pps or base["programs_per_sm"], "maxnreg": mr, "fused_merge": fm}
     return out
 
 
