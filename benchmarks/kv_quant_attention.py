@@ -17,14 +17,16 @@ fp8 output's relative error against the bf16 one on the same K/V (quantization o
 The fp8 kernels run with their fp8 defaults (`DECODE_FP8_DEFAULTS`,
 `ROPE_DECODE_FP8_DEFAULTS`: a config by the launch's class, seqs x kv_heads below the SMs
 "few", else "many"). --variants also times every fp8 variant in the same run, each kernel's
-fp8 dot format (`kernels.kv_quant_triton.FP8_DOTS`: "q" widens to bf16, "fp16", "fp16_bits")
-crossed with key tiles (TILES: "base" the kernel's bf16 tiles, else block_n / num_warps /
-num_stages), each with its bf16 / fp8 ratio and its output's relative error against the
-bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
+fp8 dot format of SWEEP_DOTS (`kernels.kv_quant_triton.FP8_DOTS`: "fp16" the hardware
+widening, "fp16_words" / "fp16_vwords" the word widening of both tiles / of V) crossed with
+key tiles (TILES: block_n / num_warps / num_stages / programs_per_sm), and REFERENCE (register
+caps and the in-kernel split merge, CAPPED), each with its bf16 / fp8 ratio and its output's relative error against the bf16 one (a wrong variant stands out from the ~4% of the e4m3 rounding), and picks per
 kernel and class the variant of the best geometric-mean ratio ("best": what to put in the
-FP8 defaults tables).
+FP8 defaults tables), and prints one line per kernel and variant ("SUMMARY ...": its ratio
+at each context x batch).
 
-Writes <--out>/kv_quant_attention.json (--out: a folder, made if missing) and prints it.
+Writes <--out>/kv_quant_attention.json (--out: a folder, made if missing; rewritten after each
+case with "partial": true until the run ends) and prints it.
 Usage: python benchmarks/kv_quant_attention.py [--out DIR] [--contexts 8192 32768]
        [--batches 1 64] [--reps 10] [--replays 5] [--kv-gib 40] [--variants]
 """
@@ -32,6 +34,7 @@ Usage: python benchmarks/kv_quant_attention.py [--out DIR] [--contexts 8192 3276
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -47,26 +50,46 @@ from benchmarks.common import device_name, emit_json, model_dir  # noqa: E402
 H, KVH, D, BS = 32, 8, 128, 16
 MIN_ROUND_BYTES = 512 << 20
 KERNELS = ("decode_kernel", "rope_decode_kernel")
-# key tiles of the --variants sweep: (block_n, num_warps, num_stages, programs_per_sm or None for
-# the kernel's own); "base": the kernel's bf16 ones
-TILES: dict = {"base": None, "n64w4s1": (64, 4, 1, None), "n128w4s1": (128, 4, 1, None),
-               "n128w4s2": (128, 4, 2, None), "n128w4s3": (128, 4, 3, None), "n128w4s1p8": (128, 4, 1, 8),
-               "n128w8s1": (128, 8, 1, None), "n256w4s1": (256, 4, 1, None), "n256w8s1": (256, 8, 1, None)}
+# the --variants sweep: each dot format of SWEEP_DOTS (`kernels.kv_quant_triton.FP8_DOTS`) with
+# each key tile of TILES, (block_n, num_warps, num_stages, programs_per_sm or None for the
+# kernel's own: the split count at batch 1), and the REFERENCE variants. Pruned by the
+# 2026-12-02 sweep (benchmarks/results/2026-12-02_h200_kv_quant_attention_variants.json):
+# 8 warps (0.55-0.68), 3 stages and the kernels' bf16 tiles ("base", 0.70-0.93) lost
+# everywhere, 2 stages at 128 keys (0.89-1.17) but for the rope kernel's "many" default; "q"
+# (0.98-1.00) and "fp16_bits" (0.98-1.17) below "fp16" at the same tile: not swept (both stay
+# selectable and tested).
+SWEEP_DOTS = ("fp16", "fp16_words", "fp16_vwords")
+# Smaller tiles for occupancy (sm_90 compiles, 4 warps: "fp16" at 128 keys takes 195 registers,
+# 2 programs an SM; the word formats 94-128 registers but 40-68 KB of shared memory at 128 keys,
+# 22-37 KB at 64: 5 programs; docs/ARCHITECTURE.md §4.6).
+TILES: dict = {"n32w4s1": (32, 4, 1, None), "n64w4s1": (64, 4, 1, None), "n128w4s1": (128, 4, 1, None),
+               "n64w4s2": (64, 4, 2, None), "n32w2s1": (32, 2, 1, None), "n64w4s1p8": (64, 4, 1, 8)}
+# register caps (maxnreg, "r<n>"): sm_90 compiles, registers -> programs an SM (spill instructions):
+# fp16 n128 195 -> 128: 2 -> 4 (100), fp16 n64 137 -> 128: 3 -> 4 (14), fp16_vwords n128 128 -> 96:
+# 4 -> 5 (59), the word formats n64 94 -> 80: 5 -> 6 (18-30)
+# "fm": the split merge in the decode kernel (fused_merge: no merge launch; at batch 1, 32K, the
+# kernel is ~20-40 us and a launch a few): tiles of these, (block_n, num_warps, num_stages,
+# programs_per_sm, maxnreg, fused_merge), are timed in the formats REFERENCE names only
+CAPPED: dict = {"n128w4s1r128": (128, 4, 1, None, 128, False), "n64w4s1r128": (64, 4, 1, None, 128, False),
+                "n128w4s1r96": (128, 4, 1, None, 96, False), "n64w4s1r80": (64, 4, 1, None, 80, False),
+                "n128w4s1fm": (128, 4, 1, None, None, True), "n64w4s1fm": (64, 4, 1, None, None, True)}
+REFERENCE = ("fp16/n128w4s1r128", "fp16/n64w4s1r128", "fp16_vwords/n128w4s1r96", "fp16_words/n64w4s1r80",
+             "fp16_vwords/n64w4s1r80", "fp16/n128w4s1fm", "fp16_words/n64w4s1fm", "fp16_vwords/n64w4s1fm")
 
 
-def _variants(kname: str) -> dict[str, dict]:
-    """name -> the decode_config of each fp8 variant of a kernel (module doc)."""
+def fp8_variants(kname: str) -> dict[str, dict]:
+    """name ("format/tile") -> the decode_config of each fp8 variant of a kernel (module doc)."""
     from kernels import attention_triton as at
     from kernels import rope_decode
-    from kernels.kv_quant_triton import FP8_DOTS
 
     base = at.DECODE_DEFAULTS if kname == "decode_kernel" else rope_decode.ROPE_DECODE_DEFAULTS
+    names = [f"{dot}/{t}" for dot in SWEEP_DOTS for t in TILES] + list(REFERENCE)
     out = {}
-    for dot in FP8_DOTS:
-        for tname, tile in TILES.items():
-            bn, nw, ns, pps = tile or (base["block_n"], base["num_warps"], base["num_stages"], None)
-            out[f"{dot}/{tname}"] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns,
-                                     "programs_per_sm": pps or base["programs_per_sm"]}
+    for name in names:
+        dot, tname = name.split("/")
+        bn, nw, ns, pps, mr, fm = (*TILES[tname], None, False) if tname in TILES else CAPPED[tname]
+        out[name] = {"fp8_dot": dot, "block_n": bn, "num_warps": nw, "num_stages": ns,
+                     "programs_per_sm": pps or base["programs_per_sm"], "maxnreg": mr, "fused_merge": fm}
     return out
 
 
@@ -162,11 +185,15 @@ def _case(ctx: int, batch: int, reps: int, replays: int, variants: bool) -> dict
         ref = outs["bf16"] if kname == "decode_kernel" else call(kname, *bf16[0], (None, None), None).float()
         if variants:
             r["variants"] = {}
-            for vname, cfg in _variants(kname).items():
-                v = timed(kname, "fp8_e4m3", fp8, (one, one), cfg)
-                v["bf16_over_fp8"] = round(r["bf16"]["us_per_call"] / v["us_per_call"], 3)
-                got = call(kname, *fp8[0], (one, one), cfg).float()
-                v["rel_err_vs_bf16"] = round(float((got - ref).norm() / ref.norm()), 5)
+            for vname, cfg in fp8_variants(kname).items():
+                try:  # a variant that fails to compile or launch is recorded, the sweep goes on
+                    v = timed(kname, "fp8_e4m3", fp8, (one, one), cfg)
+                    v["bf16_over_fp8"] = round(r["bf16"]["us_per_call"] / v["us_per_call"], 3)
+                    got = call(kname, *fp8[0], (one, one), cfg).float()
+                    v["rel_err_vs_bf16"] = round(float((got - ref).norm() / ref.norm()), 5)
+                except Exception as e:  # noqa: BLE001 (any compiler or launch error)
+                    torch.cuda.synchronize()
+                    v = {"error": f"{type(e).__name__}: {e}"[:400]}
                 r["variants"][vname] = v
     del bf16, fp8
     torch.cuda.empty_cache()
@@ -192,7 +219,8 @@ def _best(cases: list[dict]) -> dict:
             def gmean(xs):
                 return round(math.exp(sum(math.log(x) for x in xs) / len(xs)), 3)
 
-            names = list(mine[0][kname]["variants"])
+            names = [n for n in mine[0][kname]["variants"]
+                     if all("bf16_over_fp8" in c[kname]["variants"][n] for c in mine)]
             scored = {n: gmean([c[kname]["variants"][n]["bf16_over_fp8"] for c in mine]) for n in names}
             top = max(scored, key=lambda n: scored[n])
             out.setdefault(kname, {})[cls] = {
@@ -201,6 +229,18 @@ def _best(cases: list[dict]) -> dict:
                 "defaults_gmean_bf16_over_fp8": gmean([c[kname]["bf16_over_fp8"] for c in mine]),
                 "ranking": sorted(scored.items(), key=lambda kv: -kv[1])[:6]}
     return out
+
+
+def _summary(cases: list[dict]) -> None:
+    """One line per kernel and variant (the defaults first): bf16 / fp8 at each case."""
+    for kname in KERNELS:
+        rows = {"(defaults)": {f"{c['context']}x{c['batch']}": c[kname]["bf16_over_fp8"] for c in cases}}
+        for c in cases:
+            for vname, v in c[kname].get("variants", {}).items():
+                rows.setdefault(vname, {})[f"{c['context']}x{c['batch']}"] = v.get("bf16_over_fp8")
+        for vname, r in rows.items():
+            cells = " ".join(f"{k}=" + ("error" if x is None else f"{x:.3f}") for k, x in r.items())
+            print(f"SUMMARY {kname:18s} {vname:24s} {cells}", flush=True)
 
 
 def main() -> None:
@@ -214,6 +254,10 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="time every fp8 variant too (module doc)")
     args = ap.parse_args()
     t0 = time.time()
+    path = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "kv_quant_attention.json")
     result: dict = {"benchmark": "kv_quant_attention", "device": device_name(),
                     "shape": {"num_heads": H, "num_kv_heads": KVH, "head_dim": D, "block_size": BS},
                     "kv_capacity": {"kv_gib": args.kv_gib, **_capacity(args.kv_gib)}, "cases": []}
@@ -225,17 +269,17 @@ def main() -> None:
                 result["cases"].append(_case(ctx, b, args.reps, args.replays, args.variants))
                 print({k: v for k, v in result["cases"][-1].items() if k not in KERNELS},
                       {k: result["cases"][-1][k]["bf16_over_fp8"] for k in KERNELS}, flush=True)
+                if path:  # the cases so far, in case a time limit ends the run
+                    with open(path, "w") as fh:
+                        json.dump({**result, "partial": True}, fh, indent=1)
         if args.variants:
             result["best"] = _best(result["cases"])
+            _summary(result["cases"])
         from kernels import attention_triton, rope_decode
 
         result["fp8_defaults"] = {"decode_kernel": attention_triton.DECODE_FP8_DEFAULTS,
                                   "rope_decode_kernel": rope_decode.ROPE_DECODE_FP8_DEFAULTS}
     result["wall_s"] = round(time.time() - t0, 1)
-    path = None
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "kv_quant_attention.json")
     emit_json(result, path)
 
 

@@ -30,8 +30,8 @@ from kernels.attention_multi_query import MQ_DEFAULTS, fits_multi_query, multi_q
 from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                   merge_counters, merge_splits, split_buffers)
 from kernels.device_info import num_sms
-from kernels.kv_quant_triton import (FP8_DOTS, fp8_dot_q, fp8_overrides, fp8_read_scale, kv_cast_store, kv_dot_tile,
-                                     kv_operands, kv_tile)
+from kernels.kv_quant_triton import (fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale, kv_cast_store,
+                                     kv_dot_tile, kv_load_dot_tile, kv_operands, kv_tile, word_order)
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -50,10 +50,12 @@ _LOG2E = 1.4426950408889634
 # multi_query: steps of 2 .. a few queries per seq (verify steps) run the split-K kernel of
 # `kernels.attention_multi_query` instead of the prefill kernel. programs_per_sm: the split
 # count's target (`decode_splits`). fp8_dot: the dots' format over an fp8_e4m3 cache
-# (`kernels.kv_quant_triton.FP8_DOTS`; ignored for other caches).
+# (`kernels.kv_quant_triton.FP8_DOTS`; ignored for other caches). maxnreg: a cap on the registers
+# a thread (None: the compiler's choice), for occupancy: more programs an SM, at some spills.
 DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                          "prefetch_max_block_n": 32, "prefetch": None, "fused_merge": False,
-                         "min_split_tiles": 1, "multi_query": True, "programs_per_sm": 4, "fp8_dot": "q"}
+                         "min_split_tiles": 1, "multi_query": True, "programs_per_sm": 4, "fp8_dot": "q",
+                         "maxnreg": None}
 # an fp8_e4m3 cache: overrides of DECODE_DEFAULTS (under the caller's decode_config) by the
 # class of the launch, seqs x kv_heads below the SMs ("few") or not ("many")
 # (`kernels.kv_quant_triton.fp8_overrides`; docs/ARCHITECTURE.md §4.6). Picked by
@@ -124,20 +126,20 @@ def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dd, dmask,
-                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-                  FP8_DOT: tl.constexpr):
+def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dk, dv, dmask, head_dim,
+                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
     """The key tiles lo, lo + BLOCK_N, .. below end of one sequence and KV head, gathered
     through its block table row: returns the updated (m_i, l_i, acc) of `_attend_tile`.
-    KV_FP8: the caches are e4m3 bytes, widened for the dots with q (`kv_dot_tile`, format
-    FP8_DOT; their scales are the caller's)."""
+    KV_FP8: the caches are e4m3 bytes, widened for the dots with q (`kv_load_dot_tile`, format
+    FP8_DOT: K's way FP8_DOT % 8, V's FP8_DOT // 8, their columns dk and dv in `word_order`;
+    their scales are the caller's)."""
     for n0 in range(lo, end, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
-        kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_dot_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8, FP8_DOT)
-        v = kv_dot_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8, FP8_DOT)
+        k = kv_load_dot_tile(kc_ptr, off, nm, dk, dmask, head_dim, q, KV_FP8, FP8_DOT % 8, BLOCK_N, BLOCK_D)
+        v = kv_load_dot_tile(vc_ptr, off, nm, dv, dmask, head_dim, q, KV_FP8, FP8_DOT // 8, BLOCK_N, BLOCK_D)
         m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
     return m_i, l_i, acc
 
@@ -176,41 +178,45 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
     gg = tl.arange(0, BLOCK_G)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < head_dim
+    # the columns of q and the K tiles, of the V tiles and the output (`word_order`)
+    dk = word_order(dd, FP8_DOT % 8)
+    dv = word_order(dd, FP8_DOT // 8)
     heads = kvh * G + gg
     if PREFETCH:
         nn = start + tl.arange(0, BLOCK_N)
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         old = (nm & (nn < seq_len - 1))[:, None] & dmask[None, :]
-        k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=old, other=0)
-        v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=old, other=0)
+        k0 = tl.load(kc_ptr + off[:, None] + dk[None, :], mask=old, other=0)
+        v0 = tl.load(vc_ptr + off[:, None] + dv[None, :], mask=old, other=0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
-    q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dd[None, :],
+    q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dk[None, :],
                 mask=(gg < G)[:, None] & dmask[None, :], other=0.0)
     # an fp8 cache: q in the dots' format, its scaling and the widening's undone on the scores
     q, q_undo = fp8_dot_q(q, KV_FP8, FP8_DOT)
-    qk_scale = qk_scale * (q_undo * fp8_read_scale(KV_FP8, FP8_DOT))
+    qk_scale = qk_scale * (q_undo * fp8_read_scale(KV_FP8, FP8_DOT % 8))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     lo = start
     if PREFETCH:
         new = (nm & (nn == seq_len - 1))[:, None] & dmask[None, :]
-        k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dd[None, :], mask=new, other=0), k0)
-        v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dd[None, :], mask=new, other=0), v0)
-        m_i, l_i, acc = _attend_tile(q, kv_dot_tile(k0, q, KV_FP8, FP8_DOT), kv_dot_tile(v0, q, KV_FP8, FP8_DOT),
+        k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dk[None, :], mask=new, other=0), k0)
+        v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dv[None, :], mask=new, other=0), v0)
+        m_i, l_i, acc = _attend_tile(q, kv_dot_tile(k0, q, KV_FP8, FP8_DOT % 8), kv_dot_tile(v0, q, KV_FP8, FP8_DOT // 8),
                                      nm, m_i, l_i, acc, qk_scale)
         lo = start + BLOCK_N
     m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh,
-                                  dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8, FP8_DOT)
+                                  dk, dv, dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_D, KV_FP8,
+                                  FP8_DOT)
     if KV_FP8:  # fp32 partial times the V scale (and the widening's factor), before the split merge
-        acc = acc * (tl.load(vs_ptr) * fp8_read_scale(KV_FP8, FP8_DOT))
+        acc = acc * (tl.load(vs_ptr) * fp8_read_scale(KV_FP8, FP8_DOT // 8))
     if FUSED_MERGE:  # (never with ONE_SPLIT)
-        _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
+        _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dv, dmask,
                       so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S, BLOCK_D)
     else:
-        _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+        _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dv, dmask, so_t, so_h,
                        n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
 
 
@@ -325,8 +331,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if max_q_len == 1:
         dc = {**DECODE_DEFAULTS, **(fp8_overrides(DECODE_FP8_DEFAULTS, b, kvh, d, q.device) if fp8 else {}),
               **(decode_config or {})}
-        if dc["fp8_dot"] not in FP8_DOTS:
-            raise ValueError(f"fp8_dot {dc['fp8_dot']!r}: one of {sorted(FP8_DOTS)}")
+        fp8_dot = fp8_dot_code(dc["fp8_dot"], kc, d, fp8)
         block_n = dc["block_n"] or (64 if bd <= 128 else 32)
         splits = dc["splits"] or decode_splits(b, kvh, max_seq_len, q.device, block_n, dc["programs_per_sm"])
         pdl = use_pdl(q.device)
@@ -340,9 +345,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          PREFETCH=_prefetch(dc, pdl, block_n), FUSED_MERGE=cnt is not None,
                                          KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
                                          **fused_merge_constants(h, kvh, d, splits, cnt is not None),
-                                         FP8_DOT=FP8_DOTS[dc["fp8_dot"]] if fp8 else 0,
+                                         FP8_DOT=fp8_dot,
                                          num_warps=dc["num_warps"],
                                          **({"num_stages": dc["num_stages"]} if dc["num_stages"] else {}),
+                                         **({"maxnreg": dc["maxnreg"]} if dc["maxnreg"] else {}),
                                          **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)
         return out

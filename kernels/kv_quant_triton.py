@@ -26,7 +26,18 @@ The dot format of the decode kernels (`kernels.attention_triton._decode_kernel`,
   power-of-two scale (`fp8_dot_q`: exact, any q range), the probabilities rounded to fp16
   (in [0, 1]: finer than bf16 down to 2^-14, flushed to 0 below 2^-24) for the P@V dot;
 - "fp16_bits": as "fp16" with the widening in integer ops (`e4m3_fp16_bits`: the tile holds
-  value * 2^-8, the 2^8 folded into the K and V scales, `fp8_read_scale`).
+  value * 2^-8, the 2^8 folded into the K and V scales, `fp8_read_scale`);
+- "fp16_words": as "fp16_bits" but the main loop loads the tiles as uint32 words (four codes)
+  and widens each word with 32-bit integer ops (`e4m3_words_fp16`: 7 ALU ops per 4 values, no
+  conversion instruction); "fp16_vwords": words for V only, K by the hardware conversion of
+  "fp16" (the conversion and ALU pipes shared). Why (sm_90 SASS of the "fp16"
+  loop, 128-key tiles, per warp and tile): 128 F2FP conversions (a quarter-rate pipe) and,
+  for V, 128 one-byte shared-memory loads (LDS.U8) plus ~250 IMADs packing them: the compiler
+  moves the widening behind the shared-memory stage, where the P@V operand wants 4
+  consecutive keys of one column, 128 bytes apart; widened in registers first (words), V
+  goes through shared memory as fp16 like a bf16 tile (ldmatrix) (docs/ARCHITECTURE.md §4.6).
+The format's code (the kernels' FP8_DOT) is k_way + 8 * v_way, a way per tile: 0 q's dtype,
+1 the hardware conversion to fp16, 2 `e4m3_fp16_bits`, 3 words (`kv_load_dot_tile`).
 The multi-query and prefill kernels widen to q's dtype ("q").
 """
 
@@ -39,8 +50,9 @@ import triton.language as tl
 from kernels.device_info import num_sms
 
 FP8_E4M3_MAX = 448.0  # also kernels.kv_quant.FP8_E4M3_MAX
-# the decode kernels' dot formats (module doc): config name -> the kernels' FP8_DOT constexpr
-FP8_DOTS = {"q": 0, "fp16": 1, "fp16_bits": 2}
+# the decode kernels' dot formats (module doc): config name -> the kernels' FP8_DOT constexpr,
+# k_way + 8 * v_way (0 q's dtype, 1 hardware fp16, 2 e4m3_fp16_bits, 3 words)
+FP8_DOTS = {"q": 0, "fp16": 9, "fp16_bits": 18, "fp16_words": 27, "fp16_vwords": 25}
 
 
 @triton.jit
@@ -70,11 +82,44 @@ def e4m3_fp16_bits(x):
 
 
 @triton.jit
-def kv_dot_tile(x, like, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
-    """A loaded cache tile for a decode kernel's dots with q `like` (from `fp8_dot_q`): as
-    `kv_tile` (widened to like's dtype, fp16 with FP8_DOT 1), or with FP8_DOT 2 (an fp8
-    cache) `e4m3_fp16_bits`."""
-    if KV_FP8 and FP8_DOT == 2:  # one return (see kv_tile)
+def e4m3_words_fp16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """uint32 words w [BLOCK_N, BLOCK_D // 4], four e4m3 codes each (little-endian: code i in
+    bits 8i..8i+7) -> fp16 [BLOCK_N, BLOCK_D] holding value * 2^-8, codes 0, 2, 1, 3 of each
+    word (the order of its two results' halves: no byte permutes; `word_order`), as
+    `e4m3_fp16_bits` (same values, NaN codes included) but two values per 32-bit op: codes 1
+    and 3 need (w >> 1) & 0x3F803F80 (exponent and mantissa into the two halves' bits 13..7)
+    | w & 0x80008000 (the signs already on bits 15 and 31); codes 0 and 2 the same on w << 8."""
+    hi = ((w >> 1) & 0x3F803F80) | (w & 0x80008000)  # codes 1 (low half), 3 (high half)
+    lo = ((w << 7) & 0x3F803F80) | ((w << 8) & 0x80008000)  # codes 0, 2
+    c0 = lo.to(tl.uint16).to(tl.float16, bitcast=True)
+    c1 = hi.to(tl.uint16).to(tl.float16, bitcast=True)
+    c2 = (lo >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    c3 = (hi >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    # join(x, y) stacks on a new last axis: [.., i, j] = (x, y)[j][.., i], flattened 2i + j
+    return tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), (BLOCK_N, BLOCK_D))  # 0, 2, 1, 3
+
+
+@triton.jit
+def word_order(dd, WAY: tl.constexpr):
+    """The cache column each position of a tile widened the tile's way (`kv_dot_tile`) holds,
+    for the column indices dd = arange(BLOCK_D): way 3 (`e4m3_words_fp16` in its registers'
+    order: codes 0, 2, 1, 3 of each word, no byte permutes) swaps bits 0 and 1 of the index,
+    other ways keep dd. A kernel loads q (for K) and stores its output (for V) at these
+    columns: the dots do not depend on the order of the head_dim axis."""
+    if WAY == 3:
+        y = (dd & -4) | ((dd & 1) << 1) | ((dd >> 1) & 1)
+    else:
+        y = dd
+    return y
+
+
+@triton.jit
+def kv_dot_tile(x, like, KV_FP8: tl.constexpr, WAY: tl.constexpr):
+    """A loaded cache tile (bytes) for a decode kernel's dots with q `like` (from `fp8_dot_q`),
+    widened the tile's way (module doc: FP8_DOT % 8 for K, FP8_DOT // 8 for V): as `kv_tile`
+    (to like's dtype: fp16 for way 1), or for ways 2 and 3 (an fp8 cache) `e4m3_fp16_bits`
+    (the words' values, for tiles loaded as bytes: prefetched or the step's token)."""
+    if KV_FP8 and WAY >= 2:  # one return (see kv_tile)
         y = e4m3_fp16_bits(x)
     else:
         y = kv_tile(x, like, KV_FP8)
@@ -82,9 +127,26 @@ def kv_dot_tile(x, like, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
+def kv_load_dot_tile(ptr, off, nm, dd, dmask, head_dim, like, KV_FP8: tl.constexpr, WAY: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Load and widen the cache rows at element offsets off [BLOCK_N] (valid where nm; dd, dmask
+    the head_dim columns, in `word_order`) for the dots with `like`: `kv_dot_tile` of the bytes, or for way 3
+    (an fp8 cache, head_dim % 4 == 0 and rows 4-byte aligned: the launchers check) the rows as
+    uint32 words through `e4m3_words_fp16`."""
+    if KV_FP8 and WAY == 3:
+        dw = tl.arange(0, BLOCK_D // 4)
+        wp = (ptr + off[:, None]).to(tl.pointer_type(tl.uint32)) + dw[None, :]
+        y = e4m3_words_fp16(tl.load(wp, mask=nm[:, None] & (dw < head_dim // 4)[None, :], other=0), BLOCK_N, BLOCK_D)
+    else:
+        y = kv_dot_tile(tl.load(ptr + off[:, None] + dd[None, :], mask=nm[:, None] & dmask[None, :], other=0),
+                        like, KV_FP8, WAY)
+    return y
+
+
+@triton.jit
 def fp8_dot_q(q, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
     """(q for the dots, the factor on the scores that undoes its scaling): for an fp8 cache
-    with FP8_DOT 1 or 2, q times 2^e in fp16, e chosen from the program's max |q| (its fp32
+    with an fp16 format (FP8_DOT != 0), q times 2^e in fp16, e chosen from the program's max |q| (its fp32
     exponent bits) so that max |q| 2^e lies in [2^14, 2^15) (fp16's largest finite value is
     65504): exact but for q values below 2^-29 of the max (fp16 subnormals, negligible in a
     dot), the factor 2^-e exact; else (q, 1.0). All-zero q gives zeros; inf / NaN propagate."""
@@ -103,10 +165,11 @@ def fp8_dot_q(q, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def fp8_read_scale(KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
-    """The factor on the K and V scales that undoes the widening's: 2^8 for FP8_DOT 2 on an
-    fp8 cache (`e4m3_fp16_bits`), else 1.0."""
-    if KV_FP8 and FP8_DOT == 2:
+def fp8_read_scale(KV_FP8: tl.constexpr, WAY: tl.constexpr):
+    """The factor on the K or V scale that undoes its tiles' widening (WAY as `kv_dot_tile`):
+    2^8 for the integer ways 2 and 3 on an fp8 cache (`e4m3_fp16_bits`, `e4m3_words_fp16`),
+    else 1.0."""
+    if KV_FP8 and WAY >= 2:
         f = 256.0
     else:
         f = 1.0
@@ -143,6 +206,21 @@ def fp8_overrides(table: dict, num_seqs: int, num_kv_heads: int, head_dim: int, 
     if cfg.get("block_n") and triton.next_power_of_2(head_dim) > 128:
         cfg["block_n"] = max(16, cfg["block_n"] // 2)
     return cfg
+
+
+def fp8_dot_code(name: str, k_cache: torch.Tensor, head_dim: int, kv_fp8: bool) -> int:
+    """The FP8_DOT constexpr of dot format `name` (FP8_DOTS) for a launch over k_cache (the
+    uint8 view of `kv_operands`; V's has the same strides), 0 unless kv_fp8: the word way (3) needs rows of
+    4-byte aligned words (head_dim, the cache's strides and its address multiples of 4), else
+    it falls back to way 2 (`e4m3_fp16_bits`: the same values and scales, byte loads).
+    Raises ValueError for an unknown name."""
+    if name not in FP8_DOTS:
+        raise ValueError(f"fp8_dot {name!r}: one of {sorted(FP8_DOTS)}")
+    code = FP8_DOTS[name] if kv_fp8 else 0
+    aligned = head_dim % 4 == 0 and k_cache.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in k_cache.stride()[:-1])
+    if not aligned:
+        code = sum((2 if (code >> sh) & 7 == 3 else (code >> sh) & 7) << sh for sh in (0, 3))
+    return code
 
 
 def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,

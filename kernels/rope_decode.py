@@ -65,10 +65,12 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 # (gemv_sweep.py --only rope --config qwen3-30b-a3b), but TPOT did not follow (decode_latency.py
 # --ab moe pps1: 2.93 / 2.92 against 3.03 / 2.94 ms; Qwen3-0.6B 0.877 / 0.870 against 0.876 / 0.859),
 # so the default stays (benchmarks/results/2026-12-03_h200_*pps*.json).
-# fp8_dot: the dots' format over an fp8_e4m3 cache (`kernels.kv_quant_triton.FP8_DOTS`).
+# fp8_dot: the dots' format over an fp8_e4m3 cache (`kernels.kv_quant_triton.FP8_DOTS`); maxnreg:
+# as in kernels.attention_triton.DECODE_DEFAULTS.
 ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
                               "programs_per_sm": 2, "prefetch_max_block_n": 32, "prefetch": None,
-                              "max_seqs": None, "fused_merge": False, "min_split_tiles": 1, "fp8_dot": "q"}
+                              "max_seqs": None, "fused_merge": False, "min_split_tiles": 1, "fp8_dot": "q",
+                              "maxnreg": None}
 # an fp8_e4m3 cache: overrides of ROPE_DECODE_DEFAULTS (under the caller's decode_config) by
 # the launch's class, as kernels.attention_triton.DECODE_FP8_DEFAULTS (docs/ARCHITECTURE.md §4.6).
 # From the same sweep: "few" fp16 dots, 128-key tiles, one stage: bf16 / fp8 1.22 (8K) and
@@ -108,8 +110,8 @@ if triton is not None:
     from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                       merge_counters, merge_splits, split_buffers)
     from kernels.device_info import num_sms
-    from kernels.kv_quant_triton import (FP8_DOTS, fp8_bytes, fp8_dot_q, fp8_overrides, fp8_read_scale, kv_dot_tile,
-                                         kv_operands)
+    from kernels.kv_quant_triton import (fp8_bytes, fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale,
+                                         kv_dot_tile, kv_operands, word_order)
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
@@ -152,11 +154,13 @@ if triton is not None:
         if KV_FP8:  # the layer's scales (set at load): K's on the scores, V's on acc below
             k_sc = tl.load(ks_ptr)
             v_sc = tl.load(vs_ptr)
-            qk_scale = qk_scale * (k_sc * fp8_read_scale(KV_FP8, FP8_DOT))
+            qk_scale = qk_scale * (k_sc * fp8_read_scale(KV_FP8, FP8_DOT % 8))
         pos = tl.load(pos_ptr + seq).to(tl.int64)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         half = head_dim // 2
-        dd = tl.arange(0, BLOCK_D)
+        # dd: the columns of q, k and the K tiles, dv: of v, the V tiles and the output (`word_order`)
+        dd = word_order(tl.arange(0, BLOCK_D), FP8_DOT % 8)
+        dv = word_order(tl.arange(0, BLOCK_D), FP8_DOT // 8)
         dmask = dd < head_dim
         pd = tl.where(dd < half, dd + half, dd - half)
         ci = tl.where(dd < half, dd, dd - half)
@@ -181,7 +185,7 @@ if triton is not None:
             off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
             cached = (nm & (nn < last))[:, None] & dmask[None, :]
             k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=cached, other=0)
-            v0 = tl.load(vc_ptr + off[:, None] + dd[None, :], mask=cached, other=0)
+            v0 = tl.load(vc_ptr + off[:, None] + dv[None, :], mask=cached, other=0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
         gg = tl.arange(0, BLOCK_G)
@@ -190,22 +194,22 @@ if triton is not None:
                        cos, sin, qw, qwp, eps, head_dim, NORM)
         k_new = _rope_rows(k_ptr, seq * sk_t + kvh * sk_h, dd, pd, dmask[None, :],
                            cos, sin, kw, kwp, eps, head_dim, NORM)  # [1, BLOCK_D]
-        v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dd[None, :], mask=dmask[None, :], other=0.0)
+        v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dv[None, :], mask=dmask[None, :], other=0.0)
         # an fp8 cache: q in the dots' format, its scaling undone on the scores
         q, q_undo = fp8_dot_q(q, KV_FP8, FP8_DOT)
         qk_scale = qk_scale * q_undo
         if KV_FP8:  # the token as stored: e4m3 bytes, and their values in the dots' format for the tile
             k_st = fp8_bytes(k_new, k_sc)
             v_st = fp8_bytes(v_new, v_sc)
-            k_new = kv_dot_tile(k_st, q, True, FP8_DOT)
-            v_new = kv_dot_tile(v_st, q, True, FP8_DOT)
+            k_new = kv_dot_tile(k_st, q, True, FP8_DOT % 8)
+            v_new = kv_dot_tile(v_st, q, True, FP8_DOT // 8)
         else:
             k_st = k_new
             v_st = v_new
         if (start <= last) & (last < end) & (slot >= 0):  # this program owns the step's token
-            c = slot * sc_s + kvh * sc_h + dd[None, :]
-            tl.store(kc_ptr + c, k_st, mask=dmask[None, :])
-            tl.store(vc_ptr + c, v_st, mask=dmask[None, :])
+            c = slot * sc_s + kvh * sc_h
+            tl.store(kc_ptr + c + dd[None, :], k_st, mask=dmask[None, :])
+            tl.store(vc_ptr + c + dv[None, :], v_st, mask=dmask[None, :])
         tl.debug_barrier()  # the owner's writes are visible to its own loads below
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -213,20 +217,21 @@ if triton is not None:
         lo = start
         if PREFETCH:
             is_new = (nn == last)[:, None]
-            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_dot_tile(k0, q, KV_FP8, FP8_DOT)),
-                                         tl.where(is_new, v_new, kv_dot_tile(v0, q, KV_FP8, FP8_DOT)), nm,
+            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_dot_tile(k0, q, KV_FP8, FP8_DOT % 8)),
+                                         tl.where(is_new, v_new, kv_dot_tile(v0, q, KV_FP8, FP8_DOT // 8)), nm,
                                          m_i, l_i, acc, qk_scale)
             lo = start + BLOCK_N
         m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
-                                      kvh, dd, dmask, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, KV_FP8, FP8_DOT)
+                                      kvh, dd, dv, dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_D,
+                                      KV_FP8, FP8_DOT)
         if KV_FP8:
-            acc = acc * (v_sc * fp8_read_scale(KV_FP8, FP8_DOT))
+            acc = acc * (v_sc * fp8_read_scale(KV_FP8, FP8_DOT // 8))
         if FUSED_MERGE:  # (never with ONE_SPLIT)
-            _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dd, dmask,
+            _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dv, dmask,
                           so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S,
                           BLOCK_D)
         else:
-            _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dd, dmask, so_t, so_h,
+            _store_partial(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, seq, heads, gg, dv, dmask, so_t, so_h,
                            n_heads, n_splits, split, head_dim, G, ONE_SPLIT)
 
     def rope_decode_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, seq_lens,
@@ -251,8 +256,7 @@ if triton is not None:
         kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
         dc = {**ROPE_DECODE_DEFAULTS, **(fp8_overrides(ROPE_DECODE_FP8_DEFAULTS, b, kvh, d, q.device) if fp8 else {}),
               **(decode_config or {})}
-        if dc["fp8_dot"] not in FP8_DOTS:
-            raise ValueError(f"fp8_dot {dc['fp8_dot']!r}: one of {sorted(FP8_DOTS)}")
+        fp8_dot = fp8_dot_code(dc["fp8_dot"], kc, d, fp8)
         block_n = dc["block_n"] or (32 if b * kvh < num_sms(q.device) else 64)
         n_tiles = triton.cdiv(max(1, max_seq_len), block_n)
         splits = dc["splits"] or max(1, min(n_tiles, triton.cdiv(dc["programs_per_sm"] * num_sms(q.device), b * kvh)))
@@ -271,7 +275,8 @@ if triton is not None:
             NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
             FUSED_MERGE=cnt is not None, KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
             **fused_merge_constants(h, kvh, d, splits, cnt is not None),
-            FP8_DOT=FP8_DOTS[dc["fp8_dot"]] if fp8 else 0, num_warps=dc["num_warps"],
-            num_stages=dc["num_stages"], **launch_args(pdl))
+            FP8_DOT=fp8_dot, num_warps=dc["num_warps"],
+            num_stages=dc["num_stages"], **({"maxnreg": dc["maxnreg"]} if dc["maxnreg"] else {}),
+            **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged
         return out

@@ -8,8 +8,10 @@
   `paged_attention_ref` on the same fp8 cache (the reference dequantizes to fp32), bf16 q,
   Llama-3.1-8B's attention shape (32 / 8 heads of 128) and awkward lengths; the decode
   kernels in each fp8 dot format (`kernels.kv_quant_triton.FP8_DOTS`), with their fp8
-  defaults of both launch classes, and with q beyond fp16's range; the integer widening
-  (`e4m3_fp16_bits`) compiled, on all 256 codes against torch's e4m3 -> fp32;
+  defaults of both launch classes, and with q beyond fp16's range; every fp8 variant of
+  benchmarks/kv_quant_attention.py --variants (both kernels); the integer widening
+  (`e4m3_fp16_bits`) compiled, on all 256 codes against torch's e4m3 -> fp32, and the word
+  widening (`e4m3_words_fp16`) against it at every byte position;
 - a 32K-token decode: the kernel against the fp32 reference on the dequantized cache (the
   fp32 accumulation over tiles and splits keeps long contexts accurate), and the cost of the
   format itself against the unquantized K/V;
@@ -42,7 +44,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits  # noqa: E402
+from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits, e4m3_words_fp16  # noqa: E402
 from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -201,11 +203,57 @@ def test_integer_widening_gives_every_finite_code_exactly():
     assert torch.equal(got.float()[~fin].cpu() * 256, torch.tensor([480.0, -480.0]))  # the NaN codes (never stored)
 
 
+@triton.jit
+def _words_kernel(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
+    ww = tl.arange(0, R)[:, None] * (C // 4) + tl.arange(0, C // 4)[None, :]
+    y = e4m3_words_fp16(tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + ww), R, C)
+    tl.store(y_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], y)
+
+
+def test_word_widening_gives_the_integer_widenings_bits_at_every_byte_position():
+    """`e4m3_words_fp16` compiled: every code at every byte position of a word, bit for bit the
+    fp16 of `e4m3_fp16_bits` (checked exactly above), in its column order (`word_order`)."""
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    rows = torch.stack([codes.roll(r) for r in range(4)]).contiguous()
+    want = torch.empty(256, dtype=torch.float16, device="cuda")
+    _bits_kernel[(1,)](codes, want, BLOCK=256)
+    got = torch.empty(4, 256, dtype=torch.float16, device="cuda")
+    _words_kernel[(1,)](rows, got, R=4, C=256)
+    t = torch.arange(256, device="cuda")
+    order = (t & -4) | ((t & 1) << 1) | ((t >> 1) & 1)
+    assert torch.equal(got.view(torch.int16), want[rows.long()][:, order].view(torch.int16))
+
+
+def _sweep_variants(kname: str) -> dict:
+    """name -> decode_config of the benchmark's fp8 variants of kernel kname."""
+    from benchmarks.kv_quant_attention import fp8_variants
+
+    return fp8_variants(kname)
+
+
+@pytest.mark.parametrize("name", list(_sweep_variants("decode_kernel")))
+def test_every_benchmarked_decode_variant_reads_fp8_as_the_reference(name, record_property):
+    """Each fp8 variant of benchmarks/kv_quant_attention.py --variants (dot format x key tile x
+    split count) on awkward lengths, a context of several tiles per split and a 1-token one."""
+    q, kc, vc, cu, sl, bt, ref, ks, vs = _fp8_paged([(3000, 1), (0, 1), (77, 1), (8191, 1)], 32, 8, 128, 16)
+    got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, 128 ** -0.5, 1, 8192,
+                                    _sweep_variants("decode_kernel")[name], k_scale=ks, v_scale=vs)
+    err = rel(got, ref)
+    record_property(f"attn_variant_{name}", err)
+    assert err < TOL
+
+
 @pytest.mark.parametrize("lens,kw", [([1000, 1, 17, 4096], {}), ([300, 0], {"prefetch": True, "block_n": 32}),
                                      *[([1000, 1, 17, 4096], {"fp8_dot": dot}) for dot in FP8_DOTS],
                                      ([300, 5], {"prefetch": True, "block_n": 32, "fp8_dot": "fp16_bits"}),
+                                     ([300, 5], {"prefetch": True, "block_n": 32, "fp8_dot": "fp16_words"}),
+                                     # the sweep's variants, q/k norm off as there
+                                     *[([3000, 1, 77, 8191], {**cfg, "_norm": False})
+                                       for cfg in _sweep_variants("rope_decode_kernel").values()],
                                      ([i * 97 % 3000 + 1 for i in range(20)], {})])
 def test_fused_rotary_decode_writes_and_reads_fp8(lens, kw, record_property):
+    kw = dict(kw)
+    norm_on = kw.pop("_norm", True)
     ks, vs = _scales()
     b, hq, hk, d, bs = len(lens), 32, 8, 128, 16
     nb = sum(-(-n // bs) for n in lens) + 3
@@ -220,6 +268,8 @@ def test_fused_rotary_decode_writes_and_reads_fp8(lens, kw, record_property):
                          device="cuda")
     table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 1e6), 8192).cuda()
     qn, kn = (1 + 0.2 * torch.randn(d, device="cuda")).bfloat16(), (1 + 0.2 * torch.randn(d, device="cuda")).bfloat16()
+    if not norm_on:
+        qn = kn = None
     qkv = torch.randn(b, (hq + 2 * hk) * d, device="cuda").bfloat16()
     kc0 = kv_quant.quantize_fp8(torch.randn(nb, bs, hk, d, device="cuda"), ks)
     vc0 = kv_quant.quantize_fp8(torch.randn(nb, bs, hk, d, device="cuda"), vs)

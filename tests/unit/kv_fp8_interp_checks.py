@@ -22,6 +22,9 @@ torch's float8_e4m3fn -> fp32 (times 2^8; exact for the 254 finite codes, the tw
 must read +-480); "q_scale_<magnitude>" the relative error of `fp8_dot_q`'s fp16 q times its
 undo factor against q (fp64), "q_scale_zero" the largest |value| it gives for q = 0.
 
+Sweep variants ("variant_<kernel>_<name>"): every variant of benchmarks/kv_quant_attention.py
+--variants on both decode kernels, bf16 q, awkward lengths.
+
 Writers (the store kernel, the rotary + store kernel, the fused rotary decode's token write):
 triton 3.9's interpreter casts fp32 to e4m3 wrongly at binade edges (31.7 -> 16.0; the GPU
 rounds to nearest even), so the reference here is the torch reference's pre-cast value
@@ -47,7 +50,7 @@ import triton.language as tl  # noqa: E402
 
 from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits, fp8_dot_q  # noqa: E402
+from kernels.kv_quant_triton import FP8_DOTS, e4m3_fp16_bits, e4m3_words_fp16, fp8_dot_q  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 
@@ -98,6 +101,30 @@ def bits_codes() -> float:
     fin = torch.isfinite(want)
     nan_ok = torch.equal(got.float()[~fin] * 256, torch.tensor([480.0, -480.0]))
     return 0.0 if int(fin.sum()) == 254 and torch.equal(got.float()[fin] * 256, want[fin]) and nan_ok else float("inf")
+
+
+@triton.jit
+def _words_kernel(x_ptr, y_ptr, R: tl.constexpr, C: tl.constexpr):
+    ww = tl.arange(0, R)[:, None] * (C // 4) + tl.arange(0, C // 4)[None, :]
+    y = e4m3_words_fp16(tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + ww), R, C)
+    tl.store(y_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], y)
+
+
+def words_codes() -> float:
+    """0.0 when `e4m3_words_fp16` gives, for all 256 codes in every byte position of a word
+    (the codes in 4 rotations, [4, 256] bytes read as [4, 64] uint32 words), the fp16 of
+    `e4m3_fp16_bits` (value * 2^-8, NaN codes +-480 * 2^-8) bit for bit, in its order: position t
+    holds code t with bits 0 and 1 swapped (`kernels.kv_quant_triton.word_order`); else inf."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    rows = torch.stack([codes.roll(r) for r in range(4)])  # code c at every position mod 4
+    want = torch.empty(256, dtype=torch.float16)
+    _bits_kernel[(1,)](codes, want, BLOCK=256)
+    got = torch.empty(4, 256, dtype=torch.float16)
+    _words_kernel[(1,)](rows.contiguous(), got, R=4, C=256)
+    t = torch.arange(256)
+    order = (t & -4) | ((t & 1) << 1) | ((t >> 1) & 1)
+    ok = torch.equal(got.view(torch.int16), want[rows.long()][:, order].view(torch.int16))
+    return 0.0 if ok else float("inf")
 
 
 @triton.jit
@@ -201,6 +228,8 @@ DECODE_READERS = {  # (seqs, heads, kv heads, head_dim, block_size, kwargs) of t
                         {"decode_config": {"prefetch": True, "block_n": 16}}),
     "decode_graph_bound_hd24": ([(20, 1), (5, 1)], 6, 3, 24, 16, {"max_seq_len": 256}),
     "decode_long_tiles": ([(300, 1), (129, 1)], 8, 2, 16, 16, {"decode_config": {"block_n": 128}}),
+    # head_dim 18: rows of no whole words, the word formats fall back to byte loads (fp8_dot_code)
+    "decode_odd_hd18": ([(40, 1), (7, 1), (130, 1)], 4, 2, 18, 16, {}),
 }
 ROPE_CASES = (([40, 16, 1, 131], 16, True, {}), ([300], 32, False, {"splits": 3}),
               ([17, 0], 16, True, {"block_n": 16, "splits": 1}),
@@ -250,14 +279,32 @@ def decode_readers(out: dict, gen: torch.Generator, ks: torch.Tensor, vs: torch.
                 out[f"rope_decode_write_{name}_{tag}"] = max(werrs)
 
 
+def sweep_variants(out: dict, gen: torch.Generator, ks: torch.Tensor, vs: torch.Tensor) -> None:
+    """Every fp8 variant benchmarks/kv_quant_attention.py --variants times, both decode kernels,
+    bf16 q, awkward lengths (a partition boundary inside a block, a 1-token context, a partial
+    last tile): "variant_<kernel>_<name>" (the interpreter ignores warps, stages and register
+    caps; block_n, the format and the split count are what it checks)."""
+    from benchmarks.kv_quant_attention import fp8_variants
+
+    for name, cfg in fp8_variants("decode_kernel").items():
+        q, kc, vc, cu, sl, bt, ref = fp8_paged_case([(300, 1), (0, 1), (77, 1), (129, 1)], 8, 2, 16, 16,
+                                                    torch.bfloat16, gen, ks, vs)
+        got = at.paged_attention_triton(q, kc, vc, cu, sl, bt, 16 ** -0.5, 1, 301, cfg, k_scale=ks, v_scale=vs)
+        out[f"variant_decode_kernel_{name}"] = rel(got, ref)
+    for name, cfg in fp8_variants("rope_decode_kernel").items():
+        e, we, r = rope_decode_fp8_case([300, 1, 77, 129], 16, False, cfg, torch.bfloat16, gen, ks, vs)
+        out[f"variant_rope_decode_kernel_{name}"] = max(e, r)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(7)
-    out: dict[str, float] = {"cast_ok": float(cast_ok()), "bits_codes": bits_codes()}
+    out: dict[str, float] = {"cast_ok": float(cast_ok()), "bits_codes": bits_codes(), "words_codes": words_codes()}
     for mag in (1e-30, 1e-3, 1.0, 3e4, 1e30):
         out[f"q_scale_{mag:g}"], out[f"q_scale_{mag:g}_max"] = q_scale(torch.randn(16, 32, generator=gen) * mag)
     out["q_scale_zero"] = q_scale(torch.zeros(16, 32))[1]
     ks, vs = torch.tensor(0.0625), torch.tensor(0.03)  # real = stored * scale; stored up to ~100
     decode_readers(out, gen, ks, vs)
+    sweep_variants(out, gen, ks, vs)
     for dt in (torch.float32, torch.float16):
         name = str(dt).removeprefix("torch.")
         # the store kernel: awkward token count, a padding row (slot -1), saturation (x / scale > 448)

@@ -16,11 +16,14 @@ values (measured 0: a rotation rounding that crosses an e4m3 edge moves one valu
 interpreter's cast is right, and always on the GPU (tests/gpu/test_fp8_kv_gpu.py).
 The decode kernels (split-K decode, fused rotary decode) run in each of their fp8 dot formats
 (`kernels.kv_quant_triton.FP8_DOTS`) and with their fp8 defaults: "q" in q's dtype (fp32 1e-5,
-fp16 3e-3 as above), "fp16" / "fp16_bits" with q in fp16 by a power-of-two scale and fp16
+fp16 3e-3 as above), "fp16" / "fp16_bits" / "fp16_words" / "fp16_vwords" with q in fp16 by a power-of-two scale and fp16
 probabilities (3e-3 for fp32 and fp16 q, measured ~1e-4..3e-4; bf16 q 2e-2, the GPU tests'
 bound: the interpreter's bf16 output rounding, measured ~3e-3, ~1e-2 for the rotary decode
 whose q the interpreter rotates in bf16). The integer widening is checked exactly on all 256
-codes and the q scaling at magnitudes 1e-30..1e30.
+codes, the word widening (uint32 words, its column order `word_order`) against it on every code
+at every byte position, and the q scaling at magnitudes 1e-30..1e30. Every variant of the
+benchmark's --variants sweep (benchmarks/kv_quant_attention.py) runs on both decode kernels with
+bf16 q (2e-2).
 Skipped when triton is not installed.
 """
 
@@ -37,8 +40,8 @@ TOL_FP16_DOTS = {"float32": 3e-3, "float16": 3e-3, "bfloat16": 2e-2}  # the deco
 READERS = ["attn_prefill_varlen_prefix", "attn_mixed_prefill_decode", "attn_multi_query_verify",
            "attn_multi_query_one_split"]
 DECODE_READERS = ["attn_decode_gqa_splitk", "attn_decode_one_split", "attn_decode_prefetch",
-                  "attn_decode_graph_bound_hd24", "attn_decode_long_tiles", "rope_decode_attn"]
-DOTS = ["q", "fp16", "fp16_bits", "default"]  # kernels.kv_quant_triton.FP8_DOTS and the fp8 defaults
+                  "attn_decode_graph_bound_hd24", "attn_decode_long_tiles", "attn_decode_odd_hd18", "rope_decode_attn"]
+DOTS = ["q", "fp16", "fp16_bits", "fp16_words", "fp16_vwords", "default"]  # FP8_DOTS and the fp8 defaults
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +86,28 @@ def test_fp8_kv_fused_rotary_decode_stores_the_quantized_token_in_every_dot_form
 
 def test_integer_widening_gives_every_finite_e4m3_code_exactly_times_two_to_minus_eight(interp_results):
     assert interp_results["bits_codes"] == 0.0
+
+
+def test_word_widening_gives_the_integer_widenings_bits_for_every_code_at_every_byte_position(interp_results):
+    assert interp_results["words_codes"] == 0.0
+
+
+def _sweep_names() -> list[str]:
+    from benchmarks.kv_quant_attention import fp8_variants
+
+    return [f"{k}_{n}" for k in ("decode_kernel", "rope_decode_kernel") for n in fp8_variants(k)]
+
+
+@pytest.mark.parametrize("name", _sweep_names())
+def test_every_benchmarked_fp8_variant_matches_the_dequantizing_reference(interp_results, name):
+    err = interp_results[f"variant_{name}"]
+    assert err <= TOL_FP16_DOTS["bfloat16"], f"{name}: relative error {err}"
+
+
+def test_every_dot_format_is_checked():
+    from kernels.kv_quant_triton import FP8_DOTS
+
+    assert sorted(FP8_DOTS) == sorted(d for d in DOTS if d != "default")
 
 
 @pytest.mark.parametrize("mag", ["1e-30", "0.001", "1", "30000", "1e+30"])
