@@ -85,7 +85,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gdn_decode, gemv, linear, moe, moe_decode_triton, norm, pdl, rope_decode, w4a16_gemv  # noqa: E402
+from kernels import fp8_gemv, gdn_decode, gemv, linear, moe, moe_decode_triton, norm, pdl, rope_decode  # noqa: E402
+from kernels import w4a16_gemv  # noqa: E402
 from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
@@ -107,10 +108,15 @@ GREEDY = SamplingParams(temperature=0.0)
 # decode kernels' in-kernel merge: rope_decode.ROPE_DECODE_DEFAULTS' and
 # attention_triton.DECODE_DEFAULTS'; read from the one in use), programs_per_sm (the rotary
 # decode kernel's) and moe_decode_tuned (kernels.moe_decode_triton.USE_TUNED: the MoE decode
-# path's swept gate_up configs and down plans, off: the untuned defaults).
+# path's swept gate_up configs and down plans, off: the untuned defaults); the quantized
+# decode products: fp8_one_row (kernels.fp8_gemv.ONE_ROW), fuse_quantized
+# (services.worker.fusion.FUSE_QUANTIZED_ONE_ROW: FP8 layers on the fused path at one row;
+# the runner chooses its FusionPlan again at each recapture), fp8_tuned / w4_tuned
+# (fp8_gemv.USE_PLANS / w4a16_gemv.USE_PLANS: the plans of --fp8-plans / --w4-plans, off:
+# the heuristics).
 KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
               "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm",
-              "moe_decode_tuned")
+              "moe_decode_tuned", "fp8_one_row", "fuse_quantized", "fp8_tuned", "w4_tuned")
 VARIANTS: dict[str, dict] = {
     # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
     # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
@@ -131,7 +137,14 @@ VARIANTS: dict[str, dict] = {
     "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
     "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False},
     # the MoE decode path's swept launch choices (benchmarks/moe_decode_sweep.py) against the defaults
-    "moe_tuned": {"moe_decode_tuned": True}, "moe_untuned": {"moe_decode_tuned": False}}
+    "moe_tuned": {"moe_decode_tuned": True}, "moe_untuned": {"moe_decode_tuned": False},
+    # the quantized one-row products (scripts/gpu_qgemv.sh): q_old = the FP8 legacy kernel
+    # (no PDL, a second split-sum kernel), unfused layers, heuristic plans for FP8 and W4A16;
+    # q_new = FP8 on kernels.gemv's kernel with the fused layer path, and the swept plans
+    # (--fp8-plans / --w4-plans) for both; q_unfused = q_new's kernels and plans, layers unfused
+    "q_old": {"fp8_one_row": "legacy", "fuse_quantized": False, "fp8_tuned": False, "w4_tuned": False},
+    "q_new": {"fp8_one_row": "gemv", "fuse_quantized": True, "fp8_tuned": True, "w4_tuned": True},
+    "q_unfused": {"fp8_one_row": "gemv", "fuse_quantized": False, "fp8_tuned": True, "w4_tuned": True}}
 assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
@@ -149,7 +162,9 @@ def read_knobs() -> dict:
             "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
             "shared_in_down": moe.SHARED_IN_DOWN, "fused_merge": _merge_defaults()["fused_merge"],
             "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"],
-            "moe_decode_tuned": moe_decode_triton.USE_TUNED}
+            "moe_decode_tuned": moe_decode_triton.USE_TUNED, "fp8_one_row": fp8_gemv.ONE_ROW,
+            "fuse_quantized": fusion.FUSE_QUANTIZED_ONE_ROW, "fp8_tuned": fp8_gemv.USE_PLANS,
+            "w4_tuned": w4a16_gemv.USE_PLANS}
 
 
 def variant_knobs(name: str, baseline: dict) -> dict:
@@ -169,6 +184,8 @@ def set_knobs(k: dict) -> None:
     rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = k["fused_merge"]
     rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = k["programs_per_sm"]
     moe_decode_triton.USE_TUNED = k["moe_decode_tuned"]
+    fp8_gemv.ONE_ROW, fusion.FUSE_QUANTIZED_ONE_ROW = k["fp8_one_row"], k["fuse_quantized"]
+    fp8_gemv.USE_PLANS, w4a16_gemv.USE_PLANS = k["fp8_tuned"], k["w4_tuned"]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -287,6 +304,9 @@ def main() -> None:
                     help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
     ap.add_argument("--w4-plans", default=None,
                     help="JSON whose 'plans' are {'M,N,K': config} for kernels.w4a16_gemv.PLANS (w4a16_sweep.py --out)")
+    ap.add_argument("--fp8-plans", default=None,
+                    help="JSON whose 'plans' are {'NxK': [block_n, split, num_warps]} for kernels.fp8_gemv.PLANS "
+                         "(qgemv_sweep.py --out)")
     ap.add_argument("--fused-layers", choices=["on", "off"], default="on",
                     help="the fused decoder layer at one row (services.worker.fusion.FUSE_ONE_ROW: norms and residual "
                          "adds inside the gemv projections)")
@@ -325,6 +345,10 @@ def main() -> None:
         with open(a.gemv_plans) as fh:
             for key, plan in json.load(fh).items():
                 gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
+    if a.fp8_plans:
+        with open(a.fp8_plans) as fh:
+            for key, plan in json.load(fh)["plans"].items():
+                fp8_gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
     if a.w4_plans:
         with open(a.w4_plans) as fh:
             for key, cfg in json.load(fh)["plans"].items():
@@ -349,7 +373,9 @@ def main() -> None:
            "stacked_projections": bool(getattr(runner.model, "stacked", False)), "fused_glue": qwen3_next.FUSED_GLUE,
            "fused_merge": _merge_defaults()["fused_merge"],
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
-           "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()}}
+           "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()},
+           "fp8_plans": {f"{n}x{k}": p for (n, k), p in fp8_gemv.PLANS.items()},
+           "fused_one_row": runner.fusion.fused(1)}
     # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
     # mean context (K and V, every attention layer) + a hybrid's recurrent state, read and
     # written per layer

@@ -67,6 +67,7 @@ DOT_DEFAULTS: dict = {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stage
                       "max_split": 16, "split_sum": "atomic", "magic16": True}
 # (rows bucket, N, K) -> config overrides (keys of CONFIG_KEYS); rows bucket: 1, 2, 4, 8, 16
 PLANS: dict[tuple[int, int, int], dict] = {}
+USE_PLANS = True  # False: the defaults for every shape (decode_latency.py's w4_tuned knob A/Bs PLANS)
 # magic16 (dot kernel): bf16 / fp16 pairs from the 16-bit magic numbers, else q - z in fp32
 CONFIG_KEYS = ("block_n", "block_k", "split", "num_warps", "num_stages", "split_sum", "pdl", "magic16")
 XA = 96  # x is scaled by 2^(XA - 4i) in the one-row kernel (module docstring)
@@ -103,7 +104,8 @@ def gemv_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
     """The launch config of `w4_gemv_triton` for x [m, k] and W [n, k] of group_size: the
     kernel ("gemv1" for one row when a power-of-two tile of at least 16 rows divides the
     group, else "dot") and the keys of CONFIG_KEYS, from the kernel's defaults
-    (GEMV1_DEFAULTS / DOT_DEFAULTS), then PLANS[(rows_bucket(m), n, k)], then `config`.
+    (GEMV1_DEFAULTS / DOT_DEFAULTS), then PLANS[(rows_bucket(m), n, k)] (with USE_PLANS),
+    then `config`.
     block_k is made to divide the group where it can (`pick_block_k`; "one_group" says
     whether it does), split is a number of K ranges of whole tiles (none empty) and
     k_per_split their length."""
@@ -111,7 +113,8 @@ def gemv_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
     kern = "gemv1" if one else "dot"
     d = GEMV1_DEFAULTS if one else DOT_DEFAULTS
     cfg: dict = {"magic16": True, **d, "split": None, "pdl": None}
-    cfg.update(PLANS.get((rows_bucket(m), n, k), {}))
+    if USE_PLANS:
+        cfg.update(PLANS.get((rows_bucket(m), n, k), {}))
     cfg.update(config or {})
     bk, one_group = pick_block_k(group_size, cfg["block_k"])
     tiles = _cdiv(k, bk)

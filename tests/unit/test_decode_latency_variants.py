@@ -18,7 +18,8 @@ import pytest
 
 from benchmarks import decode_latency as dl
 from kernels import attention_triton as at
-from kernels import gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode
+from kernels import fp8_gemv, gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode, w4a16_gemv
+from services.worker import fusion
 from services.worker.layers import gated_deltanet
 from services.worker.models import qwen3_next
 
@@ -42,6 +43,9 @@ EXPECTED = {
     "moe_fused_glue_on_apart": {"DECODE_FUSED": True, "FUSED_GLUE": True, "SHARED_IN_DOWN": False},
     "moe_tuned": {"USE_TUNED": True},
     "moe_untuned": {"USE_TUNED": False},
+    "q_old": {"ONE_ROW": "legacy", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": False, "W4_PLANS": False},
+    "q_new": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": True, "FP8_PLANS": True, "W4_PLANS": True},
+    "q_unfused": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": True, "W4_PLANS": True},
 }
 
 
@@ -50,7 +54,9 @@ def state() -> dict:
     s = {"IN_PLACE_DECODE": gated_deltanet.IN_PLACE_DECODE, "GATED_TRITON": norm.GATED_TRITON,
          "GEMV_MAX_WEIGHT": linear.GEMV_MAX_WEIGHT, "FUSED_GLUE": qwen3_next.FUSED_GLUE,
          "DECODE_FUSED": moe.DECODE_FUSED, "SHARED_IN_DOWN": moe.SHARED_IN_DOWN,
-         "USE_TUNED": moe_decode_triton.USE_TUNED,
+         "USE_TUNED": moe_decode_triton.USE_TUNED, "ONE_ROW": fp8_gemv.ONE_ROW,
+         "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
+         "W4_PLANS": w4a16_gemv.USE_PLANS,
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -76,7 +82,8 @@ def isolated(monkeypatch):
     """Every switch back at its value after the test (the dicts as copies of their own)."""
     for mod, name in ((gated_deltanet, "IN_PLACE_DECODE"), (norm, "GATED_TRITON"), (linear, "GEMV_MAX_WEIGHT"),
                       (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
-                      (moe_decode_triton, "USE_TUNED")):
+                      (moe_decode_triton, "USE_TUNED"), (fp8_gemv, "ONE_ROW"), (fusion, "FUSE_QUANTIZED_ONE_ROW"),
+                      (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))
