@@ -113,10 +113,11 @@ GREEDY = SamplingParams(temperature=0.0)
 # (services.worker.fusion.FUSE_QUANTIZED_ONE_ROW: FP8 layers on the fused path at one row;
 # the runner chooses its FusionPlan again at each recapture), fp8_tuned / w4_tuned
 # (fp8_gemv.USE_PLANS / w4a16_gemv.USE_PLANS: the plans of --fp8-plans / --w4-plans, off:
-# the heuristics).
+# the heuristics), w4_sum_chunk (w4a16_gemv.GEMV1_DEFAULTS' sum_chunk: the K-split partials
+# the one-row kernel's summing program loads at a time; 8 before 2026-12-03).
 KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
               "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm",
-              "moe_decode_tuned", "fp8_one_row", "fuse_quantized", "fp8_tuned", "w4_tuned")
+              "moe_decode_tuned", "fp8_one_row", "fuse_quantized", "fp8_tuned", "w4_tuned", "w4_sum_chunk")
 VARIANTS: dict[str, dict] = {
     # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
     # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
@@ -141,10 +142,14 @@ VARIANTS: dict[str, dict] = {
     # the quantized one-row products (scripts/gpu_qgemv.sh): q_old = the FP8 legacy kernel
     # (no PDL, a second split-sum kernel), unfused layers, heuristic plans for FP8 and W4A16;
     # q_new = FP8 on kernels.gemv's kernel with the fused layer path, and the swept plans
-    # (--fp8-plans / --w4-plans) for both; q_unfused = q_new's kernels and plans, layers unfused
-    "q_old": {"fp8_one_row": "legacy", "fuse_quantized": False, "fp8_tuned": False, "w4_tuned": False},
-    "q_new": {"fp8_one_row": "gemv", "fuse_quantized": True, "fp8_tuned": True, "w4_tuned": True},
-    "q_unfused": {"fp8_one_row": "gemv", "fuse_quantized": False, "fp8_tuned": True, "w4_tuned": True}}
+    # (--fp8-plans / --w4-plans) for both, the one-row W4A16 split sum 16 partials a load (8
+# before); q_unfused = q_new's kernels and plans, layers unfused
+    "q_old": {"fp8_one_row": "legacy", "fuse_quantized": False, "fp8_tuned": False, "w4_tuned": False,
+              "w4_sum_chunk": 8},
+    "q_new": {"fp8_one_row": "gemv", "fuse_quantized": True, "fp8_tuned": True, "w4_tuned": True,
+              "w4_sum_chunk": 16},
+    "q_unfused": {"fp8_one_row": "gemv", "fuse_quantized": False, "fp8_tuned": True, "w4_tuned": True,
+                  "w4_sum_chunk": 16}}
 assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
@@ -164,7 +169,7 @@ def read_knobs() -> dict:
             "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"],
             "moe_decode_tuned": moe_decode_triton.USE_TUNED, "fp8_one_row": fp8_gemv.ONE_ROW,
             "fuse_quantized": fusion.FUSE_QUANTIZED_ONE_ROW, "fp8_tuned": fp8_gemv.USE_PLANS,
-            "w4_tuned": w4a16_gemv.USE_PLANS}
+            "w4_tuned": w4a16_gemv.USE_PLANS, "w4_sum_chunk": w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"]}
 
 
 def variant_knobs(name: str, baseline: dict) -> dict:
@@ -186,6 +191,7 @@ def set_knobs(k: dict) -> None:
     moe_decode_triton.USE_TUNED = k["moe_decode_tuned"]
     fp8_gemv.ONE_ROW, fusion.FUSE_QUANTIZED_ONE_ROW = k["fp8_one_row"], k["fuse_quantized"]
     fp8_gemv.USE_PLANS, w4a16_gemv.USE_PLANS = k["fp8_tuned"], k["w4_tuned"]
+    w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"] = k["w4_sum_chunk"]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:

@@ -43,9 +43,12 @@ EXPECTED = {
     "moe_fused_glue_on_apart": {"DECODE_FUSED": True, "FUSED_GLUE": True, "SHARED_IN_DOWN": False},
     "moe_tuned": {"USE_TUNED": True},
     "moe_untuned": {"USE_TUNED": False},
-    "q_old": {"ONE_ROW": "legacy", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": False, "W4_PLANS": False},
-    "q_new": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": True, "FP8_PLANS": True, "W4_PLANS": True},
-    "q_unfused": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": True, "W4_PLANS": True},
+    "q_old": {"ONE_ROW": "legacy", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": False, "W4_PLANS": False,
+              "sum_chunk": 8},
+    "q_new": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": True, "FP8_PLANS": True, "W4_PLANS": True,
+              "sum_chunk": 16},
+    "q_unfused": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": True, "W4_PLANS": True,
+                  "sum_chunk": 16},
 }
 
 
@@ -56,7 +59,7 @@ def state() -> dict:
          "DECODE_FUSED": moe.DECODE_FUSED, "SHARED_IN_DOWN": moe.SHARED_IN_DOWN,
          "USE_TUNED": moe_decode_triton.USE_TUNED, "ONE_ROW": fp8_gemv.ONE_ROW,
          "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
-         "W4_PLANS": w4a16_gemv.USE_PLANS,
+         "W4_PLANS": w4a16_gemv.USE_PLANS, "w4": dict(w4a16_gemv.GEMV1_DEFAULTS),
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -64,7 +67,8 @@ def state() -> dict:
 
 def with_changes(base: dict, changes: dict) -> dict:
     """`base` (a `state()`) with a variant's EXPECTED changes applied."""
-    s = {**base, "rope": dict(base["rope"]), "attn": dict(base["attn"]), "tuning": dict(base["tuning"])}
+    s = {**base, "rope": dict(base["rope"]), "attn": dict(base["attn"]), "tuning": dict(base["tuning"]),
+         "w4": dict(base["w4"])}
     for k, v in changes.items():
         if k == "fused_merge":
             s["rope"][k] = s["attn"][k] = v
@@ -72,6 +76,8 @@ def with_changes(base: dict, changes: dict) -> dict:
             s["rope"][k] = v
         elif k in s["tuning"]:
             s["tuning"][k] = v
+        elif k in s["w4"]:
+            s["w4"][k] = v
         else:
             s[k] = v
     return s
@@ -88,6 +94,7 @@ def isolated(monkeypatch):
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))
     monkeypatch.setattr(gdn_decode, "TUNING", dict(gdn_decode.TUNING))
+    monkeypatch.setattr(w4a16_gemv, "GEMV1_DEFAULTS", dict(w4a16_gemv.GEMV1_DEFAULTS))
 
 
 def test_the_variants_are_those_the_two_flags_accepted_less_the_two_duplicates():
