@@ -26,6 +26,7 @@ Usage: python benchmarks/qgemv_sweep.py [--out FILE] [--budget-s 40]
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -163,8 +164,26 @@ def main() -> None:
         share = (a.budget_s - (time.monotonic() - t0)) / (len(NAMES) - i)
         res["shapes"][name] = sweep_shape(name, n, k, time.monotonic() + share)
         torch.cuda.empty_cache()  # the shape's weights are gone
-    rows = [res["shapes"][nm] for nm in NAMES]
+        summarize(res, t0)
+        if a.out:  # after each shape: a run cut short by its time limit keeps the plans so far
+            _write(res, a.out)
+    print("layer_us", res["layer_us"], "plans", res["plans"], flush=True)
+    emit_json(res, a.out)
+
+
+def _write(res: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+def summarize(res: dict, t0: float) -> None:
+    """res["plans"] (the best plan of each shape swept so far), res["layer_us"] (one layer's
+    four products summed, once all four are there) and res["seconds"]."""
+    rows = [res["shapes"][nm] for nm in NAMES if nm in res["shapes"]]
     plans = {f"{r['n']}x{r['k']}": r["best_plan"] for r in rows if "best_plan" in r}
+    res.update(plans=plans, layer_us={}, seconds=round(time.monotonic() - t0, 1))
+    if len(rows) < len(NAMES):
+        return
     layer: dict = {"bf16_us": round(sum(r["bf16_us"] for r in rows), 2),
                    "legacy_us": round(sum(r["variants"]["legacy"]["us"] for r in rows), 2)}
     if all(isinstance(r["variants"].get("default"), dict) for r in rows):
@@ -174,9 +193,7 @@ def main() -> None:
     for key in ("legacy_us", "default_us", "best_us"):
         if key in layer:
             layer[key.replace("_us", "_over_bf16")] = round(layer[key] / layer["bf16_us"], 3)
-    res.update(plans=plans, layer_us=layer, seconds=round(time.monotonic() - t0, 1))
-    print("layer_us", layer, "plans", plans, flush=True)
-    emit_json(res, a.out)
+    res["layer_us"] = layer
 
 
 if __name__ == "__main__":

@@ -12,15 +12,24 @@ The weight is passed as its bytes (uint8) and bitcast to e4m3 after the load, so
 masked lanes load integer zeros (+0.0) with no fp8 constant to convert.
 
 Structure, as the bf16 kernels they follow:
-- one row (`_fp8_gemv_kernel`, `kernels.gemv`'s layout): program (n, s) loads its whole
-  [BLOCK_N, BLOCK_K] tile of q at once (no K loop; BLOCK_K = next power of two of the split's
-  columns), multiplies by x in fp32 and sums along K. The plan (`fp8_gemv_plan`) is
-  `kernels.gemv.heuristic_plan`: at most tile_elems q elements a program, K split in
-  ranges of at most max_block_k, row tiles halved until programs_per_sm programs per SM.
+- one row (ONE_ROW "gemv", `fp8_gemv_fused`): `kernels.gemv`'s own kernel on the e4m3 bytes,
+  so the FP8 product has what the bf16 one has: programmatic dependent launch with the q
+  tile loaded before the wait (the weight stream overlaps the kernel before), K splits
+  summed inside the kernel by the last program of a row tile (no second launch), and the
+  fused layer path's RMSNorm / SiLU-and-mul prologue and residual epilogue
+  (`services.worker.fusion`); the row scale multiplies the fp32 sum before the bias. Program
+  (n, s) loads its whole [BLOCK_N, BLOCK_K] tile of q at once (no K loop; BLOCK_K = next
+  power of two of the split's columns), multiplies by x in fp32 and sums along K. The plan
+  (`fp8_gemv_plan`) is PLANS[(N, K)] (benchmarks/qgemv_sweep.py) or
+  `kernels.gemv.heuristic_plan`: at most tile_elems q elements a program, K split in ranges
+  of at most max_block_k, row tiles halved until programs_per_sm programs per SM.
+  ONE_ROW "legacy" (`_fp8_gemv_kernel`, the same layout without PDL, fused steps or the
+  in-kernel sum) is kept for the A/B and as the fallback inside CUDA-graph capture when the
+  split counters are not allocated yet.
 - 2..64 rows (`_fp8_skinny_kernel`, `kernels.linear`'s skinny layout): x padded to 16 rows
   for `tl.dot`, a program owns BLOCK_N output columns and walks its K range in BLOCK_K tiles;
   K split until the grid has programs_per_sm programs per SM (at most 8 splits).
-- with a K split both store fp32 partials [SPLIT, M, N] and a second kernel
+- with a K split the legacy one-row and the skinny kernel store fp32 partials [SPLIT, M, N] and a second kernel
   (`_fp8_split_sum_kernel`) sums them in split order (deterministic), then scales, adds
   the bias and rounds once. No counters, no atomics: safe in CUDA-graph capture.
 Rounding: y = round(acc * scale + bias) in fp32, one rounding to x's dtype; the reference
@@ -34,7 +43,8 @@ rounding tie may land one e4m3 step from `quantize_fp8_rows`' (the GPU tests all
 Under the Triton interpreter (triton 3.9 CPU) the fp32 -> e4m3 cast rounds wrongly at
 binade edges (31.7 -> 16.0), so this kernel is checked on the GPU only; fp8 loads and the
 e4m3 -> fp32 conversion are exact there, and the matmul kernels are checked under it.
-Not measured yet (no GPU run at the time of writing).
+Measured (the legacy one-row kernel, unfused layers): docs/ARCHITECTURE.md §6.4; the gemv-based
+one-row path is not measured yet (scripts/gpu_qgemv.sh).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ reduction here, so a normalised value may round to its neighbour against kernels
 The fused decoder layer at batch 1 (`services.worker.fusion`) is then 4 of these launches
 and the attention, where the unfused layer adds two norm kernels.
 
+FP8 weights (`scale` given: e4m3 bytes, bitcast after the load, fp32 row scales applied to the
+sum before the bias) run the same kernel: `kernels.fp8_gemv.fp8_gemv_fused`, with its own plans.
+
 `gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)
 (benchmarks/gemv_sweep.py measures them on a GPU), and `TUNING` the heuristic's knobs.
 Measured on the H200 (gemv_sweep.py, Qwen3-0.6B, 28 distinct weights per shape in one CUDA

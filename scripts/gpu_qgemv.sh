@@ -22,17 +22,17 @@
 set -u
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
-run tests_fp8_gpu 55 python3 -m pytest -q tests/gpu/test_fp8_linear_gpu.py -p no:cacheprovider \
+run tests_fp8_gpu 50 python3 -m pytest -q tests/gpu/test_fp8_linear_gpu.py -p no:cacheprovider \
   --junitxml "$OUT/tests_fp8_gpu.xml"
-run tests_w4a16_gpu 45 python3 -m pytest -q tests/gpu/test_w4a16_gpu.py -p no:cacheprovider \
+run tests_w4a16_gpu 60 python3 -m pytest -q tests/gpu/test_w4a16_gpu.py -p no:cacheprovider \
   --junitxml "$OUT/tests_w4a16_gpu.xml"
-run qgemv_sweep 45 python3 benchmarks/qgemv_sweep.py --budget-s 30 --out "$OUT/qgemv_sweep.json"
-run w4a16_sweep_m1 40 python3 benchmarks/w4a16_sweep.py --ms 1 --budget-s 25 --out "$OUT/w4a16_sweep_m1.json"
+run qgemv_sweep 40 python3 benchmarks/qgemv_sweep.py --budget-s 25 --out "$OUT/qgemv_sweep.json"
+run w4a16_sweep_m1 35 python3 benchmarks/w4a16_sweep.py --ms 1 --budget-s 20 --out "$OUT/w4a16_sweep_m1.json"
 DL="python3 benchmarks/decode_latency.py --config llama-3.1-8b --steps 48"
-run decode_llama_bf16 40 $DL --out "$OUT/decode_llama_bf16.json"
+run decode_llama_bf16 45 $DL --out "$OUT/decode_llama_bf16.json"
 FP8_PLANS=(); [ -f "$OUT/qgemv_sweep.json" ] && FP8_PLANS=(--fp8-plans "$OUT/qgemv_sweep.json")
 W4_PLANS=(); [ -f "$OUT/w4a16_sweep_m1.json" ] && W4_PLANS=(--w4-plans "$OUT/w4a16_sweep_m1.json")
-run decode_llama_fp8_ab 70 $DL --quantization fp8 "${FP8_PLANS[@]}" --ab q_old q_unfused q_new --ab-rounds 2 --out "$OUT/decode_llama_fp8_ab.json"
+run decode_llama_fp8_ab 65 $DL --quantization fp8 "${FP8_PLANS[@]}" --ab q_old q_unfused q_new --ab-rounds 2 --out "$OUT/decode_llama_fp8_ab.json"
 run decode_llama_awq_ab 55 $DL --quantization awq "${W4_PLANS[@]}" --ab q_old q_new --ab-rounds 2 --out "$OUT/decode_llama_awq_ab.json"
 python3 - "$OUT" <<'PY' | tee "$OUT/qgemv_summary.json"
 import json, os, sys
