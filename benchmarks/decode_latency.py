@@ -20,7 +20,7 @@ rewrites its KV.
 --pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
 --fused-layers off keeps the norms as their own kernels at one row;
 --gemv-plans takes the plans gemv_sweep.py found (--w4-plans those of w4a16_sweep.py, for the
-W4A16 decode kernels); --rope-decode off runs the rotary kernel
+W4A16 decode kernels; --fp8-plans those of qgemv_sweep.py, for the FP8 one-row kernel); --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
 --ab A B ... [--ab-rounds 2] and --variants A B ... time graphs TPOT only, in one process
 and one model load, the decode graphs captured again for each variant
@@ -54,6 +54,10 @@ kernels.moe.DECODE_FUSED on, its default, the shared expert is added in the MoE 
 and "moe_fused_glue_on_apart" (glue on, its combine as its own kernel, kernels.moe.SHARED_IN_DOWN
 off). (The former "moe_fused_glue_off" / "moe_fused_glue_on" were glue_off / glue_on with
 DECODE_FUSED forced on; since it is on by default they are gone.)
+The quantized decode products (scripts/gpu_qgemv.sh, with --quantization fp8 / awq): q_old (the
+FP8 legacy one-row kernel, unfused layers, heuristic plans, the W4A16 one-row split sum 8
+partials a load), q_unfused (the FP8 one-row product on kernels.gemv's kernel, the sweeps'
+plans, 16 partials a load) and q_new (q_unfused with FP8 layers on the fused layer path).
 --stack off builds a hybrid with its projections apart (qwen3_next.STACK_PROJECTIONS: the
 layout is fixed at load, so that A/B is two runs; the JSON's "stacked_projections" says which).
 --variants and --ab are exclusive.
@@ -65,7 +69,7 @@ loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A1
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
-       [--w4-plans FILE]
+       [--w4-plans FILE] [--fp8-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
        [--ab old new ...] [--ab-rounds 2] [--variants gathered in_place gathered in_place] [--stack on|off]
 """
