@@ -266,15 +266,19 @@ def decode_steps(runner, prompt, table, steps, replay_table) -> tuple[list[float
 def time_variant(runner, knobs: dict, prompt, table, replay_table, steps: int, roof: float) -> dict:
     """Set `knobs` (`set_knobs`), capture the decode graphs again (the old ones and their pool
     freed first), warm up 8 steps and time `steps`. Returns capture_s, tpot_ms and
-    gpu_forward_ms (medians, ms), fraction_of_roofline and gpu_fraction_of_roofline."""
+    gpu_forward_ms (medians, ms), fraction_of_roofline, gpu_fraction_of_roofline and fused_one_row
+    (whether the recaptured batch-1 graph took the fused layer path; None for a runner without
+    a plan)."""
     set_knobs(knobs)
     torch.cuda.synchronize()
     cap = runner.recapture_graphs()
+    plan = getattr(runner, "fusion", None)
     decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
     walls, gpus = decode_steps(runner, prompt, table, steps, replay_table)
     tpot, gpu = statistics.median(walls), statistics.median(gpus)
     return {"capture_s": round(cap, 3), "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
-            "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)}
+            "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3),
+            "fused_one_row": None if plan is None else bool(plan.fused(1))}
 
 
 def run_variants(runner, names, baseline: dict, prompt, table, replay_table, steps, roof) -> list[dict]:

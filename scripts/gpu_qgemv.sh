@@ -54,6 +54,7 @@ for q, target in (("fp8", 0.6), ("awq", 0.4)):
     row = {"target_over_bf16": target, "roofline_ms": ab.get("roofline_ms"), "plans": ab.get(f"{'fp8' if q == 'fp8' else 'w4'}_plans")}
     for v, m in ab["ab_median"].items():
         row[v] = {**m, **({"over_bf16": round(m["tpot_ms"] / bf_ms, 3)} if bf_ms else {})}
+    row["fused_one_row"] = {r["variant"]: r.get("fused_one_row") for r in ab["ab"]}
     row["argmax_same"] = all(r.get("check_argmax_same", True) for r in ab["ab"])
     row["max_logits_rel_vs_first"] = max((r.get("check_logits_rel_vs_first", 0.0) for r in ab["ab"]), default=None)
     out[q] = row

@@ -164,7 +164,8 @@ def test_ab_rounds_keep_their_fields_and_capture_each_variants_switches(stub_gpu
                                   "pps1": {"moe_decode_fused": True, "fused_merge": False, "programs_per_sm": 1}}
     assert [(r["round"], r["variant"]) for r in res["ab"]] == [(0, "old"), (0, "pps1"), (1, "old"), (1, "pps1")]
     assert all(set(r) == {"round", "variant", "capture_s", "tpot_ms", "gpu_forward_ms", "fraction_of_roofline",
-                          "gpu_fraction_of_roofline"} for r in res["ab"])
+                          "gpu_fraction_of_roofline", "fused_one_row"} for r in res["ab"])
+    assert all(r["fused_one_row"] is None for r in res["ab"])  # the stub has no fusion plan
     assert res["ab_median"]["pps1"] == {"tpot_ms": 2.0, "gpu_forward_ms": 1.0, "fraction_of_roofline": 0.5}
     assert json.loads((tmp_path / "ab.json").read_text()) == res
 
