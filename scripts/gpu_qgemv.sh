@@ -18,22 +18,25 @@
 #   qgemv_summary.json           each variant's TPOT over bf16's against the targets, the sweeps'
 #                                layer sums and plans
 #   bench.log                    every step's exit code, time and output tail
-# Run from the repo root:  bash scripts/gpu_qgemv.sh      (~4-5 min; the limits sum to 350 s)
+# Run from the repo root:  bash scripts/gpu_qgemv.sh      (the limits sum to 345 s)
+# Limits (seconds, environment): FP8_TEST_TIMEOUT 70, W4_TEST_TIMEOUT 55, SWEEP_TIMEOUT 35 / 30
+# (SWEEP_BUDGET 20 / 15: the sweeps stop adding variants then), DECODE_TIMEOUT 45 (bf16),
+# AB_TIMEOUT 60 / 50 (fp8 / awq; the A/B JSON is written after every round).
 set -u
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt
-run tests_fp8_gpu 50 python3 -m pytest -q tests/gpu/test_fp8_linear_gpu.py -p no:cacheprovider \
+run tests_fp8_gpu "${FP8_TEST_TIMEOUT:-70}" python3 -m pytest -q tests/gpu/test_fp8_linear_gpu.py -p no:cacheprovider \
   --junitxml "$OUT/tests_fp8_gpu.xml"
-run tests_w4a16_gpu 60 python3 -m pytest -q tests/gpu/test_w4a16_gpu.py -p no:cacheprovider \
+run tests_w4a16_gpu "${W4_TEST_TIMEOUT:-55}" python3 -m pytest -q tests/gpu/test_w4a16_gpu.py -p no:cacheprovider \
   --junitxml "$OUT/tests_w4a16_gpu.xml"
-run qgemv_sweep 40 python3 benchmarks/qgemv_sweep.py --budget-s 25 --out "$OUT/qgemv_sweep.json"
-run w4a16_sweep_m1 35 python3 benchmarks/w4a16_sweep.py --ms 1 --budget-s 20 --out "$OUT/w4a16_sweep_m1.json"
+run qgemv_sweep "${SWEEP_TIMEOUT:-35}" python3 benchmarks/qgemv_sweep.py --budget-s "${SWEEP_BUDGET:-20}" --out "$OUT/qgemv_sweep.json"
+run w4a16_sweep_m1 "${SWEEP_TIMEOUT:-30}" python3 benchmarks/w4a16_sweep.py --ms 1 --budget-s "${SWEEP_BUDGET:-15}" --out "$OUT/w4a16_sweep_m1.json"
 DL="python3 benchmarks/decode_latency.py --config llama-3.1-8b --steps 48"
-run decode_llama_bf16 45 $DL --out "$OUT/decode_llama_bf16.json"
+run decode_llama_bf16 "${DECODE_TIMEOUT:-45}" $DL --out "$OUT/decode_llama_bf16.json"
 FP8_PLANS=(); [ -f "$OUT/qgemv_sweep.json" ] && FP8_PLANS=(--fp8-plans "$OUT/qgemv_sweep.json")
 W4_PLANS=(); [ -f "$OUT/w4a16_sweep_m1.json" ] && W4_PLANS=(--w4-plans "$OUT/w4a16_sweep_m1.json")
-run decode_llama_fp8_ab 65 $DL --quantization fp8 "${FP8_PLANS[@]}" --ab q_old q_unfused q_new --ab-rounds 2 --out "$OUT/decode_llama_fp8_ab.json"
-run decode_llama_awq_ab 55 $DL --quantization awq "${W4_PLANS[@]}" --ab q_old q_new --ab-rounds 2 --out "$OUT/decode_llama_awq_ab.json"
+run decode_llama_fp8_ab "${AB_TIMEOUT:-60}" $DL --quantization fp8 "${FP8_PLANS[@]}" --ab q_old q_unfused q_new --ab-rounds 2 --out "$OUT/decode_llama_fp8_ab.json"
+run decode_llama_awq_ab "${AB_TIMEOUT:-50}" $DL --quantization awq "${W4_PLANS[@]}" --ab q_old q_new --ab-rounds 2 --out "$OUT/decode_llama_awq_ab.json"
 python3 - "$OUT" <<'PY' | tee "$OUT/qgemv_summary.json"
 import json, os, sys
 d = sys.argv[1]

@@ -159,7 +159,8 @@ def test_both_paths_replay_in_a_cuda_graph(m):
 
 # one row on kernels.gemv's kernel with e4m3 weights (fp8_gemv_fused): Llama-3.1-8B's
 # products (qkv, o, gate_up, down) and awkward ones, each fused step
-FUSED_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1031, 1000), (48, 80)]
+# (qkv, down and a padded shape: each shape and step compiles its own specialization)
+FUSED_SHAPES = [(6144, 4096), (4096, 14336), (1031, 1000)]
 
 
 @pytest.mark.parametrize("n,k", FUSED_SHAPES)
@@ -171,23 +172,22 @@ def test_fused_one_row_matches_reference(n, k, record_property):
     nw = (torch.rand(k, device="cuda") + 0.5).bfloat16()
     b = torch.randn(n, device="cuda").bfloat16()
     r = torch.randn(1, n, device="cuda").bfloat16()
-    for tag, fused, xi in (("plain", {}, x), ("norm", {"norm_weight": nw, "eps": 1e-5}, x),
-                           ("silu_res", {"silu_mul": True, "residual": r}, x2), ("norm_res", {"norm_weight": nw,
-                                                                                            "residual": r}, x)):
-        for bias in (None, b):
-            y = fp8_gemv.fp8_gemv_fused(xi, fw.qweight, fw.scale, bias, n=n, **fused)
-            assert y is not None and y.shape == (1, n) and y.dtype == torch.bfloat16
-            ref = F.fp8_linear_fused_ref(xi.double(), q, s, None if bias is None else bias.double(),
-                                         **{kk: (v.double() if isinstance(v, torch.Tensor) else v)
-                                            for kk, v in fused.items()})
-            err = rel(y, ref)
-            record_property(f"fused_{tag}_{n}x{k}_{'bias' if bias is not None else 'nobias'}", err)
-            assert err < TOL, (tag, err)
+    for tag, fused, xi, bias in (("plain", {}, x, b), ("norm", {"norm_weight": nw, "eps": 1e-5}, x, None),
+                                 ("silu_res", {"silu_mul": True, "residual": r}, x2, None),
+                                 ("norm_res", {"norm_weight": nw, "residual": r}, x, b)):
+        y = fp8_gemv.fp8_gemv_fused(xi, fw.qweight, fw.scale, bias, n=n, **fused)
+        assert y is not None and y.shape == (1, n) and y.dtype == torch.bfloat16
+        ref = F.fp8_linear_fused_ref(xi.double(), q, s, None if bias is None else bias.double(),
+                                     **{kk: (v.double() if isinstance(v, torch.Tensor) else v)
+                                        for kk, v in fused.items()})
+        err = rel(y, ref)
+        record_property(f"fused_{tag}_{n}x{k}_{'bias' if bias is not None else 'nobias'}", err)
+        assert err < TOL, (tag, err)
     # the new kernel and the legacy one on the same plain product (fp32 sums in another order)
     a = fp8_gemv.fp8_gemv_triton(x, fw.qweight, fw.scale, b, n=n, one_row="gemv")
     c = fp8_gemv.fp8_gemv_triton(x, fw.qweight, fw.scale, b, n=n, one_row="legacy")
     assert rel(a, c) < 1e-2
-    for split in (1, 3, 8):  # forced splits, the in-kernel counter sum
+    for split in (1, 3):  # forced splits, the in-kernel counter sum
         assert rel(fp8_gemv.fp8_gemv_fused(x, fw.qweight, fw.scale, None, n=n, split=split),
                    F.fp8_linear_ref(x.double(), q, s)) < TOL
 
