@@ -14,7 +14,7 @@ median replay time / L (`kernel_sweep.graph_time`; with PDL, as the decode graph
   down: the SiLU-and-mul prologue and the residual), and "default_plain" without them;
 - each plan (block_n, split, num_warps) around the heuristic's, with the same fused steps.
 Per variant: us, GB/s (the fp8 bytes and scales a launch must read, over time), fp8 / bf16
-and the relative error against `fp8_linear_fused_ref` on one weight (over 2e-2, or failing:
+and the relative error against `fp8_linear_fused_ref` on one weight (over MAX_ERR, or failing:
 reported, not picked). The fastest plan per shape goes to "plans" ({"NxK": [block_n, split,
 num_warps]}, for `decode_latency.py --fp8-plans` and kernels.fp8_gemv.PLANS); "layer_us" sums
 one decoder layer's four products (bf16, legacy, default, best). Stops adding plans when
@@ -47,7 +47,7 @@ DT = torch.bfloat16
 DEV = torch.device("cuda")
 NAMES = ("qkv", "o", "gate_up", "down")
 SET_BYTES = 160 << 20  # each weight set at least this large (2.5x the L2)
-MAX_ERR = 2e-2
+MAX_ERR = 5e-2  # bf16 outputs against a bf16 reference: ~1e-2 at small sizes; a broken plan is ~1
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
