@@ -20,7 +20,7 @@ rewrites its KV.
 --pdl off / --gemv off measure without programmatic dependent launch / the one-row kernel;
 --fused-layers off keeps the norms as their own kernels at one row;
 --gemv-plans takes the plans gemv_sweep.py found (--w4-plans those of w4a16_sweep.py, for the
-W4A16 decode kernels); --rope-decode off runs the rotary kernel
+W4A16 decode kernels; --fp8-plans those of qgemv_sweep.py, for the FP8 one-row kernel); --rope-decode off runs the rotary kernel
 and attention apart; --attn overrides the attention kernel's launch defaults.
 --ab A B ... [--ab-rounds 2] and --variants A B ... time graphs TPOT only, in one process
 and one model load, the decode graphs captured again for each variant
@@ -54,6 +54,10 @@ kernels.moe.DECODE_FUSED on, its default, the shared expert is added in the MoE 
 and "moe_fused_glue_on_apart" (glue on, its combine as its own kernel, kernels.moe.SHARED_IN_DOWN
 off). (The former "moe_fused_glue_off" / "moe_fused_glue_on" were glue_off / glue_on with
 DECODE_FUSED forced on; since it is on by default they are gone.)
+The quantized decode products (scripts/gpu_qgemv.sh, with --quantization fp8 / awq): q_old (the
+FP8 legacy one-row kernel, unfused layers, heuristic plans, the W4A16 one-row split sum 8
+partials a load), q_unfused (the FP8 one-row product on kernels.gemv's kernel, the sweeps'
+plans, 16 partials a load) and q_new (q_unfused with FP8 layers on the fused layer path).
 --stack off builds a hybrid with its projections apart (qwen3_next.STACK_PROJECTIONS: the
 layout is fixed at load, so that A/B is two runs; the JSON's "stacked_projections" says which).
 --variants and --ab are exclusive.
@@ -65,7 +69,7 @@ loader fills quantized parameters; kernels/w4a16_linear.py), batch 1 on the W4A1
 
 Usage: python benchmarks/decode_latency.py [--config qwen3-0.6b] [--context 1024] [--steps 128] [--out FILE]
        [--gpu-memory-utilization 0.3] [--pdl on|off] [--gemv on|off] [--fused-layers on|off] [--gemv-plans FILE]
-       [--w4-plans FILE]
+       [--w4-plans FILE] [--fp8-plans FILE]
        [--rope-decode on|off] [--attn JSON] [--quantization none|fp8|awq|gptq] [--moe-launches one|torch]
        [--ab old new ...] [--ab-rounds 2] [--variants gathered in_place gathered in_place] [--stack on|off]
 """
@@ -85,7 +89,8 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
-from kernels import gdn_decode, gemv, linear, moe, moe_decode_triton, norm, pdl, rope_decode, w4a16_gemv  # noqa: E402
+from kernels import fp8_gemv, gdn_decode, gemv, linear, moe, moe_decode_triton, norm, pdl, rope_decode  # noqa: E402
+from kernels import w4a16_gemv  # noqa: E402
 from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
@@ -107,10 +112,16 @@ GREEDY = SamplingParams(temperature=0.0)
 # decode kernels' in-kernel merge: rope_decode.ROPE_DECODE_DEFAULTS' and
 # attention_triton.DECODE_DEFAULTS'; read from the one in use), programs_per_sm (the rotary
 # decode kernel's) and moe_decode_tuned (kernels.moe_decode_triton.USE_TUNED: the MoE decode
-# path's swept gate_up configs and down plans, off: the untuned defaults).
+# path's swept gate_up configs and down plans, off: the untuned defaults); the quantized
+# decode products: fp8_one_row (kernels.fp8_gemv.ONE_ROW), fuse_quantized
+# (services.worker.fusion.FUSE_QUANTIZED_ONE_ROW: FP8 layers on the fused path at one row;
+# the runner chooses its FusionPlan again at each recapture), fp8_tuned / w4_tuned
+# (fp8_gemv.USE_PLANS / w4a16_gemv.USE_PLANS: the plans of --fp8-plans / --w4-plans, off:
+# the heuristics), w4_sum_chunk (w4a16_gemv.GEMV1_DEFAULTS' sum_chunk: the K-split partials
+# the one-row kernel's summing program loads at a time; 8 before 2026-12-03).
 KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
               "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm",
-              "moe_decode_tuned")
+              "moe_decode_tuned", "fp8_one_row", "fuse_quantized", "fp8_tuned", "w4_tuned", "w4_sum_chunk")
 VARIANTS: dict[str, dict] = {
     # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
     # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
@@ -131,7 +142,18 @@ VARIANTS: dict[str, dict] = {
     "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
     "moe_fused_glue_on_apart": {"moe_decode_fused": True, "fused_glue": True, "shared_in_down": False},
     # the MoE decode path's swept launch choices (benchmarks/moe_decode_sweep.py) against the defaults
-    "moe_tuned": {"moe_decode_tuned": True}, "moe_untuned": {"moe_decode_tuned": False}}
+    "moe_tuned": {"moe_decode_tuned": True}, "moe_untuned": {"moe_decode_tuned": False},
+    # the quantized one-row products (scripts/gpu_qgemv.sh): q_old = the FP8 legacy kernel
+    # (no PDL, a second split-sum kernel), unfused layers, heuristic plans for FP8 and W4A16;
+    # q_new = FP8 on kernels.gemv's kernel with the fused layer path, and the swept plans
+    # (--fp8-plans / --w4-plans) for both, the one-row W4A16 split sum 16 partials a load (8
+# before); q_unfused = q_new's kernels and plans, layers unfused
+    "q_old": {"fp8_one_row": "legacy", "fuse_quantized": False, "fp8_tuned": False, "w4_tuned": False,
+              "w4_sum_chunk": 8},
+    "q_new": {"fp8_one_row": "gemv", "fuse_quantized": True, "fp8_tuned": True, "w4_tuned": True,
+              "w4_sum_chunk": 16},
+    "q_unfused": {"fp8_one_row": "gemv", "fuse_quantized": False, "fp8_tuned": True, "w4_tuned": True,
+                  "w4_sum_chunk": 16}}
 assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
@@ -149,7 +171,9 @@ def read_knobs() -> dict:
             "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
             "shared_in_down": moe.SHARED_IN_DOWN, "fused_merge": _merge_defaults()["fused_merge"],
             "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"],
-            "moe_decode_tuned": moe_decode_triton.USE_TUNED}
+            "moe_decode_tuned": moe_decode_triton.USE_TUNED, "fp8_one_row": fp8_gemv.ONE_ROW,
+            "fuse_quantized": fusion.FUSE_QUANTIZED_ONE_ROW, "fp8_tuned": fp8_gemv.USE_PLANS,
+            "w4_tuned": w4a16_gemv.USE_PLANS, "w4_sum_chunk": w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"]}
 
 
 def variant_knobs(name: str, baseline: dict) -> dict:
@@ -169,6 +193,9 @@ def set_knobs(k: dict) -> None:
     rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = k["fused_merge"]
     rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = k["programs_per_sm"]
     moe_decode_triton.USE_TUNED = k["moe_decode_tuned"]
+    fp8_gemv.ONE_ROW, fusion.FUSE_QUANTIZED_ONE_ROW = k["fp8_one_row"], k["fuse_quantized"]
+    fp8_gemv.USE_PLANS, w4a16_gemv.USE_PLANS = k["fp8_tuned"], k["w4_tuned"]
+    w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"] = k["w4_sum_chunk"]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -239,15 +266,19 @@ def decode_steps(runner, prompt, table, steps, replay_table) -> tuple[list[float
 def time_variant(runner, knobs: dict, prompt, table, replay_table, steps: int, roof: float) -> dict:
     """Set `knobs` (`set_knobs`), capture the decode graphs again (the old ones and their pool
     freed first), warm up 8 steps and time `steps`. Returns capture_s, tpot_ms and
-    gpu_forward_ms (medians, ms), fraction_of_roofline and gpu_fraction_of_roofline."""
+    gpu_forward_ms (medians, ms), fraction_of_roofline, gpu_fraction_of_roofline and fused_one_row
+    (whether the recaptured batch-1 graph took the fused layer path; None for a runner without
+    a plan)."""
     set_knobs(knobs)
     torch.cuda.synchronize()
     cap = runner.recapture_graphs()
+    plan = getattr(runner, "fusion", None)
     decode_steps(runner, prompt, table, 8, replay_table)  # warm-up
     walls, gpus = decode_steps(runner, prompt, table, steps, replay_table)
     tpot, gpu = statistics.median(walls), statistics.median(gpus)
     return {"capture_s": round(cap, 3), "tpot_ms": round(tpot * 1e3, 4), "gpu_forward_ms": round(gpu * 1e3, 4),
-            "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3)}
+            "fraction_of_roofline": round(roof / tpot, 3), "gpu_fraction_of_roofline": round(roof / gpu, 3),
+            "fused_one_row": None if plan is None else bool(plan.fused(1))}
 
 
 def run_variants(runner, names, baseline: dict, prompt, table, replay_table, steps, roof) -> list[dict]:
@@ -287,6 +318,9 @@ def main() -> None:
                     help="JSON {'NxK': [block_n, split, num_warps]} (gemv_sweep.py --plans-out)")
     ap.add_argument("--w4-plans", default=None,
                     help="JSON whose 'plans' are {'M,N,K': config} for kernels.w4a16_gemv.PLANS (w4a16_sweep.py --out)")
+    ap.add_argument("--fp8-plans", default=None,
+                    help="JSON whose 'plans' are {'NxK': [block_n, split, num_warps]} for kernels.fp8_gemv.PLANS "
+                         "(qgemv_sweep.py --out)")
     ap.add_argument("--fused-layers", choices=["on", "off"], default="on",
                     help="the fused decoder layer at one row (services.worker.fusion.FUSE_ONE_ROW: norms and residual "
                          "adds inside the gemv projections)")
@@ -325,6 +359,10 @@ def main() -> None:
         with open(a.gemv_plans) as fh:
             for key, plan in json.load(fh).items():
                 gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
+    if a.fp8_plans:
+        with open(a.fp8_plans) as fh:
+            for key, plan in json.load(fh)["plans"].items():
+                fp8_gemv.PLANS[tuple(int(v) for v in key.split("x"))] = tuple(plan)
     if a.w4_plans:
         with open(a.w4_plans) as fh:
             for key, cfg in json.load(fh)["plans"].items():
@@ -349,7 +387,9 @@ def main() -> None:
            "stacked_projections": bool(getattr(runner.model, "stacked", False)), "fused_glue": qwen3_next.FUSED_GLUE,
            "fused_merge": _merge_defaults()["fused_merge"],
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
-           "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()}}
+           "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()},
+           "fp8_plans": {f"{n}x{k}": p for (n, k), p in fp8_gemv.PLANS.items()},
+           "fused_one_row": runner.fusion.fused(1)}
     # roofline: params once (a MoE's experts at k / E, fp8 layers at their bytes) + KV of the
     # mean context (K and V, every attention layer) + a hybrid's recurrent state, read and
     # written per layer

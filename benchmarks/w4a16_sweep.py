@@ -3,14 +3,14 @@ config, for choosing the kernels' defaults (issue 17: Llama-3.1-8B batch-1 TPOT 
 weights <= 0.4x bf16).
 
 For each projection shape of Llama-3.1-8B (qkv 4096 -> 6144, o 4096 -> 4096, gate_up 4096 ->
-28672, down 14336 -> 4096) at M = 1, 4, 16 rows: L distinct weights (each set larger than
+28672, down 14336 -> 4096) at M = 1, 4, 16 rows (--ms: a subset, e.g. 1 for batch-1 decode): L distinct weights (each set larger than
 the H200's 60 MB L2, so they stream from HBM as in decode), launched back to back in one CUDA
 graph; time per launch = median replay time / L (`kernel_sweep.graph_time`) of
 - bf16: `kernels.linear.linear` (the model's dispatcher: `kernels.gemv` at one row, the
   skinny kernel or cuBLAS beyond), the baseline of the same run;
 - W4A16: `w4a16_gemv.w4_gemv_triton` with each launch variant (a config of
-  `w4a16_gemv.CONFIG_KEYS`: tiles, warps, pipeline stages, K split, split sum, PDL, the
-  dot kernel's dequantization), the
+  `w4a16_gemv.CONFIG_KEYS`: tiles, warps, pipeline stages, K split, split sum and its loads
+  at a time, PDL, the dot kernel's dequantization), the
   heuristic default ("default") first; random packed weights, group 128
   (`W4Weight.random`, as the decode benchmark's dummy awq weights).
 Per row: us, GB/s (the bytes a launch must read: packed values, scales and zeros for W4A16,
@@ -21,7 +21,7 @@ not picked). The best variant per (shape, M) goes to "plans" ({"M,N,K": config},
 decoder layer's four products at each M (bf16, W4A16 default, W4A16 best). Stops adding
 variants when --budget-s is spent (the JSON says which were skipped).
 
-Usage: python benchmarks/w4a16_sweep.py [--out FILE] [--quick] [--budget-s 100]
+Usage: python benchmarks/w4a16_sweep.py [--out FILE] [--quick] [--budget-s 100] [--ms 1,4,16]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ NAMES = ("qkv", "o", "gate_up", "down")
 SET_BYTES = 160 << 20  # each weight set at least this large (2.5x the L2)
 # one-row kernel: (block_n, block_k, num_warps, num_stages); the first is GEMV1_DEFAULTS'
 GEMV1_TILES = [(128, 64, 1, 3), (128, 128, 1, 3), (256, 64, 1, 3), (256, 32, 1, 3), (64, 128, 1, 3),
-               (128, 64, 1, 1), (512, 64, 4, 3)]
+               (128, 64, 1, 1), (512, 64, 4, 3), (256, 128, 2, 2), (128, 128, 1, 1), (64, 64, 1, 3)]
 # dot kernel (2..16 rows); the first is DOT_DEFAULTS'
 DOT_TILES = [(128, 128, 4, 2), (128, 64, 4, 1), (64, 128, 4, 2), (256, 64, 8, 2), (64, 64, 2, 2),
              (128, 128, 8, 3)]
@@ -70,8 +70,9 @@ def per_launch_us(fn, items: list) -> float:
 def variants(m: int, n: int, k: int, quick: bool) -> list[tuple[str, dict]]:
     """(name, config) launch variants of w4_gemv_triton for x [m, k], W [n, k]: the default
     first, then each tile config at the heuristic's split, half and twice it; for the
-    default tiles also the second-kernel split sum, no PDL and (2+ rows) the dot kernel's
-    fp32 dequantization instead of the 16-bit magic numbers."""
+    default tiles also the second-kernel split sum, no PDL, 8 and 32 partials summed at a time
+    (sum_chunk) and (2+ rows) the dot kernel's fp32 dequantization instead of the 16-bit
+    magic numbers."""
     out: list[tuple[str, dict]] = [("default", {})]
     tiles = GEMV1_TILES if m == 1 else DOT_TILES
     for i, (bn, bk, nw, ns) in enumerate(tiles[:2] if quick else tiles):
@@ -84,12 +85,14 @@ def variants(m: int, n: int, k: int, quick: bool) -> list[tuple[str, dict]]:
         if i == 0 and auto > 1:
             out.append((f"{tag}_sumkernel", {**base, "split": auto, "split_sum": "kernel"}))
             out.append((f"{tag}_nopdl", {**base, "split": auto, "pdl": False}))
+            for chunk in (8, 32):  # the summing program's partials loaded at a time (default 16 / 8)
+                out.append((f"{tag}_chunk{chunk}", {**base, "split": auto, "sum_chunk": chunk}))
         if i == 0 and m > 1:
             out.append((f"{tag}_fp32dequant", {**base, "split": auto, "magic16": False}))
     return out
 
 
-def sweep_shape(name: str, n: int, k: int, quick: bool, deadline: float) -> dict:
+def sweep_shape(name: str, n: int, k: int, quick: bool, deadline: float, ms: tuple[int, ...] = MS) -> dict:
     w4_bytes = n * k // 2 + (k // G) * n * 3  # packed values, fp16 scales, uint8 zeros
     bf_bytes = n * k * 2
     layers = max(2, math.ceil(SET_BYTES / w4_bytes))
@@ -99,7 +102,7 @@ def sweep_shape(name: str, n: int, k: int, quick: bool, deadline: float) -> dict
            for _ in range(min(layers, max(2, math.ceil(SET_BYTES / bf_bytes))))]
     res: dict = {"n": n, "k": k, "w4_layers": layers, "bf16_layers": len(bfs), "w4_bytes": w4_bytes,
                  "bf16_bytes": bf_bytes}
-    for m in MS:
+    for m in ms:
         x = torch.randn(m, k, device=DEV, dtype=DT)
         want = w4a16_linear_ref(x, w4s[0]).float()
         bf_us = per_launch_us(lambda w, x=x: linear.linear(x, w), bfs)
@@ -139,7 +142,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="two tile configs per kernel")
     ap.add_argument("--budget-s", type=float, default=100.0, help="stop adding variants after this many seconds")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows to sweep, comma-separated (1: decode batch 1)")
     a = ap.parse_args()
+    ms = tuple(int(v) for v in a.ms.split(","))
     t0 = time.monotonic()
     deadline = t0 + a.budget_s
     _, mats, _ = SHAPES["llama-3.1-8b"]
@@ -147,10 +152,10 @@ def main() -> None:
                  "triton": triton.__version__, "config": "llama-3.1-8b", "group_size": G,
                  "copy_bandwidth_TBps": round(copy_bandwidth() / 1e12, 3), "shapes": {}}
     for name, (n, k) in zip(NAMES, mats):
-        res["shapes"][name] = sweep_shape(name, n, k, a.quick, deadline)
+        res["shapes"][name] = sweep_shape(name, n, k, a.quick, deadline, ms)
         torch.cuda.empty_cache()  # the shape's weights are gone
     plans, layer = {}, {}
-    for m in MS:
+    for m in ms:
         rows = [res["shapes"][nm][f"m{m}"] for nm in NAMES]
         for nm, r in zip(NAMES, rows):
             if "best_config" in r:

@@ -12,15 +12,24 @@ The weight is passed as its bytes (uint8) and bitcast to e4m3 after the load, so
 masked lanes load integer zeros (+0.0) with no fp8 constant to convert.
 
 Structure, as the bf16 kernels they follow:
-- one row (`_fp8_gemv_kernel`, `kernels.gemv`'s layout): program (n, s) loads its whole
-  [BLOCK_N, BLOCK_K] tile of q at once (no K loop; BLOCK_K = next power of two of the split's
-  columns), multiplies by x in fp32 and sums along K. The plan (`fp8_gemv_plan`) is
-  `kernels.gemv.heuristic_plan`: at most tile_elems q elements a program, K split in
-  ranges of at most max_block_k, row tiles halved until programs_per_sm programs per SM.
+- one row (ONE_ROW "gemv", `fp8_gemv_fused`): `kernels.gemv`'s own kernel on the e4m3 bytes,
+  so the FP8 product has what the bf16 one has: programmatic dependent launch with the q
+  tile loaded before the wait (the weight stream overlaps the kernel before), K splits
+  summed inside the kernel by the last program of a row tile (no second launch), and the
+  fused layer path's RMSNorm / SiLU-and-mul prologue and residual epilogue
+  (`services.worker.fusion`); the row scale multiplies the fp32 sum before the bias. Program
+  (n, s) loads its whole [BLOCK_N, BLOCK_K] tile of q at once (no K loop; BLOCK_K = next
+  power of two of the split's columns), multiplies by x in fp32 and sums along K. The plan
+  (`fp8_gemv_plan`) is PLANS[(N, K)] (benchmarks/qgemv_sweep.py) or
+  `kernels.gemv.heuristic_plan`: at most tile_elems q elements a program, K split in ranges
+  of at most max_block_k, row tiles halved until programs_per_sm programs per SM.
+  ONE_ROW "legacy" (`_fp8_gemv_kernel`, the same layout without PDL, fused steps or the
+  in-kernel sum) is kept for the A/B and as the fallback inside CUDA-graph capture when the
+  split counters are not allocated yet.
 - 2..64 rows (`_fp8_skinny_kernel`, `kernels.linear`'s skinny layout): x padded to 16 rows
   for `tl.dot`, a program owns BLOCK_N output columns and walks its K range in BLOCK_K tiles;
   K split until the grid has programs_per_sm programs per SM (at most 8 splits).
-- with a K split both store fp32 partials [SPLIT, M, N] and a second kernel
+- with a K split the legacy one-row and the skinny kernel store fp32 partials [SPLIT, M, N] and a second kernel
   (`_fp8_split_sum_kernel`) sums them in split order (deterministic), then scales, adds
   the bias and rounds once. No counters, no atomics: safe in CUDA-graph capture.
 Rounding: y = round(acc * scale + bias) in fp32, one rounding to x's dtype; the reference
@@ -34,13 +43,15 @@ rounding tie may land one e4m3 step from `quantize_fp8_rows`' (the GPU tests all
 Under the Triton interpreter (triton 3.9 CPU) the fp32 -> e4m3 cast rounds wrongly at
 binade edges (31.7 -> 16.0), so this kernel is checked on the GPU only; fp8 loads and the
 e4m3 -> fp32 conversion are exact there, and the matmul kernels are checked under it.
-Not measured yet (no GPU run at the time of writing).
+Measured (the legacy one-row kernel, unfused layers): docs/ARCHITECTURE.md §6.4; the gemv-based
+one-row path is not measured yet (scripts/gpu_qgemv.sh).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import gemv
 from kernels.device_info import num_sms
 from kernels.gemv import heuristic_plan
 
@@ -49,6 +60,16 @@ from kernels.gemv import heuristic_plan
 # Twice kernels.gemv's elements on twice its warps: the same 16 KB of weight a program, and
 # the same fp32 values a thread, as the bf16 kernel (a guess, not measured yet)
 GEMV_TUNING: dict = {"tile_elems": 16384, "max_block_k": 8192, "programs_per_sm": 2, "num_warps": 8}
+# The one-row kernel: "gemv" = kernels.gemv's kernel on the e4m3 bytes (PDL with the weight load
+# before the wait, the in-kernel split-K sum, the fused RMSNorm / SiLU-and-mul prologue and
+# residual epilogue: `fp8_gemv_fused`); "legacy" = `_fp8_gemv_kernel` below (no PDL, a second
+# kernel for split sums, no fused steps). benchmarks/decode_latency.py's fp8_one_row knob A/Bs them.
+ONE_ROW = "gemv"
+ONE_ROW_KERNELS = ("gemv", "legacy")
+# (N, K) -> (block_n, split, num_warps) of the one-row kernel, from benchmarks/qgemv_sweep.py
+# (decode_latency.py --fp8-plans); USE_PLANS False takes the heuristic for every shape
+PLANS: dict[tuple[int, int], tuple[int, int, int]] = {}
+USE_PLANS = True
 # 2..64 rows (as kernels.linear.SKINNY_TUNING, K tile in fp8 elements)
 SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3}
 QUANT_BLOCK = 1024  # columns a step of the activation quantizer
@@ -61,6 +82,7 @@ except ImportError:  # CPU-only installs: kernels.fp8_linear keeps its torch pat
     triton = None
 
 fp8_gemv_triton = None  # set below when Triton imports
+fp8_gemv_fused = None
 quant_rows_triton = None
 
 
@@ -74,7 +96,10 @@ def _cdiv(a: int, b: int) -> int:
 
 def fp8_gemv_plan(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, SPLIT, num_warps) of the one-row kernel for q [n, k] (see the module
-    docstring): `kernels.gemv.heuristic_plan` with GEMV_TUNING."""
+    docstring): PLANS[(n, k)] when USE_PLANS and present, else `kernels.gemv.heuristic_plan`
+    with GEMV_TUNING."""
+    if USE_PLANS and (n, k) in PLANS:
+        return PLANS[(n, k)]
     return heuristic_plan(n, k, device, GEMV_TUNING)
 
 
@@ -198,14 +223,16 @@ if triton is not None:
     def fp8_gemv_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                         bias: torch.Tensor | None = None, *, n: int | None = None,
                         block_n: int | None = None, split: int | None = None,
-                        num_warps: int | None = None) -> torch.Tensor:
+                        num_warps: int | None = None, one_row: str | None = None) -> torch.Tensor:
         """y [M, n] = x @ (qweight[:n, :K] * scale[:n, None]).T (+ bias), in x's dtype.
 
         x: [M, K], 1 <= M <= 64, bf16/fp16 (fp32 works: tl.dot then runs in tf32), unit
         column stride (rows may be strided). qweight: float8_e4m3fn [N', K'] with K' >= K
         and unit stride along K (columns past K are not read). scale: fp32 [N'] (>= n).
         bias: [n] or None. n: output columns (default N'). M = 1 takes the one-row kernel,
-        2..64 the skinny one; block_n / split / num_warps override the one-row plan (tests).
+        2..64 the skinny one; block_n / split / num_warps override the one-row plan (tests);
+        one_row ("gemv" / "legacy") overrides ONE_ROW (the kernel at M = 1; "gemv" falls back
+        to "legacy" when its split counters cannot be had inside CUDA-graph capture).
         Raises ValueError for M outside 1..64, K' < K, strided K dimensions, a non-fp8
         weight or a scale shorter than n.
         """
@@ -224,6 +251,10 @@ if triton is not None:
             return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
         b = y if bias is None else bias
         qb = qweight.view(torch.uint8)  # loaded as bytes, bitcast to e4m3 in the kernels
+        if m == 1 and (one_row or ONE_ROW) == "gemv":
+            yg = fp8_gemv_fused(x, qweight, scale, bias, n=n, block_n=block_n, split=split, num_warps=num_warps)
+            if yg is not None:
+                return yg
         if m == 1:
             bn, sp, warps = fp8_gemv_plan(n, k, x.device)
             bn = block_n or bn
@@ -249,6 +280,29 @@ if triton is not None:
             _fp8_split_sum_kernel[(m, -(-n // blk))](ws, scale, b, y, m, n, y.stride(0), sp,
                                                      HAS_BIAS=bias is not None, BLOCK=blk)
         return y
+
+    def fp8_gemv_fused(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, n: int | None = None,
+                       norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                       residual: torch.Tensor | None = None, block_n: int | None = None,
+                       split: int | None = None, num_warps: int | None = None,
+                       pdl: bool | None = None) -> torch.Tensor | None:
+        """One row on `kernels.gemv`'s kernel with e4m3 weights: y [1, n] =
+        prologue(x) @ (qweight[:n, :K] * scale[:n, None]).T (+ bias) (+ residual), in x's dtype,
+        as `kernels.fp8_linear.fp8_linear_fused_ref` (prologue: the RMSNorm with norm_weight
+        [K], or the SiLU-and-mul of x [1, 2K] with silu_mul; not both; the residual [1, n]
+        added after the rounding, in fp32, rounded again).
+        x: [1, K] (or [1, 2K]) bf16 / fp16 (fp32 works), unit column stride; qweight
+        float8_e4m3fn [N', K'] (K' >= K, unit K stride), scale fp32 [N' >= n]. Plan:
+        `fp8_gemv_plan`, entries overridden by block_n / split / num_warps; pdl overrides
+        `kernels.pdl.use_pdl`. Returns None when the split counters cannot be had inside
+        CUDA-graph capture (the caller takes the legacy kernel and ops). Raises ValueError
+        as `kernels.gemv.gemv_triton`."""
+        rows = qweight.shape[0] if n is None else n
+        k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+        return gemv.gemv_triton(x, qweight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                                residual=residual, block_n=block_n, split=split, num_warps=num_warps, pdl=pdl,
+                                scale=scale, n=rows, plan=fp8_gemv_plan(rows, k, x.device))
 
     def quant_rows_triton(x: torch.Tensor, k_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row e4m3 quantization of x [M, K] (bf16/fp16/fp32, unit column stride):

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import fp8_gemv
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.norm import rms_norm, rms_norm_ref
 
 MODE = "off"  # "off" | "quantize" | "checkpoint" (module docstring)
 MODES = ("off", "quantize", "checkpoint")
@@ -84,6 +86,21 @@ def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def fp8_linear_fused_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                         *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The truth of the fused one-row product (`fp8_gemv.fp8_gemv_fused`), as
+    `kernels.linear_ref.linear_ref` with the W8A16 product: the prologue (rms_norm_ref(x,
+    norm_weight [K], eps), or silu_and_mul_ref of x [M, 2K]), `fp8_linear_ref`, then + residual
+    [M, N] (torch's add in x's dtype: fp32 math, rounded) -> [M, N] in x's dtype."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    if silu_mul:
+        x = silu_and_mul_ref(x)
+    y = fp8_linear_ref(x, q, scale, bias)
+    return y if residual is None else y + residual
 
 
 def fp8_linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -175,9 +192,17 @@ class Fp8Weight:
         """Bytes held (q and scales)."""
         return self.qweight.numel() + self.scale.numel() * 4
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in_features] -> [M, out_features] in x's dtype (`fp8_linear`)."""
-        return fp8_linear(x, self)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, **fused) -> torch.Tensor:
+        """x [M, in_features] ([M, 2 in_features] with silu_mul) -> [M, out_features] in x's
+        dtype (`fp8_linear`, its fused keywords norm_weight, eps, silu_mul, residual)."""
+        return fp8_linear(x, self, bias, **fused)
+
+    def fuses_one_row(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a one-row product on `device` in `dtype` runs its RMSNorm / SiLU-and-mul
+        prologue and residual epilogue inside the kernel (`fp8_gemv.fp8_gemv_fused`:
+        CUDA, bf16 / fp16, fp8_gemv.ONE_ROW "gemv", Triton), for `services.worker.fusion`."""
+        return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fp8_gemv.ONE_ROW == "gemv"
+                and fp8_gemv.fp8_gemv_fused is not None)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out_features, in_features] weight this one stands for."""
@@ -185,12 +210,33 @@ class Fp8Weight:
         return dequantize_fp8_rows(self.qweight[:n, :k], self.scale[:n])
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T (+ bias) for an `Fp8Weight` W: x [M, in_features] (bf16 on CUDA; any float
-    dtype on the CPU, where it is `fp8_linear_ref`), bias [out_features] or None ->
-    [M, out_features] in x's dtype. On CUDA: `fp8_gemv_triton` for 1..TRITON_MAX_ROWS rows,
-    else `scaled_mm_linear` (module docstring). Raises ValueError when x's width is not
-    in_features."""
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
+               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = prologue(x) @ W.T (+ bias) (+ residual) for an `Fp8Weight` W: x [M, in_features]
+    ([M, 2 in_features] with silu_mul; bf16 on CUDA; any float dtype on the CPU, where it is
+    `fp8_linear_ref`), bias [out_features] or None -> [M, out_features] in x's dtype. On
+    CUDA: `fp8_gemv_triton` for 1..TRITON_MAX_ROWS rows, else `scaled_mm_linear` (module
+    docstring). The fused steps (`kernels.linear.linear`'s: norm_weight / eps an RMSNorm of x,
+    silu_mul, residual [M, out_features] added to the output) run inside the one-row kernel
+    (`fp8_gemv.fp8_gemv_fused`) for one CUDA row with fp8_gemv.ONE_ROW "gemv", else as their
+    own ops around the product (`fp8_linear_fused_ref`'s order). The caller checks the fused
+    arguments (`kernels.linear._check_fused`). Raises ValueError when x's width is not
+    in_features (2 in_features with silu_mul)."""
+    if norm_weight is not None or silu_mul or residual is not None:
+        if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and fp8_gemv.ONE_ROW == "gemv"
+                and fp8_gemv.fp8_gemv_fused is not None and x.shape[1] == (2 if silu_mul else 1) * w.in_features):
+            y = fp8_gemv.fp8_gemv_fused(x if x.stride(1) == 1 else x.contiguous(), w.qweight, w.scale, bias,
+                                        n=w.out_features, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                                        residual=residual)
+            if y is not None:
+                return y
+        if norm_weight is not None:
+            x = rms_norm(x, norm_weight, eps)
+        if silu_mul:
+            x = silu_and_mul(x)
+        y = fp8_linear(x, w, bias)
+        return y if residual is None else y.add_(residual)
     n, k = w.out_features, w.in_features
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"fp8 linear: x {tuple(x.shape)} does not fit weight ({n}, {k})")

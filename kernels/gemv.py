@@ -27,6 +27,9 @@ reduction here, so a normalised value may round to its neighbour against kernels
 The fused decoder layer at batch 1 (`services.worker.fusion`) is then 4 of these launches
 and the attention, where the unfused layer adds two norm kernels.
 
+FP8 weights (`scale` given: e4m3 bytes, bitcast after the load, fp32 row scales applied to the
+sum before the bias) run the same kernel: `kernels.fp8_gemv.fp8_gemv_fused`, with its own plans.
+
 `gemv_plan` picks (BLOCK_N, SPLIT, num_warps); `PLANS` holds explicit plans per (N, K)
 (benchmarks/gemv_sweep.py measures them on a GPU), and `TUNING` the heuristic's knobs.
 Measured on the H200 (gemv_sweep.py, Qwen3-0.6B, 28 distinct weights per shape in one CUDA
@@ -91,13 +94,14 @@ if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, N, K, sw_n, k_per_split, eps,
-                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     SPLIT: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, N, K, sw_n, k_per_split,
+                     eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     SPLIT: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, ROW_K: tl.constexpr):
-        # x: [K] ([2K] = gate | up with SILU), W: [N, K] (row stride sw_n), y: [N]; ws: [SPLIT
-        # programs, N] fp32 partials and cnt: int32 per row tile (SPLIT only); nw: [K] norm
-        # weight (NORM); r: [N] residual (HAS_RES); ROW_K: K rounded up to a power of two (NORM)
+        # x: [K] ([2K] = gate | up with SILU), W: [N, K] (row stride sw_n; FP8: e4m3 bytes as
+        # uint8, s: [N] fp32 row scales), y: [N]; ws: [SPLIT programs, N] fp32 partials and cnt:
+        # int32 per row tile (SPLIT only); nw: [K] norm weight (NORM); r: [N] residual (HAS_RES);
+        # ROW_K: K rounded up to a power of two (NORM)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,8 +111,11 @@ if triton is not None:
         kmask = (kk < k_per_split) & (rk < K)
         # W and the norm weight are written by no kernel of a step: their loads may run
         # before the wait
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * sw_n + rk[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * sw_n + rk[None, :]
+        if FP8:  # bytes (masked lanes: integer 0 = +0.0), bitcast to e4m3
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+        else:
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
         pdl_wait(USE_PDL)
@@ -134,14 +141,18 @@ if triton is not None:
                 tot = tl.zeros([BLOCK_N], tl.float32)
                 for s in range(0, n_splits):  # split order: deterministic
                     tot += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
-                _store_y(tot, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS, HAS_RES)
+                _store_y(tot, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, FP8, HAS_BIAS, HAS_RES)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero for the next launch
         else:
-            _store_y(acc, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS, HAS_RES)
+            _store_y(acc, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, FP8, HAS_BIAS, HAS_RES)
 
     @triton.jit
-    def _store_y(acc, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
-        """y = round(acc + bias), then + residual in fp32 and rounded again (linear_ref's order)."""
+    def _store_y(acc, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_RES: tl.constexpr):
+        """y = round(acc (* row scale) + bias), then + residual in fp32 and rounded again
+        (linear_ref's order; the scale as fp8_linear_ref's dequantized weight)."""
+        if HAS_SCALE:
+            acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
         out = acc.to(y_ptr.dtype.element_ty)
@@ -154,33 +165,48 @@ if triton is not None:
                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
                     residual: torch.Tensor | None = None, block_n: int | None = None,
                     split: int | None = None, num_warps: int | None = None,
-                    pdl: bool | None = None) -> torch.Tensor | None:
+                    pdl: bool | None = None, scale: torch.Tensor | None = None, n: int | None = None,
+                    plan: tuple[int, int, int] | None = None) -> torch.Tensor | None:
         """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for one row:
         x [1, K] ([1, 2K] = cat(gate, up) with silu_mul; unit column stride), weight [N, K]
         (unit stride along K), bias [N] or None, norm_weight [K] or None (the RMSNorm of x,
         computed by every program over the whole row), residual [1, N] or None (added
         after the rounding, in fp32, rounded again); one half dtype (bf16/fp16; fp32 works
         too); norm_weight and silu_mul not both (`linear` checks the arguments).
+        FP8 weights (`kernels.fp8_gemv.fp8_gemv_fused`): scale fp32 [N'] given, weight
+        float8_e4m3fn [N', K'] with N' >= n (default N') and K' >= K (K from x's width;
+        columns past K and rows past n are not read); the product is then
+        `kernels.fp8_linear.fp8_linear_ref`'s, the row scale applied to the fp32 sum before
+        the bias.
         Returns y [1, N] in x's dtype, or None when the plan splits K and the split
         counters would have to be allocated inside CUDA-graph capture (the caller then uses
         another kernel).
-        block_n / split / num_warps override `gemv_plan` (the sweep benchmark); pdl
-        overrides `kernels.pdl.use_pdl`.
+        plan: (block_n, split, num_warps) in place of `gemv_plan`'s; block_n / split /
+        num_warps override single entries (the sweep benchmarks); pdl overrides
+        `kernels.pdl.use_pdl`.
         Raises ValueError for more than one row, x's width not K (2K with silu_mul) or a
         strided K dimension.
         """
-        n, k = weight.shape
+        rows, kw = weight.shape
+        if scale is None:
+            n, k = rows, kw
+        else:
+            k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
+            n = rows if n is None else n
         if (x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1
-                or weight.stride(1) != 1):
+                or weight.stride(1) != 1 or k > kw or n > rows
+                or (scale is not None and (weight.dtype != torch.float8_e4m3fn or scale.numel() < n))):
             raise ValueError(f"gemv: x {tuple(x.shape)} stride {tuple(x.stride())}, weight "
-                             f"{tuple(weight.shape)} stride {tuple(weight.stride())}: want one row of "
-                             f"{'2K' if silu_mul else 'K'} columns and unit stride along K")
+                             f"{tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())}, n={n}: want one "
+                             f"row of {'2K' if silu_mul else 'K'} columns, unit stride along K (fp8: K <= K', "
+                             "n <= N', an fp32 scale per row)")
         y = torch.empty((1, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
             # degenerate shapes: no kernel
-            return y.copy_(linear_ref(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+            w = weight if scale is None else (weight[:n, :k].float() * scale[:n, None]).to(x.dtype)
+            return y.copy_(linear_ref(x, w, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                                       residual=residual))
-        bn, sp, warps = gemv_plan(n, k, x.device)
+        bn, sp, warps = plan or gemv_plan(n, k, x.device)
         bn = block_n or bn
         k_per = -(-k // max(1, min(split or sp, k)))  # K columns per split program
         bk, sp = _pow2(k_per), -(-k // k_per)  # no empty trailing split
@@ -192,11 +218,12 @@ if triton is not None:
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
         pdl = use_pdl(x.device) if pdl is None else pdl
-        _gemv_kernel[(n_tiles, sp)](x, weight, y if bias is None else bias, y, ws, counters,
-                                    x if norm_weight is None else norm_weight,
+        w = weight if scale is None else weight.view(torch.uint8)  # fp8: bytes, bitcast in the kernel
+        _gemv_kernel[(n_tiles, sp)](x, w, y if scale is None else scale, y if bias is None else bias, y, ws,
+                                    counters, x if norm_weight is None else norm_weight,
                                     y if residual is None else residual, n, k, weight.stride(0), k_per, eps,
                                     HAS_BIAS=bias is not None, SILU=silu_mul, NORM=norm_weight is not None,
-                                    HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, BLOCK_N=bn,
-                                    BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
+                                    HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, FP8=scale is not None,
+                                    BLOCK_N=bn, BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
                                     num_warps=num_warps or warps, **launch_args(pdl))
         return y

@@ -39,7 +39,7 @@ BLOCK_K divides G where a power of two >= 16 does (ONE_GROUP: one scale and zero
 K splits (a grid too small to fill the GPU otherwise) store fp32 partials [SPLIT, M, N]; the
 last program of a column tile to arrive (acq_rel atomic on the shared counters of
 `kernels.device_info.tile_counters`, as `kernels.gemv`) sums them in split order
-(deterministic; SUM_CHUNK loads in flight at a time) and stores y; where the counters cannot be had (first
+(deterministic; the config's sum_chunk loads in flight at a time) and stores y; where the counters cannot be had (first
 use inside CUDA-graph capture) or `split_sum` says "kernel", `_w4_split_sum_kernel` does the
 same sum. The bias is added in fp32 before the one rounding to x's dtype. Launched with
 programmatic dependent launch (`kernels.pdl`) where the device has it: the first tile's
@@ -61,14 +61,18 @@ from kernels.pdl import launch_args, use_pdl
 # the heuristic splits K (whole tiles, at most max_split) until programs_per_sm programs per SM
 # (not measured on a GPU: defaults chosen by registers and instruction counts of the SASS,
 # ~96 registers for GEMV1's, 163 for DOT's; benchmarks/w4a16_sweep.py times the alternatives)
+# sum_chunk: the K-split partials the summing program loads at a time (`_sum_partials`; at most
+# the splits): 8 until 2026-12-03; the one-row kernel's 16 (its tile is 4 values a thread)
+# halves the L2 round trips of that tail at the 16..32 splits Llama-3.1-8B's shapes take
 GEMV1_DEFAULTS: dict = {"block_n": 128, "block_k": 64, "num_warps": 1, "num_stages": 3, "programs_per_sm": 8,
-                        "max_split": 32, "split_sum": "atomic"}
+                        "max_split": 32, "split_sum": "atomic", "sum_chunk": 16}
 DOT_DEFAULTS: dict = {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
-                      "max_split": 16, "split_sum": "atomic", "magic16": True}
+                      "max_split": 16, "split_sum": "atomic", "magic16": True, "sum_chunk": 8}
 # (rows bucket, N, K) -> config overrides (keys of CONFIG_KEYS); rows bucket: 1, 2, 4, 8, 16
 PLANS: dict[tuple[int, int, int], dict] = {}
+USE_PLANS = True  # False: the defaults for every shape (decode_latency.py's w4_tuned knob A/Bs PLANS)
 # magic16 (dot kernel): bf16 / fp16 pairs from the 16-bit magic numbers, else q - z in fp32
-CONFIG_KEYS = ("block_n", "block_k", "split", "num_warps", "num_stages", "split_sum", "pdl", "magic16")
+CONFIG_KEYS = ("block_n", "block_k", "split", "num_warps", "num_stages", "split_sum", "pdl", "magic16", "sum_chunk")
 XA = 96  # x is scaled by 2^(XA - 4i) in the one-row kernel (module docstring)
 
 try:
@@ -82,6 +86,10 @@ w4_gemv_triton = None  # set below when Triton imports
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
 
 
 def pick_block_k(group_size: int, target: int) -> tuple[int, bool]:
@@ -103,7 +111,8 @@ def gemv_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
     """The launch config of `w4_gemv_triton` for x [m, k] and W [n, k] of group_size: the
     kernel ("gemv1" for one row when a power-of-two tile of at least 16 rows divides the
     group, else "dot") and the keys of CONFIG_KEYS, from the kernel's defaults
-    (GEMV1_DEFAULTS / DOT_DEFAULTS), then PLANS[(rows_bucket(m), n, k)], then `config`.
+    (GEMV1_DEFAULTS / DOT_DEFAULTS), then PLANS[(rows_bucket(m), n, k)] (with USE_PLANS),
+    then `config`.
     block_k is made to divide the group where it can (`pick_block_k`; "one_group" says
     whether it does), split is a number of K ranges of whole tiles (none empty) and
     k_per_split their length."""
@@ -111,7 +120,8 @@ def gemv_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
     kern = "gemv1" if one else "dot"
     d = GEMV1_DEFAULTS if one else DOT_DEFAULTS
     cfg: dict = {"magic16": True, **d, "split": None, "pdl": None}
-    cfg.update(PLANS.get((rows_bucket(m), n, k), {}))
+    if USE_PLANS:
+        cfg.update(PLANS.get((rows_bucket(m), n, k), {}))
     cfg.update(config or {})
     bk, one_group = pick_block_k(group_size, cfg["block_k"])
     tiles = _cdiv(k, bk)
@@ -128,8 +138,6 @@ def gemv_plan(m: int, n: int, k: int, group_size: int, device: torch.device,
 
 if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
-
-    SUM_CHUNK = tl.constexpr(8)  # K-split partials summed this many a load (`_sum_partials`)
 
     @triton.jit
     def _load_t(qw, sp, zp, kmask, nmask, EVEN: tl.constexpr, ONE_GROUP: tl.constexpr):
@@ -182,7 +190,8 @@ if triton is not None:
     def _w4_gemv1_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, k_per_split,
                          G: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                          ATOMIC_SUM: tl.constexpr, EVEN_N: tl.constexpr, X_PAIRS: tl.constexpr,
-                         USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XA: tl.constexpr):
+                         USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XA: tl.constexpr,
+                         SUM_CHUNK: tl.constexpr):
         # one row, BLOCK_K divides G (tiles are whole: K is a multiple of G, k_per_split of
         # BLOCK_K); grid (N tiles, K splits); x [K] (xw: the same as int32 pairs, X_PAIRS);
         # y [N]; ws [SPLIT, N] fp32 partials; cnt: int32 per N tile (ATOMIC_SUM)
@@ -222,7 +231,7 @@ if triton is not None:
                 z = tl.load(z_ptr + g * N + rn, mask=nmask, other=0).to(tl.float32)
             acc = _gemv1_tile(acc, p, s, z, x_ptr, xw_ptr, k0, KP, X_PAIRS, XA)
         _finish(acc[None, :], b_ptr, y_ptr, ws_ptr, cnt_ptr, tl.arange(0, 1), tl.arange(0, 1) < 1, rn, nmask,
-                1, N, N, pid_n, pid_k, HAS_BIAS, SPLIT, ATOMIC_SUM, BLOCK_N)
+                1, N, N, pid_n, pid_k, HAS_BIAS, SPLIT, ATOMIC_SUM, BLOCK_N, SUM_CHUNK)
 
     @triton.jit
     def _nibble_pair(u, zc, sg, zg, j: tl.constexpr, MAGIC16: tl.constexpr, DT: tl.constexpr):
@@ -288,9 +297,10 @@ if triton is not None:
         return acc + d
 
     @triton.jit
-    def _sum_partials(ws_ptr, rm, rn, omask, M, N, n_splits):
+    def _sum_partials(ws_ptr, rm, rn, omask, M, N, n_splits, SUM_CHUNK: tl.constexpr):
         """sum over s of ws[s, rm, rn] ([ROWS, BLOCK_N] fp32) in split order, SUM_CHUNK
-        independent loads at a time (a few L2 round trips, not one a split)."""
+        independent loads at a time (n_splits / SUM_CHUNK L2 round trips, not one a split;
+        the order of the adds is the split order for any SUM_CHUNK)."""
         tot = tl.zeros(omask.shape, tl.float32)
         off = rm[:, None] * N + rn[None, :]
         last = tl.zeros_like(off) + n_splits  # (a tensor: the interpreter takes no scalar mask term)
@@ -302,7 +312,8 @@ if triton is not None:
 
     @triton.jit
     def _finish(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rm, mmask, rn, nmask, M, N, sy_m, pid_n, pid_k,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_SUM: tl.constexpr, BLOCK_N: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_SUM: tl.constexpr, BLOCK_N: tl.constexpr,
+                SUM_CHUNK: tl.constexpr):
         """Store y = round(acc + bias), or the split's partial (and, ATOMIC_SUM, y by the last
         program of the column tile to arrive: partials summed in split order)."""
         omask = mmask[:, None] & nmask[None, :]
@@ -313,7 +324,7 @@ if triton is not None:
                 n_splits = tl.num_programs(1)
                 arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
                 if arrived == n_splits - 1:
-                    tot = _sum_partials(ws_ptr, rm, rn, omask, M, N, n_splits)
+                    tot = _sum_partials(ws_ptr, rm, rn, omask, M, N, n_splits, SUM_CHUNK)
                     if HAS_BIAS:
                         tot += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
                     tl.store(y_ptr + rm.to(tl.int64)[:, None] * sy_m + rn[None, :],
@@ -329,7 +340,7 @@ if triton is not None:
     def _w4_dot_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, sx_m, sy_m, k_per_split,
                        G: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_SUM: tl.constexpr,
                        ONE_GROUP: tl.constexpr, EVEN: tl.constexpr, MAGIC16: tl.constexpr, USE_PDL: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM_CHUNK: tl.constexpr):
         # grid (N tiles, K splits); x [M, K] (M <= 16), y [M, N]; ws [SPLIT, M, N] fp32 partials;
         # cnt: int32 per N tile (ATOMIC_SUM). EVEN: N % BLOCK_N == 0 and whole K tiles (no masks)
         pid_n = tl.program_id(0)
@@ -357,19 +368,19 @@ if triton is not None:
             acc = _dot_tile(acc, p, s, z, x_ptr, s_ptr, z_ptr, k0, k_hi, rn, nmask, rm, mmask, N, G, sx_m,
                             KP, ONE_GROUP, MAGIC16, BLOCK_N)
         _finish(acc, b_ptr, y_ptr, ws_ptr, cnt_ptr, rm, mmask, rn, nmask, M, N, sy_m, pid_n, pid_k,
-                HAS_BIAS, SPLIT, ATOMIC_SUM, BLOCK_N)
+                HAS_BIAS, SPLIT, ATOMIC_SUM, BLOCK_N, SUM_CHUNK)
 
     @triton.jit(do_not_specialize=["M", "n_splits"])
     def _w4_split_sum_kernel(ws_ptr, b_ptr, y_ptr, M, N, sy_m, n_splits, HAS_BIAS: tl.constexpr,
-                             USE_PDL: tl.constexpr, BLOCK: tl.constexpr):
+                             USE_PDL: tl.constexpr, BLOCK: tl.constexpr, SUM_CHUNK: tl.constexpr):
         # y[m] = (sum over splits of ws[s, m], in split order) + bias, rounded once
         m = tl.program_id(0)
         rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         nmask = rn < N
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
-        acc = tl.reshape(_sum_partials(ws_ptr, tl.full([1], m, tl.int32), rn, nmask[None, :], M, N, n_splits),
-                         (BLOCK,))
+        acc = tl.reshape(_sum_partials(ws_ptr, tl.full([1], m, tl.int32), rn, nmask[None, :], M, N, n_splits,
+                                       SUM_CHUNK), (BLOCK,))
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * sy_m + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
@@ -415,7 +426,9 @@ if triton is not None:
         b = y if bias is None else bias
         cnt = y if counters is None else counters
         pdl = use_pdl(x.device) if c["pdl"] is None else bool(c["pdl"])
+        chunk = max(1, min(int(c["sum_chunk"]), _pow2(sp)))  # no more loads than splits
         common = dict(HAS_BIAS=bias is not None, SPLIT=sp > 1, ATOMIC_SUM=atomic, USE_PDL=pdl, BLOCK_N=bn,
+                      SUM_CHUNK=chunk,
                       BLOCK_K=c["block_k"], num_warps=c["num_warps"], num_stages=c["num_stages"],
                       **launch_args(pdl))
         if c["kernel"] == "gemv1":
@@ -429,5 +442,5 @@ if triton is not None:
         if sp > 1 and not atomic:
             blk = 1024
             _w4_split_sum_kernel[(m, _cdiv(n, blk))](ws, b, y, m, n, y.stride(0), sp, HAS_BIAS=bias is not None,
-                                                     USE_PDL=pdl, BLOCK=blk, **launch_args(pdl))
+                                                     USE_PDL=pdl, BLOCK=blk, SUM_CHUNK=chunk, **launch_args(pdl))
         return y

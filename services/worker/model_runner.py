@@ -347,11 +347,14 @@ class ModelRunner:
     def recapture_graphs(self) -> float:
         """Capture the decode graphs again, for the benchmarks' A/B rounds: kernel switches
         (`kernels.moe.DECODE_FUSED`, the decode kernels' launch defaults) are read while a
-        graph is captured, so a graph keeps the path of its capture. The old graphs (and
-        their memory pool) are dropped first; sizes and buffers as at start-up. Returns the
-        capture seconds; 0.0 (nothing done) without decode graphs."""
+        graph is captured, so a graph keeps the path of its capture; the `FusionPlan` is
+        chosen again first (its module flags, e.g. fusion.FUSE_QUANTIZED_ONE_ROW, and the
+        quantized kernels' switches read now). The old graphs (and their memory pool) are
+        dropped first; sizes and buffers as at start-up. Returns the capture seconds; 0.0
+        (nothing done, the plan kept) without decode graphs."""
         if self.graphs is None:
             return 0.0
+        self.fusion = FusionPlan.choose(self.model.fusable_projections(), self.device, self.dtype)
         max_bs = self.graphs.max_bs
         self.graphs, self._last_kept = None, None
         self._graph_aux.clear()

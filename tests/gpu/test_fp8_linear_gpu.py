@@ -7,11 +7,16 @@
   against the float product within the error the e4m3 roundings of x and W imply;
 - the Triton W8A16 path at the same M (up to 64, its limit) against `fp8_linear_ref`, with
   forced K splits, and the dispatcher's choice by M;
+- one row on kernels.gemv's kernel (`fp8_gemv_fused`) at Llama-3.1-8B's shapes and awkward ones,
+  with each fused step (RMSNorm, SiLU-and-mul, residual; bias or none) against
+  `fp8_linear_fused_ref`, against the legacy one-row kernel, with forced splits, and replayed
+  in a CUDA graph with its split counters;
 - both in a CUDA graph: replays equal eager;
 - a 4-layer Qwen3-0.6B-shaped model (dummy weights) with --quantization fp8: decode logits
   against the same runner with its fp8 weights dequantized to bf16 (the only difference is
   rounding order at <= 16 rows, activation rounding above), logits against the bf16 model,
-  CUDA-graph decode equal to eager, and the weight bytes held.
+  CUDA-graph decode equal to eager, and the weight bytes held; one row's decode on the fused
+  layer path against the unfused one.
 The measured errors are recorded (`record_property`: pytest --junitxml keeps them) for
 tightening the bounds, which are estimates from the e4m3 error bound (no GPU run yet when
 written). Tolerances (relative norm): bf16 outputs 2e-2 against a reference on the same
@@ -152,6 +157,63 @@ def test_both_paths_replay_in_a_cuda_graph(m):
     assert rel(out, F.fp8_linear(x, fw)) < 1e-3 and rel(out, eager) > 0.5  # computed from the new x
 
 
+# one row on kernels.gemv's kernel with e4m3 weights (fp8_gemv_fused): Llama-3.1-8B's
+# products (qkv, o, gate_up, down) and awkward ones, each fused step
+# (qkv, down and a padded shape: each shape and step compiles its own specialization)
+FUSED_SHAPES = [(6144, 4096), (4096, 14336), (1031, 1000)]
+
+
+@pytest.mark.parametrize("n,k", FUSED_SHAPES)
+def test_fused_one_row_matches_reference(n, k, record_property):
+    fw, _ = _weight(n, k)
+    q, s = fw.qweight[:n, :k], fw.scale[:n]
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    x2 = torch.randn(1, 2 * k, device="cuda").bfloat16()
+    nw = (torch.rand(k, device="cuda") + 0.5).bfloat16()
+    b = torch.randn(n, device="cuda").bfloat16()
+    r = torch.randn(1, n, device="cuda").bfloat16()
+    for tag, fused, xi, bias in (("plain", {}, x, b), ("norm", {"norm_weight": nw, "eps": 1e-5}, x, None),
+                                 ("silu_res", {"silu_mul": True, "residual": r}, x2, None),
+                                 ("norm_res", {"norm_weight": nw, "residual": r}, x, b)):
+        y = fp8_gemv.fp8_gemv_fused(xi, fw.qweight, fw.scale, bias, n=n, **fused)
+        assert y is not None and y.shape == (1, n) and y.dtype == torch.bfloat16
+        ref = F.fp8_linear_fused_ref(xi.double(), q, s, None if bias is None else bias.double(),
+                                     **{kk: (v.double() if isinstance(v, torch.Tensor) else v)
+                                        for kk, v in fused.items()})
+        err = rel(y, ref)
+        record_property(f"fused_{tag}_{n}x{k}_{'bias' if bias is not None else 'nobias'}", err)
+        assert err < TOL, (tag, err)
+    # the new kernel and the legacy one on the same plain product (fp32 sums in another order)
+    a = fp8_gemv.fp8_gemv_triton(x, fw.qweight, fw.scale, b, n=n, one_row="gemv")
+    c = fp8_gemv.fp8_gemv_triton(x, fw.qweight, fw.scale, b, n=n, one_row="legacy")
+    assert rel(a, c) < 1e-2
+    for split in (1, 3):  # forced splits, the in-kernel counter sum
+        assert rel(fp8_gemv.fp8_gemv_fused(x, fw.qweight, fw.scale, None, n=n, split=split),
+                   F.fp8_linear_ref(x.double(), q, s)) < TOL
+
+
+def test_fused_one_row_replays_in_a_cuda_graph_with_split_counters():
+    fw, _ = _weight(4096, 14336)  # the plan splits K: the shared counters, zeroed by each launch
+    x = torch.randn(1, 2 * 14336, device="cuda").bfloat16()
+    r = torch.randn(1, 4096, device="cuda").bfloat16()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fp8_gemv.fp8_gemv_fused(x, fw.qweight, fw.scale, n=4096, silu_mul=True, residual=r)  # warm-up
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = [fp8_gemv.fp8_gemv_fused(x, fw.qweight, fw.scale, n=4096, silu_mul=True, residual=r)
+                for _ in range(3)]
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    ref = F.fp8_linear_fused_ref(x.double(), fw.qweight[:4096], fw.scale[:4096], silu_mul=True,
+                                 residual=r.double())
+    assert all(o is not None and rel(o, ref) < TOL for o in outs)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     cfg = json.loads((ROOT / "benchmarks/configs/qwen3-0.6b.json").read_text())
@@ -200,7 +262,7 @@ def test_model_with_fp8_weights_end_to_end(model_dir, record_property):
     r = _runner(model_dir, quantization="fp8")
     rep = r.report()
     assert rep["quantization"] == "fp8" and rep["weight_format"].startswith("fp8 e4m3")
-    assert r.fusion.rows == frozenset()  # quantized projections take the unfused layer path
+    assert r.fusion.rows == frozenset({1})  # one row on the fused layer path (fp8_gemv_fused), more unfused
     lins = [m for m in r.model.modules() if isinstance(m, Linear)]
     assert lins and all(isinstance(m.qweight, F.Fp8Weight) and m.weight.device.type == "meta" for m in lins)
     proj = sum(m.weight.numel() * 2 for m in lins)  # their bf16 bytes: half is saved
@@ -226,3 +288,30 @@ def test_model_with_fp8_weights_end_to_end(model_dir, record_property):
     # CPU's references a tiny Qwen3's fp8 weights alone moved the logits by 0.047)
     assert errs["prefill_vs_dequantized"] < 0.15
     assert 1e-4 < errs["decode_vs_bf16"] < 0.2 and 1e-4 < errs["prefill_vs_bf16"] < 0.25
+
+
+def test_one_row_fp8_decode_fused_matches_unfused(model_dir):
+    """One sequence's decode step with FP8 weights on the fused layer path (the norms, the
+    SiLU-and-mul and the residual adds inside fp8_gemv_fused) against the unfused path of the
+    same runner (the same product kernel; the norms and the SiLU-and-mul as their own kernels)."""
+    from services.worker.fusion import FusionPlan
+    from tests.runner_driver import step_logits
+
+    r = _runner(model_dir, quantization="fp8")
+    with torch.no_grad():  # norm weights that are not 1, so a norm applied wrongly shows
+        gn = torch.Generator(device="cuda").manual_seed(1)
+        for name, p in r.model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, device="cuda", generator=gn))
+    g = torch.Generator().manual_seed(1)
+    prefill, decode = _plans([torch.randint(0, 10000, (50,), generator=g).tolist()])
+    default, graphs, r.graphs = r.fusion, r.graphs, None  # eager: the plan is read at each step
+    try:
+        step_logits(r, prefill)
+        assert default.fused(1)
+        fused = step_logits(r, decode)
+        r.fusion = FusionPlan(frozenset())
+        unfused = step_logits(r, decode)  # the same step again: rewrites the same KV slot
+    finally:
+        r.fusion, r.graphs = default, graphs
+    assert rel(fused, unfused) < TOL

@@ -5,7 +5,8 @@ kernels/w4a16_gemm.py; docs/ARCHITECTURE.md §6.4):
   (17+ rows) at M = 1, 2, 5, 16, 17, 64, 300 on Llama-3.1-8B's shapes, a ragged N, a
   per-channel group and a group size that needs gathered scales, against
   `w4a16_linear_ref` (fp32 product of the dequantized weight), with forced K splits (both
-  split sums, the in-kernel one and the second kernel's, giving the same bits), with and
+  split sums, the in-kernel one and the second kernel's, and any partials loaded at a time,
+  `sum_chunk`, giving the same bits), with and
   without programmatic dependent launch, the dot kernel with its fp32 dequantization
   instead of the bf16 magic numbers, and the dispatcher's choice by M;
 - all of them in a CUDA graph: replays equal eager;
@@ -67,8 +68,9 @@ def test_kernels_match_reference(m, n, k, g, record_property):
         for split in (1, 3):
             got = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias, config={"split": split})
             assert rel(got, want) < TOL
-            if split > 1:  # the second-kernel sum, and no PDL: the same bits
-                for cfg in ({"split_sum": "kernel"}, {"pdl": False}):
+            if split > 1:  # the second-kernel sum, no PDL, other partials a load: the same bits
+                for cfg in ({"split_sum": "kernel"}, {"pdl": False}, {"sum_chunk": 1},
+                            {"sum_chunk": 2, "split_sum": "kernel"}):
                     other = w4a16_gemv.w4_gemv_triton(x, w.qweight, w.zeros, w.scales, g, bias,
                                                       config={"split": split, **cfg})
                     assert torch.equal(other, got), cfg

@@ -18,7 +18,8 @@ import pytest
 
 from benchmarks import decode_latency as dl
 from kernels import attention_triton as at
-from kernels import gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode
+from kernels import fp8_gemv, gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode, w4a16_gemv
+from services.worker import fusion
 from services.worker.layers import gated_deltanet
 from services.worker.models import qwen3_next
 
@@ -42,6 +43,12 @@ EXPECTED = {
     "moe_fused_glue_on_apart": {"DECODE_FUSED": True, "FUSED_GLUE": True, "SHARED_IN_DOWN": False},
     "moe_tuned": {"USE_TUNED": True},
     "moe_untuned": {"USE_TUNED": False},
+    "q_old": {"ONE_ROW": "legacy", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": False, "W4_PLANS": False,
+              "sum_chunk": 8},
+    "q_new": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": True, "FP8_PLANS": True, "W4_PLANS": True,
+              "sum_chunk": 16},
+    "q_unfused": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": True, "W4_PLANS": True,
+                  "sum_chunk": 16},
 }
 
 
@@ -50,7 +57,9 @@ def state() -> dict:
     s = {"IN_PLACE_DECODE": gated_deltanet.IN_PLACE_DECODE, "GATED_TRITON": norm.GATED_TRITON,
          "GEMV_MAX_WEIGHT": linear.GEMV_MAX_WEIGHT, "FUSED_GLUE": qwen3_next.FUSED_GLUE,
          "DECODE_FUSED": moe.DECODE_FUSED, "SHARED_IN_DOWN": moe.SHARED_IN_DOWN,
-         "USE_TUNED": moe_decode_triton.USE_TUNED,
+         "USE_TUNED": moe_decode_triton.USE_TUNED, "ONE_ROW": fp8_gemv.ONE_ROW,
+         "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
+         "W4_PLANS": w4a16_gemv.USE_PLANS, "w4": dict(w4a16_gemv.GEMV1_DEFAULTS),
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -58,7 +67,8 @@ def state() -> dict:
 
 def with_changes(base: dict, changes: dict) -> dict:
     """`base` (a `state()`) with a variant's EXPECTED changes applied."""
-    s = {**base, "rope": dict(base["rope"]), "attn": dict(base["attn"]), "tuning": dict(base["tuning"])}
+    s = {**base, "rope": dict(base["rope"]), "attn": dict(base["attn"]), "tuning": dict(base["tuning"]),
+         "w4": dict(base["w4"])}
     for k, v in changes.items():
         if k == "fused_merge":
             s["rope"][k] = s["attn"][k] = v
@@ -66,6 +76,8 @@ def with_changes(base: dict, changes: dict) -> dict:
             s["rope"][k] = v
         elif k in s["tuning"]:
             s["tuning"][k] = v
+        elif k in s["w4"]:
+            s["w4"][k] = v
         else:
             s[k] = v
     return s
@@ -76,11 +88,13 @@ def isolated(monkeypatch):
     """Every switch back at its value after the test (the dicts as copies of their own)."""
     for mod, name in ((gated_deltanet, "IN_PLACE_DECODE"), (norm, "GATED_TRITON"), (linear, "GEMV_MAX_WEIGHT"),
                       (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
-                      (moe_decode_triton, "USE_TUNED")):
+                      (moe_decode_triton, "USE_TUNED"), (fp8_gemv, "ONE_ROW"), (fusion, "FUSE_QUANTIZED_ONE_ROW"),
+                      (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))
     monkeypatch.setattr(gdn_decode, "TUNING", dict(gdn_decode.TUNING))
+    monkeypatch.setattr(w4a16_gemv, "GEMV1_DEFAULTS", dict(w4a16_gemv.GEMV1_DEFAULTS))
 
 
 def test_the_variants_are_those_the_two_flags_accepted_less_the_two_duplicates():
@@ -150,7 +164,8 @@ def test_ab_rounds_keep_their_fields_and_capture_each_variants_switches(stub_gpu
                                   "pps1": {"moe_decode_fused": True, "fused_merge": False, "programs_per_sm": 1}}
     assert [(r["round"], r["variant"]) for r in res["ab"]] == [(0, "old"), (0, "pps1"), (1, "old"), (1, "pps1")]
     assert all(set(r) == {"round", "variant", "capture_s", "tpot_ms", "gpu_forward_ms", "fraction_of_roofline",
-                          "gpu_fraction_of_roofline"} for r in res["ab"])
+                          "gpu_fraction_of_roofline", "fused_one_row"} for r in res["ab"])
+    assert all(r["fused_one_row"] is None for r in res["ab"])  # the stub has no fusion plan
     assert res["ab_median"]["pps1"] == {"tpot_ms": 2.0, "gpu_forward_ms": 1.0, "fraction_of_roofline": 0.5}
     assert json.loads((tmp_path / "ab.json").read_text()) == res
 

@@ -1,6 +1,8 @@
 """The FP8-weight Triton kernels (kernels/fp8_gemv.py) against `kernels.fp8_linear.fp8_linear_ref`
-under the Triton interpreter on CPU tensors (no GPU needed): the one-row kernel (one tile, a
-forced ragged K split, the plan's split past max_block_k), the 2..64-row kernel (forced and
+under the Triton interpreter on CPU tensors (no GPU needed): the one-row kernels (`kernels.gemv`'s
+on e4m3 bytes and the legacy one: one tile, a forced ragged K split, the plan's split past
+max_block_k), the fused one-row path against `fp8_linear_fused_ref` (RMSNorm or SiLU-and-mul
+prologue, residual epilogue, with and without bias, a padded weight), the 2..64-row kernel (forced and
 planned splits), padded weights read to n rows and K columns, with and without bias, a
 row-strided x.
 
@@ -21,7 +23,9 @@ from tests.interp_runner import run_interp_checks
 pytest.importorskip("triton")
 
 TOL = {"float32": 1e-5, "float16": 2e-3}
-CASES = ["m1_tile", "m1_split3", "m1_plan_split", "m3", "m7_split2", "m16_plan_split", "m40"]
+CASES = ["m1_tile", "m1_split3", "m1_plan_split", "m1_legacy_tile", "m1_legacy_split3", "m1_legacy_plan_split",
+         "m3", "m7_split2", "m16_plan_split", "m40",
+         "fused_tile", "fused_split3", "fused_plan_split", "fused_padded_n"]
 
 
 @pytest.fixture(scope="module")

@@ -188,10 +188,48 @@ def test_router_stays_dense_and_dense_weights_quantize_again(monkeypatch):
     assert torch.equal(new[32:], old[32:])  # requantizing e4m3 values with their own scale: exact
 
 
-def test_fusion_plan_leaves_quantized_projections_unfused():
+def test_fusion_plan_leaves_meta_placeholders_unfused():
     meta = torch.empty(64, 32, dtype=torch.bfloat16, device="meta")
     plan = FusionPlan.choose([meta], torch.device("cuda"), torch.bfloat16)
     assert plan.rows == frozenset() and not plan.fused(1)
+
+
+def test_fusion_plan_fuses_one_row_of_fp8_weights_only_where_their_kernel_fuses(monkeypatch):
+    """FP8 projections (their `Fp8Weight`s, as llama's fusable_projections gives them) take the
+    fused path at one row on CUDA in bf16 / fp16 with the gemv-based one-row kernel, never at
+    2+ rows, on the CPU, with the legacy kernel, with fusion.FUSE_QUANTIZED_ONE_ROW off, or
+    beside a weight whose kernel does not fuse (W4A16)."""
+    from kernels import fp8_gemv
+    from kernels.w4a16_linear import W4Weight
+
+    pytest.importorskip("triton")
+    cuda = torch.device("cuda")
+    fws = [F.Fp8Weight.quantize(_weights(n, k, seed=n)) for n, k in ((48, 32), (32, 16), (64, 32), (32, 32))]
+    plan = FusionPlan.choose(fws, cuda, torch.bfloat16, small_batches=True)
+    assert plan.rows == frozenset({1}) and plan.fused(1) and not plan.fused(2)
+    assert FusionPlan.choose(fws, cuda, torch.float16).fused(1)
+    assert not FusionPlan.choose(fws, cuda, torch.float32).fused(1)
+    assert not FusionPlan.choose(fws, torch.device("cpu"), torch.bfloat16).fused(1)
+    assert not FusionPlan.choose(fws, cuda, torch.bfloat16, quantized=False).fused(1)
+    assert not FusionPlan.choose(fws, cuda, torch.bfloat16, one_row=False).fused(1)
+    w4 = W4Weight.quantize(_weights(32, 128, seed=3), 32)
+    assert not FusionPlan.choose(fws + [w4], cuda, torch.bfloat16).fused(1)
+    monkeypatch.setattr(fp8_gemv, "ONE_ROW", "legacy")
+    assert not FusionPlan.choose(fws, cuda, torch.bfloat16).fused(1)
+
+
+def test_fp8_fused_steps_on_the_cpu_follow_the_fused_reference():
+    """`fp8_linear` with the fused keywords off the one-row kernel (CPU tensors): the ops
+    apart, as `fp8_linear_fused_ref` orders them (the reference on the CPU: equal)."""
+    fw = F.Fp8Weight.quantize(_weights(24, 40, seed=5))
+    q, s = fw.qweight[:24, :40], fw.scale[:24]
+    g = torch.Generator().manual_seed(2)
+    x, x2 = torch.randn(3, 40, generator=g), torch.randn(3, 80, generator=g)
+    nw, r, b = torch.rand(40, generator=g) + 0.5, torch.randn(3, 24, generator=g), torch.randn(24, generator=g)
+    for fused, xi in (({"norm_weight": nw, "eps": 1e-5}, x), ({"silu_mul": True, "residual": r}, x2),
+                      ({"residual": r}, x)):
+        assert torch.allclose(F.fp8_linear(xi, fw, b, **fused), F.fp8_linear_fused_ref(xi, q, s, b, **fused),
+                              rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("m", [1, 7, 300])

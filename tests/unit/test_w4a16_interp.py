@@ -55,3 +55,9 @@ def test_one_row_kernel_reads_bf16_x_as_pairs_correctly(interp_results, case):
 @pytest.mark.parametrize("case", SPLIT)
 def test_split_sum_in_kernel_equals_second_kernel_bit_for_bit(interp_results, case, dtype):
     assert interp_results[f"split_sums_equal_{case}_{dtype}"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", SPLIT)
+def test_split_sum_is_the_same_bits_for_any_partials_loaded_at_a_time(interp_results, case, dtype):
+    assert interp_results[f"sum_chunks_equal_{case}_{dtype}"] == 1.0

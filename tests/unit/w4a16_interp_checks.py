@@ -8,7 +8,7 @@ triton is first imported). Activations fp32 and fp16; bf16 only through the one-
 tests/unit/moe_interp_checks.py), where bf16 takes its own path (x read as int32 pairs).
 Weights are random AWQ / GPTQ checkpoint tensors read through `W4Weight`. Also
 "split_sums_equal_*": 1.0 when the in-kernel (atomic) and the second-kernel split sums give
-the same bits.
+the same bits, "sum_chunks_equal_*" when every sum_chunk (partials loaded at a time) does.
 """
 
 from __future__ import annotations
@@ -90,6 +90,10 @@ def main() -> None:
             if kw.get("split", 1) > 1 and kern == "gemv":
                 other = run(f, x, w, bias, {**kw, "split_sum": "kernel"})
                 out[f"split_sums_equal_{name}_{str(dtype).removeprefix('torch.')}"] = float(torch.equal(y, other))
+                # the summing program's loads at a time (sum_chunk): the same adds in split order
+                same = all(torch.equal(y, run(f, x, w, bias, {**kw, "sum_chunk": c, "split_sum": ss}))
+                           for c in (1, 4, 32) for ss in ("atomic", "kernel"))
+                out[f"sum_chunks_equal_{name}_{str(dtype).removeprefix('torch.')}"] = float(same)
     print("RESULT " + json.dumps(out))
 
 

@@ -101,13 +101,19 @@ class Linear(nn.Module):
 def quant_forward(qw: QuantWeight | Fp8Weight | W4Weight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`kernels.linear.linear`'s unfused path on a quantized weight: the RMSNorm
-    (norm_weight, eps) or SiLU-and-mul prologue as its own op, the quantized product
-    (`QuantWeight.matmul` on the CPU, `Fp8Weight.matmul`, `W4Weight.matmul`), then the bias and residual adds. Shapes and dtypes as `linear`
-    (x [T, K], or [T, 2K] with silu_mul -> [T, N] in x's dtype); raises ValueError as it does."""
+    """`kernels.linear.linear` on a quantized weight: one row of an `Fp8Weight` whose kernel
+    fuses (`Fp8Weight.fuses_one_row`) takes the fused steps inside it
+    (`kernels.fp8_linear.fp8_linear`); otherwise the RMSNorm (norm_weight, eps) or
+    SiLU-and-mul prologue runs as its own op, then the quantized product (`QuantWeight.matmul`
+    on the CPU, `Fp8Weight.matmul`, `W4Weight.matmul`), then the bias and residual adds.
+    Shapes and dtypes as `linear` (x [T, K], or [T, 2K] with silu_mul -> [T, N] in x's
+    dtype); raises ValueError as it does."""
     if norm_weight is not None or silu_mul or residual is not None:
         _check_fused(x, torch.empty(qw.out_features, qw.in_features, device="meta"), norm_weight,
                      silu_mul, residual)
+        if isinstance(qw, Fp8Weight) and x.shape[0] == 1 and qw.fuses_one_row(x.device, x.dtype):
+            return fp8_linear.fp8_linear(x, qw, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
+                                         residual=residual)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     if silu_mul:

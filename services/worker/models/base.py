@@ -64,7 +64,8 @@ class CausalLM(Protocol):
         without recurrent layers: no state cache)."""
         ...
 
-    def fusable_projections(self) -> list[torch.Tensor]:
-        """The weights the fused layer path runs on our projection kernels (one layer's);
+    def fusable_projections(self) -> list:
+        """The weights the fused layer path runs on our projection kernels (one layer's:
+        tensors, or a quantized layer's weight object, `services.worker.fusion.FusionPlan.choose`);
         [] when the model has no fused path."""
         ...

@@ -300,13 +300,16 @@ class LlamaForCausalLM(nn.Module):
         """[]: no recurrent layers (services.worker.state_cache)."""
         return []
 
-    def fusable_projections(self) -> list[torch.Tensor]:
+    def fusable_projections(self) -> list:
         """The projection weights of one decoder layer (all have the same shapes), for the
-        runner's `FusionPlan`: the fused path needs the kernels to take each of them."""
+        runner's `FusionPlan`: the fused path needs the kernels to take each of them. A
+        quantized projection gives its quantized weight (`Linear.qweight`: its kernel says
+        whether it fuses), a dense one its weight tensor."""
         layers = self.model.decoder_layers
         if not layers:
             return []
         a, m = layers[0].self_attn, layers[0].mlp
         if not all(isinstance(layer.mlp, LlamaMLP) for layer in layers) or not isinstance(m, LlamaMLP):
             return []  # another family's MLP (mlp_for_layer) has no fused path
-        return [p.weight for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        return [p.weight if p.qweight is None else p.qweight for p in (a.qkv_proj, a.o_proj, m.gate_up_proj,
+                                                                        m.down_proj)]
