@@ -64,8 +64,11 @@ DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "spli
 # tiles, 4 warps and one stage (no software pipelining) were best in every case, bf16 / fp8
 # 1.06 / 1.04 at 8K / 32K batch 1 and 1.24 / 1.25 at batch 64; 3 stages 0.82-0.97, 8 warps
 # 0.57-0.68, the "q" format (bf16 dots) 0.98-1.00, "fp16_bits" 0.98-1.17 at one stage.
-DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
-                             "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1}}
+# maxnreg 128 from the 2026-12-03 H200 sweep (benchmarks/kv_quant_attention.py --variants, Llama-3.1-8B's
+# heads; bf16 time / fp8 time at 32K b1 / 32K b64 / 8K b1 / 8K b64): uncapped 1.02 / 1.26 / 1.07 / 1.24,
+# capped at 128 registers 1.27 / 1.47 / 1.15 / 1.45 (uncapped, 195 a thread: 2 programs an SM)
+_FP8_TILE: dict = {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 128}
+DECODE_FP8_DEFAULTS: dict = {"few": dict(_FP8_TILE), "many": dict(_FP8_TILE)}
 
 
 @triton.jit

@@ -68,7 +68,10 @@ ONE_ROW = "gemv"
 ONE_ROW_KERNELS = ("gemv", "legacy")
 # (N, K) -> (block_n, split, num_warps) of the one-row kernel, from benchmarks/qgemv_sweep.py
 # (decode_latency.py --fp8-plans); USE_PLANS False takes the heuristic for every shape
-PLANS: dict[tuple[int, int], tuple[int, int, int]] = {}
+# Llama-3.1-8B's shapes from the 2026-12-03 H200 sweep (qgemv_sweep.py; decode_latency.py --ab q_old
+# q_unfused: 3.06 -> 2.97 ms a token, benchmarks/results/2026-12-03_h200_qgemv_summary.json)
+PLANS: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (8, 1, 4), (4096, 4096): (8, 1, 4), (28672, 4096): (8, 1, 4), (4096, 14336): (8, 4, 4)}
 USE_PLANS = True
 # 2..64 rows (as kernels.linear.SKINNY_TUNING, K tile in fp8 elements)
 SKINNY_TUNING: dict = {"block_k": 256, "programs_per_sm": 1, "num_warps": 4, "num_stages": 3}

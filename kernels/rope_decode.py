@@ -76,8 +76,12 @@ ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, 
 # From the same sweep: "few" fp16 dots, 128-key tiles, one stage: bf16 / fp8 1.22 (8K) and
 # 1.45 (32K) at batch 1 (the "q" format 1.33 / 1.39); "many" two stages: 0.961 / 0.975 at batch
 # 64 (one stage 0.88 / 0.89)
-ROPE_DECODE_FP8_DEFAULTS: dict = {"few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1},
-                                  "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 2}}
+# The 2026-12-03 sweep (the same run as kernels.attention_triton.DECODE_FP8_DEFAULTS): with the register
+# cap of 128 and one stage, 32K b1 / 32K b64 / 8K b1 / 8K b64: 1.43 / 1.38 / 1.23 / 1.36 (before: 1.42 /
+# 0.97 / 1.24 / 0.97)
+ROPE_DECODE_FP8_DEFAULTS: dict = {
+    "few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 128},
+    "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 128}}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
 

@@ -69,7 +69,10 @@ GEMV1_DEFAULTS: dict = {"block_n": 128, "block_k": 64, "num_warps": 1, "num_stag
 DOT_DEFAULTS: dict = {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
                       "max_split": 16, "split_sum": "atomic", "magic16": True, "sum_chunk": 8}
 # (rows bucket, N, K) -> config overrides (keys of CONFIG_KEYS); rows bucket: 1, 2, 4, 8, 16
-PLANS: dict[tuple[int, int, int], dict] = {}
+# Llama-3.1-8B's qkv from the 2026-12-03 H200 sweep (w4a16_sweep.py --ms 1, cut by its budget after
+# this shape; decode_latency.py --ab q_old q_new: 2.60 -> 2.58 ms a token with it and sum_chunk 16)
+PLANS: dict[tuple[int, int, int], dict] = {
+    (1, 6144, 4096): {"block_n": 128, "block_k": 128, "num_warps": 1, "num_stages": 3, "split": 32}}
 USE_PLANS = True  # False: the defaults for every shape (decode_latency.py's w4_tuned knob A/Bs PLANS)
 # magic16 (dot kernel): bf16 / fp16 pairs from the 16-bit magic numbers, else q - z in fp32
 CONFIG_KEYS = ("block_n", "block_k", "split", "num_warps", "num_stages", "split_sum", "pdl", "magic16", "sum_chunk")

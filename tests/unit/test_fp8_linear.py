@@ -204,7 +204,12 @@ def test_fusion_plan_fuses_one_row_of_fp8_weights_only_where_their_kernel_fuses(
 
     pytest.importorskip("triton")
     cuda = torch.device("cuda")
+    from services.worker import fusion
+
     fws = [F.Fp8Weight.quantize(_weights(n, k, seed=n)) for n, k in ((48, 32), (32, 16), (64, 32), (32, 32))]
+    monkeypatch.setattr(fusion, "FUSE_QUANTIZED_ONE_ROW", False)  # the default (measured no faster)
+    assert not FusionPlan.choose(fws, cuda, torch.bfloat16).fused(1)
+    monkeypatch.setattr(fusion, "FUSE_QUANTIZED_ONE_ROW", True)
     plan = FusionPlan.choose(fws, cuda, torch.bfloat16, small_batches=True)
     assert plan.rows == frozenset({1}) and plan.fused(1) and not plan.fused(2)
     assert FusionPlan.choose(fws, cuda, torch.float16).fused(1)

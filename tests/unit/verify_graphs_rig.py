@@ -129,8 +129,12 @@ def check_mixed_step(r, fake, vg, seqs, step: int, blocks: list[int], atol: floa
     torch.testing.assert_close(g_view[0], e_view[0], atol=atol, rtol=atol)  # hidden
     torch.testing.assert_close(g_view[1], e_view[1], atol=atol, rtol=atol)  # aux hidden
     assert g_view[2:] == e_view[2:]  # cu_seqlens_q, seq_lens
-    assert [(q.request_id, q.seq_index, q.emitted, q.next_pos, q.row) for q in g_reqs] == \
-           [(q.request_id, q.seq_index, q.emitted, q.next_pos, q.row) for q in e_reqs]
+    # what a ProposeRequest emitted, and so where it goes on, follows the accepted tokens: compared
+    # only where the tokens are (bf16: the padded graph and the eager step may take different
+    # kernel paths, so an argmax may flip within atol)
+    def reqs(qs):
+        return [(q.request_id, q.seq_index) + ((q.emitted, q.next_pos, q.row) if tokens else ()) for q in qs]
+    assert reqs(g_reqs) == reqs(e_reqs)
     real = {s.block_table[p // bs] * bs + p % bs for s in seqs for p in range(s.start_pos, s.start_pos + len(s.token_ids))}
     n_target = 2 * len(r.kv.layers)
     for c, (x_g, x_e, b) in enumerate(zip(after_graph, after_eager, before)):
