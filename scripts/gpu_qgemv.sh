@@ -18,7 +18,7 @@
 #   qgemv_summary.json           each variant's TPOT over bf16's against the targets, the sweeps'
 #                                layer sums and plans
 #   bench.log                    every step's exit code, time and output tail
-# Run from the repo root:  bash scripts/gpu_qgemv.sh      (the limits sum to 345 s)
+# Run from the repo root:  bash scripts/gpu_qgemv.sh      (the limits sum to 410 s)
 # Limits (seconds, environment): FP8_TEST_TIMEOUT 70, W4_TEST_TIMEOUT 120, SWEEP_TIMEOUT 35 / 30
 # (SWEEP_BUDGET 20 / 15: the sweeps stop adding variants then), DECODE_TIMEOUT 45 (bf16),
 # AB_TIMEOUT 60 / 50 (fp8 / awq; the A/B JSON is written after every round).
