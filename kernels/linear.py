@@ -217,6 +217,41 @@ if triton is not None:
             out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], out, mask=mask)
 
+    @triton.jit
+    def _silu_mul(g, u):
+        # as silu_and_mul_ref: silu(g) rounded to g's dtype, then the product rounded to u's
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+
+    @triton.jit
+    def _finish(acc, ws_ptr, cnt_ptr, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, M, N, sr_m, sy_m, pid_n, pid_k,
+                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # a skinny program's fp32 [BLOCK_M, BLOCK_N] partial: without SPLIT the epilogue; with it
+        # stored at ws[pid_k] ([splits, M, N] fp32), and with ATOMIC the last program of the N
+        # tile to arrive (cnt: int32 per N tile) sums every split in split order (as
+        # _split_sum_kernel: deterministic), runs the epilogue and zeroes its counter; without
+        # ATOMIC `_split_sum_kernel` sums after the launch
+        if SPLIT:
+            ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
+            out_mask = mmask[:, None] & nmask[None, :]
+            tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
+            if ATOMIC:
+                # every thread's partial is stored before the release below (CTA barrier,
+                # then one gpu-scope acq_rel atomic); the last arrival acquires all partials
+                tl.debug_barrier()
+                n_splits = tl.num_programs(1)
+                arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+                if arrived == n_splits - 1:
+                    tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    for s_i in range(0, n_splits):
+                        tot += tl.load(ws_tile + s_i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+                    tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
+        else:
+            _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+
     @triton.jit(do_not_specialize=["M"])  # the step's rows: no variant per row count
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, nw_ptr, r_ptr, cnt_ptr, M, N, K,
                        sx_m, sw_n, sy_m, sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr,
@@ -252,32 +287,14 @@ if triton is not None:
             x = tl.load(x_rows + rk[None, :], mask=xmask, other=0.0)
             if SILU:  # x holds the gate; as silu_and_mul_ref: silu rounded, then the product
                 u = tl.load(x_rows + K + rk[None, :], mask=xmask, other=0.0)
-                gf = x.to(tl.float32)
-                s = (gf / (1.0 + tl.exp(-gf))).to(x.dtype)
-                x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+                x = _silu_mul(x, u)
             if NORM:  # as rms_norm_ref: x * rstd rounded, times the weight rounded
                 nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
                 xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
                 x = (xn.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xn.dtype)
             acc += tl.dot(x, tl.trans(w))
-        if SPLIT:
-            ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
-            out_mask = mmask[:, None] & nmask[None, :]
-            tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
-            if ATOMIC:
-                # every thread's partial is stored before the release below (CTA barrier,
-                # then one gpu-scope acq_rel atomic); the last arrival acquires all partials
-                tl.debug_barrier()
-                n_splits = tl.num_programs(1)
-                arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == n_splits - 1:
-                    tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                    for s in range(0, n_splits):  # split order: deterministic
-                        tot += tl.load(ws_tile + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
-                    tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
-        else:
-            _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+        _finish(acc, ws_ptr, cnt_ptr, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, M, N, sr_m, sy_m, pid_n, pid_k,
+                HAS_BIAS, HAS_RES, SPLIT, ATOMIC, BLOCK_M, BLOCK_N)
 
     @triton.jit(do_not_specialize=["M"])  # the step's rows: no variant per row count
     def _skinny_pdl_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, nw_ptr, r_ptr, cnt_ptr, M, N, K,
@@ -313,9 +330,7 @@ if triton is not None:
         x = tl.load(x_rows + rk[None, :], mask=xmask, other=0.0)
         if SILU:  # x holds the gate; as silu_and_mul_ref: silu rounded, then the product
             u = tl.load(x_rows + K + rk[None, :], mask=xmask, other=0.0)
-            gf = x.to(tl.float32)
-            s = (gf / (1.0 + tl.exp(-gf))).to(x.dtype)
-            x = (s.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+            x = _silu_mul(x, u)
         if NORM:  # rstd of each row over all of K (from L2), then as rms_norm_ref
             ss = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, NORM_BLOCK):
@@ -327,24 +342,8 @@ if triton is not None:
             xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
             x = (xn.to(tl.float32) * nw.to(tl.float32)[None, :]).to(xn.dtype)
         acc = tl.dot(x, tl.trans(w))
-        if SPLIT:
-            ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
-            out_mask = mmask[:, None] & nmask[None, :]
-            tl.store(ws_tile + pid_k * M * N, acc, mask=out_mask)
-            if ATOMIC:
-                # every thread's partial is stored before the release below (CTA barrier,
-                # then one gpu-scope acq_rel atomic); the last arrival acquires all partials
-                tl.debug_barrier()
-                n_splits = tl.num_programs(1)
-                arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-                if arrived == n_splits - 1:
-                    tot = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                    for s_i in range(0, n_splits):  # split order: deterministic, as _split_sum_kernel
-                        tot += tl.load(ws_tile + s_i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    _epilogue(tot, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
-                    tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zeroed for the next launch
-        else:
-            _epilogue(acc, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, sr_m, sy_m, HAS_BIAS, HAS_RES)
+        _finish(acc, ws_ptr, cnt_ptr, b_ptr, r_ptr, y_ptr, rm, rn, mmask, nmask, M, N, sr_m, sy_m, pid_n, pid_k,
+                HAS_BIAS, HAS_RES, SPLIT, ATOMIC, BLOCK_M, BLOCK_N)
 
     @triton.jit(do_not_specialize=["M", "n_splits"])
     def _split_sum_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, sr_m, sy_m, n_splits,

@@ -32,34 +32,4 @@ for cfg in "$@"; do
   done
 done
 rm -f "$OUT/.log"
-python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
-import glob, json, os, sys
-for p in sorted(glob.glob(os.path.join(sys.argv[1], "svc_*.json"))):
-    r = json.load(open(p))
-    print(f"== {os.path.basename(p)} complete={r.get('complete')}")
-    for x in r.get("verify_cost", []):
-        if x.get("mode") == "verify":
-            print(f"  b={x['batch']} k={x['k']}: {x['wall_ms']:.3f} ms, break-even L {x['break_even_L']}")
-        else:
-            print(f"  b={x['batch']} {x.get('mode')}: {x['wall_ms']:.3f} ms")
-    for x in (r.get("host_cost") or {}).get("rows", []):
-        for m in ("decode", "verify_fast", "verify_full"):
-            y = x.get(m)
-            if y:
-                print(f"  host b={x['batch']} {m}: wall {y['wall_ms']:.3f} ms, outside the forward "
-                      f"{y['outside_ms']:.3f} ms (before {y['before_forward_ms']:.3f}, after the read "
-                      f"{y['after_last_read_ms']:.3f}), {y['aten_ops_outside']} ops, {y['host_reads']} reads")
-        if "identical" in x:
-            print(f"  host b={x['batch']}: identical {x['identical']}, saved {x.get('outside_ms_saved')} ms")
-    pr = r.get("profile")
-    for part in ("decode", "verify") if pr else ():
-        print(f"  profile {part}: {pr[part]['total_us']} us of kernels a step; top:")
-        for x in pr[part]["top"][:8]:
-            print(f"    {x['us']:8.1f} us x{x['calls']:3d} {x['kernel']}")
-    e = r.get("e2e_replay")
-    if e:
-        print(f"  e2e plain {e['plain']['output_tok_per_s']} tok/s")
-        for q in e["points"]:
-            print(f"  L {q['measured_L']}: {q['output_tok_per_s']} tok/s x{q['speedup']} eff {q['efficiency']} "
-                  f"identical {q['identical']}")
-PY
+python3 benchmarks/spec_verify_summary.py "$OUT"/svc_*.json 2>&1 | tee "$OUT/summary.txt"

@@ -26,27 +26,4 @@ for v in k_loop one_tile; do
     --parts verify e2e profile --ks 4 --batches 1 8 32 --out "$OUT/svc_qwen3-0.6b_$v.json" \
     --notes "scripts/gpu_verifyk.sh --skinny $v"
 done
-python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
-import json, os, sys
-for v in ("k_loop", "one_tile"):
-    p = os.path.join(sys.argv[1], f"svc_qwen3-0.6b_{v}.json")
-    if not os.path.exists(p):
-        print(f"== {v}: no result")
-        continue
-    r = json.load(open(p))
-    print(f"== {v} complete={r.get('complete')}")
-    for x in r.get("verify_cost", []):
-        extra = f", break-even L {x['break_even_L']}" if x.get("mode") == "verify" else ""
-        print(f"  b={x['batch']} k={x['k']} {x.get('mode')}: {x['wall_ms']:.3f} ms wall, {x.get('gpu_ms')} ms gpu{extra}")
-    pr = r.get("profile")
-    for part in ("decode", "verify") if pr else ():
-        print(f"  profile {part}: {pr[part]['total_us']} us of kernels a step; top:")
-        for x in pr[part]["top"][:10]:
-            print(f"    {x['us']:8.1f} us x{x['calls']:3d} {x['kernel']}")
-    e = r.get("e2e_replay")
-    if e:
-        print(f"  e2e plain {e['plain']['output_tok_per_s']} tok/s")
-        for pt in e["points"]:
-            print(f"  e2e L={pt['measured_L']}: {pt['output_tok_per_s']} tok/s, speedup {pt['speedup']}, "
-                  f"efficiency {pt['efficiency']}, identical {pt['identical']}")
-PY
+python3 benchmarks/spec_verify_summary.py "$OUT"/svc_qwen3-0.6b_{k_loop,one_tile}.json 2>&1 | tee "$OUT/summary.txt"

@@ -21,7 +21,6 @@ Skipped without CUDA or triton.
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 import torch
@@ -34,9 +33,7 @@ from kernels import linear as L  # noqa: E402
 from kernels.device_info import TILE_COUNTERS  # noqa: E402
 from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-DTYPES = [torch.bfloat16, torch.float16]
+from tests.gpu.test_fused_linear_gpu import DTYPES, ROOT, TOL  # noqa: E402  (the fused-linear tests' bounds)
 QWEN3_06B = {"qkv": (4096, 1024, "norm"), "o": (1024, 2048, "res"), "gate_up": (6144, 1024, "norm"),
              "down": (1024, 3072, "silu_res")}
 
