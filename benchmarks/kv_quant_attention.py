@@ -72,9 +72,16 @@ TILES: dict = {"n32w4s1": (32, 4, 1, None), "n64w4s1": (64, 4, 1, None), "n128w4
 # programs_per_sm, maxnreg, fused_merge), are timed in the formats REFERENCE names only
 CAPPED: dict = {"n128w4s1r128": (128, 4, 1, None, 128, False), "n64w4s1r128": (64, 4, 1, None, 128, False),
                 "n128w4s1r96": (128, 4, 1, None, 96, False), "n64w4s1r80": (64, 4, 1, None, 80, False),
-                "n128w4s1fm": (128, 4, 1, None, None, True), "n64w4s1fm": (64, 4, 1, None, None, True)}
+                "n128w4s1fm": (128, 4, 1, None, None, True), "n64w4s1fm": (64, 4, 1, None, None, True),
+                # around the 2026-12-03 default (fp16/n128w4s1r128): the in-kernel merge, two stages,
+                # caps of 112 / 144 registers, split targets of 3 / 6 programs an SM
+                "n128w4s1r128fm": (128, 4, 1, None, 128, True), "n128w4s2r128": (128, 4, 2, None, 128, False),
+                "n128w4s1r112": (128, 4, 1, None, 112, False), "n128w4s1r144": (128, 4, 1, None, 144, False),
+                "n128w4s1r128p3": (128, 4, 1, 3, 128, False), "n128w4s1r128p6": (128, 4, 1, 6, 128, False)}
 REFERENCE = ("fp16/n128w4s1r128", "fp16/n64w4s1r128", "fp16_vwords/n128w4s1r96", "fp16_words/n64w4s1r80",
-             "fp16_vwords/n64w4s1r80", "fp16/n128w4s1fm", "fp16_words/n64w4s1fm", "fp16_vwords/n64w4s1fm")
+             "fp16_vwords/n64w4s1r80", "fp16/n128w4s1fm", "fp16_words/n64w4s1fm", "fp16_vwords/n64w4s1fm",
+             "fp16/n128w4s1r128fm", "fp16/n128w4s2r128", "fp16/n128w4s1r112", "fp16/n128w4s1r144",
+             "fp16/n128w4s1r128p3", "fp16/n128w4s1r128p6", "fp16_vwords/n128w4s1r128")
 
 
 def fp8_variants(kname: str) -> dict[str, dict]:

@@ -42,11 +42,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none",
                     help="weights: bf16 (none) or fp8 e4m3 quantized at load (kernels/fp8_linear.py)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "int8"],
+                    help="the KV cache's dtype (auto: the model's; docs/ARCHITECTURE.md §4.6)")
     a = ap.parse_args()
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
            "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
-           "gpu_memory_utilization": 0.9, "enable_prefix_caching": False, "quantization": a.quantization}
+           "gpu_memory_utilization": 0.9, "enable_prefix_caching": False, "quantization": a.quantization,
+           "kv_cache_dtype": a.kv_cache_dtype}
     runner, startup = load_runner(cli)
     report = runner.report()
     print("runner:", json.dumps(report), flush=True)

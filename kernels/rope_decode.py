@@ -78,9 +78,12 @@ ROPE_DECODE_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, 
 # 64 (one stage 0.88 / 0.89)
 # The 2026-12-03 sweep (the same run as kernels.attention_triton.DECODE_FP8_DEFAULTS): with the register
 # cap of 128 and one stage, 32K b1 / 32K b64 / 8K b1 / 8K b64: 1.43 / 1.38 / 1.23 / 1.36 (before: 1.42 /
-# 0.97 / 1.24 / 0.97)
+# 0.97 / 1.24 / 0.97). "few" aims at 6 programs an SM (the third session's sweep, 2026-12-03, with
+# variants around that default; benchmarks/results/2026-12-03_h200_kv_quant_attention_variants_s28.json):
+# 32K b1 1.42 -> 1.58, 8K b1 1.23 -> 1.35; "many" unchanged (6 programs an SM 1.38 / 1.37 there, the same)
 ROPE_DECODE_FP8_DEFAULTS: dict = {
-    "few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 128},
+    "few": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 128,
+            "programs_per_sm": 6},
     "many": {"fp8_dot": "fp16", "block_n": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 128}}
 ENABLED = True  # False: the dispatcher runs the rotary kernel and paged attention in turn
 
