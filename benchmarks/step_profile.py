@@ -10,10 +10,12 @@ before it ends and waits inside, so its profiled time includes that wait: `--pdl
 each kernel's own time.
 --decode-fusion on profiles the MoE decode path and the in-kernel split merge, off neither, default the
 module defaults (the MoE decode path on, the merge off).
---glue on profiles a hybrid with its decode glue fused (qwen3_next.FUSED_GLUE, off by default);
+--glue on|off profiles a hybrid with its decode glue fused or not (qwen3_next.FUSED_GLUE; default: the
+module's, on); --quantization fp8 and --kv-cache-dtype fp8_e4m3 profile quantized weights / KV.
 --stack off builds it with its projections apart (qwen3_next.STACK_PROJECTIONS, on by default).
 Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--parts all|b1]
-       [--decode-fusion on|off|default] [--glue on|off] [--stack on|off] [--out FILE]
+       [--decode-fusion on|off|default] [--glue on|off|default] [--stack on|off]
+       [--quantization none|fp8] [--kv-cache-dtype auto|fp8_e4m3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -134,13 +136,18 @@ def main() -> None:
                     help="on / off: both the MoE decode path (kernels.moe.DECODE_FUSED, on by default) and the "
                          "decode kernels' in-kernel split merge (fused_merge, off by default); default: the "
                          "module defaults (docs/ARCHITECTURE.md §6.4)")
-    ap.add_argument("--glue", choices=["on", "off"], default="off",
-                    help="on: a hybrid's decode glue in fused kernels (services.worker.models.qwen3_next.FUSED_GLUE)")
+    ap.add_argument("--glue", choices=["on", "off", "default"], default="default",
+                    help="on: a hybrid's decode glue in fused kernels (services.worker.models.qwen3_next.FUSED_GLUE; "
+                         "default: the module's, on)")
+    ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     ap.add_argument("--stack", choices=["on", "off"], default="on",
                     help="a hybrid's stacked projections (qwen3_next.STACK_PROJECTIONS, read when the model is built)")
     a = ap.parse_args()
     pdl.ENABLED = a.pdl == "on"
-    qwen3_next.FUSED_GLUE, qwen3_next.STACK_PROJECTIONS = a.glue == "on", a.stack == "on"
+    if a.glue != "default":
+        qwen3_next.FUSED_GLUE = a.glue == "on"
+    qwen3_next.STACK_PROJECTIONS = a.stack == "on"
     if a.decode_fusion != "default":  # read when the runner captures its graphs
         on = a.decode_fusion == "on"
         moe.DECODE_FUSED = on
@@ -148,12 +155,14 @@ def main() -> None:
     b1_only = a.parts == "b1"
     cli = {"model": model_dir(a.config), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
            "max_num_seqs": 8 if b1_only else 256, "max_num_batched_tokens": 4096, "max_model_len": 4096,
-           "gpu_memory_utilization": a.gpu_memory_utilization}
+           "gpu_memory_utilization": a.gpu_memory_utilization, "quantization": a.quantization,
+           "kv_cache_dtype": a.kv_cache_dtype}
     runner = ModelRunner(build_config(cli=cli, env={}))
     res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl,
                  "parts": a.parts, "moe_decode_fused": moe.DECODE_FUSED,
                  "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "decode_fusion": a.decode_fusion,
-                 "fused_glue": qwen3_next.FUSED_GLUE,
+                 "fused_glue": qwen3_next.FUSED_GLUE, "quantization": a.quantization,
+                 "kv_cache_dtype": a.kv_cache_dtype,
                  "stacked_projections": bool(getattr(runner.model, "stacked", False))}
     nbps = -(-1100 // runner.block_size)
     p1 = plan(1, 1024, nbps)
