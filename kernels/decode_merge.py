@@ -203,9 +203,9 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, so_t, so_h, n_heads, n_splits,
 
 
 def split_buffers(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(m, l, acc) fp32 partials of a split-K decode into out [B, H, D]: [B, H, splits] twice
-    and [B, H, splits, D]; `out` itself three times for one split (the kernel then stores the
-    output directly)."""
+    """(m, l, acc) fp32 partials of a split-K decode into out [B, H, D] (the multi-query
+    kernel's out [T, H, D]: rows by token): [B, H, splits] twice and [B, H, splits, D]; `out`
+    itself three times for one split (the kernel then stores the output directly)."""
     if splits == 1:
         return out, out, out
     b, h, d = out.shape
