@@ -34,6 +34,10 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
    the other parts (the A/B of the verify and e2e parts runs them twice).
 --skinny one_tile|k_loop picks the 2..16-row projection kernel for the whole run
 (kernels/linear.py SKINNY_PDL; scripts/gpu_verifyk.sh runs both).
+--mq-merge launch|fused picks how verify steps' split-K attention merges its partitions
+(kernels/attention_multi_query.py MQ_DEFAULTS "fused_merge": a `_merge_kernel` launch after
+the kernel, the default, or in the kernel by the last live split; set before the runner loads,
+so its warm-up and graphs take it; decode steps are unaffected; scripts/gpu_mqfuse.sh runs both).
 Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
 JSON (settings, device, runner report, the three parts) to --out and stdout.
 
@@ -507,6 +511,9 @@ def main() -> None:
                     help="the 2..16-row projection kernel (kernels/linear.py SKINNY_PDL): the one-tile kernel "
                          "with PDL, the in-kernel split sum and the fused layer path at 2..16 rows (default), or "
                          "the K-loop kernel with its 2-kernel split sum and those steps unfused (before issue 15)")
+    ap.add_argument("--mq-merge", choices=["launch", "fused"], default="launch",
+                    help="the split merge of the multi-query (verify) attention kernel: a second launch "
+                         "(default) or in the kernel (kernels/attention_multi_query.py MQ_DEFAULTS fused_merge)")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -515,6 +522,8 @@ def main() -> None:
         attention_triton.DECODE_DEFAULTS["multi_query"] = False
     from kernels import linear as linear_kernels
     linear_kernels.SKINNY_PDL = a.skinny == "one_tile"  # read by the runner's FusionPlan at load
+    from kernels import attention_multi_query
+    attention_multi_query.MQ_DEFAULTS["fused_merge"] = a.mq_merge == "fused"  # before the warm-up and graphs
     tiny = a.tiny
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \
@@ -533,6 +542,7 @@ def main() -> None:
     cli.update({"gpu_memory_utilization": 0.35} if cuda else {"kv_cache_gib": 0.25})
     res: dict = {"benchmark": "spec_verify_cost", "device": device_name() if cuda else "cpu", "config": a.config,
                  "weights": "dummy", "dtype": cli["dtype"], "torch": torch.__version__,
+                 "mq_merge": a.mq_merge,
                  "settings": {k: v for k, v in vars(a).items() if k not in ("out", "notes")}, "notes": a.notes}
     def save_partial() -> None:  # a run cut short (a timeout) keeps the parts already done
         if a.out:

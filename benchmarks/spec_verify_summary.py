@@ -19,7 +19,8 @@ def summarize(path: str) -> list[str]:
     if not os.path.exists(path):
         return [f"== {os.path.basename(path)}: no result"]
     r = json.load(open(path))
-    out = [f"== {os.path.basename(path)} complete={r.get('complete')}"]
+    mq = f" mq_merge={r['mq_merge']}" if "mq_merge" in r else ""
+    out = [f"== {os.path.basename(path)} complete={r.get('complete')}{mq}"]
     for x in r.get("verify_cost", []):
         gpu = f", {x['gpu_ms']} ms gpu" if x.get("gpu_ms") is not None else ""
         extra = f", break-even L {x['break_even_L']}" if x.get("mode") == "verify" else ""

@@ -10,8 +10,13 @@ reuses the decode kernel's layout instead (FlashDecoding, Dao et al. 2023): prog
 (seq, kv_head, split) attends the Q x G rows (the seq's queries times the query heads of one
 KV head, GQA: K/V read once per KV head) over one partition of the context with an online
 softmax (Milakov & Gimelshein 2018), each row masked causally at its own position; the
-partitions are merged by their log-sum-exp (`kernels.decode_merge._merge_kernel`, whose rows
-are the step's token rows here).
+partitions are merged by their log-sum-exp (`kernels.decode_merge`): by a second launch
+(`_merge_kernel`, whose rows are the step's token rows here), or with MQ_DEFAULTS
+"fused_merge" in the kernel by the last live split program of each (seq, kv_head), which
+merges all q_len x G rows of the program (`_finish_rows`, as the decode kernels do; a
+context in one live partition stores its output directly). Each seq sizes its partitions
+from its own seq_len on the device (`_partition`), so a grid fixed at capture for
+max_model_len serves a shorter context with all its splits.
 
 Row r of a program is query r // G (of the seq's q_len <= Q) and head kv_head * G + r % G.
 Every token row of q must belong to a sequence (cu_seqlens_q covers [0, T)): rows outside
@@ -28,23 +33,33 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_merge import merge_splits, split_buffers
+from kernels.decode_merge import (_finish_rows, _partition, _store_rows, fused_merge_constants, merge_counters,
+                                  merge_splits, split_buffers)
 from kernels.kv_quant_triton import kv_operands, kv_tile
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 # rows (queries x heads of one KV head) of one program at most: beyond, the prefill kernel
 MAX_ROWS = 64
-# key tile: 64 keys (32 for head_dim > 128), as the decode kernel
-MQ_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None}
+# key tile: 64 keys (32 for head_dim > 128), as the decode kernel. fused_merge: the last live
+# split program of each (seq, kv_head) merges the partials of its q_len x G rows itself, and a
+# context in one live partition stores its output directly (`kernels.decode_merge._finish_rows`),
+# instead of the `_merge_kernel` launch after the kernel (split-K merges took 264 us of a
+# Qwen3-0.6B verify step's kernels on the H200, 28 layers, docs/ARCHITECTURE.md §5.5). Off (the launch) by default:
+# not measured yet (scripts/gpu_mqfuse.sh). Passed through `paged_attention_triton`'s
+# decode_config under the same key as the decode kernel's.
+MQ_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None, "fused_merge": False}
 
 
 # s_bt and n_splits vary from step to step: not specialised (`kernels.attention_warmup`)
 @triton.jit(do_not_specialize=["s_bt", "n_splits"])
-def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
                         ks_ptr, vs_ptr, sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                         n_splits, n_heads, head_dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                        USE_PDL: tl.constexpr, KV_FP8: tl.constexpr):
+                        USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
+                        MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    # no program returns early: with FUSED_MERGE the live ones arrive on their (seq, kv_head)
+    # counter in `_finish_rows` (after the PDL wait)
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,7 +71,9 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
     q_len = tl.load(cu_ptr + seq + 1) - q_start
     seq_len = tl.load(seqlen_ptr + seq)
     ctx = seq_len - q_len  # cached tokens before this step's queries
-    partition = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), n_splits) * BLOCK_N
+    # each seq spreads its own context over the n_splits partitions (whole BLOCK_N tiles), so
+    # a grid fixed at capture for max_model_len serves every shorter context fully
+    partition, n_live = _partition(seq_len, n_splits, BLOCK_N, 1)
     start = split * partition
     end = tl.minimum(start + partition, seq_len)
     rr = tl.arange(0, BLOCK_R)
@@ -91,15 +108,16 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
         m_i = m_new
     if KV_FP8:
         acc = acc * tl.load(vs_ptr)
-    if ONE_SPLIT:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok[:, None] * so_t + heads[:, None] * so_h + dd[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qm)
-    else:  # the partials of `kernels.decode_merge`, indexed by token row
-        row = (tok * n_heads + heads) * n_splits + split
-        tl.store(m_ptr + row, m_i, mask=rmask)
-        tl.store(l_ptr + row, l_i, mask=rmask)
-        tl.store(acc_ptr + row[:, None] * head_dim + dd[None, :], acc, mask=qm)
+    # the rows' out offsets and partial rows (`kernels.decode_merge`, indexed by token row)
+    orow = tok * so_t + heads * so_h
+    prow = (tok * n_heads + heads) * n_splits
+    if FUSED_MERGE:  # (never with ONE_SPLIT) the last live program merges all q_len x G rows
+        _finish_rows(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, orow, prow, rmask,
+                     q_start.to(tl.int64), q_len * G, dd, dmask, so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G,
+                     BLOCK_S, CHUNK_S, BLOCK_D)
+    else:
+        _store_rows(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, orow, prow, rmask, dd, dmask, split, head_dim,
+                    ONE_SPLIT)
 
 
 def multi_query_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int, block_n: int) -> int:
@@ -129,7 +147,9 @@ def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
     max_q_len, max_seq_len: host bounds of the step's query and sequence lengths (a larger
         max_seq_len is valid: CUDA graphs pass max_model_len). sms: the device's SM count.
-    config: launch overrides (keys of `MQ_DEFAULTS`), for benchmarks and tests.
+    config: launch overrides (keys of `MQ_DEFAULTS`, "fused_merge" among them), for benchmarks
+        and tests. The fused merge's counters are allocated outside CUDA-graph capture
+        (`merge_counters`); a capture that would allocate them takes the merge launch.
     k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
     Raises ValueError where `fits_multi_query` is false or H is not a multiple of KVH, and as
     `kv_operands`.
@@ -149,13 +169,15 @@ def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     splits = cfg["splits"] or multi_query_splits(b, kvh, max_seq_len, sms, block_n)
     pdl = use_pdl(q.device)
     m, l_, acc = split_buffers(out, splits)
+    cnt = merge_counters(out, kvh, splits, cfg["fused_merge"], b)
     kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
     _multi_query_kernel[(b, kvh, splits)](
-        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, out, m, l_, acc, ks, vs,
+        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, out, m, l_, acc, out if cnt is None else cnt, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1],
         splits, h, d, G=g, BLOCK_R=max(16, triton.next_power_of_2(max_q_len * g)), BLOCK_N=block_n,
-        BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl, KV_FP8=fp8, num_warps=cfg["num_warps"],
+        BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl, KV_FP8=fp8, FUSED_MERGE=cnt is not None,
+        **fused_merge_constants(h, kvh, d, splits, cnt is not None, max_q_len), num_warps=cfg["num_warps"],
         **({"num_stages": cfg["num_stages"]} if cfg["num_stages"] else {}), **launch_args(pdl))
-    merge_splits(m, l_, acc, out, splits, pdl)
+    merge_splits(m, l_, acc, out, splits, pdl, cnt)
     return out

@@ -308,7 +308,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         valid (CUDA graphs pass max_model_len): empty partitions exit at once.
     decode_config: overrides of the decode kernel's launch (keys of `DECODE_DEFAULTS`), for
         the benchmarks and tests; None = `DECODE_DEFAULTS` (and for an fp8 cache
-        `DECODE_FP8_DEFAULTS` over them).
+        `DECODE_FP8_DEFAULTS` over them). Its keys of `MQ_DEFAULTS` (block_n, num_warps,
+        num_stages, splits, fused_merge) also set the multi-query kernel's launch, over
+        `MQ_DEFAULTS`.
     k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
     Raises ValueError if num_heads is not a multiple of num_kv_heads, or for an unknown
     fp8_dot, and as `kv_operands`.
