@@ -15,11 +15,31 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
    one request (--e2e-prompt-len random ids, --e2e-tokens greedy output tokens,
    ignore_eos) through an `EngineCore` on an `InProcessExecutor` (benchmarks/common.py
    `run_core`: the engine's scheduler, the fixed policy with k = --e2e-k, the runner).
-   The plain run gives the reference tokens and the plain tok/s (the runner's proposer
-   removed); then for each target acceptance length L the replay drafter proposes that
-   reference with a share of drafts corrupted (`accept_for_length`). Reported: measured L
-   (1 + accepted / drafts, the core's spec_decode counters), tok/s, speedup over plain,
-   efficiency = speedup / L (target >= 0.8 for L <= 4), outputs identical to plain.
+   The plain run gives the plain tok/s (the runner's proposer removed, in this process)
+   and the first reference; then for each target acceptance length L the replay drafter
+   proposes a reference with a share of drafts corrupted (`accept_for_length`). The
+   reference is settled first (`spec_replay.settle_reference`, at most --e2e-ref-rounds
+   untimed runs): in bf16 the verify kernels round differently from the plain decode path,
+   so on random weights a speculative run's greedy output leaves the plain run's, and
+   after that a drafter replaying the plain run has nothing to propose (no-draft steps: the
+   measured L falls below the set share's). So the reference is the speculative run's own
+   output at that point's acceptance and seed, run again until a run reproduces it; every
+   proposal is then the set share of the target's own continuation, and the measured L
+   reflects the corruption share. (Re-anchoring the drafter on the emitted tokens instead
+   would need the target's continuation from there, which only a run gives.) Reported:
+   measured L (1 + accepted / drafts, the core's spec_decode counters), tok/s, speedup over
+   plain, efficiency = speedup / L (target >= 0.8 for L <= 4), `identical` (output = the
+   plain run's: true on the CPU's fp32, not expected in bf16), `on_reference` (= the
+   settled reference), `reference_rounds` / `reference_settled` /
+   `reference_differs_from_plain_at` (the first index, None: nowhere),
+   `off_track_proposals` of the timed runs (0 once settled). Per point and for plain, one
+   more run behind a `StepKindTimer` (benchmarks/spec_step_kinds.py): `step_kinds`, per
+   kind of step (prefill, decode graph / eager, verify graph / eager, no-draft graph /
+   eager) its count, median and total wall ms of `execute`, the host time before the
+   forward's first launch and after the step's last device read, the engine's gap before
+   it, and on CUDA the device span by events; `kinds_run_tok_per_s` that run's own tok/s
+   (its hooks cost a few us a step). --e2e-stand-in (CPU): verify steps through the
+   verify-graph path over the stand-in graphs of tests/unit/verify_graphs_rig.py.
 3. The draft-model proposer (`draft_model`, when services/worker/spec/draft_model.py
    exists; skipped otherwise): dummy drafts of the target's shape, its full depth (the
    target as its own draft: acceptance 100% up to numerics) and 2 layers, k = --e2e-k,
