@@ -471,7 +471,7 @@ def e2e_replay(runner, k: int, lengths: list[float], prompt_len: int, n: int, re
         accept = accept_for_length(min(length, k + 1), k)
         rounds = [0]
 
-        def spec_tokens(tokens: list[int]) -> list[int]:
+        def spec_tokens(tokens: list[int], li=li, accept=accept, rounds=rounds) -> list[int]:
             rounds[0] += 1
             prefix = f"sr{li}_{rounds[0]}_"
             use(tokens, accept, li)(prefix)

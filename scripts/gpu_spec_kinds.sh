@@ -2,8 +2,9 @@
 # Issue 15, where a verify step's end-to-end time goes (docs/ARCHITECTURE.md §5.5), on the device
 # machine (about 2-3 minutes on the H200): the GPU test of the step kinds and the settled replay
 # reference (tests/gpu/test_spec_step_kinds_gpu.py), then benchmarks/spec_verify_cost.py
-# --config qwen3-0.6b --parts e2e host (dummy weights, batch 1, verify graphs of k 1..4, the replay drafter at k = 4 with
-# its reference settled on the speculative run's own output; per e2e point the steps by kind:
+# --config qwen3-0.6b --parts e2e host --ks 4 (dummy weights, batch 1, verify graphs of k 1..4,
+# the replay drafter at k = 4 with its reference settled on the speculative run's own output;
+# per e2e point the steps by kind:
 # count, wall, device span, host time before the forward and after the last read, the engine's
 # gap; the host part at batch 1 and 8). Everything lands under $OUT (default ./gpu_out):
 # env.txt, bench.log, svc_kinds_qwen3-0.6b.json, summary.txt.
