@@ -544,7 +544,7 @@ def main() -> None:
     ap.add_argument("--e2e-reps", type=int, default=None)
     ap.add_argument("--e2e-ref-rounds", type=int, default=8,
                     help="untimed speculative runs at most per e2e point to settle its replay reference "
-                         "(benchmarks/spec_replay.py settle_reference)")
+                         "(benchmarks/spec_replay.py settle_reference; 0: the plain run's tokens, as before)")
     ap.add_argument("--dm-batches", type=int, nargs="+", default=None)
     ap.add_argument("--dm-reps", type=int, default=1, help="timed runs per draft-model point (after a warm-up)")
     ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model", "profile", "host"],
