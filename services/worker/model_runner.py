@@ -506,8 +506,12 @@ class ModelRunner:
         if not rows:
             return StepLogits(None, rows, prompt_logits, view, offsets)
         if drafts:
-            idx = torch.tensor(logit_rows(seqs, rows, offsets), dtype=torch.long)
-            picked = hidden.index_select(0, idx.to(hidden.device, non_blocking=True))
+            keep = logit_rows(seqs, rows, offsets)  # increasing: all of hidden when it ends at its last row
+            if len(keep) == hidden.shape[0] and keep[-1] == len(keep) - 1:
+                picked = hidden  # every seq samples and is [last token, drafts]: no gather (§5.5)
+            else:
+                idx = torch.tensor(keep, dtype=torch.long)
+                picked = hidden.index_select(0, idx.to(hidden.device, non_blocking=True))
         elif len(rows) == len(seqs) and hidden.shape[0] == len(seqs):
             picked = hidden  # decode-only step: every row is sampled
         else:
