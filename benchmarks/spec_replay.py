@@ -11,6 +11,20 @@ token + 1 (mod vocab), never the target's greedy token. A verify step of k draft
 the kept prefix, so the mean acceptance length is 1 + sum_{i=1..k} accept^i (Leviathan et
 al. 2023, arXiv 2211.17192, §3.1, for i.i.d. acceptance).
 
+The reference: the plain greedy run's tokens are where it starts, but verification rounds in
+bf16 differently from the plain decode path (other kernels, other split-K partitions), so on
+random weights a speculative run's greedy output leaves the plain run's somewhere, and past
+that point the drafter has nothing to propose (each proposal checks that the request's last
+emitted token is the reference's, `off_track`) and the run's steps are no-draft steps: the
+measured L then says less than the set share. `settle_reference` makes the reference the
+speculative run's own output at the point's acceptance and seed: a run with reference R
+emitting O != R is run again with reference O. The run is deterministic for a given
+reference (the corruption depends on seed and output index, not on the tokens), and a run
+with reference O computes exactly what the run with R did up to the first index where O
+and R differ, then accepts O's token there (the same logits as before); so the first
+difference moves forward every round, and a reference that a run reproduces is on track
+throughout: every proposal is the set share of the target's own continuation.
+
 Injection: the runner builds proposers from its registry (`services.worker.spec.PROPOSERS`,
 `cls(cfg, spec, runner)`); `registered()` puts this class in the "draft_model" slot while a
 runner is built (the engine side then treats it as any drafter without context tokens).
@@ -19,17 +33,22 @@ runner is built (the engine side then treats it as any drafter without context t
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from services.worker.spec.base import Proposal, Proposer, ProposeRequest, ProposerInfo, StepView
 
 SLOT = "draft_model"  # the registry entry the replay drafter takes while a runner is built
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def draft_kept(seed: int, first_index: int, i: int, accept: float) -> bool:
     """Whether draft i (1-based) of the proposal starting at output index first_index is the
-    reference token (module doc): a uniform draw of its own below `accept`."""
+    reference token (module doc): a uniform draw of its own below `accept`. Memoized: a
+    seeded `random.Random` costs ~5 us on the 2-core VM, ~20 us a proposal of 4, which would
+    land in the verify step's host time after its last read; the untimed runs that settle
+    the reference make the very draws of the timed runs."""
     if accept >= 1.0:
         return True
     if accept <= 0.0:
@@ -64,6 +83,21 @@ def accept_for_length(length: float, k: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_length(mid, k) < length else (lo, mid)
     return hi if length >= k + 1 else lo
+
+
+def settle_reference(start: list[int], run: Callable[[list[int]], list[int]],
+                     max_rounds: int) -> tuple[list[int], int, bool]:
+    """The replay reference a speculative run reproduces (module doc): starting from start
+    (the plain run's tokens), ref = run(ref) until run(ref) == ref or max_rounds runs.
+    run(ref): the speculative run's output tokens with ref as its reference (same length).
+    Returns (reference, runs made, settled: whether the last run reproduced it)."""
+    ref = start
+    for i in range(1, max_rounds + 1):
+        out = run(ref)
+        if out == ref:
+            return ref, i, True
+        ref = out
+    return ref, max_rounds, False
 
 
 class ReplayProposer(Proposer):

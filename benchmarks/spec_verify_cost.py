@@ -15,11 +15,31 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
    one request (--e2e-prompt-len random ids, --e2e-tokens greedy output tokens,
    ignore_eos) through an `EngineCore` on an `InProcessExecutor` (benchmarks/common.py
    `run_core`: the engine's scheduler, the fixed policy with k = --e2e-k, the runner).
-   The plain run gives the reference tokens and the plain tok/s (the runner's proposer
-   removed); then for each target acceptance length L the replay drafter proposes that
-   reference with a share of drafts corrupted (`accept_for_length`). Reported: measured L
-   (1 + accepted / drafts, the core's spec_decode counters), tok/s, speedup over plain,
-   efficiency = speedup / L (target >= 0.8 for L <= 4), outputs identical to plain.
+   The plain run gives the plain tok/s (the runner's proposer removed, in this process)
+   and the first reference; then for each target acceptance length L the replay drafter
+   proposes a reference with a share of drafts corrupted (`accept_for_length`). The
+   reference is settled first (`spec_replay.settle_reference`, at most --e2e-ref-rounds
+   untimed runs): in bf16 the verify kernels round differently from the plain decode path,
+   so on random weights a speculative run's greedy output leaves the plain run's, and
+   after that a drafter replaying the plain run has nothing to propose (no-draft steps: the
+   measured L falls below the set share's). So the reference is the speculative run's own
+   output at that point's acceptance and seed, run again until a run reproduces it; every
+   proposal is then the set share of the target's own continuation, and the measured L
+   reflects the corruption share. (Re-anchoring the drafter on the emitted tokens instead
+   would need the target's continuation from there, which only a run gives.) Reported:
+   measured L (1 + accepted / drafts, the core's spec_decode counters), tok/s, speedup over
+   plain, efficiency = speedup / L (target >= 0.8 for L <= 4), `identical` (output = the
+   plain run's: true on the CPU's fp32, not expected in bf16), `on_reference` (= the
+   settled reference), `reference_rounds` / `reference_settled` /
+   `reference_differs_from_plain_at` (the first index, None: nowhere),
+   `off_track_proposals` of the timed runs (0 once settled). Per point and for plain, one
+   more run behind a `StepKindTimer` (benchmarks/spec_step_kinds.py): `step_kinds`, per
+   kind of step (prefill, decode graph / eager, verify graph / eager, no-draft graph /
+   eager) its count, median and total wall ms of `execute`, the host time before the
+   forward's first launch and after the step's last device read, the engine's gap before
+   it, and on CUDA the device span by events; `kinds_run_tok_per_s` that run's own tok/s
+   (its hooks cost a few us a step). --e2e-stand-in (CPU): verify steps through the
+   verify-graph path over the stand-in graphs of tests/unit/verify_graphs_rig.py.
 3. The draft-model proposer (`draft_model`, when services/worker/spec/draft_model.py
    exists; skipped otherwise): dummy drafts of the target's shape, its full depth (the
    target as its own draft: acceptance 100% up to numerics) and 2 layers, k = --e2e-k,
@@ -65,7 +85,9 @@ import torch  # noqa: E402
 
 from benchmarks import spec_stats as st  # noqa: E402
 from benchmarks.common import device_name, emit_json, load_runner, model_dir, new_core, run_core  # noqa: E402
-from benchmarks.spec_replay import ReplayProposer, accept_for_length, registered, without_proposer  # noqa: E402
+from benchmarks.spec_replay import (ReplayProposer, accept_for_length, registered, settle_reference,  # noqa: E402
+                                    without_proposer)
+from benchmarks.spec_step_kinds import StepKindTimer  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -387,19 +409,24 @@ def host_cost(runner, batches: list[int], k: int, context: int, reps: int, cuda:
 
 
 def _one_run(runner, prompts: list[list[int]], n: int, prefix: str, spec: str | None,
-             max_num_batched_tokens: int) -> tuple[dict, dict, dict]:
+             max_num_batched_tokens: int, kinds: bool = False) -> tuple[dict, dict, dict]:
     """prompts (one request each, greedy, n tokens, ignore_eos) through a fresh core
     (speculative with `spec`, plain with None). Returns (speed, tokens by request index,
-    the core's spec counters or {})."""
+    the core's spec counters or {}). kinds: the run behind a `StepKindTimer`
+    (benchmarks/spec_step_kinds.py), its summary in speed["step_kinds"]."""
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     extra = {"speculative_config": spec, "load_format": "dummy"} if spec else None
     core = new_core(runner, max(8, len(prompts)), max_num_batched_tokens, len(prompts), extra)
     toks: dict[str, list[int]] = {}
-    seconds, steps, out, timing = run_core(core, runner, [(p, sp) for p in prompts], prefix, toks)
+    timer = StepKindTimer(runner) if kinds else None
+    with timer if timer is not None else contextlib.nullcontext():
+        seconds, steps, out, timing = run_core(core, timer or runner, [(p, sp) for p in prompts], prefix, toks)
     counters = st.spec_counters_from_stats(core.stats()) if spec else None
     speed = {"seconds": round(seconds, 4), "steps": steps, "output_tokens": out,
              "output_tok_per_s": round(out / seconds, 2), "run_step_seconds": timing["run_step_seconds"],
              "schedule_seconds": timing["schedule_seconds"], "update_seconds": timing["update_seconds"]}
+    if timer is not None:
+        speed["step_kinds"] = timer.summary()
     return speed, {int(r[len(prefix):]): t for r, t in toks.items()}, (st.acceptance_summary(counters) if counters else {})
 
 
@@ -418,8 +445,12 @@ def _median_run(runner, prompts, n, tag: str, spec, mbt, reps: int, before=None)
     return {**speed, "tok_per_s_all": [r[0]["output_tok_per_s"] for r in runs]}, toks, acc
 
 
-def e2e_replay(runner, k: int, lengths: list[float], prompt_len: int, n: int, reps: int, mbt: int) -> dict:
-    """Part 2 (module doc)."""
+def e2e_replay(runner, k: int, lengths: list[float], prompt_len: int, n: int, reps: int, mbt: int,
+               ref_rounds: int = 8) -> dict:
+    """Part 2 (module doc). Per point the replay reference is settled first
+    (`spec_replay.settle_reference`, at most ref_rounds untimed speculative runs at the
+    point's acceptance and seed), then the timed runs, then one run behind a
+    `StepKindTimer` (`step_kinds`, its own tok/s `kinds_run_tok_per_s`)."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, 10000, (prompt_len,), generator=g).tolist()
     proposer = runner.proposer
@@ -427,28 +458,48 @@ def e2e_replay(runner, k: int, lengths: list[float], prompt_len: int, n: int, re
     with without_proposer(runner):
         _one_run(runner, [prompt], n, "pw_", None, mbt)  # warm-up
         plain, ref_toks, _ = _median_run(runner, [prompt], n, "p", None, mbt, reps)
+        kinds_plain, _, _ = _one_run(runner, [prompt], n, "pk_", None, mbt, kinds=True)
+    plain.update(step_kinds=kinds_plain["step_kinds"], kinds_run_tok_per_s=kinds_plain["output_tok_per_s"])
     ref = ref_toks[0]
 
-    def use(accept: float, seed: int):
+    def use(tokens: list[int], accept: float, seed: int):
         def before(prefix: str) -> None:
-            proposer.refs, proposer.accept, proposer.seed = {prefix + "0": ref}, accept, seed
+            proposer.refs, proposer.accept, proposer.seed = {prefix + "0": tokens}, accept, seed
         return before
 
     for a in (1.0, 0.5):  # warm-up of the verify shapes
-        use(a, 99)("sw_")
+        use(ref, a, 99)("sw_")
         _one_run(runner, [prompt], n, "sw_", spec_json(k), mbt)
     points = []
     for li, length in enumerate(lengths):
         accept = accept_for_length(min(length, k + 1), k)
+        rounds = [0]
+
+        def spec_tokens(tokens: list[int], li=li, accept=accept, rounds=rounds) -> list[int]:
+            rounds[0] += 1
+            prefix = f"sr{li}_{rounds[0]}_"
+            use(tokens, accept, li)(prefix)
+            return _one_run(runner, [prompt], n, prefix, spec_json(k), mbt)[1][0]
+
+        settled, used, converged = settle_reference(ref, spec_tokens, ref_rounds)
         proposer.off_track = 0
-        speed, toks, acc = _median_run(runner, [prompt], n, f"s{li}_", spec_json(k), mbt, reps, use(accept, li))
+        speed, toks, acc = _median_run(runner, [prompt], n, f"s{li}_", spec_json(k), mbt, reps,
+                                       use(settled, accept, li))
+        off_track = proposer.off_track
+        use(settled, accept, li)(f"sk{li}_")
+        kinds_run, _, _ = _one_run(runner, [prompt], n, f"sk{li}_", spec_json(k), mbt, kinds=True)
         measured = acc.get("mean_acceptance_length") or 1.0
         speedup = speed["output_tok_per_s"] / plain["output_tok_per_s"]
         eff = speedup / measured
         points.append({"target_L": length, "accept": round(accept, 4), "measured_L": measured,
                        "acceptance": acc, **speed, "speedup": round(speedup, 3), "efficiency": round(eff, 3),
                        "meets_target": eff >= EFFICIENCY_TARGET if measured <= 4.0 else None,
-                       "identical": toks.get(0) == ref, "off_track_proposals": proposer.off_track})
+                       "identical": toks.get(0) == ref, "on_reference": toks.get(0) == settled,
+                       "reference_rounds": used, "reference_settled": converged,
+                       "reference_differs_from_plain_at": next((i for i, (x, y) in enumerate(zip(settled, ref))
+                                                                if x != y), None),
+                       "off_track_proposals": off_track, "step_kinds": kinds_run["step_kinds"],
+                       "kinds_run_tok_per_s": kinds_run["output_tok_per_s"]})
     return {"k": k, "prompt_len": prompt_len, "output_tokens": n, "plain": plain, "points": points,
             "target": f"speedup >= {EFFICIENCY_TARGET} x L for L <= 4"}
 
@@ -495,6 +546,9 @@ def main() -> None:
     ap.add_argument("--e2e-prompt-len", type=int, default=None)
     ap.add_argument("--e2e-tokens", type=int, default=None)
     ap.add_argument("--e2e-reps", type=int, default=None)
+    ap.add_argument("--e2e-ref-rounds", type=int, default=8,
+                    help="untimed speculative runs at most per e2e point to settle its replay reference "
+                         "(benchmarks/spec_replay.py settle_reference; 0: the plain run's tokens, as before)")
     ap.add_argument("--dm-batches", type=int, nargs="+", default=None)
     ap.add_argument("--dm-reps", type=int, default=1, help="timed runs per draft-model point (after a warm-up)")
     ap.add_argument("--parts", nargs="+", choices=["verify", "e2e", "draft_model", "profile", "host"],
@@ -502,6 +556,9 @@ def main() -> None:
     ap.add_argument("--attention", choices=["multi_query", "prefill"], default="multi_query",
                     help="the kernel of verify steps' attention: the split-K multi-query kernel "
                          "(kernels/attention_multi_query.py, the default) or the varlen prefill kernel")
+    ap.add_argument("--e2e-stand-in", action="store_true",
+                    help="CPU only: the e2e part's verify steps through the verify-graph path over the stand-in "
+                         "graphs of tests/unit/verify_graphs_rig.py (as the host part's *_graph modes)")
     ap.add_argument("--host-batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--host-reps", type=int, default=None)
     ap.add_argument("--fast-verify", choices=["on", "off"], default="on",
@@ -573,8 +630,14 @@ def main() -> None:
             spec_step.FAST_VERIFY = a.fast_verify == "on"
             save_partial()
         if "e2e" in a.parts:
+            if a.e2e_stand_in and not cuda:
+                from tests.unit.verify_graphs_rig import EagerReplayGraphs
+
+                runner.verify_graphs = EagerReplayGraphs(runner._verify_graph_forward, 1, a.e2e_k,
+                                                         runner.max_model_len, runner.block_size,
+                                                         (runner.num_blocks - 1) * runner.block_size)
             res["e2e_replay"] = e2e_replay(runner, a.e2e_k, a.e2e_lengths, a.e2e_prompt_len, a.e2e_tokens,
-                                           a.e2e_reps, mbt)
+                                           a.e2e_reps, mbt, a.e2e_ref_rounds)
             save_partial()
         del runner
         gc.collect()

@@ -1,7 +1,8 @@
 """A short text summary of `benchmarks/spec_verify_cost.py` result files, for the device
 scripts (scripts/gpu_spec_ab.sh, scripts/gpu_verifyk.sh): per file the verify and plain step
 times (wall and GPU ms; a verify row's break-even acceptance length), the host part's rows,
-the kernel profile's top kernels and the replay drafter's end-to-end points.
+the kernel profile's top kernels and the replay drafter's end-to-end points (with their step
+kinds, benchmarks/spec_step_kinds.py).
 
 Usage: python3 benchmarks/spec_verify_summary.py FILE.json [FILE.json ...] (a missing file
 prints "no result"; nothing is raised for one with parts left out).
@@ -41,8 +42,29 @@ def summarize(path: str) -> list[str]:
     e = r.get("e2e_replay")
     if e:
         out.append(f"  e2e plain {e['plain']['output_tok_per_s']} tok/s")
-        out += [f"  e2e L={q['measured_L']}: {q['output_tok_per_s']} tok/s, speedup {q['speedup']}, "
-                f"efficiency {q['efficiency']}, identical {q['identical']}" for q in e["points"]]
+        out += _kinds(e["plain"])
+        for q in e["points"]:
+            ref = (f", on reference {q['on_reference']} ({q['reference_rounds']} rounds), off track "
+                   f"{q['off_track_proposals']}" if "on_reference" in q else "")
+            out.append(f"  e2e L={q['measured_L']}: {q['output_tok_per_s']} tok/s, speedup {q['speedup']}, "
+                       f"efficiency {q['efficiency']}, identical {q['identical']}{ref}")
+            out += _kinds(q)
+    return out
+
+
+def _kinds(run: dict) -> list[str]:
+    """One line per step kind of a run's `step_kinds` (benchmarks/spec_step_kinds.py)."""
+    out = []
+    for kind, x in (run.get("step_kinds") or {}).items():
+        if kind == "total":
+            out.append(f"    all {x['steps']} steps: {x['wall_ms']:.2f} ms in execute, host idle "
+                       f"{x['idle_host_ms']:.2f} ms")
+            continue
+        dev = f", device {x['device_ms_median']:.3f}" if x.get("device_ms_median") is not None else ""
+        gap = f", gap {x['gap_before_ms_median']:.3f}" if x.get("gap_before_ms_median") is not None else ""
+        out.append(f"    {kind}: {x['steps']} x {x['wall_ms_median']:.3f} ms (total {x['wall_ms_total']:.2f}){dev}, "
+                   f"before fwd {x['before_forward_ms_median']:.3f}, after read {x['after_last_read_ms_median']:.3f}"
+                   f"{gap}")
     return out
 
 

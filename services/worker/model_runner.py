@@ -235,9 +235,9 @@ class ModelRunner:
         self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
         self.draft_probs = DraftProbs()  # q of the last proposal per request (probabilistic drafting)
         # the last step that sampled: (the device ids of each sampled seq's last emitted token
-        # [rows] int64, request id -> row); a PENDING_TOKEN of the next plan is read from it
-        # (async scheduling)
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # [rows] int64, after a verify step host ints until `_pending_rows` needs them; request
+        # id -> row); a PENDING_TOKEN of the next plan is read from it (async scheduling)
+        self._last_sampled: tuple[torch.Tensor | list[int], dict[str, int]] | None = None
         self._last_kept: DecodeGraphs | None = None  # the graphs whose `last` holds that draw
         self.load_seconds = time.perf_counter() - t0
         jit_watch.WATCH.arm()  # ready: from here a compile or capture is a serving stall
@@ -448,9 +448,9 @@ class ModelRunner:
         emitted tokens per sampled seq."""
         v = verify_drafts(self.sampler, logits, sampled, self.draft_probs)
         v.fill(result)
-        last = torch.tensor([toks[-1] for toks in v.tokens], dtype=torch.long, pin_memory=logits.is_cuda)
-        self._last_sampled = (last.to(logits.device, non_blocking=True),
-                              {s.request_id: j for j, s in enumerate(sampled)})
+        # host ints: `_pending_rows` moves them to the device only for a plan that reads one (a
+        # verify step is synchronous, §5.5, so the next plan usually holds the tokens themselves)
+        self._last_sampled = ([toks[-1] for toks in v.tokens], {s.request_id: j for j, s in enumerate(sampled)})
         self._last_kept = None  # a decode graph copies it into its own buffer when it needs it
         return v.tokens
 
@@ -506,8 +506,12 @@ class ModelRunner:
         if not rows:
             return StepLogits(None, rows, prompt_logits, view, offsets)
         if drafts:
-            idx = torch.tensor(logit_rows(seqs, rows, offsets), dtype=torch.long)
-            picked = hidden.index_select(0, idx.to(hidden.device, non_blocking=True))
+            keep = logit_rows(seqs, rows, offsets)  # increasing: all of hidden when it ends at its last row
+            if len(keep) == hidden.shape[0] and keep[-1] == len(keep) - 1:
+                picked = hidden  # every seq samples and is [last token, drafts]: no gather (§5.5)
+            else:
+                idx = torch.tensor(keep, dtype=torch.long)
+                picked = hidden.index_select(0, idx.to(hidden.device, non_blocking=True))
         elif len(rows) == len(seqs) and hidden.shape[0] == len(seqs):
             picked = hidden  # decode-only step: every row is sampled
         else:
@@ -612,7 +616,12 @@ class ModelRunner:
         missing = [r for r in request_ids if last is None or r not in last[1]]
         if last is None or missing:
             raise ValueError(f"request {missing[0]}: a pending token with no draw of the last step")
-        return last
+        ids, index = last
+        if not isinstance(ids, torch.Tensor):  # a verify step's last emitted tokens, kept as host ints
+            ids = torch.tensor(ids, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            ids = ids.to(self.device, non_blocking=True)
+            self._last_sampled = (ids, index)
+        return ids, index
 
     def _fill_pending(self, ids: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
         """Replace the PENDING_TOKEN entries of the step's flattened input ids [T] int64 (on

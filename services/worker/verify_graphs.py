@@ -148,6 +148,10 @@ class VerifyGraphs:
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.failed: list[tuple[int, int, str]] = []
         self.replays = 0
+        # views of the persistent buffers, made once per (size, k): `meta`, and `real_inputs` of
+        # a uniform step (no per-step slicing on the verify path, §5.5)
+        self._metas: dict[tuple[int, int], AttentionMetadata] = {}
+        self._uniform_inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]] = {}
 
     def report(self) -> dict:
         """Startup facts: sizes, max_k, graphs captured, capture seconds, the (size x k) failed."""
@@ -156,10 +160,16 @@ class VerifyGraphs:
                 "failed": [f"{b}x{k}" for b, k, _ in self.failed]}
 
     def meta(self, bs: int, k: int) -> AttentionMetadata:
-        """The attention metadata of a (bs, k) graph step over the persistent buffers."""
-        n = bs * (1 + k)
-        return AttentionMetadata(self.cu[k][:bs + 1], self.seq_lens[:bs], self.tables[:bs], self.slots[:n],
-                                 None, max_q_len=1 + k, max_seq_len=self.max_model_len)
+        """The attention metadata of a (bs, k) graph step over the persistent buffers (one
+        object per (bs, k), made on first use: its tensors are views whose contents each
+        step stages)."""
+        meta = self._metas.get((bs, k))
+        if meta is None:
+            n = bs * (1 + k)
+            meta = self._metas[(bs, k)] = AttentionMetadata(
+                self.cu[k][:bs + 1], self.seq_lens[:bs], self.tables[:bs], self.slots[:n], None,
+                max_q_len=1 + k, max_seq_len=self.max_model_len)
+        return meta
 
     def _capture(self, forward: VerifyForward, bs: int, k: int, pool):
         """Warm up and capture the (bs, k) graph; on failure log it and leave it out.
@@ -250,8 +260,11 @@ class VerifyGraphs:
         buffers (a uniform step's ids and positions too), overwritten by the next replay."""
         b, k = len(lay.offsets) - 1, lay.k
         if lay.uniform:
-            n = b * (1 + k)
-            return self.ids[:n], self.pos[:n], self.meta(b, k)
+            got = self._uniform_inputs.get((b, k))
+            if got is None:
+                n = b * (1 + k)
+                got = self._uniform_inputs[(b, k)] = (self.ids[:n], self.pos[:n], self.meta(b, k))
+            return got
         r = len(lay.rows)
         ids, pos, slots = self._tok.index_select(1, self.real_rows[:_even(r)])[:, :r]  # rows on 16-byte bounds
         meta = AttentionMetadata(self.real_cu[:b + 1], self.real_seq_lens[:b], self.tables[:b], slots, None,
