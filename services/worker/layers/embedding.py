@@ -65,8 +65,9 @@ class LMHead(nn.Module):
         if self.tied:
             to_cpu_gemm_layout(self.weight)
             # int8 whatever the scheme: an int4 copy of SmolLM2's head raised the mean KL
-            # against fp32 from 0.0006 to 0.058 (tests/parity/test_cpu_quant_accuracy.py)
-            self.qweight_tied = cpu_quant_linear.quantize(self.weight.data, "int8") \
+            # against fp32 from 0.0006 to 0.058 (tests/parity/test_cpu_quant_accuracy.py);
+            # "w8a8" (its int8 weight, activations int8 per row) where the CPU has VNNI
+            self.qweight_tied = cpu_quant_linear.quantize(self.weight.data, cpu_quant_linear.head_scheme()) \
                 if cpu_quant_linear.quantizes(self.weight) else None
         elif self.qweight is None and not quantize_cpu_weight(self, "weight"):  # (kept: the GGUF loader's)
             pack_cpu_weight(self, "weight")
