@@ -36,7 +36,8 @@ class LMHead(nn.Module):
     quantized instead (`qweight`, as `Linear`'s); a tied one stays the embedding's (whose rows
     the lookups read in fp32) and the head's products take an int8 copy of it (`qweight_tied`,
     whichever scheme: an int4 head measured far lossier; +28 MB for SmolLM2's 49152 x 576;
-    under gguf that is an int8 copy of the dequantized GGUF embedding, e.g. SmolLM2's Q8_0).
+    under gguf that is an int8 copy of the dequantized GGUF embedding, e.g. SmolLM2's Q8_0; its
+    product in "w8a8" where the CPU has VNNI, `cpu_quant_linear.head_scheme`).
     An untied head's weight in a GGUF's int4 blocks becomes `qweight` at load (gguf_loader.py).
     """
 
