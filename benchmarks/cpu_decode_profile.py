@@ -8,6 +8,14 @@ CPU time and by count. With --ab the steps alternate between the fast path and t
 before it (`kernels.ref_fast.FEWER_OPS` off / on, step by step in this process), and the
 JSON has both sides.
 
+With --head-ab the steps alternate between the tied LM head's two quantized copies
+(`LMHead.qweight_tied`: "int8", `_weight_int8pack_mm` with bf16 x, and "w8a8", oneDNN's int8
+inner product with int8 activations, kernels/cpu_quant_linear.py), swapped step by step in
+this process on two streams from the chat prompt of benchmarks/cpu_decode.py, in --rounds
+rounds of --steps steps, the order reversed every other step: ms a step per side (median per
+round and over all), the load average per round, whether the two sides decoded the same
+greedy ids, and one profiled step of each.
+
 With --levels (one --quantization scheme; benchmarks/cpu_serve_levels.py) it times batch-1
 greedy decode of --tokens tokens from the chat prompt of benchmarks/cpu_decode.py at three
 levels, in one run, --rounds
@@ -28,6 +36,8 @@ for the whole run (a stand-in for a neighbour's load that is the same in every r
 
 Usage: .venv/bin/python benchmarks/cpu_decode_profile.py [--quantization int4 int8]
        [--threads 1] [--steps 64] [--ab] [--out FILE]
+       .venv/bin/python benchmarks/cpu_decode_profile.py --head-ab --quantization int4 gguf \
+           [--steps 32] [--rounds 5] [--out FILE]
        .venv/bin/python benchmarks/cpu_decode_profile.py --levels --quantization int4 \
            [--tokens 128] [--rounds 5] [--server-variant base] [--busy 0] [--concurrent]
            [--after-start 0] [--out FILE]
@@ -138,6 +148,54 @@ def run_scheme(a: argparse.Namespace, q: str) -> dict:
     return out
 
 
+def run_head_ab(a: argparse.Namespace, q: str) -> dict:
+    """--head-ab for scheme q (module doc)."""
+    from benchmarks.cpu_decode import prompt_ids
+    from kernels import cpu_quant_linear as cq
+    from services.worker.layers.embedding import LMHead
+
+    runner, load_s = load_runner({"model": a.model, "device": "cpu", "quantization": q,
+                                  "num_threads": a.threads, "max_model_len": 4096})
+    head = next(m for m in runner.model.modules() if isinstance(m, LMHead))
+    if not head.tied or head.qweight_tied is None:
+        raise SystemExit(f"--head-ab: {a.model} under {q} has no tied head's quantized copy")
+    copies = {s: cq.quantize(head.weight.data, s) for s in ("int8", "w8a8")}
+    ids = prompt_ids(a.model)
+    total = a.rounds * a.steps
+    streams, ms, toks = {}, {s: [] for s in copies}, {s: [] for s in copies}
+    for s, c in copies.items():
+        head.qweight_tied = c
+        streams[s] = Stream(runner, len(ids), total + 16, rid=f"h{s}", prompt=ids)
+        toks[s].append(streams[s].token)
+        for _ in range(4):  # warm-up
+            toks[s].append(streams[s].step())
+    rounds = []
+    for r in range(a.rounds):
+        rm: dict = {s: [] for s in copies}
+        for i in range(a.steps):
+            for s in (copies if i % 2 == 0 else list(copies)[::-1]):
+                head.qweight_tied = copies[s]
+                t0 = time.perf_counter()
+                toks[s].append(streams[s].step())
+                dt = 1e3 * (time.perf_counter() - t0)
+                rm[s].append(dt)
+                ms[s].append(dt)
+        rounds.append({"load_avg": os.getloadavg(), **{f"{s}_ms_median": round(statistics.median(v), 3)
+                                                         for s, v in rm.items()}})
+    out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids)}
+    for s, c in copies.items():
+        head.qweight_tied = c
+        out[s] = {"ms_per_step_median": round(statistics.median(ms[s]), 3), "ms_per_step_min": round(min(ms[s]), 3),
+                  "profile": profile_step(streams[s])}
+    n = len(toks["int8"])
+    same = next((i for i in range(n) if toks["int8"][i] != toks["w8a8"][i]), n)
+    out["greedy_ids_equal"] = same == n
+    out["greedy_common_prefix"] = same
+    out["speedup"] = round(out["int8"]["ms_per_step_median"] / out["w8a8"]["ms_per_step_median"], 3)
+    out["round_speedups"] = [round(r["int8_ms_median"] / r["w8a8_ms_median"], 3) for r in rounds]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
@@ -147,9 +205,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--head-ab", action="store_true", help="tied head int8 vs w8a8, step by step (module doc)")
     ap.add_argument("--levels", action="store_true", help="runner / core / HTTP decode rates (module doc)")
     ap.add_argument("--tokens", type=int, default=128, help="with --levels: tokens a stream")
-    ap.add_argument("--rounds", type=int, default=5, help="with --levels: rounds, order alternating")
+    ap.add_argument("--rounds", type=int, default=5, help="with --levels / --head-ab: rounds")
     ap.add_argument("--server-variant", action="append", default=None,
                     help="with --levels: name[:arg,arg] extra kestrel serve args (repeatable; default base)")
     ap.add_argument("--busy", type=int, default=0, help="with --levels: spinning neighbour processes")
@@ -164,6 +223,12 @@ def main() -> int:
 
         a.server_variant = a.server_variant or ["base"]
         return levels_run(a)
+    if a.head_ab:
+        res = {"benchmark": "cpu_decode_profile --head-ab", "date": time.strftime("%Y-%m-%d"),
+               "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
+               "schemes": {q: run_head_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
+        emit_json(res, a.out)
+        return 0
     res = {"benchmark": "cpu_decode_profile", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
            "context": a.context, "steps": a.steps, "load_avg_start": os.getloadavg(),
            "schemes": {q: run_scheme(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}

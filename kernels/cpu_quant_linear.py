@@ -32,6 +32,22 @@ int4 (1.4x, 1.85x); a 512-token prefill 1.94 / 2.17 / 1.93 s. What int4 leaves i
 lm_head, which stays fp32 (49152x576: 5.8 ms a row; an int4 copy would take 1.6 ms) and the
 step's other ops. Accuracy: tests/parity/test_cpu_quant_accuracy.py.
 
+The tied LM head's int8 copy (`head_scheme`) takes "w8a8" where the CPU has VNNI: the same
+per-channel int8 weight, multiplied by oneDNN's int8 inner product (`onednn::qlinear_prepack`
+/ `qlinear_pointwise`, the ops PyTorch's x86 PT2E quantization lowers to) with the activations
+quantized per row at run time, less each row's W8A8_OUTLIERS largest |x| columns, which are
+multiplied exactly by the fp32 weight's rows beside it (the tied embedding, which the head
+keeps anyway; LLM.int8()'s outlier split, by magnitude per row rather than by a threshold):
+s_m = max |x[m, inliers]| / 127, u8 codes round(x / s_m) + 128 (zero point 128) with the
+outlier columns zeroed, the kernel's int32 dots scaled by the weight's scales, the row by
+s_m, plus x[m, outliers] @ W[:, outliers].T in fp32. SmolLM2's final hidden states have a few
+channels ~8x the row's rms: quantized per row without the split, the head's mean KL against
+fp32 went 0.0017 -> 0.0081 (its 202 prompt positions, head alone); with 8 split columns 0.0007.
+SmolLM2's 49152x576 head, one row, one thread, L3 flushed: 2.09 ms (`_weight_int8pack_mm`,
+bf16 x) -> 1.08 ms (the product alone). Without VNNI oneDNN's u8 x s8 dots may saturate in
+int16, so the head keeps "int8" there (docs/ARCHITECTURE.md §6.4 "CPU weight-only
+quantization").
+
 `quantize_int8` / `quantize_int4` are the pure-torch quantizers (fp32 math),
 `dequantize_int8` / `dequantize_int4` their inverses, `quant_linear_ref` the truth of the
 product (dequantize, then x @ W.T in fp32). `QuantWeight` holds one layer's packed weight.
@@ -57,6 +73,10 @@ INT4_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_N_ALIGN = 16  # rows of W a multiple of this (the pack op's requirement)
 INT8_K_ALIGN = 16  # columns of W a multiple of this (the bf16 int8 kernel's; module doc)
 ACT_DTYPE = torch.bfloat16  # the activations' dtype inside the products (module doc)
+# the tied head's copy in "w8a8" where `w8a8_available` (module doc); off: "int8"
+HEAD_W8A8 = True
+W8A8_ZERO_POINT = 128  # the u8 activation codes' zero point (codes round(x / s) + 128 in 1..255)
+W8A8_OUTLIERS = 8  # columns of x a row multiplies in fp32 instead (module doc)
 XBUF_ROWS = 16  # rows of x whose ACT_DTYPE copy goes through a reused buffer (QuantWeight._xbuf)
 _INT4_INNER_K_TILES = 2  # the convert op's argument (the CUDA layout's; the CPU layout is fixed)
 
@@ -125,6 +145,46 @@ def quant_linear_ref(x: torch.Tensor, w_dequant: torch.Tensor, bias: torch.Tenso
     return y.to(x.dtype)
 
 
+def w8a8_available() -> bool:
+    """Whether this CPU and torch build run the "w8a8" scheme: oneDNN's quantized linear ops
+    are registered and the CPU has VNNI (u8 x s8 dots into int32 without an int16 step)."""
+    try:
+        torch.ops.onednn.qlinear_pointwise  # noqa: B018 (an attribute lookup that may raise)
+        torch.ops.onednn.qlinear_prepack  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(torch.cpu._is_vnni_supported())
+
+
+def head_scheme() -> str:
+    """The scheme of a tied LM head's quantized copy (`LMHead.qweight_tied`): "w8a8" when
+    HEAD_W8A8 is on and `w8a8_available`, else "int8" (module doc)."""
+    return "w8a8" if HEAD_W8A8 and w8a8_available() else "int8"
+
+
+def quantize_act_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic quantization of activations x [M, K] (float): returns (codes uint8
+    [M, K] = round(x / s) + W8A8_ZERO_POINT, s fp32 [M, 1] = max_k |x[m, k]| / 127, or 1 for
+    an all-zero row), so that x ~ (codes - 128) * s with |error| <= s / 2."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.div(xf, s).round_().add_(W8A8_ZERO_POINT).to(torch.uint8)
+    return q, s
+
+
+def split_outliers(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (inliers fp32 [M, K]: x with each row's n largest |x| columns set to
+    0, idx int64 [M, n]: those columns, vals fp32 [M, n]: their values), so that
+    x = inliers + scatter(idx, vals) row by row (n = 0: no columns)."""
+    xf = x.float()
+    idx = xf.abs().topk(n, dim=1, sorted=False).indices
+    return xf.scatter(1, idx, 0.0), idx, xf.gather(1, idx)
+
+
+_ZERO_I32 = torch.zeros((), dtype=torch.int32)  # the int8 weight's zero point (symmetric)
+
+
 @dataclass
 class QuantWeight:
     """One CPU linear layer's weight-only quantized W [out_features, in_features].
@@ -134,6 +194,10 @@ class QuantWeight:
     scheme "int4": packed uint8 [N', K' / 2] (`_convert_weight_to_int4pack_for_cpu`; N' is N
     rounded up to INT4_N_ALIGN, K' is K rounded up to group_size, both zero-padded),
     scales ACT_DTYPE [K' / G, N', 2] of (scale, zero) pairs (`quantize_int4`).
+    scheme "w8a8": `onednn::qlinear_prepack`'s opaque (mkldnn) copy of the int8 [N, K] codes
+    of `quantize_int8`, scales fp32 [N], and `dense_t`: the fp32 W.T [K, N] (a view of the
+    weight it was made from, not a copy) whose rows multiply each x row's W8A8_OUTLIERS
+    largest columns; the rest quantized per row (`split_outliers`, `quantize_act_u8`).
     Built by `quantize`; `matmul` is the product, `dequantize` the weight it stands for.
     """
 
@@ -143,6 +207,7 @@ class QuantWeight:
     packed: torch.Tensor
     scales: torch.Tensor
     group_size: int = 0
+    dense_t: torch.Tensor | None = None  # "w8a8": the float W.T [K, N] the outlier columns read
     # ref_fast.FEWER_OPS: the ACT_DTYPE copy of x for M <= XBUF_ROWS rows, reused (one copy_
     # instead of x.to's four ATen calls; the product reads it before the next call)
     _xbuf: dict = field(default_factory=dict, repr=False, compare=False)
@@ -157,6 +222,8 @@ class QuantWeight:
         [M, out_features] in x's dtype: x cast to ACT_DTYPE, the packed kernel, cast back.
         Equals `quant_linear_ref(x.to(ACT_DTYPE), self.dequantize())` up to the kernel's
         summation order and the ACT_DTYPE rounding of the output."""
+        if self.scheme == "w8a8":
+            return self._matmul_w8a8(x)
         int8 = self.scheme == "int8"
         kp = self.packed.shape[1] * (1 if int8 else 2)
         m = x.shape[0]
@@ -181,10 +248,31 @@ class QuantWeight:
             return torch.empty(y.shape, dtype=x.dtype).copy_(y)
         return y.to(x.dtype)
 
+    def _matmul_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """The "w8a8" product (module doc): x [M, K] -> [M, N] in x's dtype. Each row's
+        W8A8_OUTLIERS largest |x| columns times `dense_t`'s rows in fp32; the rest quantized
+        per row (`quantize_act_u8`) into oneDNN's u8 x s8 inner product (exact int32 dots,
+        times the weight's scales, in fp32), times the row's s. Equals
+        `quant_linear_ref((codes - 128) * s, self.dequantize())` + outliers @ W[:, idx].T up
+        to fp32 rounding."""
+        assert self.dense_t is not None  # set by quantize
+        k = min(W8A8_OUTLIERS, self.in_features)
+        xi, idx, vals = split_outliers(x, k)
+        q, s = quantize_act_u8(xi)
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, W8A8_ZERO_POINT, self.packed, self.scales, _ZERO_I32,
+                                               None, 1.0, 0, torch.float32, "none", [], "")
+        y = y.mul_(s)
+        if k:  # sum_j vals[m, j] * dense_t[idx[m, j]] without gathering the rows first
+            w = self.dense_t
+            y.add_(torch.nn.functional.embedding_bag(idx, w, per_sample_weights=vals.to(w.dtype), mode="sum"))
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out_features, in_features] weight this one stands for (its stored
         scales, ACT_DTYPE-rounded, included): the reference's W."""
         n, k = self.out_features, self.in_features
+        if self.scheme == "w8a8":
+            return dequantize_int8(self.packed.to_dense().t(), self.scales)
         if self.scheme == "int8":
             return dequantize_int8(self.packed[:, :k], self.scales)
         kp, g = self.packed.shape[1] * 2, self.group_size
@@ -201,11 +289,18 @@ class QuantWeight:
 
 def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantWeight:
     """The `QuantWeight` of a CPU weight w [N, K] (fp32/bf16/fp16, any strides): scheme
-    "int8" or "int4" (group size: `int4_group_size(K, group_size)`). Raises ValueError for
-    another scheme or an empty weight."""
+    "int8", "int4" (group size: `int4_group_size(K, group_size)`) or "w8a8" (where
+    `w8a8_available`; it keeps w.T, a view of a column-major w, which must then stay
+    unchanged, else a contiguous copy). Raises
+    ValueError for another scheme or an empty weight."""
     n, k = w.shape
     if n == 0 or k == 0:
         raise ValueError(f"quantize: empty weight {tuple(w.shape)}")
+    if scheme == "w8a8":
+        q, s = quantize_int8(w)
+        packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), [1, k])
+        wt = w.t()  # the outlier rows: a view of a column-major w (the tied head's layout), else a copy
+        return QuantWeight("w8a8", n, k, packed, s.float().contiguous(), dense_t=wt if wt.is_contiguous() else wt.contiguous())
     if scheme == "int8":
         q, s = quantize_int8(w)
         kp = -(-k // INT8_K_ALIGN) * INT8_K_ALIGN
@@ -213,7 +308,7 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
             q = torch.nn.functional.pad(q, (0, kp - k))
         return QuantWeight("int8", n, k, q.contiguous(), s.to(ACT_DTYPE))
     if scheme != "int4":
-        raise ValueError(f"quantize: unknown scheme {scheme!r} (int8, int4)")
+        raise ValueError(f"quantize: unknown scheme {scheme!r} (int8, int4, w8a8)")
     g = int4_group_size(k, group_size)
     kpad = -(-k // g) * g
     wf = w.float()

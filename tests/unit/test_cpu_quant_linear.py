@@ -120,6 +120,72 @@ def test_packed_kernel_matches_the_reference(scheme, shape):
     assert qw.matmul(torch.randn(2, 2 * k)[:, :k]).shape == (2, n)  # a row-strided view
 
 
+W8A8 = pytest.mark.skipif(not cq.w8a8_available(), reason="no oneDNN int8 linear with VNNI on this CPU")
+
+
+def _w8a8_truth(x: torch.Tensor, w: torch.Tensor, n_out: int) -> torch.Tensor:
+    """The "w8a8" product computed independently, in fp64: each row's n_out largest |x|
+    columns times the float w, the rest rounded to the row's grid (max |rest| / 127) times
+    the int8-quantized w (`quantize_int8`, the per-channel absmax quantizer)."""
+    q, sc = cq.quantize_int8(w)
+    wq = q.double() * sc.double()[:, None]
+    xd = x.double()
+    order = xd.abs().argsort(dim=1, descending=True)
+    mask = torch.zeros_like(xd, dtype=torch.bool).scatter_(1, order[:, :n_out], True)
+    out, rest = torch.where(mask, xd, 0.0), torch.where(mask, 0.0, xd)
+    step = rest.abs().amax(1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return (torch.round(rest / step) * step) @ wq.t() + out @ w.double().t()
+
+
+@W8A8
+@pytest.mark.parametrize("shape", [(7, 40), (33, 100), (48, 576), (1000, 576), (5, 3)])
+def test_w8a8_matches_an_independent_truth_and_stays_near_the_float_product(shape):
+    n, k = shape
+    w = _weights(n, k, seed=3)
+    qw = cq.quantize(w, "w8a8")
+    q, sc = cq.quantize_int8(w)
+    assert torch.equal(qw.dequantize(), cq.dequantize_int8(q, sc))
+    assert qw.dense_t is not None and qw.dense_t.shape == (k, n)
+    for m in (1, 3, 17):
+        g = torch.Generator().manual_seed(10 + m)
+        x = torch.randn(m, k, generator=g)
+        x[:, torch.randint(0, k, (2,), generator=g)] *= 20.0  # outlier channels, as in a real hidden state
+        y = qw.matmul(x)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        want = _w8a8_truth(x, w, min(cq.W8A8_OUTLIERS, k))
+        # exact int32 dots; fp32 scaling and the fp32 outlier sums
+        assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), \
+            float((y.double() - want).abs().max())
+        # the float product, within the triangle bound of the two roundings: half a weight
+        # step per |x| (outliers included) plus half the row's activation step per |w|
+        ref = x.double() @ w.double().t()
+        rest = x.double().clone()
+        rest.scatter_(1, x.abs().topk(min(cq.W8A8_OUTLIERS, k), dim=1).indices, 0.0)
+        a_step = rest.abs().amax(1, keepdim=True) / 127
+        bound = x.double().abs().sum(1, keepdim=True) * sc.double()[None, :] / 2 \
+            + a_step / 2 * w.double().abs().sum(1)[None, :]
+        assert torch.all((y.double() - ref).abs() <= bound * (1 + 1e-4) + 1e-5)
+    assert qw.matmul(torch.randn(2, k).to(torch.bfloat16)).dtype == torch.bfloat16
+    zero = qw.matmul(torch.zeros(2, k))
+    assert torch.equal(zero, torch.zeros(2, n))
+
+
+@W8A8
+def test_w8a8_outliers_are_exact_and_the_head_scheme_follows_its_switch(monkeypatch):
+    """A row whose only nonzero entries are W8A8_OUTLIERS columns takes the float weight
+    exactly; `head_scheme` is "w8a8" with HEAD_W8A8 on, "int8" off."""
+    w = _weights(64, 96, seed=4)
+    qw = cq.quantize(w, "w8a8")
+    x = torch.zeros(1, 96)
+    x[0, [3, 50, 95]] = torch.tensor([7.0, -3.0, 0.5])
+    assert torch.allclose(qw.matmul(x), x @ w.t(), rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(cq, "HEAD_W8A8", True)
+    assert cq.head_scheme() == "w8a8"
+    monkeypatch.setattr(cq, "HEAD_W8A8", False)
+    assert cq.head_scheme() == "int8"
+
+
 def _filled(lin: Linear, seed: int) -> torch.Tensor:
     """Fill a Linear's weight like the loader does (in place) and return a dense copy."""
     w = _weights(*lin.weight.shape, seed=seed)
@@ -197,9 +263,14 @@ def test_lm_head_untied_quantized_tied_kept_and_no_one_row_copy(quant, monkeypat
         process_weights_after_loading(m)
     assert tied.qweight is None and tied.weight is emb.weight and emb.weight.device.type == "cpu"
     assert tied.qweight_tied is not None and quantized_weight_bytes(tied) == tied.qweight_tied.nbytes
+    assert tied.qweight_tied.scheme == cq.head_scheme()
     h = torch.randn(2, 32)
-    ref = linear_ref(h.to(cq.ACT_DTYPE).float(), tied.qweight_tied.dequantize())
-    assert torch.allclose(tied(h), ref, atol=2.0 ** -7 * float(ref.abs().max()) + 1e-4)
+    if tied.qweight_tied.scheme == "w8a8":  # int8 activations but the outliers: its own truth above
+        ref = _w8a8_truth(h, emb.weight.data, cq.W8A8_OUTLIERS).float()
+        assert torch.allclose(tied(h), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:
+        ref = linear_ref(h.to(cq.ACT_DTYPE).float(), tied.qweight_tied.dequantize())
+        assert torch.allclose(tied(h), ref, atol=2.0 ** -7 * float(ref.abs().max()) + 1e-4)
     assert (tied.qweight_tied.dequantize() - emb.weight).abs().max() < 0.1 * emb.weight.abs().max()
     assert unpack_cpu_weights(tied) >= 1 and tied.qweight_tied is None and tied.weight is emb.weight
     process_weights_after_loading(tied)

@@ -36,7 +36,8 @@ class LMHead(nn.Module):
     quantized instead (`qweight`, as `Linear`'s); a tied one stays the embedding's (whose rows
     the lookups read in fp32) and the head's products take an int8 copy of it (`qweight_tied`,
     whichever scheme: an int4 head measured far lossier; +28 MB for SmolLM2's 49152 x 576;
-    under gguf that is an int8 copy of the dequantized GGUF embedding, e.g. SmolLM2's Q8_0).
+    under gguf that is an int8 copy of the dequantized GGUF embedding, e.g. SmolLM2's Q8_0; its
+    product in "w8a8" where the CPU has VNNI, `cpu_quant_linear.head_scheme`).
     An untied head's weight in a GGUF's int4 blocks becomes `qweight` at load (gguf_loader.py).
     """
 
@@ -65,8 +66,9 @@ class LMHead(nn.Module):
         if self.tied:
             to_cpu_gemm_layout(self.weight)
             # int8 whatever the scheme: an int4 copy of SmolLM2's head raised the mean KL
-            # against fp32 from 0.0006 to 0.058 (tests/parity/test_cpu_quant_accuracy.py)
-            self.qweight_tied = cpu_quant_linear.quantize(self.weight.data, "int8") \
+            # against fp32 from 0.0006 to 0.058 (tests/parity/test_cpu_quant_accuracy.py);
+            # "w8a8" (its int8 weight, activations int8 per row) where the CPU has VNNI
+            self.qweight_tied = cpu_quant_linear.quantize(self.weight.data, cpu_quant_linear.head_scheme()) \
                 if cpu_quant_linear.quantizes(self.weight) else None
         elif self.qweight is None and not quantize_cpu_weight(self, "weight"):  # (kept: the GGUF loader's)
             pack_cpu_weight(self, "weight")
