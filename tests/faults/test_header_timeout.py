@@ -28,18 +28,19 @@ def server(smollm2_dir):
         srv.stop(signal.SIGKILL)
 
 
-def _closed_by_server(s: socket.socket) -> bytes | None:
-    """What the server sent before closing `s`, or None while it is still open (no wait)."""
+def _closed_by_server(s: socket.socket, got: bytearray) -> bool:
+    """Read what has arrived on `s` into `got` (no wait); True once the server has closed it.
+    A 408 and the FIN that follows it may arrive in separate reads, so the bytes are kept
+    across calls."""
     s.setblocking(False)
-    data = b""
     try:
         while chunk := s.recv(65536):
-            data += chunk
+            got += chunk
     except BlockingIOError:
-        return None
+        return False
     except ConnectionResetError:
         pass
-    return data
+    return True
 
 
 def test_half_sent_connections_are_closed_after_the_header_timeout(server):
@@ -52,12 +53,13 @@ def test_half_sent_connections_are_closed_after_the_header_timeout(server):
         t0 = time.monotonic()
         # normal requests are served meanwhile
         assert chat_ok(server.base_url, timeout=120), server.log_tail()
+        received = [bytearray() for _ in socks]
         answers: dict[int, bytes] = {}
         deadline = time.monotonic() + HEADER_TIMEOUT_S + 120  # generous: a busy machine
         while len(answers) < N and time.monotonic() < deadline:
             for i, s in enumerate(socks):
-                if i not in answers and (got := _closed_by_server(s)) is not None:
-                    answers[i] = got
+                if i not in answers and _closed_by_server(s, received[i]):
+                    answers[i] = bytes(received[i])
             time.sleep(0.1)
         print(f"{len(answers)}/{N} half-sent connections closed after "
               f"{time.monotonic() - t0:.1f} s (--header-timeout {HEADER_TIMEOUT_S})")
