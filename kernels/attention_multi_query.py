@@ -45,7 +45,8 @@ MAX_ROWS = 64
 # context in one live partition stores its output directly (`kernels.decode_merge._finish_rows`),
 # instead of the `_merge_kernel` launch after the kernel (split-K merges took 264 us of a
 # Qwen3-0.6B verify step's kernels on the H200, 28 layers, docs/ARCHITECTURE.md §5.5). Off (the launch) by default:
-# not measured yet (scripts/gpu_mqfuse.sh). Passed through `paged_attention_triton`'s
+# slower at batch 1 on an H100 (verify k = 4: 1.42 -> 1.58 ms; batch 8 2.04 -> 2.09, batch 32
+# 3.43 -> 3.39; scripts/gpu_mqfuse.sh, 2026-12-07). Passed through `paged_attention_triton`'s
 # decode_config under the same key as the decode kernel's.
 MQ_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None, "fused_merge": False}
 
