@@ -21,6 +21,7 @@ def summarize(path: str) -> list[str]:
         return [f"== {os.path.basename(path)}: no result"]
     r = json.load(open(path))
     mq = f" mq_merge={r['mq_merge']}" if "mq_merge" in r else ""
+    mq += f" gemv_rows={r['gemv_rows']}" if "gemv_rows" in r else ""
     out = [f"== {os.path.basename(path)} complete={r.get('complete')}{mq}"]
     for x in r.get("verify_cost", []):
         gpu = f", {x['gpu_ms']} ms gpu" if x.get("gpu_ms") is not None else ""

@@ -1,6 +1,7 @@
 """Matrix-vector product of decode batch 1: y [1, N] = x [1, K] @ W [N, K].T (+ bias), with the
 SiLU-and-mul of the MLP or the RMSNorm before the projection optionally applied to x as it is
-loaded, and the residual add optionally applied to y.
+loaded, and the residual add optionally applied to y. Up to MAX_ROWS rows of x run one after
+the other over each program's W tile (`ROWS`: the rows `kernels.linear` sends here).
 
 Why a second kernel beside `kernels.linear`'s skinny one: at batch 1 the step is ~110 such
 products of 4-12 MB each (Qwen3-0.6B), each bound by reading W once, and each short enough
@@ -47,6 +48,14 @@ from kernels.linear_ref import linear_ref
 from kernels.pdl import launch_args, use_pdl
 
 ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inputs
+# ... and for 2..ROWS rows (a verify step at batch 1 of k = 1: [last token, draft]; a decode step
+# of 2 seqs) in place of the one-tile skinny kernel (`kernels.linear`); read at every call
+# (docs/ARCHITECTURE.md §5.5). 1: the skinny kernel takes 2+ rows. Each row is a pass over the
+# tile, so the time grows with the rows: H100, Qwen3-0.6B shape, graphs (scripts/gpu_gemvrows.sh,
+# 2026-12-07): 2 rows, verify k = 1 at batch 1 1.39 -> 1.28 ms and a batch-2 decode 1.32 -> 1.26;
+# 5 rows (k = 4) 1.42 -> 1.99 and 8 rows (a batch-8 decode) 1.71 -> 2.97: so 2.
+ROWS = 2
+MAX_ROWS = 16  # rows gemv_triton takes at most (each a pass over the program's W tile)
 # heuristic plan: at most tile_elems W elements per program (registers), K ranges of at
 # most max_block_k, and at least programs_per_sm programs per SM (narrower row tiles first)
 TUNING: dict = {"tile_elems": 8192, "max_block_k": 4096, "programs_per_sm": 2, "num_warps": 4}
@@ -94,14 +103,17 @@ if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, N, K, sw_n, k_per_split,
-                     eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     SPLIT: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ROW_K: tl.constexpr):
-        # x: [K] ([2K] = gate | up with SILU), W: [N, K] (row stride sw_n; FP8: e4m3 bytes as
-        # uint8, s: [N] fp32 row scales), y: [N]; ws: [SPLIT programs, N] fp32 partials and cnt:
-        # int32 per row tile (SPLIT only); nw: [K] norm weight (NORM); r: [N] residual (HAS_RES);
-        # ROW_K: K rounded up to a power of two (NORM)
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, M, N, K, sw_n, sx_m, sy_m,
+                     sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
+                     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_K: tl.constexpr):
+        # x: [M, K] ([M, 2K] = gate | up with SILU; row stride sx_m), W: [N, K] (row stride sw_n;
+        # FP8: e4m3 bytes as uint8, s: [N] fp32 row scales), y: [M, N] (row stride sy_m); ws:
+        # [SPLIT programs, M, N] fp32 partials and cnt: int32 per row tile (SPLIT only); nw: [K]
+        # norm weight (NORM); r: [M, N] residual (HAS_RES, row stride sr_m); ROW_K: K rounded
+        # up to a power of two (NORM). M rows (MAX_ROWS at most) reuse the W tile held in
+        # registers one after the other; M == 1 is specialised by Triton (an int argument of
+        # 1 is a constant), so the one-row kernel is the loop's single trip.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,31 +132,36 @@ if triton is not None:
             nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
-        x = tl.load(x_ptr + rk, mask=kmask, other=0.0)
-        if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
-            u = tl.load(x_ptr + K + rk, mask=kmask, other=0.0)
-            gf = x.to(tl.float32)
-            x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
-        if NORM:  # as rms_norm_ref: rstd over the whole row, x * rstd rounded, times the weight rounded
-            rowk = tl.arange(0, ROW_K)
-            xr = tl.load(x_ptr + rowk, mask=rowk < K, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
-            xn = (x.to(tl.float32) * rstd).to(x.dtype)
-            x = (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
-        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        for m in range(0, M):
+            x_row = x_ptr + m * sx_m
+            x = tl.load(x_row + rk, mask=kmask, other=0.0)
+            if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
+                u = tl.load(x_row + K + rk, mask=kmask, other=0.0)
+                gf = x.to(tl.float32)
+                x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+            if NORM:  # as rms_norm_ref: rstd over the whole row, x * rstd rounded, times the weight rounded
+                rowk = tl.arange(0, ROW_K)
+                xr = tl.load(x_row + rowk, mask=rowk < K, other=0.0).to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
+                xn = (x.to(tl.float32) * rstd).to(x.dtype)
+                x = (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+            acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            if SPLIT:
+                tl.store(ws_ptr + (pid_k * M + m) * N + rn, acc, mask=nmask)
+            else:
+                _store_y(acc, s_ptr, b_ptr, r_ptr + m * sr_m, y_ptr + m * sy_m, rn, nmask, FP8, HAS_BIAS, HAS_RES)
         if SPLIT:
-            tl.store(ws_ptr + pid_k * N + rn, acc, mask=nmask)
-            tl.debug_barrier()  # every thread's partial is stored before the release below
+            tl.debug_barrier()  # every thread's partials are stored before the release below
             n_splits = tl.num_programs(1)
             arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
-                tot = tl.zeros([BLOCK_N], tl.float32)
-                for s in range(0, n_splits):  # split order: deterministic
-                    tot += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
-                _store_y(tot, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, FP8, HAS_BIAS, HAS_RES)
+                for m in range(0, M):
+                    tot = tl.zeros([BLOCK_N], tl.float32)
+                    for s in range(0, n_splits):  # split order: deterministic
+                        tot += tl.load(ws_ptr + (s * M + m) * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
+                    _store_y(tot, s_ptr, b_ptr, r_ptr + m * sr_m, y_ptr + m * sy_m, rn, nmask, FP8, HAS_BIAS,
+                             HAS_RES)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-        else:
-            _store_y(acc, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, FP8, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _store_y(acc, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -167,25 +184,27 @@ if triton is not None:
                     split: int | None = None, num_warps: int | None = None,
                     pdl: bool | None = None, scale: torch.Tensor | None = None, n: int | None = None,
                     plan: tuple[int, int, int] | None = None) -> torch.Tensor | None:
-        """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for one row:
-        x [1, K] ([1, 2K] = cat(gate, up) with silu_mul; unit column stride), weight [N, K]
-        (unit stride along K), bias [N] or None, norm_weight [K] or None (the RMSNorm of x,
-        computed by every program over the whole row), residual [1, N] or None (added
-        after the rounding, in fp32, rounded again); one half dtype (bf16/fp16; fp32 works
-        too); norm_weight and silu_mul not both (`linear` checks the arguments).
+        """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for 1..MAX_ROWS
+        rows: x [M, K] ([M, 2K] = cat(gate, up) with silu_mul; unit column stride, any row
+        stride), weight [N, K] (unit stride along K), bias [N] or None, norm_weight [K] or
+        None (the RMSNorm of each row of x, computed by every program over the whole row),
+        residual [M, N] or None (added after the rounding, in fp32, rounded again); one half
+        dtype (bf16/fp16; fp32 works too); norm_weight and silu_mul not both (`linear` checks
+        the arguments). Each program loads its W tile once and runs the M rows over it in
+        turn (the rows' products are each the one-row kernel's, bit for bit).
         FP8 weights (`kernels.fp8_gemv.fp8_gemv_fused`): scale fp32 [N'] given, weight
         float8_e4m3fn [N', K'] with N' >= n (default N') and K' >= K (K from x's width;
         columns past K and rows past n are not read); the product is then
         `kernels.fp8_linear.fp8_linear_ref`'s, the row scale applied to the fp32 sum before
         the bias.
-        Returns y [1, N] in x's dtype, or None when the plan splits K and the split
+        Returns y [M, N] in x's dtype, or None when the plan splits K and the split
         counters would have to be allocated inside CUDA-graph capture (the caller then uses
         another kernel).
         plan: (block_n, split, num_warps) in place of `gemv_plan`'s; block_n / split /
         num_warps override single entries (the sweep benchmarks); pdl overrides
         `kernels.pdl.use_pdl`.
-        Raises ValueError for more than one row, x's width not K (2K with silu_mul) or a
-        strided K dimension.
+        Raises ValueError for no rows or more than MAX_ROWS, x's width not K (2K with silu_mul)
+        or a strided K dimension.
         """
         rows, kw = weight.shape
         if scale is None:
@@ -193,14 +212,16 @@ if triton is not None:
         else:
             k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
             n = rows if n is None else n
-        if (x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1
+        if (x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != (2 * k if silu_mul else k)
+                or x.stride(1) != 1
                 or weight.stride(1) != 1 or k > kw or n > rows
                 or (scale is not None and (weight.dtype != torch.float8_e4m3fn or scale.numel() < n))):
             raise ValueError(f"gemv: x {tuple(x.shape)} stride {tuple(x.stride())}, weight "
-                             f"{tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())}, n={n}: want one "
-                             f"row of {'2K' if silu_mul else 'K'} columns, unit stride along K (fp8: K <= K', "
+                             f"{tuple(weight.shape)} {weight.dtype} stride {tuple(weight.stride())}, n={n}: want 1.."
+                             f"{MAX_ROWS} rows of {'2K' if silu_mul else 'K'} columns, unit stride along K (fp8: K <= K', "
                              "n <= N', an fp32 scale per row)")
-        y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        m = x.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
             # degenerate shapes: no kernel
             w = weight if scale is None else (weight[:n, :k].float() * scale[:n, None]).to(x.dtype)
@@ -214,14 +235,17 @@ if triton is not None:
         counters = tile_counters(x.device, n_tiles) if sp > 1 else y
         if counters is None:
             return None
-        ws = torch.empty((sp, n), dtype=torch.float32, device=x.device) if sp > 1 else y
+        ws = torch.empty((sp, m, n), dtype=torch.float32, device=x.device) if sp > 1 else y
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
+        if residual is not None and m > 1 and residual.shape[0] != m:
+            raise ValueError(f"gemv: residual {tuple(residual.shape)} for {m} rows")
         pdl = use_pdl(x.device) if pdl is None else pdl
         w = weight if scale is None else weight.view(torch.uint8)  # fp8: bytes, bitcast in the kernel
         _gemv_kernel[(n_tiles, sp)](x, w, y if scale is None else scale, y if bias is None else bias, y, ws,
                                     counters, x if norm_weight is None else norm_weight,
-                                    y if residual is None else residual, n, k, weight.stride(0), k_per, eps,
+                                    y if residual is None else residual, m, n, k, weight.stride(0), x.stride(0),
+                                    y.stride(0), 0 if residual is None else residual.stride(0), k_per, eps,
                                     HAS_BIAS=bias is not None, SILU=silu_mul, NORM=norm_weight is not None,
                                     HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, FP8=scale is not None,
                                     BLOCK_N=bn, BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,

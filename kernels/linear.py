@@ -106,6 +106,11 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.numel() <= (max(GEMV_MAX_WEIGHT, SKINNY_MAX_WEIGHT) if one_row else SKINNY_MAX_WEIGHT)
 
 
+def _gemv_rows(m: int) -> bool:
+    """Whether `kernels.gemv` takes an x of m rows (1, or up to gemv.ROWS; gemv.ENABLED)."""
+    return gemv.ENABLED and (m == 1 or m <= min(gemv.ROWS, gemv.MAX_ROWS))
+
+
 def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
     """Raise ValueError for fused arguments that do not fit x and weight (see `linear`)."""
     n, k = weight.shape
@@ -123,10 +128,11 @@ def _check_fused(x, weight, norm_weight, silu_mul, residual) -> None:
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **fused) -> torch.Tensor | None:
-    """`kernels.gemv` for a one-row x that `skinny_applies` to (gemv.ENABLED), with the fused
-    steps (norm_weight, eps, silu_mul, residual) in the kernel; else None (more rows, or gemv
-    declined: the caller takes the skinny kernel)."""
-    if x.shape[0] != 1 or not gemv.ENABLED:
+    """`kernels.gemv` for an x of one row (or up to gemv.ROWS rows: `_gemv_rows`) that
+    `skinny_applies` to (gemv.ENABLED), with the fused steps (norm_weight, eps, silu_mul,
+    residual) in the kernel; else None (more rows, or gemv declined: the caller takes the
+    skinny kernel)."""
+    if not _gemv_rows(x.shape[0]):
         return None
     return gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, **fused)
 

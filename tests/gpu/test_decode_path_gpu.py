@@ -70,6 +70,45 @@ def test_linear_dispatches_one_row_to_gemv_and_more_rows_elsewhere(monkeypatch):
     assert calls == [False, True]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 5, 8, 16])
+@pytest.mark.parametrize("n,k,plan", [(4096, 1024, {}), (1024, 3072, {}), (151, 577, {}),
+                                      (6144, 1024, {"split": 4, "block_n": 2})])
+def test_gemv_rows_equal_one_row_launches_and_reference(dtype, m, n, k, plan):
+    """gemv over M rows (gemv.ROWS, verify steps at batch 1): every fused step, each row bit
+    for bit the one-row launch's, all within the float reference's tolerance, counters zeroed."""
+    torch.manual_seed(n + k + m)
+    x = torch.randn(m, k + 8, device="cuda", dtype=dtype)[:, 4:k + 4]  # a row-strided view
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    res = torch.randn(m, n, device="cuda", dtype=dtype)
+    nw = 1 + 0.3 * torch.randn(k, device="cuda", dtype=dtype)
+    for xin, fused in ((x, {"bias": b}), (gu, {"silu_mul": True, "residual": res}),
+                       (x, {"norm_weight": nw, "eps": 1e-6, "residual": res})):
+        y = gemv.gemv_triton(xin, w, **fused, pdl=True, **plan)
+        f32 = {a: (v.float() if torch.is_tensor(v) else v) for a, v in fused.items()}
+        assert y.shape == (m, n) and rel(y, linear.linear_ref(xin.float(), w.float(), **f32)) < TOL[dtype]
+        for i in range(m):
+            one = {a: (v[i:i + 1] if a == "residual" else v) for a, v in fused.items()}
+            assert torch.equal(y[i:i + 1], gemv.gemv_triton(xin[i:i + 1], w, **one, pdl=True, **plan))
+    torch.cuda.synchronize()
+    assert all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
+
+
+def test_linear_takes_gemv_up_to_gemv_rows(monkeypatch):
+    """With gemv.ROWS = 8 `linear` sends 1..8 rows to the gemv kernel and 9+ to the skinny one."""
+    calls = []
+    real = gemv.gemv_triton
+    monkeypatch.setattr(gemv, "gemv_triton", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    monkeypatch.setattr(gemv, "ROWS", 8)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 5, 8, 9):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        assert rel(linear.linear(x, w), linear.linear_ref(x.float(), w.float())) < TOL[torch.bfloat16]
+    assert calls == [1, 5, 8]
+
+
 class _LaunchCount:
     """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
 

@@ -285,6 +285,30 @@ def main() -> None:
             errs.append(rel(gemv.gemv_triton(xg, ws, silu_mul=True, residual=res, **kw), ref))
         zeroed = all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
         out[f"gemv_{name}"] = max(errs) if zeroed else float("inf")
+        # the same kernel over M rows (verify steps at batch 1, gemv.ROWS): a row-strided x,
+        # split and unsplit K, every fused step; each row must equal the one-row launch bit
+        # for bit (the same tile, the same order of sums), and all of it the float reference
+        errs, same = [], True
+        for m, n, k, kw in ((2, 37, 100, {}), (5, 70, 300, {"split": 3, "block_n": 8}), (3, 9, 1000, {"split": 4}),
+                            (16, 16, 48, {"block_n": 2})):
+            xs = torch.randn(m, k + 6, generator=gen).to(dt)[:, 3:k + 3]
+            xg = torch.randn(m, 2 * k, generator=gen).to(dt)
+            ws = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
+            bs_ = torch.randn(n, generator=gen).to(dt)
+            res = torch.randn(m, n, generator=gen).to(dt)
+            nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dt)
+            for xin, fused in ((xs, {}), (xs, {"bias": bs_}), (xg, {"silu_mul": True}),
+                               (xg, {"silu_mul": True, "residual": res}),
+                               (xs, {"bias": bs_, "norm_weight": nw, "eps": 1e-5, "residual": res})):
+                f32 = {a: (b.float() if torch.is_tensor(b) else b) for a, b in fused.items()}
+                ref = linear.linear_ref(xin.float(), ws.float(), **f32)
+                got = gemv.gemv_triton(xin, ws, **fused, **kw)
+                errs.append(rel(got, ref))
+                for i in range(m):
+                    one = {a: (b[i:i + 1] if a == "residual" else b) for a, b in fused.items()}
+                    same = same and torch.equal(got[i:i + 1], gemv.gemv_triton(xin[i:i + 1], ws, **one, **kw))
+        zeroed = all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
+        out[f"gemv_rows_{name}"] = max(errs) if zeroed and same else float("inf")
         # a CUDA graph's pending input ids: -(j + 1) = row j of the last draw (in place)
         ids = torch.tensor([5, pending_ids.encode_pending(2), 0, pending_ids.encode_pending(0), 7])
         last = torch.tensor([11, 12, 13])
