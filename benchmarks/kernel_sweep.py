@@ -25,6 +25,7 @@ Writes JSON to --out; prints the best variants last.
 
 Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention|silu]
        [--skinny k_loop|one_tile]   (the 2..16-row kernel: kernels/linear.py SKINNY_PDL; default k_loop)
+       [--shapes qwen3-0.6b ...] [--ms 1 4 16]   (the linear part's model shapes and rows)
 """
 
 from __future__ import annotations
@@ -79,12 +80,22 @@ def graph_time(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def sweep_linear(quick: bool) -> dict:
+def sweep_linear(quick: bool, shapes: list[str] | None = None, ms: tuple[int, ...] = (1, 4, 16),
+                 save=None, limit: int | None = None) -> dict:
+    """Part 1 (module doc) over the SHAPES named in `shapes` (default all) at `ms` rows; `save(res)`
+    after each row (a run cut by a time limit keeps the rows done); the one-tile kernel's first
+    `limit` variants only (default all 24)."""
     res: dict = {}
     if linear.SKINNY_PDL:  # the one-tile kernel (--skinny one_tile): its plan's knobs
         tuning, fmt = linear.SKINNY_PDL_TUNING, "mbk{max_block_k}_te{tile_elems}_pp{programs_per_sm}_w{num_warps}"
+        # the default first, then wider K ranges (fewer split programs, as the one-row gemv's
+        # 4096) and more tile elements with 8 warps, then the rest of the grid
+        first = [(256, 8192, 1, 4), (512, 8192, 1, 4), (1024, 16384, 1, 8), (512, 16384, 1, 8),
+                 (1024, 8192, 1, 4), (256, 8192, 2, 4), (1024, 16384, 2, 8), (512, 8192, 2, 4)]
+        grid = first + [v for v in itertools.product((256, 512, 1024), (8192, 16384), (1, 2), (4, 8))
+                        if v not in first]
         variants = [dict(max_block_k=bk, tile_elems=te, programs_per_sm=pp, num_warps=nw)
-                    for bk, te, pp, nw in itertools.product((256, 128, 512), (8192, 4096, 16384), (1, 2), (4, 8))]
+                    for bk, te, pp, nw in grid[:limit]]
     else:
         tuning, fmt = linear.SKINNY_TUNING, "bk{block_k}_pp{programs_per_sm}_w{num_warps}_s{num_stages}"
         variants = [dict(block_k=bk, programs_per_sm=pp, num_warps=nw, num_stages=ns)
@@ -93,11 +104,13 @@ def sweep_linear(quick: bool) -> dict:
         variants = variants[:4]
     default = dict(tuning)
     for name, (layers, mats, head) in SHAPES.items():
+        if shapes and name not in shapes:
+            continue
         ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
               for _ in range(layers)]
         wbytes = sum(w.numel() * 2 for lw in ws for w in lw)
         lm = torch.randn(*head, device="cuda", dtype=torch.bfloat16) * head[1] ** -0.5
-        for m in (1, 4, 16):
+        for m in ms:
             xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in mats}
 
             def layers_fn(f):
@@ -125,7 +138,10 @@ def sweep_linear(quick: bool) -> dict:
             row["lm_head_skinny_us"] = graph_time(lambda: linear.skinny_linear_triton(xh, lm)) * 1e6
             res[f"{name}_m{m}"] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
             print(name, m, "cublas", round(row["cublas_us"], 1), "best", best, round(row[best], 1),
+                  "default", row.get(fmt.format(**default)),
                   "lm_head", round(row["lm_head_cublas_us"], 1), round(row["lm_head_skinny_us"], 1), flush=True)
+            if save is not None:
+                save(res)
         del ws, lm
         torch.cuda.empty_cache()
     return res
@@ -274,14 +290,23 @@ def main() -> None:
                     help="the 2..16-row kernel the linear, fused and silu parts time (kernels/linear.py SKINNY_PDL): "
                          "the K-loop kernel, whose launch parameters (SKINNY_TUNING) the linear part sweeps, or "
                          "the one-tile kernel with PDL (its own plan, SKINNY_PDL_TUNING)")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
+                    help="the linear part: these model shapes only (default all)")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16], help="the linear part: rows of x")
+    ap.add_argument("--limit", type=int, default=None, help="the linear part, one-tile kernel: first N variants")
     a = ap.parse_args()
     linear.SKINNY_PDL = a.skinny == "one_tile"
     res = {"benchmark": "kernel_sweep", "device": device_name(), "torch": torch.__version__, "skinny": a.skinny,
            "triton": triton.__version__, "copy_bandwidth_TBps": round(copy_bandwidth() / 1e12, 3)}
     if a.only in (None, "attention"):
         res["attention"] = sweep_attention(a.quick)
+    def save(part: dict) -> None:
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump({**res, "linear": part, "complete": False}, fh, indent=1)
+
     if a.only in (None, "linear"):
-        res["linear"] = sweep_linear(a.quick)
+        res["linear"] = sweep_linear(a.quick, a.shapes, tuple(a.ms), save, a.limit)
     if a.only in (None, "fused"):
         res["fused_layer"] = sweep_fused_layer(a.quick)
     if a.only in (None, "silu"):

@@ -59,9 +59,10 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
 the kernel, the default, or in the kernel by the last live split; set before the runner loads,
 so its warm-up and graphs take it; decode steps are unaffected; scripts/gpu_mqfuse.sh runs both).
 --gemv-rows N sends projections of 2..N rows (verify steps at batch 1 up to k = N - 1) to the
-one-row gemv kernel run over each row in turn (kernels/gemv.py ROWS) in place of the one-tile
-skinny kernel; 1 (the default) keeps the skinny kernel; set before the runner loads, so its
-fusion plan and graphs take it (scripts/gpu_gemvrows.sh runs 1 and 8).
+one-row gemv kernel run over each row in turn (kernels/gemv.py ROWS, default the module's 2) in
+place of the one-tile skinny kernel; 1 keeps the skinny kernel; set before the runner loads, so
+its graphs take it (scripts/gpu_gemvrows.sh runs 1 and 8). --skinny-tuning JSON updates the
+one-tile kernel's plan knobs (kernels/linear.py SKINNY_PDL_TUNING) for the run.
 Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
 JSON (settings, device, runner report, the three parts) to --out and stdout.
 
@@ -575,9 +576,12 @@ def main() -> None:
     ap.add_argument("--mq-merge", choices=["launch", "fused"], default="launch",
                     help="the split merge of the multi-query (verify) attention kernel: a second launch "
                          "(default) or in the kernel (kernels/attention_multi_query.py MQ_DEFAULTS fused_merge)")
-    ap.add_argument("--gemv-rows", type=int, default=1,
+    ap.add_argument("--skinny-tuning", default=None,
+                    help="JSON: entries of kernels/linear.py SKINNY_PDL_TUNING for the whole run (the one-tile "
+                         "kernel's plan), e.g. '{\"max_block_k\": 512}'")
+    ap.add_argument("--gemv-rows", type=int, default=None,
                     help="projections of 2..N rows on the gemv kernel, each row over the loaded W tile "
-                         "(kernels/gemv.py ROWS); 1: the skinny kernel (default)")
+                         "(kernels/gemv.py ROWS; default: the module's); 1: the skinny kernel")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -586,10 +590,13 @@ def main() -> None:
         attention_triton.DECODE_DEFAULTS["multi_query"] = False
     from kernels import linear as linear_kernels
     linear_kernels.SKINNY_PDL = a.skinny == "one_tile"  # read by the runner's FusionPlan at load
+    if a.skinny_tuning:
+        linear_kernels.SKINNY_PDL_TUNING.update(json.loads(a.skinny_tuning))
     from kernels import attention_multi_query
     attention_multi_query.MQ_DEFAULTS["fused_merge"] = a.mq_merge == "fused"  # before the warm-up and graphs
     from kernels import gemv as gemv_kernels
-    gemv_kernels.ROWS = a.gemv_rows  # read by linear() at every call, before the warm-up and graphs
+    if a.gemv_rows is not None:
+        gemv_kernels.ROWS = a.gemv_rows  # read by linear() at every call, before the warm-up and graphs
     tiny = a.tiny
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \
@@ -608,7 +615,8 @@ def main() -> None:
     cli.update({"gpu_memory_utilization": 0.35} if cuda else {"kv_cache_gib": 0.25})
     res: dict = {"benchmark": "spec_verify_cost", "device": device_name() if cuda else "cpu", "config": a.config,
                  "weights": "dummy", "dtype": cli["dtype"], "torch": torch.__version__,
-                 "mq_merge": a.mq_merge, "gemv_rows": a.gemv_rows,
+                 "mq_merge": a.mq_merge, "gemv_rows": gemv_kernels.ROWS,
+                 "skinny_pdl_tuning": dict(linear_kernels.SKINNY_PDL_TUNING),
                  "settings": {k: v for k, v in vars(a).items() if k not in ("out", "notes")}, "notes": a.notes}
     def save_partial() -> None:  # a run cut short (a timeout) keeps the parts already done
         if a.out:
