@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 from kernels import (activation, attention, decode_merge, device_info, gemv, linear, norm, pdl,  # noqa: E402
                      rope_decode, rotary)
+from tests.launch_count import LaunchCount  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -107,17 +108,6 @@ def test_linear_takes_gemv_up_to_gemv_rows(monkeypatch):
         x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
         assert rel(linear.linear(x, w), linear.linear_ref(x.float(), w.float())) < TOL[torch.bfloat16]
     assert calls == [1, 5, 8]
-
-
-class _LaunchCount:
-    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.n = kernel, 0
-
-    def __getitem__(self, grid):
-        self.n += 1
-        return self.kernel[grid]
 
 
 def _counters_zero() -> bool:
@@ -208,7 +198,7 @@ def test_rope_decode_graph_replays_merge_splits_and_zero_padding_rows(monkeypatc
     qkv = step["qkv"].clone()
     kc, vc = step["kc0"].clone(), step["vc0"].clone()
     args = step["args"](*_views(step, qkv), kc, vc)
-    merges = _LaunchCount(decode_merge._merge_kernel)
+    merges = LaunchCount(decode_merge._merge_kernel)
     monkeypatch.setattr(decode_merge, "_merge_kernel", merges)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -309,7 +299,7 @@ def test_decode_layer_in_a_pdl_graph_equals_the_layer_without_pdl_and_the_refere
     kc_flat, vc_flat = p["kc"].view(-1, *p["kc"].shape[2:]), p["vc"].view(-1, *p["vc"].shape[2:])
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert pdl.use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
-    merges = _LaunchCount(decode_merge._merge_kernel)
+    merges = LaunchCount(decode_merge._merge_kernel)
     monkeypatch.setattr(decode_merge, "_merge_kernel", merges)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

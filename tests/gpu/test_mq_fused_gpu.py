@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from kernels import attention, decode_merge, device_info, kv_quant  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
+from tests.launch_count import LaunchCount  # noqa: E402
 
 H, KVH, D, BS = 16, 8, 128, 16
 MAX_MODEL_LEN = 4096
@@ -39,17 +40,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite output"
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-class _LaunchCount:
-    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.n = kernel, 0
-
-    def __getitem__(self, grid):
-        self.n += 1
-        return self.kernel[grid]
 
 
 def _counters_zero(fused: bool = True) -> bool:
@@ -123,7 +113,7 @@ def test_fused_merge_matches_reference_and_the_merge_launch(monkeypatch, dtype, 
     st = _step(seqs, dtype, fp8)
     ref, real = _ref(st)
     launch = _run(st, False)
-    merges = _LaunchCount(decode_merge._merge_kernel)
+    merges = LaunchCount(decode_merge._merge_kernel)
     monkeypatch.setattr(decode_merge, "_merge_kernel", merges)
     outs = [_run(st, True) for _ in range(3)]
     torch.cuda.synchronize()
@@ -144,7 +134,7 @@ def test_graph_captured_at_long_contexts_replays_shorter_ones(monkeypatch, fused
     long = [(3000, 5), (2500, 3), (4000, 5), (1900, 1)]
     shorter = [[(1000, 5), (0, 3), (40, 5), (700, 1)], [(63, 5), (129, 3), (2047, 5), (0, 1)]]
     st = _step(long, torch.bfloat16, seed=1)
-    merges = _LaunchCount(decode_merge._merge_kernel)
+    merges = LaunchCount(decode_merge._merge_kernel)
     monkeypatch.setattr(decode_merge, "_merge_kernel", merges)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -41,6 +41,7 @@ from kernels import attention, device_info, kv_quant  # noqa: E402
 from kernels import attention_multi_query as mq  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import decode_merge as dm  # noqa: E402
+from tests.launch_count import LaunchCount  # noqa: E402
 
 H, KVH, D, BS, BLOCK_N, SPLITS = 4, 2, 16, 8, 16, 7
 MAX_SEQ_LEN = 512  # a graph's bound (max_model_len): above every context here
@@ -55,17 +56,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-class LaunchCount:
-    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.n = kernel, 0
-
-    def __getitem__(self, grid):
-        self.n += 1
-        return self.kernel[grid]
 
 
 def case(dt: torch.dtype, gen: torch.Generator, fp8: bool):

@@ -21,6 +21,7 @@ from kernels import activation, attention, device_info, gemv, linear, norm, pend
 from kernels import sampling_noise, sampling_triton  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import decode_merge as dm  # noqa: E402
+from tests.launch_count import LaunchCount  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,17 +118,6 @@ def live_split_checks(dt, gen) -> float:
     finally:
         dm._merge_kernel, dm.MERGE_CHUNK_ELEMS = merges.kernel, saved
     return max(errs) if merge_counters_zero() else float("inf")
-
-
-class LaunchCount:
-    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.n = kernel, 0
-
-    def __getitem__(self, grid):
-        self.n += 1
-        return self.kernel[grid]
 
 
 def merge_counters_zero() -> bool:
