@@ -64,15 +64,22 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
+# the cache dtypes every Triton kernel that writes or reads the paged KV cache takes (the store,
+# the rotary + store, decode, multi-query, prefill and the fused rotary decode; int8 since issue
+# 17's int8 work, its GPU tests pending: shared.model_spec.INT8_KV_CUDA keeps CUDA configs off it)
+TRITON_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+
+
 def triton_reads(k_cache: torch.Tensor) -> bool:
-    """Whether the Triton kernels read and write a cache of k_cache's dtype: a float dtype
-    (the model's) or float8_e4m3fn; int8 is the references' only."""
-    return k_cache.dtype != torch.int8
+    """Whether the Triton kernels read and write a cache of k_cache's dtype (TRITON_KV_DTYPES:
+    a model dtype, float8_e4m3fn or int8)."""
+    return k_cache.dtype in TRITON_KV_DTYPES
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Dispatcher for `store_kv_ref` (see there for shapes): the Triton kernel on CUDA for a
-    cache in the model dtype or fp8_e4m3 (with its layer's scales), the reference otherwise."""
+    cache in the model dtype, fp8_e4m3 (with its layer's scales) or int8 (per-token scales
+    written), the reference otherwise."""
     if k.is_cuda and store_kv_triton is not None and triton_reads(k_cache):
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -295,8 +302,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, s
                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `paged_attention_ref` (see there for shapes). max_q_len, max_seq_len:
     host-side bounds for the Triton kernel (None: read from the tensors, a device sync).
-    k_scale, v_scale: a quantized cache's scales: fp8_e4m3 goes to the Triton kernel on CUDA,
-    int8 always to the reference."""
+    k_scale, v_scale: a quantized cache's scales (fp8_e4m3 and int8 go to the Triton kernels on
+    CUDA, `triton_reads`)."""
     if q.is_cuda and paged_attention_triton is not None and plan is None and triton_reads(k_cache):
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
                                       block_tables, scale, max_q_len, max_seq_len, None, k_scale, v_scale)

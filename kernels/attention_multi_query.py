@@ -22,9 +22,11 @@ Row r of a program is query r // G (of the seq's q_len <= Q) and head kv_head * 
 Every token row of q must belong to a sequence (cu_seqlens_q covers [0, T)): rows outside
 are left unwritten, as with the prefill kernel.
 
-An fp8_e4m3 cache (KV_FP8) is read as the decode kernel reads it (`kernels.kv_quant_triton`):
+An fp8_e4m3 cache (KV_QUANT 1) is read as the decode kernel reads it (`kernels.kv_quant_triton`):
 tiles widened exactly to q's dtype, the K scale on the scores, the V scale on the fp32
-accumulator before the partial is stored.
+accumulator before the partial is stored. An int8 cache (KV_QUANT 2): the codes widened
+exactly to q's dtype, each key's K scale on its score column (`kv_scores`) and its V scale on
+its probability column before the P@V dot (`kv_pv`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import triton.language as tl
 
 from kernels.decode_merge import (_finish_rows, _partition, _store_rows, fused_merge_constants, merge_counters,
                                   merge_splits, split_buffers)
-from kernels.kv_quant_triton import kv_operands, kv_tile
+from kernels.kv_quant_triton import kv_operands, kv_pv, kv_row_scales, kv_scores, kv_tile
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 # rows (queries x heads of one KV head) of one program at most: beyond, the prefill kernel
@@ -57,7 +59,7 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
                         ks_ptr, vs_ptr, sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                         n_splits, n_heads, head_dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                        USE_PDL: tl.constexpr, KV_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
+                        USE_PDL: tl.constexpr, KV_QUANT: tl.constexpr, FUSED_MERGE: tl.constexpr,
                         MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
     # no program returns early: with FUSED_MERGE the live ones arrive on their (seq, kv_head)
     # counter in `_finish_rows` (after the PDL wait)
@@ -66,7 +68,7 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
     split = tl.program_id(2)
     pdl_wait(USE_PDL)
     pdl_release(USE_PDL)
-    if KV_FP8:  # the layer's K scale on the scores (its V scale on acc, below)
+    if KV_QUANT == 1:  # the layer's K scale on the scores (its V scale on acc, below)
         qk_scale = qk_scale * tl.load(ks_ptr)
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
@@ -96,18 +98,18 @@ def _multi_query_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_p
         blk = tl.load(bt_ptr + seq * s_bt + nn // block_size, mask=nm, other=0).to(tl.int64)
         off = blk * sc_b + (nn % block_size) * sc_s + kvh * sc_h
         kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
-        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_QUANT)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_QUANT)
+        s = kv_scores(tl.dot(q, tl.trans(k)) * qk_scale, kv_row_scales(ks_ptr, off, nm, head_dim, KV_QUANT), KV_QUANT)
         s = tl.where(nm[None, :] & (nn[None, :] <= limit[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + kv_pv(p, v, kv_row_scales(vs_ptr, off, nm, head_dim, KV_QUANT), KV_QUANT)
         m_i = m_new
-    if KV_FP8:
+    if KV_QUANT == 1:
         acc = acc * tl.load(vs_ptr)
     # the rows' out offsets and partial rows (`kernels.decode_merge`, indexed by token row)
     orow = tok * so_t + heads * so_h
@@ -151,7 +153,8 @@ def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     config: launch overrides (keys of `MQ_DEFAULTS`, "fused_merge" among them), for benchmarks
         and tests. The fused merge's counters are allocated outside CUDA-graph capture
         (`merge_counters`); a capture that would allocate them takes the merge launch.
-    k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
+    k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales, or an int8 cache's fp32 per-token
+        scales [num_blocks, block_size, KVH] (`kernels.kv_quant_triton`).
     Raises ValueError where `fits_multi_query` is false or H is not a multiple of KVH, and as
     `kv_operands`.
     """
@@ -171,13 +174,13 @@ def multi_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     pdl = use_pdl(q.device)
     m, l_, acc = split_buffers(out, splits)
     cnt = merge_counters(out, kvh, splits, cfg["fused_merge"], b)
-    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    kc, vc, ks, vs, quant = kv_operands(k_cache, v_cache, k_scale, v_scale)
     _multi_query_kernel[(b, kvh, splits)](
         q, kc, vc, block_tables, cu_seqlens_q, seq_lens, out, m, l_, acc, out if cnt is None else cnt, ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * 1.4426950408889634, k_cache.shape[1],
         splits, h, d, G=g, BLOCK_R=max(16, triton.next_power_of_2(max_q_len * g)), BLOCK_N=block_n,
-        BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl, KV_FP8=fp8, FUSED_MERGE=cnt is not None,
+        BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl, KV_QUANT=quant, FUSED_MERGE=cnt is not None,
         **fused_merge_constants(h, kvh, d, splits, cnt is not None, max_q_len), num_warps=cfg["num_warps"],
         **({"num_stages": cfg["num_stages"]} if cfg["num_stages"] else {}), **launch_args(pdl))
     merge_splits(m, l_, acc, out, splits, pdl, cnt)

@@ -15,9 +15,12 @@ this file is split off to keep each file near the 300-line mark of CONVENTIONS.m
   Keys are gathered token by token through the block table, so any block size works.
   Scores use exp2 with log2(e) folded into the scale. Dots take the cache dtype
   (bf16/fp16 on tensor cores; fp32 runs as tf32 on the GPU) and accumulate in fp32.
-  An fp8_e4m3 cache (KV_FP8, `kernels.kv_quant_triton`): the store quantizes with the
+  An fp8_e4m3 cache (KV_QUANT 1, `kernels.kv_quant_triton`): the store quantizes with the
   layer's scales, the readers widen each tile exactly to q's dtype for the dots and apply
   the K scale to the scores and the V scale to the fp32 accumulator (docs/ARCHITECTURE.md §4.6).
+  An int8 cache (KV_QUANT 2): the store quantizes each row per token and KV head and writes
+  its scale; the readers widen the codes exactly, load each tile's per-key scales and put
+  the K scales on the score columns, the V scales on the probabilities before P@V.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from kernels.attention_multi_query import MQ_DEFAULTS, fits_multi_query, multi_q
 from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                   merge_counters, merge_splits, split_buffers)
 from kernels.device_info import num_sms
-from kernels.kv_quant_triton import (fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale, kv_cast_store,
-                                     kv_dot_tile, kv_load_dot_tile, kv_operands, kv_tile, word_order)
+from kernels.kv_quant_triton import (KV_FP8, fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale, int8_quantize,
+                                     kv_cast_store, kv_dot_tile, kv_load_dot_tile, kv_operands, kv_pv, kv_row_scales,
+                                     kv_scores, kv_tile, word_order)
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -73,7 +77,7 @@ DECODE_FP8_DEFAULTS: dict = {"few": dict(_FP8_TILE), "many": dict(_FP8_TILE)}
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, sk_t, sk_h, sv_t, sv_h, sc_s, sc_h,
-                     n_kv, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+                     n_kv, head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -82,9 +86,17 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, sk_
         m = (hh < n_kv) & (dd < head_dim)
         k = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=m)
         v = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m)
-        if KV_FP8:
-            k = kv_cast_store(k, tl.load(ks_ptr), KV_FP8)
-            v = kv_cast_store(v, tl.load(vs_ptr), KV_FP8)
+        if KV_QUANT == 1:
+            k = kv_cast_store(k, tl.load(ks_ptr), KV_QUANT)
+            v = kv_cast_store(v, tl.load(vs_ptr), KV_QUANT)
+        if KV_QUANT == 2:  # each head's row quantized, its scale at [slot, head] (scales contiguous)
+            k = tl.where(m, k, 0.0)
+            v = tl.where(m, v, 0.0)
+            k, k_s = int8_quantize(k)
+            v, v_s = int8_quantize(v)
+            hs = tl.arange(0, BLOCK_H)
+            tl.store(ks_ptr + slot * n_kv + hs, k_s, mask=hs < n_kv)
+            tl.store(vs_ptr + slot * n_kv + hs, v_s, mask=hs < n_kv)
         tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, k, mask=m)
         tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, v, mask=m)
 
@@ -93,14 +105,17 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None) -> None:
     """Triton `store_kv_ref` (same shapes); k/v may be strided views with unit last stride.
-    An fp8_e4m3 cache is written quantized with its layer's 0-d scales k_scale, v_scale
+    An fp8_e4m3 cache is written quantized with its layer's 0-d scales k_scale, v_scale; an
+    int8 cache gets each token's K and V rows quantized per KV head as
+    `kernels.kv_quant.quantize_int8` does (bit for bit) and their fp32 scales written into
+    k_scale, v_scale [num_blocks, block_size, kv_heads] at the same slots
     (`kernels.kv_quant_triton.kv_operands`: errors there)."""
     t, kvh, d = k.shape
-    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    kc, vc, ks, vs, quant = kv_operands(k_cache, v_cache, k_scale, v_scale)
     if t:
         _store_kv_kernel[(t,)](k, v, kc, vc, slot_mapping, ks, vs, k.stride(0), k.stride(1),
                                v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), kvh, d,
-                               BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8)
+                               BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(d), KV_QUANT=quant)
 
 
 @triton.jit
@@ -113,37 +128,41 @@ def _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh):
 
 
 @triton.jit
-def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale):
+def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT: tl.constexpr):
     """One key tile of the online softmax: q [BLOCK_G, D], k/v [BLOCK_N, D], nm the valid
     keys [BLOCK_N] (none valid in an empty partition: m stays -inf, l and acc 0); returns
-    the updated (m_i, l_i, acc)."""
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    the updated (m_i, l_i, acc). ks, vs: an int8 cache's K and V scales of the tile's keys
+    [BLOCK_N] (`kv_scores`, `kv_pv`; unused otherwise)."""
+    s = kv_scores(tl.dot(q, tl.trans(k)) * qk_scale, ks, KV_QUANT)
     s = tl.where(nm[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + kv_pv(p, v, vs, KV_QUANT)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dk, dv, dmask, head_dim,
-                  lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+def _attend_range(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh, dk, dv,
+                  dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  KV_QUANT: tl.constexpr, FP8_DOT: tl.constexpr):
     """The key tiles lo, lo + BLOCK_N, .. below end of one sequence and KV head, gathered
     through its block table row: returns the updated (m_i, l_i, acc) of `_attend_tile`.
-    KV_FP8: the caches are e4m3 bytes, widened for the dots with q (`kv_load_dot_tile`, format
+    KV_QUANT 1: the caches are e4m3 bytes, widened for the dots with q (`kv_load_dot_tile`, format
     FP8_DOT: K's way FP8_DOT % 8, V's FP8_DOT // 8, their columns dk and dv in `word_order`;
-    their scales are the caller's)."""
+    their scales are the caller's). KV_QUANT 2: int8 codes widened to q's dtype (FP8_DOT 0),
+    each tile's per-token scales loaded from ks_ptr, vs_ptr (`kv_row_scales`)."""
     for n0 in range(lo, end, BLOCK_N):
         nn = n0 + tl.arange(0, BLOCK_N)
         nm = nn < end
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
-        k = kv_load_dot_tile(kc_ptr, off, nm, dk, dmask, head_dim, q, KV_FP8, FP8_DOT % 8, BLOCK_N, BLOCK_D)
-        v = kv_load_dot_tile(vc_ptr, off, nm, dv, dmask, head_dim, q, KV_FP8, FP8_DOT // 8, BLOCK_N, BLOCK_D)
-        m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale)
+        k = kv_load_dot_tile(kc_ptr, off, nm, dk, dmask, head_dim, q, KV_QUANT, FP8_DOT % 8, BLOCK_N, BLOCK_D)
+        v = kv_load_dot_tile(vc_ptr, off, nm, dv, dmask, head_dim, q, KV_QUANT, FP8_DOT // 8, BLOCK_N, BLOCK_D)
+        ks = kv_row_scales(ks_ptr, off, nm, head_dim, KV_QUANT)
+        vs = kv_row_scales(vs_ptr, off, nm, head_dim, KV_QUANT)
+        m_i, l_i, acc = _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT)
     return m_i, l_i, acc
 
 
@@ -155,7 +174,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
                    n_splits, n_heads, head_dim, G: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr,
+                   FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, KV_QUANT: tl.constexpr,
                    MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr,
                    FP8_DOT: tl.constexpr):
     # no program returns early: with FUSED_MERGE the live ones arrive on their (seq, kv_head)
@@ -163,7 +182,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if KV_FP8:  # the layer's K scale on the scores (its V scale on acc, below); set at load
+    if KV_QUANT == 1:  # the layer's K scale on the scores (its V scale on acc, below); set at load
         qk_scale = qk_scale * tl.load(ks_ptr)
     if not PREFETCH:
         pdl_wait(USE_PDL)
@@ -192,13 +211,15 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         old = (nm & (nn < seq_len - 1))[:, None] & dmask[None, :]
         k0 = tl.load(kc_ptr + off[:, None] + dk[None, :], mask=old, other=0)
         v0 = tl.load(vc_ptr + off[:, None] + dv[None, :], mask=old, other=0)
+        ks0 = kv_row_scales(ks_ptr, off, nm & (nn < seq_len - 1), head_dim, KV_QUANT)  # int8's, 1.0 else
+        vs0 = kv_row_scales(vs_ptr, off, nm & (nn < seq_len - 1), head_dim, KV_QUANT)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
     q = tl.load(q_ptr + seq * sq_t + heads[:, None] * sq_h + dk[None, :],
                 mask=(gg < G)[:, None] & dmask[None, :], other=0.0)
     # an fp8 cache: q in the dots' format, its scaling and the widening's undone on the scores
-    q, q_undo = fp8_dot_q(q, KV_FP8, FP8_DOT)
-    qk_scale = qk_scale * (q_undo * fp8_read_scale(KV_FP8, FP8_DOT % 8))
+    q, q_undo = fp8_dot_q(q, KV_QUANT, FP8_DOT)
+    qk_scale = qk_scale * (q_undo * fp8_read_scale(KV_QUANT, FP8_DOT % 8))
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -207,14 +228,18 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
         new = (nm & (nn == seq_len - 1))[:, None] & dmask[None, :]
         k0 = tl.where(new, tl.load(kc_ptr + off[:, None] + dk[None, :], mask=new, other=0), k0)
         v0 = tl.where(new, tl.load(vc_ptr + off[:, None] + dv[None, :], mask=new, other=0), v0)
-        m_i, l_i, acc = _attend_tile(q, kv_dot_tile(k0, q, KV_FP8, FP8_DOT % 8), kv_dot_tile(v0, q, KV_FP8, FP8_DOT // 8),
-                                     nm, m_i, l_i, acc, qk_scale)
+        if KV_QUANT == 2:  # the step's token's scales, written by the kernel before
+            last_row = nm & (nn == seq_len - 1)
+            ks0 = tl.where(last_row, kv_row_scales(ks_ptr, off, last_row, head_dim, KV_QUANT), ks0)
+            vs0 = tl.where(last_row, kv_row_scales(vs_ptr, off, last_row, head_dim, KV_QUANT), vs0)
+        m_i, l_i, acc = _attend_tile(q, kv_dot_tile(k0, q, KV_QUANT, FP8_DOT % 8), kv_dot_tile(v0, q, KV_QUANT, FP8_DOT // 8),
+                                     nm, m_i, l_i, acc, qk_scale, ks0, vs0, KV_QUANT)
         lo = start + BLOCK_N
-    m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h, kvh,
-                                  dk, dv, dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_D, KV_FP8,
+    m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
+                                  kvh, dk, dv, dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_D, KV_QUANT,
                                   FP8_DOT)
-    if KV_FP8:  # fp32 partial times the V scale (and the widening's factor), before the split merge
-        acc = acc * (tl.load(vs_ptr) * fp8_read_scale(KV_FP8, FP8_DOT // 8))
+    if KV_QUANT == 1:  # fp32 partial times the V scale (and the widening's factor), before the split merge
+        acc = acc * (tl.load(vs_ptr) * fp8_read_scale(KV_QUANT, FP8_DOT // 8))
     if FUSED_MERGE:  # (never with ONE_SPLIT)
         _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dv, dmask,
                       so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S, BLOCK_D)
@@ -227,7 +252,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, m_ptr, l_
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, ks_ptr, vs_ptr,
                     sq_t, sq_h, sc_b, sc_s, sc_h, s_bt, so_t, so_h, qk_scale, block_size,
                     head_dim, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+                    BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
     mblk = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -236,7 +261,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, 
     if mblk * BLOCK_M >= q_len:
         return
     kvh = h // G
-    if KV_FP8:  # the layer's K scale on the scores, its V scale on the output
+    if KV_QUANT == 1:  # the layer's K scale on the scores, its V scale on the output
         qk_scale = qk_scale * tl.load(ks_ptr)
     seq_len = tl.load(seqlen_ptr + seq)
     ctx = seq_len - q_len  # cached prefix before this chunk
@@ -255,18 +280,18 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr, 
         nm = nn < seq_len
         off = _kv_offsets(bt_ptr, seq, s_bt, nn, nm, block_size, sc_b, sc_s, sc_h, kvh)
         kv_mask = nm[:, None] & dmask[None, :]
-        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        k = kv_tile(tl.load(kc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_QUANT)
+        s = kv_scores(tl.dot(q, tl.trans(k)) * qk_scale, kv_row_scales(ks_ptr, off, nm, head_dim, KV_QUANT), KV_QUANT)
         visible = (nn[None, :] <= (ctx + mm)[:, None]) & nm[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_FP8)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = kv_tile(tl.load(vc_ptr + off[:, None] + dd[None, :], mask=kv_mask, other=0), q, KV_QUANT)
+        acc = acc * alpha[:, None] + kv_pv(p, v, kv_row_scales(vs_ptr, off, nm, head_dim, KV_QUANT), KV_QUANT)
         m_i = m_new
-    if KV_FP8:
+    if KV_QUANT == 1:
         acc = acc * tl.load(vs_ptr)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * so_t + h * so_h + dd[None, :], o.to(out_ptr.dtype.element_ty),
@@ -311,7 +336,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         `DECODE_FP8_DEFAULTS` over them). Its keys of `MQ_DEFAULTS` (block_n, num_warps,
         num_stages, splits, fused_merge) also set the multi-query kernel's launch, over
         `MQ_DEFAULTS`.
-    k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
+    k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales, or an int8 cache's fp32 per-token
+        scales [num_blocks, block_size, num_kv_heads] (`kernels.kv_quant_triton`; every kernel
+        here reads int8: the codes widened to q's dtype, the scales on the score and probability
+        columns).
     Raises ValueError if num_heads is not a multiple of num_kv_heads, or for an unknown
     fp8_dot, and as `kv_operands`.
     """
@@ -330,7 +358,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     qk_scale = scale * _LOG2E
     bd = triton.next_power_of_2(d)
-    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    kc, vc, ks, vs, quant = kv_operands(k_cache, v_cache, k_scale, v_scale)
+    fp8 = quant == KV_FP8
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1))
     if max_q_len == 1:
@@ -348,7 +377,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
                                          BLOCK_D=bd, ONE_SPLIT=splits == 1, USE_PDL=pdl,
                                          PREFETCH=_prefetch(dc, pdl, block_n), FUSED_MERGE=cnt is not None,
-                                         KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
+                                         KV_QUANT=quant, MIN_TILES=dc["min_split_tiles"],
                                          **fused_merge_constants(h, kvh, d, splits, cnt is not None),
                                          FP8_DOT=fp8_dot,
                                          num_warps=dc["num_warps"],
@@ -365,5 +394,5 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_m, block_n = (64, 64) if bd <= 128 else (32, 32)
     _prefill_kernel[(triton.cdiv(max_q_len, block_m), b, h)](
         q, kc, vc, block_tables, cu_seqlens_q, seq_lens, out, ks, vs, *strides, qk_scale,
-        k_cache.shape[1], d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, KV_FP8=fp8, num_warps=4)
+        k_cache.shape[1], d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, KV_QUANT=quant, num_warps=4)
     return out

@@ -1,8 +1,25 @@
-"""The fp8_e4m3 KV cache in the Triton kernels (docs/ARCHITECTURE.md §4.6): the helpers every
-kernel that writes or reads the paged KV cache shares (`kernels.attention_triton` store,
-decode and prefill, `kernels.attention_multi_query`, `kernels.rope_decode`,
-`kernels.rotary`). The torch references are `kernels.kv_quant.quantize_fp8` and
-`dequantize_fp8`.
+"""The quantized KV caches (fp8_e4m3, int8) in the Triton kernels (docs/ARCHITECTURE.md §4.6): the
+helpers every kernel that writes or reads the paged KV cache shares (`kernels.attention_triton`
+store, decode and prefill, `kernels.attention_multi_query`, `kernels.rope_decode`,
+`kernels.rotary`). The torch references are `kernels.kv_quant.quantize_fp8` /
+`dequantize_fp8` and `quantize_int8` / `dequantize_int8`.
+
+The kernels take the cache's format as the constexpr KV_QUANT (`kv_operands`): 0 the model
+dtype, 1 fp8_e4m3 (KV_FP8), 2 int8 (KV_INT8). Every fp8 branch tests KV_QUANT == 1, so the
+fp8 code is what it was under the former KV_FP8 flag.
+
+int8 (one fp32 scale per token and KV head for K and for V, tensors [num_blocks, block_size,
+kv_heads] beside the cache, contiguous like it, so a cache row at element offset off has its
+scale at off // head_dim): the writers quantize each K and V row (one token, one KV head)
+exactly as `quantize_int8` does (`int8_quantize`: scale = amax / 127 and inv = 1 / scale by
+IEEE divisions, codes = x * inv rounded half to even with comparisons only, clamped to
++-127) and store the codes and the scale. The readers widen the codes exactly to q's dtype
+(|code| <= 127 fits bf16 and fp16), load the tile's scales (`kv_row_scales`, one per key)
+and fold them into the softmax: q . (k8_j ks_j) = ks_j (q . k8_j) scales the score tile's
+columns (with the softmax scale), sum_j p_j (v8_j vs_j) = sum_j (p_j vs_j) v8_j scales the
+probabilities before the P@V dot (`kv_pv`: by vs_j / max_j vs_j, so the operand stays in
+[0, 1] like p, and the tile's max on the fp32 product); the softmax's m and l use the
+unscaled p; everything accumulates in fp32.
 
 Format: the cache holds float8_e4m3fn with one fp32 dequantization scale per layer for K and
 one for V (0-d device tensors, read by the kernels through a pointer: nothing host-synced,
@@ -50,19 +67,23 @@ import triton.language as tl
 from kernels.device_info import num_sms
 
 FP8_E4M3_MAX = 448.0  # also kernels.kv_quant.FP8_E4M3_MAX
+KV_NONE, KV_FP8, KV_INT8 = 0, 1, 2  # the kernels' KV_QUANT constexpr (`kv_operands`)
 # the decode kernels' dot formats (module doc): config name -> the kernels' FP8_DOT constexpr,
 # k_way + 8 * v_way (0 q's dtype, 1 hardware fp16, 2 e4m3_fp16_bits, 3 words)
 FP8_DOTS = {"q": 0, "fp16": 9, "fp16_bits": 18, "fp16_words": 27, "fp16_vwords": 25}
 
 
 @triton.jit
-def kv_tile(x, like, KV_FP8: tl.constexpr):
+def kv_tile(x, like, KV_QUANT: tl.constexpr):
     """A loaded cache tile in the compute dtype (that of the tensor `like`, the kernel's q):
-    the e4m3 bytes (uint8) of an fp8 cache bitcast and widened exactly (through fp16); a
-    model-dtype tile unchanged."""
+    the e4m3 bytes (uint8) of an fp8 cache bitcast and widened exactly (through fp16); the
+    int8 codes of an int8 cache converted exactly (|code| <= 127); a model-dtype tile
+    unchanged."""
     # one return after a static if/else: Triton 3.6 refuses early returns of two types
-    if KV_FP8:
+    if KV_QUANT == 1:
         y = x.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(like.dtype)
+    elif KV_QUANT == 2:
+        y = x.to(like.dtype)
     else:
         y = x
     return y
@@ -114,43 +135,43 @@ def word_order(dd, WAY: tl.constexpr):
 
 
 @triton.jit
-def kv_dot_tile(x, like, KV_FP8: tl.constexpr, WAY: tl.constexpr):
+def kv_dot_tile(x, like, KV_QUANT: tl.constexpr, WAY: tl.constexpr):
     """A loaded cache tile (bytes) for a decode kernel's dots with q `like` (from `fp8_dot_q`),
     widened the tile's way (module doc: FP8_DOT % 8 for K, FP8_DOT // 8 for V): as `kv_tile`
     (to like's dtype: fp16 for way 1), or for ways 2 and 3 (an fp8 cache) `e4m3_fp16_bits`
     (the words' values, for tiles loaded as bytes: prefetched or the step's token)."""
-    if KV_FP8 and WAY >= 2:  # one return (see kv_tile)
+    if KV_QUANT == 1 and WAY >= 2:  # one return (see kv_tile)
         y = e4m3_fp16_bits(x)
     else:
-        y = kv_tile(x, like, KV_FP8)
+        y = kv_tile(x, like, KV_QUANT)
     return y
 
 
 @triton.jit
-def kv_load_dot_tile(ptr, off, nm, dd, dmask, head_dim, like, KV_FP8: tl.constexpr, WAY: tl.constexpr,
+def kv_load_dot_tile(ptr, off, nm, dd, dmask, head_dim, like, KV_QUANT: tl.constexpr, WAY: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Load and widen the cache rows at element offsets off [BLOCK_N] (valid where nm; dd, dmask
     the head_dim columns, in `word_order`) for the dots with `like`: `kv_dot_tile` of the bytes, or for way 3
     (an fp8 cache, head_dim % 4 == 0 and rows 4-byte aligned: the launchers check) the rows as
     uint32 words through `e4m3_words_fp16`."""
-    if KV_FP8 and WAY == 3:
+    if KV_QUANT == 1 and WAY == 3:
         dw = tl.arange(0, BLOCK_D // 4)
         wp = (ptr + off[:, None]).to(tl.pointer_type(tl.uint32)) + dw[None, :]
         y = e4m3_words_fp16(tl.load(wp, mask=nm[:, None] & (dw < head_dim // 4)[None, :], other=0), BLOCK_N, BLOCK_D)
     else:
         y = kv_dot_tile(tl.load(ptr + off[:, None] + dd[None, :], mask=nm[:, None] & dmask[None, :], other=0),
-                        like, KV_FP8, WAY)
+                        like, KV_QUANT, WAY)
     return y
 
 
 @triton.jit
-def fp8_dot_q(q, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
+def fp8_dot_q(q, KV_QUANT: tl.constexpr, FP8_DOT: tl.constexpr):
     """(q for the dots, the factor on the scores that undoes its scaling): for an fp8 cache
     with an fp16 format (FP8_DOT != 0), q times 2^e in fp16, e chosen from the program's max |q| (its fp32
     exponent bits) so that max |q| 2^e lies in [2^14, 2^15) (fp16's largest finite value is
     65504): exact but for q values below 2^-29 of the max (fp16 subnormals, negligible in a
     dot), the factor 2^-e exact; else (q, 1.0). All-zero q gives zeros; inf / NaN propagate."""
-    if KV_FP8 and FP8_DOT != 0:  # one return (see kv_tile)
+    if KV_QUANT == 1 and FP8_DOT != 0:  # one return (see kv_tile)
         qf = q.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(qf), 1), 0)
         ex = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: amax in [2^(ex-127), 2^(ex-126))
@@ -165,11 +186,11 @@ def fp8_dot_q(q, KV_FP8: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def fp8_read_scale(KV_FP8: tl.constexpr, WAY: tl.constexpr):
+def fp8_read_scale(KV_QUANT: tl.constexpr, WAY: tl.constexpr):
     """The factor on the K or V scale that undoes its tiles' widening (WAY as `kv_dot_tile`):
     2^8 for the integer ways 2 and 3 on an fp8 cache (`e4m3_fp16_bits`, `e4m3_words_fp16`),
     else 1.0."""
-    if KV_FP8 and WAY >= 2:
+    if KV_QUANT == 1 and WAY >= 2:
         f = 256.0
     else:
         f = 1.0
@@ -186,13 +207,88 @@ def fp8_bytes(x, scale):
 
 
 @triton.jit
-def kv_cast_store(x, scale, KV_FP8: tl.constexpr):
+def kv_cast_store(x, scale, KV_QUANT: tl.constexpr):
     """A K or V row to store: `fp8_bytes` for an fp8 cache, else x unchanged (the store
     casts to the cache's dtype)."""
-    if KV_FP8:  # one return (see kv_tile)
+    if KV_QUANT == 1:  # one return (see kv_tile)
         y = fp8_bytes(x, scale)
     else:
         y = x
+    return y
+
+
+@triton.jit
+def int8_scale(amax):
+    """(scale, inv) for rows of max |x| amax (fp32): scale = amax / 127 and inv = 1 / scale (0
+    where scale is 0), both IEEE round-to-nearest divisions (`tl.math.div_rn`; Triton's `/`
+    on fp32 is an approximate division on the GPU), as `kernels.kv_quant.quantize_int8`'s
+    torch divisions."""
+    scale = tl.math.div_rn(amax, 127.0)
+    pos = scale > 0
+    inv = tl.where(pos, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
+    return scale, inv
+
+
+@triton.jit
+def int8_codes(x, inv):
+    """round_half_even(x * inv) clamped to +-127, as int8 (`quantize_int8`: torch.round of the
+    fp32 product). The product is only compared and truncated, never added to, so no
+    multiply-add contraction can change its rounding: a = |x * inv| (at most 128 here),
+    t = trunc(a), h = t + 0.5 (exact); the code is t + 1 where a > h, or where a == h and t is
+    odd (a tie to even), with x's sign."""
+    y = x.to(tl.float32) * inv
+    a = tl.minimum(tl.abs(y), 128.0)
+    t = a.to(tl.int32)
+    h = t.to(tl.float32) + 0.5
+    r = t + (a > h).to(tl.int32) + ((a == h) & ((t & 1) == 1)).to(tl.int32)
+    r = tl.minimum(r, 127)
+    return tl.where(y < 0, -r, r).to(tl.int8)
+
+
+@triton.jit
+def int8_quantize(x):
+    """Rows x [R, C] (float; masked lanes 0) -> (codes [R, C] int8, scales [R] fp32) as
+    `kernels.kv_quant.quantize_int8` over the last dim (`int8_scale`, `int8_codes`)."""
+    amax = tl.max(tl.abs(x.to(tl.float32)), 1)
+    scale, inv = int8_scale(amax)
+    return int8_codes(x, inv[:, None]), scale
+
+
+@triton.jit
+def kv_row_scales(s_ptr, off, nm, head_dim, KV_QUANT: tl.constexpr):
+    """An int8 cache's scales [BLOCK_N] fp32 of the rows at element offsets off (valid where
+    nm, 0.0 elsewhere): s_ptr + off // head_dim (scales [num_blocks, block_size, kv_heads]
+    contiguous like the cache, `kv_operands` checks); 1.0 for other caches (unused)."""
+    if KV_QUANT == 2:  # one return (see kv_tile)
+        y = tl.load(s_ptr + off // head_dim, mask=nm, other=0.0)
+    else:
+        y = 1.0
+    return y
+
+
+@triton.jit
+def kv_scores(s, ks, KV_QUANT: tl.constexpr):
+    """Scores s [R, BLOCK_N] (q . k8 times the softmax scale, fp32) times the keys' int8
+    scales ks [BLOCK_N] per column; s unchanged for other caches."""
+    if KV_QUANT == 2:
+        y = s * ks[None, :]
+    else:
+        y = s
+    return y
+
+
+@triton.jit
+def kv_pv(p, v, vs, KV_QUANT: tl.constexpr):
+    """The P@V product of one key tile in fp32: p [R, BLOCK_N] (fp32 probabilities, unnormalised),
+    v [BLOCK_N, D] the tile in the dots' dtype. int8: sum_j p_j vs_j v8_j, computed as
+    (p * vs / vmax) @ v8 * vmax with vmax = max_j vs_j (the operand in [0, 1], as p; exact
+    algebra, one rounding of the operand to v's dtype); else p @ v."""
+    if KV_QUANT == 2:
+        vmax = tl.max(vs, 0)
+        vmax = tl.where(vmax > 0, vmax, 1.0)
+        y = tl.dot((p * (vs / vmax)[None, :]).to(v.dtype), v) * vmax
+    else:
+        y = tl.dot(p.to(v.dtype), v)
     return y
 
 
@@ -224,19 +320,34 @@ def fp8_dot_code(name: str, k_cache: torch.Tensor, head_dim: int, kv_fp8: bool) 
 
 
 def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+                v_scale: torch.Tensor | None, int8: str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """What a kernel launch takes for a layer's cache: (k_cache, v_cache, k_scale, v_scale,
-    kv_fp8). An fp8_e4m3 cache [num_blocks, block_size, kv_heads, head_dim] float8_e4m3fn
-    comes back as its uint8 views (same strides) with its 0-d fp32 scales on the cache's
-    device; a cache in the model dtype as itself, with the caches standing in for the unused
-    scale pointers.
-    Raises ValueError for an fp8 cache without both scales, TypeError for an int8 cache
-    (read by the torch references only, `kernels.kv_quant`)."""
+    kv_quant), kv_quant the KV_QUANT constexpr (KV_NONE, KV_FP8, KV_INT8).
+    An fp8_e4m3 cache [num_blocks, block_size, kv_heads, head_dim] float8_e4m3fn comes back as
+    its uint8 views (same strides) with its 0-d fp32 scales on the cache's device; an int8
+    cache (contiguous) as itself with its fp32 scale tensors [num_blocks, block_size,
+    kv_heads] (contiguous); a cache in the model dtype as itself, with the caches standing in
+    for the unused scale pointers.
+    int8: None when the calling kernel reads and writes int8, else the kernel's name for the
+    refusal.
+    Raises ValueError for a quantized cache without both scales, or int8 scales or caches not
+    of that shape, dtype and contiguity; TypeError for an int8 cache when `int8` names a
+    kernel that does not read it yet (the torch references of `kernels.kv_quant` do)."""
     if k_cache.dtype == torch.float8_e4m3fn:
         if k_scale is None or v_scale is None:
             raise ValueError("an fp8_e4m3 KV cache needs its layer's k_scale and v_scale")
-        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, True
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, KV_FP8
     if k_cache.dtype == torch.int8:
-        raise TypeError("an int8 KV cache is read by the torch references only (kernels.kv_quant); "
-                        "the Triton kernels read fp8_e4m3")
-    return k_cache, v_cache, k_cache, v_cache, False
+        if int8 is not None:
+            raise TypeError(f"an int8 KV cache is not read by the Triton kernel {int8} yet (only by the torch "
+                            "references, kernels.kv_quant)")
+        if k_scale is None or v_scale is None:
+            raise ValueError("an int8 KV cache needs its per-token k_scale and v_scale tensors")
+        for c, sc in ((k_cache, k_scale), (v_cache, v_scale)):
+            if (sc.dtype != torch.float32 or tuple(sc.shape) != tuple(c.shape[:3]) or not sc.is_contiguous()
+                    or not c.is_contiguous() or sc.device != c.device):
+                raise ValueError(f"int8 KV cache {tuple(c.shape)} {c.dtype}: its scales must be contiguous fp32 "
+                                 f"{tuple(c.shape[:3])} on its device, got {tuple(sc.shape)} {sc.dtype}")
+        return k_cache, v_cache, k_scale, v_scale, KV_INT8
+    return k_cache, v_cache, k_cache, v_cache, KV_NONE

@@ -26,10 +26,14 @@ element's partner (i +- D/2) as a second, cached load. Rounding follows
 `rotary_and_store_kv_ref`: normalised x rounded to the dtype, times the weight rounded,
 the rotation in fp32 rounded once. The attention math is `_decode_kernel`'s.
 
-An fp8_e4m3 cache (KV_FP8, `kernels.kv_quant_triton`): the owner quantizes the token's
+An fp8_e4m3 cache (KV_QUANT, `kernels.kv_quant_triton`): the owner quantizes the token's
 rotated key and its value with the layer's scales and stores the e4m3 bytes; every program
 attends that token through the same e4m3 values (widened back in registers), so the result
 is that of the store followed by the read, as the two-launch path and the reference give.
+An int8 cache (KV_QUANT 2) likewise: the owner quantizes the token's rotated key and its value
+per KV head (`kernels.kv_quant_triton.int8_quantize`, as `kernels.kv_quant.quantize_int8`) and
+stores the codes and the two scales; the programs read the codes with their per-key scales
+(`kv_row_scales`), the token's from registers in a prefetched tile.
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ def rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
     -> [B, H, D] in q's dtype, as `rotary_and_store_kv` then `paged_attention` (see there for
     the other shapes). q_norm, k_norm: [D] weights of the per-head RMSNorm, or None.
     q and k may be left rotated or not (the fused kernel does not write them back).
-    k_scale, v_scale: the layer's scales of a quantized cache (fp8_e4m3: 0-d fp32, read by the
-    Triton kernel; int8: the references), None for a cache in the model dtype.
+    k_scale, v_scale: the layer's scales of a quantized cache (fp8_e4m3: 0-d fp32; int8: fp32
+    [num_blocks, block_size, num_kv_heads], written at the token's slot), None for a cache in
+    the model dtype.
     """
     cap = ROPE_DECODE_DEFAULTS["max_seqs"]
     if (q.is_cuda and ENABLED and rope_decode_triton is not None and cos_sin.shape[-1] == q.shape[-1]
@@ -117,8 +122,8 @@ if triton is not None:
     from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                       merge_counters, merge_splits, split_buffers)
     from kernels.device_info import num_sms
-    from kernels.kv_quant_triton import (fp8_bytes, fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale,
-                                         kv_dot_tile, kv_operands, word_order)
+    from kernels.kv_quant_triton import (KV_FP8, fp8_bytes, fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale,
+                                         int8_quantize, kv_dot_tile, kv_operands, kv_row_scales, kv_tile, word_order)
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
@@ -144,7 +149,7 @@ if triton is not None:
                             G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
                             USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                            BLOCK_S: tl.constexpr, KV_FP8: tl.constexpr, MERGE_G: tl.constexpr,
+                            BLOCK_S: tl.constexpr, KV_QUANT: tl.constexpr, MERGE_G: tl.constexpr,
                             CHUNK_S: tl.constexpr, MIN_TILES: tl.constexpr, FP8_DOT: tl.constexpr):
         # no program returns early (a padding row, seq_len 0, and an empty partition run
         # through with m -inf, l 0): with FUSED_MERGE the live ones arrive on their (seq,
@@ -158,10 +163,10 @@ if triton is not None:
         # the rest of its tiles as usual.
         seq_len = tl.load(seqlen_ptr + seq).to(tl.int32)
         last = seq_len - 1
-        if KV_FP8:  # the layer's scales (set at load): K's on the scores, V's on acc below
+        if KV_QUANT == 1:  # the layer's scales (set at load): K's on the scores, V's on acc below
             k_sc = tl.load(ks_ptr)
             v_sc = tl.load(vs_ptr)
-            qk_scale = qk_scale * (k_sc * fp8_read_scale(KV_FP8, FP8_DOT % 8))
+            qk_scale = qk_scale * (k_sc * fp8_read_scale(KV_QUANT, FP8_DOT % 8))
         pos = tl.load(pos_ptr + seq).to(tl.int64)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         half = head_dim // 2
@@ -193,6 +198,8 @@ if triton is not None:
             cached = (nm & (nn < last))[:, None] & dmask[None, :]
             k0 = tl.load(kc_ptr + off[:, None] + dd[None, :], mask=cached, other=0)
             v0 = tl.load(vc_ptr + off[:, None] + dv[None, :], mask=cached, other=0)
+            ks0 = kv_row_scales(ks_ptr, off, nm & (nn < last), head_dim, KV_QUANT)  # int8's, 1.0 else
+            vs0 = kv_row_scales(vs_ptr, off, nm & (nn < last), head_dim, KV_QUANT)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
         gg = tl.arange(0, BLOCK_G)
@@ -203,20 +210,33 @@ if triton is not None:
                            cos, sin, kw, kwp, eps, head_dim, NORM)  # [1, BLOCK_D]
         v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dv[None, :], mask=dmask[None, :], other=0.0)
         # an fp8 cache: q in the dots' format, its scaling undone on the scores
-        q, q_undo = fp8_dot_q(q, KV_FP8, FP8_DOT)
+        q, q_undo = fp8_dot_q(q, KV_QUANT, FP8_DOT)
         qk_scale = qk_scale * q_undo
-        if KV_FP8:  # the token as stored: e4m3 bytes, and their values in the dots' format for the tile
+        if KV_QUANT == 1:  # the token as stored: e4m3 bytes, and their values in the dots' format for the tile
             k_st = fp8_bytes(k_new, k_sc)
             v_st = fp8_bytes(v_new, v_sc)
-            k_new = kv_dot_tile(k_st, q, True, FP8_DOT % 8)
-            v_new = kv_dot_tile(v_st, q, True, FP8_DOT // 8)
+            k_new = kv_dot_tile(k_st, q, 1, FP8_DOT % 8)
+            v_new = kv_dot_tile(v_st, q, 1, FP8_DOT // 8)
+            k_s_new = 1.0
+            v_s_new = 1.0
+        elif KV_QUANT == 2:  # the token as stored: int8 codes and their scales [1], codes widened for the tile
+            k_st, k_s_new = int8_quantize(k_new)
+            v_st, v_s_new = int8_quantize(v_new)
+            k_new = kv_tile(k_st, q, KV_QUANT)
+            v_new = kv_tile(v_st, q, KV_QUANT)
         else:
             k_st = k_new
             v_st = v_new
+            k_s_new = 1.0
+            v_s_new = 1.0
         if (start <= last) & (last < end) & (slot >= 0):  # this program owns the step's token
             c = slot * sc_s + kvh * sc_h
             tl.store(kc_ptr + c + dd[None, :], k_st, mask=dmask[None, :])
             tl.store(vc_ptr + c + dv[None, :], v_st, mask=dmask[None, :])
+            if KV_QUANT == 2:  # its scales at [slot, kv_head] (= c // head_dim: contiguous, `kv_operands`)
+                one = tl.arange(0, 1)
+                tl.store(ks_ptr + c // head_dim + one, k_s_new)
+                tl.store(vs_ptr + c // head_dim + one, v_s_new)
         tl.debug_barrier()  # the owner's writes are visible to its own loads below
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -224,15 +244,18 @@ if triton is not None:
         lo = start
         if PREFETCH:
             is_new = (nn == last)[:, None]
-            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_dot_tile(k0, q, KV_FP8, FP8_DOT % 8)),
-                                         tl.where(is_new, v_new, kv_dot_tile(v0, q, KV_FP8, FP8_DOT // 8)), nm,
-                                         m_i, l_i, acc, qk_scale)
+            if KV_QUANT == 2:  # the token's scales from registers
+                ks0 = tl.where(nn == last, k_s_new, ks0)
+                vs0 = tl.where(nn == last, v_s_new, vs0)
+            m_i, l_i, acc = _attend_tile(q, tl.where(is_new, k_new, kv_dot_tile(k0, q, KV_QUANT, FP8_DOT % 8)),
+                                         tl.where(is_new, v_new, kv_dot_tile(v0, q, KV_QUANT, FP8_DOT // 8)), nm,
+                                         m_i, l_i, acc, qk_scale, ks0, vs0, KV_QUANT)
             lo = start + BLOCK_N
-        m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s, sc_h,
-                                      kvh, dd, dv, dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_D,
-                                      KV_FP8, FP8_DOT)
-        if KV_FP8:
-            acc = acc * (v_sc * fp8_read_scale(KV_FP8, FP8_DOT // 8))
+        m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s,
+                                      sc_h, kvh, dd, dv, dmask, head_dim, lo, end, m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_D,
+                                      KV_QUANT, FP8_DOT)
+        if KV_QUANT == 1:
+            acc = acc * (v_sc * fp8_read_scale(KV_QUANT, FP8_DOT // 8))
         if FUSED_MERGE:  # (never with ONE_SPLIT)
             _finish_fused(m_i, l_i, acc, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, seq, kvh, heads, gg, dv, dmask,
                           so_t, so_h, n_heads, n_splits, split, n_live, head_dim, G, MERGE_G, BLOCK_S, CHUNK_S,
@@ -247,7 +270,9 @@ if triton is not None:
         """The CUDA path of `rope_paged_decode` (full rotary: cos_sin [positions, D]).
         decode_config overrides ROPE_DECODE_DEFAULTS (block_n, num_warps, splits, fused_merge,
         fp8_dot, ..; for an fp8 cache ROPE_DECODE_FP8_DEFAULTS come between the two).
-        k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales (`kernels.kv_quant_triton`).
+        k_scale, v_scale: an fp8_e4m3 cache's 0-d fp32 layer scales, or an int8 cache's fp32 per-token
+        scales [num_blocks, block_size, num_kv_heads] (`kernels.kv_quant_triton`: the owner
+        quantizes the token's rotated K row and its V row per head and stores codes and scales).
         Raises ValueError for a strided last dim, num_heads not a multiple of num_kv_heads or
         an unknown fp8_dot, and as `kv_operands`."""
         b, h, d = q.shape
@@ -260,7 +285,8 @@ if triton is not None:
             return out
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
+        kc, vc, ks, vs, quant = kv_operands(k_cache, v_cache, k_scale, v_scale)
+        fp8 = quant == KV_FP8
         dc = {**ROPE_DECODE_DEFAULTS, **(fp8_overrides(ROPE_DECODE_FP8_DEFAULTS, b, kvh, d, q.device) if fp8 else {}),
               **(decode_config or {})}
         fp8_dot = fp8_dot_code(dc["fp8_dot"], kc, d, fp8)
@@ -280,7 +306,7 @@ if triton is not None:
             out.stride(0), out.stride(1), scale * _LOG2E, k_cache.shape[1], splits, h, d, eps,
             G=h // kvh, BLOCK_G=max(16, triton.next_power_of_2(h // kvh)), BLOCK_N=block_n, BLOCK_D=bd,
             NORM=norm, ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(dc, pdl, block_n),
-            FUSED_MERGE=cnt is not None, KV_FP8=fp8, MIN_TILES=dc["min_split_tiles"],
+            FUSED_MERGE=cnt is not None, KV_QUANT=quant, MIN_TILES=dc["min_split_tiles"],
             **fused_merge_constants(h, kvh, d, splits, cnt is not None),
             FP8_DOT=fp8_dot, num_warps=dc["num_warps"],
             num_stages=dc["num_stages"], **({"maxnreg": dc["maxnreg"]} if dc["maxnreg"] else {}),

@@ -169,8 +169,8 @@ def rotary_and_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                         q_norm=None, k_norm=None, eps: float = 1e-6, k_scale=None, v_scale=None) -> None:
     """Dispatcher for `rotary_and_store_kv_ref` (see there for shapes); the Triton kernel on
-    CUDA for a cache in the model dtype or fp8_e4m3 (quantized with its layer's scales), the
-    reference for an int8 cache."""
+    CUDA for a cache in the model dtype, fp8_e4m3 (quantized with its layer's scales) or int8
+    (per token and head), the reference elsewhere."""
     if q.is_cuda and rotary_and_store_kv_triton is not None and triton_reads(k_cache):
         return rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                           q_norm, k_norm, eps, k_scale, v_scale)
@@ -182,7 +182,8 @@ def rotary_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapp
 # One program per token: it rotates the token's q heads and k heads (fp32 math, cast back),
 # writes them back in place and, when a cache is given, stores the rotated k and v rows at
 # the token's slot. A slot < 0 (padding rows of a CUDA graph) stores nothing. An fp8_e4m3 cache
-# (KV_FP8) gets the rows quantized with the layer's scales (`kernels.kv_quant_triton`).
+# (KV_QUANT 1) gets the rows quantized with the layer's scales, an int8 cache (KV_QUANT 2) each
+# row quantized per token and head with its scale stored (`kernels.kv_quant_triton`).
 
 try:
     import triton
@@ -191,13 +192,13 @@ except ImportError:  # CPU-only installs: the dispatchers keep the references
     triton = None
 
 if triton is not None:
-    from kernels.kv_quant_triton import kv_cast_store, kv_operands
+    from kernels.kv_quant_triton import int8_codes, int8_quantize, int8_scale, kv_cast_store, kv_operands
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit
     def _rotate_heads(x_ptr, tok, sx_t, sx_h, n_heads, cos, sin, half,
                       c_ptr, slot, sc_s, sc_h, nw_ptr, eps, c_scale, STORE: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr):
+                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr):
         hh = tl.arange(0, BLOCK_H)[:, None]
         ii = tl.arange(0, BLOCK_HALF)[None, :]
         m = (hh < n_heads) & (ii < half)
@@ -217,8 +218,9 @@ if triton is not None:
         tl.store(p1 + half, o2, mask=m)
         if STORE:
             c1 = c_ptr + slot * sc_s + hh * sc_h + ii
-            tl.store(c1, kv_cast_store(o1, c_scale, KV_FP8), mask=m)
-            tl.store(c1 + half, kv_cast_store(o2, c_scale, KV_FP8), mask=m)
+            tl.store(c1, kv_cast_store(o1, c_scale, KV_QUANT), mask=m)
+            tl.store(c1 + half, kv_cast_store(o2, c_scale, KV_QUANT), mask=m)
+        return o1, o2  # the rotated halves [BLOCK_H, BLOCK_HALF] in x's dtype (0 in masked lanes)
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, qn_ptr, kn_ptr,
@@ -226,7 +228,7 @@ if triton is not None:
                        n_q, n_k, half, head_dim, eps, HAS_K: tl.constexpr, STORE: tl.constexpr,
                        NORM: tl.constexpr, USE_PDL: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                       KV_FP8: tl.constexpr):
+                       KV_QUANT: tl.constexpr):
         # positions and the angle table are written before the step's first kernel (a host
         # copy; a table made at load): read before the wait
         tok = tl.program_id(0).to(tl.int64)
@@ -240,22 +242,45 @@ if triton is not None:
                       False, NORM, BLOCK_H, BLOCK_HALF, False)
         if HAS_K:
             slot = tl.load(slot_ptr + tok).to(tl.int64)
-            if STORE and slot >= 0:
+            if STORE and KV_QUANT == 2 and slot >= 0:  # int8: whole rows quantized, scales at [slot, head]
+                hh = tl.arange(0, BLOCK_H)[:, None]
+                dd = tl.arange(0, BLOCK_D)[None, :]
+                m = (hh < n_k) & (dd < head_dim)
+                mp = m & (dd >= 2 * half)  # partial rotary: pass-through dims of k
+                k1, k2 = _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, 0, 0, 0,
+                                       kn_ptr, eps, 1.0, False, NORM, BLOCK_H, BLOCK_HALF, 0)
+                kp = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=mp, other=0.0)
+                amax = tl.maximum(tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1), tl.max(tl.abs(k2.to(tl.float32)), 1)),
+                                  tl.max(tl.abs(kp.to(tl.float32)), 1))
+                k_s, k_inv = int8_scale(amax)
+                ii = tl.arange(0, BLOCK_HALF)[None, :]
+                mh = (hh < n_k) & (ii < half)
+                c1 = kc_ptr + slot * sc_s + hh * sc_h + ii
+                tl.store(c1, int8_codes(k1, k_inv[:, None]), mask=mh)
+                tl.store(c1 + half, int8_codes(k2, k_inv[:, None]), mask=mh)
+                tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, int8_codes(kp, k_inv[:, None]), mask=mp)
+                vv = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m, other=0.0)
+                v8, v_s = int8_quantize(vv)
+                tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, v8, mask=m)
+                hs = tl.arange(0, BLOCK_H)
+                tl.store(ks_ptr + slot * n_k + hs, k_s, mask=hs < n_k)
+                tl.store(vs_ptr + slot * n_k + hs, v_s, mask=hs < n_k)
+            elif STORE and slot >= 0:
                 k_sc = 1.0
                 v_sc = 1.0
-                if KV_FP8:
+                if KV_QUANT == 1:
                     k_sc = tl.load(ks_ptr)
                     v_sc = tl.load(vs_ptr)
                 _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, slot,
-                              sc_s, sc_h, kn_ptr, eps, k_sc, True, NORM, BLOCK_H, BLOCK_HALF, KV_FP8)
+                              sc_s, sc_h, kn_ptr, eps, k_sc, True, NORM, BLOCK_H, BLOCK_HALF, KV_QUANT)
                 hh = tl.arange(0, BLOCK_H)[:, None]
                 dd = tl.arange(0, BLOCK_D)[None, :]
                 m = (hh < n_k) & (dd < head_dim)
                 vv = tl.load(v_ptr + tok * sv_t + hh * sv_h + dd, mask=m, other=0.0)
-                tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, kv_cast_store(vv, v_sc, KV_FP8), mask=m)
+                tl.store(vc_ptr + slot * sc_s + hh * sc_h + dd, kv_cast_store(vv, v_sc, KV_QUANT), mask=m)
                 mp = m & (dd >= 2 * half)  # partial rotary: pass-through dims of k
                 kp = tl.load(k_ptr + tok * sk_t + hh * sk_h + dd, mask=mp, other=0.0)
-                tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, kv_cast_store(kp, k_sc, KV_FP8), mask=mp)
+                tl.store(kc_ptr + slot * sc_s + hh * sc_h + dd, kv_cast_store(kp, k_sc, KV_QUANT), mask=mp)
             else:
                 _rotate_heads(k_ptr, tok, sk_t, sk_h, n_k, cos, sin, half, kc_ptr, 0, 0, 0,
                               kn_ptr, eps, 1.0, False, NORM, BLOCK_H, BLOCK_HALF, False)
@@ -275,7 +300,7 @@ if triton is not None:
             return
         kk = k if has_k else q
         vv = v if store else q
-        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale) if store else (q, q, q, q, False)
+        kc, vc, ks, vs, quant = kv_operands(k_cache, v_cache, k_scale, v_scale) if store else (q, q, q, q, 0)
         sl = slot_mapping if store else positions
         norm = q_norm is not None
         pdl = use_pdl(q.device)
@@ -285,7 +310,7 @@ if triton is not None:
             kc.stride(1) if store else 0, kc.stride(2) if store else 0, cos_sin.stride(0),
             nq, nk, half, d, eps, HAS_K=has_k, STORE=store, NORM=norm, USE_PDL=pdl,
             BLOCK_H=triton.next_power_of_2(max(nq, nk)), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8, **launch_args(pdl))
+            BLOCK_D=triton.next_power_of_2(d), KV_QUANT=quant, **launch_args(pdl))
 
     def rotary_and_store_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                    q_norm=None, k_norm=None, eps: float = 1e-6, k_scale=None,
@@ -293,7 +318,9 @@ if triton is not None:
         """Triton `rotary_and_store_kv_ref` (same shapes); one launch, one program per token,
         the per-head q/k RMSNorm fused in when its weights are given (full rotary only: a
         partial rotary normalises first, with `kernels.norm.rms_norm`). k_scale, v_scale: an
-        fp8_e4m3 cache's 0-d fp32 layer scales (the rows are stored quantized).
+        fp8_e4m3 cache's 0-d fp32 layer scales (the rows are stored quantized), or an int8
+        cache's fp32 scales [num_blocks, block_size, num_kv_heads] (each rotated K row and V row
+        quantized per token and head as `kernels.kv_quant.quantize_int8`, its scale written).
         Slots < 0 are skipped (CUDA-graph padding). Raises ValueError on a strided last dim,
         and as `kernels.kv_quant_triton.kv_operands`."""
         if q_norm is not None and 2 * (cos_sin.shape[-1] // 2) != q.shape[-1]:
