@@ -19,9 +19,10 @@ inputs fall to its math path, ~3x slower for a 5-token suffix over 200 cached ke
 index work that does not depend on the layer is done once per step in `RefAttentionPlan`.
 A quantized KV cache (fp8_e4m3, int8: `kernels.kv_quant`, the layer's scales passed as
 k_scale / v_scale): the references dequantize blocks to fp32 as they are gathered and run
-the attention in fp32; on CUDA an fp8_e4m3 cache goes to the Triton kernels
+the attention in fp32; on CUDA fp8_e4m3 and int8 caches go to the Triton kernels
 (`kernels.kv_quant_triton`: quantized on write, widened and scaled on read, fp32
-accumulation), an int8 cache to the references (the config refuses int8 on CUDA).
+accumulation; the config refuses int8 on CUDA until its GPU tests pass,
+`shared.model_spec.INT8_KV_CUDA`).
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
     k_cache, v_cache: one layer's cache [num_blocks, block_size, KVH, D] (read only);
     num_heads: query heads (a multiple of KVH); dtype: the queries' dtype; max_model_len:
     the longest context; max_q_len: the most queries a seq has in a step (the token
-    budget); k_scale, v_scale: the layer's scales of an fp8_e4m3 cache (its variants compile
-    apart from the model dtype's), else None. Returns the number of launches.
+    budget); k_scale, v_scale: the layer's scales of a quantized cache (fp8_e4m3: 0-d; int8:
+    [num_blocks, block_size, KVH]; its variants compile apart from the model dtype's), else None. Returns the number of launches.
     """
     dev = k_cache.device
     kvh, d = k_cache.shape[2], k_cache.shape[3]

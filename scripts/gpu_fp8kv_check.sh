@@ -7,6 +7,8 @@
 #   env.txt                   GPU, driver, torch and triton versions, the commit
 #   tests_fp8kv_gpu.txt       pytest tail of tests/gpu/test_fp8_kv_gpu.py
 #   tests_fp8kv_gpu.xml       its junit XML: the measured errors (record_property), to tighten bounds
+#   tests_int8kv_gpu.txt/.xml the same for tests/gpu/test_int8_kv_gpu.py (the int8 KV kernels; up to
+#                             TEST_TIMEOUT more seconds)
 #   kv_quant_attention.json   the benchmark's figures (us per call, GB/s, ratios, capacity)
 #   bench.log                 the benchmark's output tail and exit code
 # Part `sweep` (a call of its own, not in `all`): the same benchmark with --variants, bf16 and
@@ -22,6 +24,9 @@ PART=${1:-all}
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q tests/gpu/test_fp8_kv_gpu.py -p no:cacheprovider \
     --junitxml "$OUT/tests_fp8kv_gpu.xml" 2>&1 | tail -40 | tee "$OUT/tests_fp8kv_gpu.txt"
+  # the int8 KV kernels (per-token scales): their first GPU run; all pass -> shared.model_spec.INT8_KV_CUDA = True
+  timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -q tests/gpu/test_int8_kv_gpu.py -p no:cacheprovider \
+    --junitxml "$OUT/tests_int8kv_gpu.xml" 2>&1 | tail -40 | tee "$OUT/tests_int8kv_gpu.txt"
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   t0=$(date +%s)

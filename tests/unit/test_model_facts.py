@@ -220,3 +220,13 @@ def test_serve_refuses_a_bad_model_folder_before_any_process_starts(tmp_path, co
     assert r.returncode == 2, r.stdout + r.stderr
     assert needle in r.stderr and str(model) in r.stderr, r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
+
+
+def test_int8_kv_refusal_on_cuda_names_the_gpu_tests_left_and_the_switch_lifts_it(monkeypatch):
+    from shared import model_spec
+
+    with pytest.raises(KVDtypeNotImplemented) as e:
+        kv_dtype_in_use("bfloat16", "int8", "cuda")
+    assert "tests/gpu/test_int8_kv_gpu.py" in str(e.value) and "INT8_KV_CUDA" in str(e.value)
+    monkeypatch.setattr(model_spec, "INT8_KV_CUDA", True)  # what the GPU session flips after its tests
+    assert kv_dtype_in_use("bfloat16", "int8", "cuda") == "int8"
