@@ -37,7 +37,8 @@ import triton.language as tl
 
 from kernels.decode_merge import (_finish_rows, _partition, _store_rows, fused_merge_constants, merge_counters,
                                   merge_splits, split_buffers)
-from kernels.kv_quant_triton import kv_operands, kv_pv, kv_row_scales, kv_scores, kv_tile
+from kernels.kv_int8_triton import kv_pv, kv_row_scales, kv_scores
+from kernels.kv_quant_triton import kv_operands, kv_tile
 from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
 # rows (queries x heads of one KV head) of one program at most: beyond, the prefill kernel

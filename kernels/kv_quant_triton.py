@@ -8,18 +8,9 @@ The kernels take the cache's format as the constexpr KV_QUANT (`kv_operands`): 0
 dtype, 1 fp8_e4m3 (KV_FP8), 2 int8 (KV_INT8). Every fp8 branch tests KV_QUANT == 1, so the
 fp8 code is what it was under the former KV_FP8 flag.
 
-int8 (one fp32 scale per token and KV head for K and for V, tensors [num_blocks, block_size,
-kv_heads] beside the cache, contiguous like it, so a cache row at element offset off has its
-scale at off // head_dim): the writers quantize each K and V row (one token, one KV head)
-exactly as `quantize_int8` does (`int8_quantize`: scale = amax / 127 and inv = 1 / scale by
-IEEE divisions, codes = x * inv rounded half to even with comparisons only, clamped to
-+-127) and store the codes and the scale. The readers widen the codes exactly to q's dtype
-(|code| <= 127 fits bf16 and fp16), load the tile's scales (`kv_row_scales`, one per key)
-and fold them into the softmax: q . (k8_j ks_j) = ks_j (q . k8_j) scales the score tile's
-columns (with the softmax scale), sum_j p_j (v8_j vs_j) = sum_j (p_j vs_j) v8_j scales the
-probabilities before the P@V dot (`kv_pv`: by vs_j / max_j vs_j, so the operand stays in
-[0, 1] like p, and the tile's max on the fp32 product); the softmax's m and l use the
-unscaled p; everything accumulates in fp32.
+int8 (one fp32 scale per token and KV head for K and for V): the write's quantization and the
+read's per-key scales are `kernels.kv_int8_triton`'s; this module's `kv_tile` widens the codes
+and `kv_operands` checks the scale tensors.
 
 Format: the cache holds float8_e4m3fn with one fp32 dequantization scale per layer for K and
 one for V (0-d device tensors, read by the kernels through a pointer: nothing host-synced,
@@ -217,81 +208,6 @@ def kv_cast_store(x, scale, KV_QUANT: tl.constexpr):
     return y
 
 
-@triton.jit
-def int8_scale(amax):
-    """(scale, inv) for rows of max |x| amax (fp32): scale = amax / 127 and inv = 1 / scale (0
-    where scale is 0), both IEEE round-to-nearest divisions (`tl.math.div_rn`; Triton's `/`
-    on fp32 is an approximate division on the GPU), as `kernels.kv_quant.quantize_int8`'s
-    torch divisions."""
-    scale = tl.math.div_rn(amax, 127.0)
-    pos = scale > 0
-    inv = tl.where(pos, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
-    return scale, inv
-
-
-@triton.jit
-def int8_codes(x, inv):
-    """round_half_even(x * inv) clamped to +-127, as int8 (`quantize_int8`: torch.round of the
-    fp32 product). The product is only compared and truncated, never added to, so no
-    multiply-add contraction can change its rounding: a = |x * inv| (at most 128 here),
-    t = trunc(a), h = t + 0.5 (exact); the code is t + 1 where a > h, or where a == h and t is
-    odd (a tie to even), with x's sign."""
-    y = x.to(tl.float32) * inv
-    a = tl.minimum(tl.abs(y), 128.0)
-    t = a.to(tl.int32)
-    h = t.to(tl.float32) + 0.5
-    r = t + (a > h).to(tl.int32) + ((a == h) & ((t & 1) == 1)).to(tl.int32)
-    r = tl.minimum(r, 127)
-    return tl.where(y < 0, -r, r).to(tl.int8)
-
-
-@triton.jit
-def int8_quantize(x):
-    """Rows x [R, C] (float; masked lanes 0) -> (codes [R, C] int8, scales [R] fp32) as
-    `kernels.kv_quant.quantize_int8` over the last dim (`int8_scale`, `int8_codes`)."""
-    amax = tl.max(tl.abs(x.to(tl.float32)), 1)
-    scale, inv = int8_scale(amax)
-    return int8_codes(x, inv[:, None]), scale
-
-
-@triton.jit
-def kv_row_scales(s_ptr, off, nm, head_dim, KV_QUANT: tl.constexpr):
-    """An int8 cache's scales [BLOCK_N] fp32 of the rows at element offsets off (valid where
-    nm, 0.0 elsewhere): s_ptr + off // head_dim (scales [num_blocks, block_size, kv_heads]
-    contiguous like the cache, `kv_operands` checks); 1.0 for other caches (unused)."""
-    if KV_QUANT == 2:  # one return (see kv_tile)
-        y = tl.load(s_ptr + off // head_dim, mask=nm, other=0.0)
-    else:
-        y = 1.0
-    return y
-
-
-@triton.jit
-def kv_scores(s, ks, KV_QUANT: tl.constexpr):
-    """Scores s [R, BLOCK_N] (q . k8 times the softmax scale, fp32) times the keys' int8
-    scales ks [BLOCK_N] per column; s unchanged for other caches."""
-    if KV_QUANT == 2:
-        y = s * ks[None, :]
-    else:
-        y = s
-    return y
-
-
-@triton.jit
-def kv_pv(p, v, vs, KV_QUANT: tl.constexpr):
-    """The P@V product of one key tile in fp32: p [R, BLOCK_N] (fp32 probabilities, unnormalised),
-    v [BLOCK_N, D] the tile in the dots' dtype. int8: sum_j p_j vs_j v8_j, computed as
-    (p * vs / vmax) @ v8 * vmax with vmax = max_j vs_j (the operand in [0, 1], as p; exact
-    algebra, one rounding of the operand to v's dtype); else p @ v."""
-    if KV_QUANT == 2:
-        vmax = tl.max(vs, 0)
-        vmax = tl.where(vmax > 0, vmax, 1.0)
-        y = tl.dot((p * (vs / vmax)[None, :]).to(v.dtype), v) * vmax
-    else:
-        y = tl.dot(p.to(v.dtype), v)
-    return y
-
-
 def fp8_overrides(table: dict, num_seqs: int, num_kv_heads: int, head_dim: int, device: torch.device) -> dict:
     """A decode kernel's launch overrides for an fp8_e4m3 cache: table["few"] when the
     launch's seqs x kv_heads programs (before splits) are fewer than the device's SMs, else
@@ -320,28 +236,22 @@ def fp8_dot_code(name: str, k_cache: torch.Tensor, head_dim: int, kv_fp8: bool) 
 
 
 def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                v_scale: torch.Tensor | None, int8: str | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """What a kernel launch takes for a layer's cache: (k_cache, v_cache, k_scale, v_scale,
     kv_quant), kv_quant the KV_QUANT constexpr (KV_NONE, KV_FP8, KV_INT8).
     An fp8_e4m3 cache [num_blocks, block_size, kv_heads, head_dim] float8_e4m3fn comes back as
     its uint8 views (same strides) with its 0-d fp32 scales on the cache's device; an int8
     cache (contiguous) as itself with its fp32 scale tensors [num_blocks, block_size,
     kv_heads] (contiguous); a cache in the model dtype as itself, with the caches standing in
-    for the unused scale pointers.
-    int8: None when the calling kernel reads and writes int8, else the kernel's name for the
-    refusal.
+    for the unused scale pointers. Every kernel that calls this reads and writes all three
+    formats (a kernel without int8 would refuse it here with a TypeError naming itself).
     Raises ValueError for a quantized cache without both scales, or int8 scales or caches not
-    of that shape, dtype and contiguity; TypeError for an int8 cache when `int8` names a
-    kernel that does not read it yet (the torch references of `kernels.kv_quant` do)."""
+    of that shape, dtype, device and contiguity."""
     if k_cache.dtype == torch.float8_e4m3fn:
         if k_scale is None or v_scale is None:
             raise ValueError("an fp8_e4m3 KV cache needs its layer's k_scale and v_scale")
         return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, KV_FP8
     if k_cache.dtype == torch.int8:
-        if int8 is not None:
-            raise TypeError(f"an int8 KV cache is not read by the Triton kernel {int8} yet (only by the torch "
-                            "references, kernels.kv_quant)")
         if k_scale is None or v_scale is None:
             raise ValueError("an int8 KV cache needs its per-token k_scale and v_scale tensors")
         for c, sc in ((k_cache, k_scale), (v_cache, v_scale)):

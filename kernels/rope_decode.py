@@ -122,8 +122,9 @@ if triton is not None:
     from kernels.decode_merge import (_finish_fused, _partition, _store_partial, fused_merge_constants,
                                       merge_counters, merge_splits, split_buffers)
     from kernels.device_info import num_sms
+    from kernels.kv_int8_triton import int8_quantize, kv_row_scales
     from kernels.kv_quant_triton import (KV_FP8, fp8_bytes, fp8_dot_code, fp8_dot_q, fp8_overrides, fp8_read_scale,
-                                         int8_quantize, kv_dot_tile, kv_operands, kv_row_scales, kv_tile, word_order)
+                                         kv_dot_tile, kv_operands, kv_tile, word_order)
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit

@@ -192,7 +192,8 @@ except ImportError:  # CPU-only installs: the dispatchers keep the references
     triton = None
 
 if triton is not None:
-    from kernels.kv_quant_triton import int8_codes, int8_quantize, int8_scale, kv_cast_store, kv_operands
+    from kernels.kv_int8_triton import int8_codes, int8_quantize, int8_scale
+    from kernels.kv_quant_triton import kv_cast_store, kv_operands
     from kernels.pdl import launch_args, pdl_release, pdl_wait, use_pdl
 
     @triton.jit

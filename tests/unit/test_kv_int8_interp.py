@@ -69,3 +69,22 @@ def test_int8_kv_attention_kernel_matches_the_dequantizing_reference_under_inter
 def test_int8_kv_attention_is_within_the_int8_rounding_of_unquantized_attention(interp_results, kernel, dtype):
     err = interp_results[f"quant_{kernel}_{dtype}"]
     assert err <= QUANT_TOL, f"{kernel} {dtype}: relative error {err} against unquantized K/V"
+
+
+def test_kv_operands_passes_an_int8_cache_with_its_scales_and_refuses_malformed_scales():
+    import torch
+
+    from kernels.kv_quant_triton import KV_INT8, kv_operands
+
+    kc, vc = torch.zeros(3, 16, 2, 8, dtype=torch.int8), torch.zeros(3, 16, 2, 8, dtype=torch.int8)
+    ks, vs = torch.zeros(3, 16, 2), torch.zeros(3, 16, 2)
+    k, v, s1, s2, quant = kv_operands(kc, vc, ks, vs)
+    assert quant == KV_INT8 and k is kc and v is vc and s1 is ks and s2 is vs
+    with pytest.raises(ValueError, match="per-token"):
+        kv_operands(kc, vc, None, None)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kv_operands(kc, vc, torch.zeros(3, 16), vs)  # not one per token and head
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kv_operands(kc, vc, torch.zeros(3, 2, 16).transpose(1, 2), vs)  # not contiguous: off // head_dim breaks
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kv_operands(kc, vc, ks.double(), vs)
