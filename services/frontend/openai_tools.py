@@ -17,15 +17,16 @@ Every error is an `InvalidRequest` naming the field (`tools[0].function.name` st
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.frontend import strict_json
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import get_bool
 from services.frontend.parsers.tool_choice import forced_call_constraint
 from services.frontend.schema_limits import depth_message, too_deep
+from services.frontend.strict_json import JSONTooDeep
 from shared.protocol import StructuredSpec
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -152,7 +153,9 @@ def parse_tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                value = json.loads(args) if args.strip() else {}
+                value = strict_json.loads(args) if args.strip() else {}
+            except JSONTooDeep as e:
+                raise InvalidRequest(f"{p}.function.arguments", f"'arguments': {e}") from None
             except ValueError:
                 raise InvalidRequest(f"{p}.function.arguments",
                                      "'arguments' must be JSON text.") from None
