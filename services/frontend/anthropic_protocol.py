@@ -54,6 +54,7 @@ from typing import Any
 from services.frontend.anthropic_fields import (Thinking, check_cache_control, check_known_fields,
                                                 parse_output_config, parse_thinking)
 from services.frontend.errors import InvalidRequest
+from services.frontend.openai_sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.frontend.schema_limits import depth_message, too_deep
 from services.frontend.strict_json import load_json
 from shared.config_generation import NO_DEFAULTS, GenerationDefaults
@@ -343,6 +344,10 @@ def parse_messages_request(raw: bytes, count_only: bool = False,
     if stops is not None:
         _need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
               "stop_sequences", "Input should be an array of non-empty strings.")
+        # capped as OpenAI's `stop` (each one is matched against every streamed chunk)
+        _need(len(stops) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stops),
+              "stop_sequences", f"At most {MAX_STOP_STRINGS} stop sequences of at most "
+              f"{MAX_STOP_CHARS} characters each are allowed.")
         req.stop_sequences = list(dict.fromkeys(stops))
     if not count_only:
         d = defaults

@@ -343,10 +343,13 @@ TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": "yes"}]}]},
      "messages.0.content.0.cache_control", "Input should be an object"),
     ({"tools": [{**TOOL, "cache_control": "yes"}]}, "tools.0.cache_control", "Input should be an object"),
+    # capped as OpenAI's `stop` (16 of at most 256 characters): they were unlimited
+    ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences", "At most 16 stop sequences"),
+    ({"stop_sequences": ["x" * 257]}, "stop_sequences", "of at most 256 characters"),
 ], ids=["user content empty", "middle assistant content empty", "empty text block",
         "empty system text block", "tool name with a space", "tool name of 129", "strict not a boolean",
         "cache_control a string", "cache_control of another type", "block cache_control a string",
-        "tool cache_control a string"])
+        "tool cache_control a string", "17 stop sequences", "a stop sequence of 257 characters"])
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 def test_what_anthropic_refuses_is_a_400_in_its_envelope(client, stack, change, param, says, path):
     body = OK | change
