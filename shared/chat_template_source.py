@@ -78,7 +78,8 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return jinja_environment().from_string(source)
     except jinja2.TemplateError as e:
-        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        line = getattr(e, "lineno", None)  # a TemplateSyntaxError's
+        where = f" (line {line})" if line else ""
         raise ValueError(f"chat template does not compile: {e}{where}") from None
 
 
