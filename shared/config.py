@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.chat_template_source import check_chat_template
 from shared.config_fields import FIELD_BY_NAME, FIELDS, SECRET_SETTINGS, Field, parse_bool
 from shared.config_generation import GenerationDefaults
 from shared.config_generation import resolve as resolve_generation_defaults
@@ -49,6 +50,7 @@ class KestrelConfig:
     device: str                     # derived from auto: "cpu" or "cuda"
     dtype: str                      # derived from auto: "float32" on cpu, "bfloat16" on cuda
     max_model_len: int | None       # None: the model's (the engine decides)
+    allow_long_max_model_len: bool
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -278,9 +280,16 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
         raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
+    if not cfg.served_model_name.strip():
+        raise ValueError(f"setting served_model_name: must not be empty, got {cfg.served_model_name!r}")
+    if cfg.shutdown_timeout < 0:
+        raise ValueError(f"setting shutdown_timeout: must be >= 0 seconds, got {cfg.shutdown_timeout!r}")
+    check_max_model_len(cfg)
+    check_kv_offload(cfg)
     if not 0 < cfg.kv_offload_state_fraction < 1:
         raise ValueError("setting kv_offload_state_fraction: must be in (0, 1), got "
                          f"{cfg.kv_offload_state_fraction!r}")
+    check_chat_template(cfg.chat_template)  # names a file and compiles (vLLM refuses too)
     # an int8 KV cache on CUDA (no kernel reads it yet): refused before any process starts
     kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
@@ -292,6 +301,46 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
                          "'vllm' or a folder")
     # a bad generation_config.json or override: refused before any process starts
     resolve_generation_defaults(cfg.generation_config, cfg.model, cfg.override_generation_config)
+
+
+def check_kv_offload(cfg: KestrelConfig) -> None:
+    """The KV offload settings that make sense on their own (the kvstore sizes its tiers
+    against the host when it starts: `services.kvstore.settings.resolve_setup`):
+    kv_offload_cpu_gib >= 0 (0: no offload); the disk tier's folder and size limit given
+    together, the limit positive, and only with a CPU tier (the disk tier sits behind it; the
+    kvstore does not run without one). Raises ValueError naming the setting."""
+    if cfg.kv_offload_cpu_gib < 0:
+        raise ValueError("setting kv_offload_cpu_gib: must be >= 0 GiB (0: no offload), got "
+                         f"{cfg.kv_offload_cpu_gib!r}")
+    if cfg.kv_offload_disk_dir and cfg.kv_offload_disk_gib is None:
+        raise ValueError("setting kv_offload_disk_dir requires --kv-offload-disk-gib: a disk "
+                         "tier without a size limit would fill the disk")
+    if cfg.kv_offload_disk_gib is not None and not cfg.kv_offload_disk_dir:
+        raise ValueError("setting kv_offload_disk_gib requires --kv-offload-disk-dir (the "
+                         "disk tier's folder)")
+    if cfg.kv_offload_disk_gib is not None and cfg.kv_offload_disk_gib <= 0:
+        raise ValueError(f"setting kv_offload_disk_gib: must be positive, got {cfg.kv_offload_disk_gib!r}")
+    if cfg.kv_offload_disk_dir and cfg.kv_offload_cpu_gib == 0:
+        raise ValueError("setting kv_offload_disk_dir requires --kv-offload-cpu-gib: the disk "
+                         "tier sits behind the kvstore's CPU tier, which is off (0)")
+
+
+def check_max_model_len(cfg: KestrelConfig) -> None:
+    """max_model_len no longer than the model's max_position_embeddings (config.json), as
+    vLLM refuses it; `allow_long_max_model_len` (KESTREL_ALLOW_LONG_MAX_MODEL_LEN=1, vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN) lets it pass. A folder that cannot be read is left to its
+    own checks. Raises ValueError naming both numbers."""
+    if cfg.max_model_len is None or cfg.allow_long_max_model_len:
+        return
+    try:
+        limit = load_model_spec(cfg.model).max_position_embeddings
+    except (OSError, ValueError):
+        return
+    if cfg.max_model_len > limit:
+        raise ValueError(f"setting max_model_len: {cfg.max_model_len} is longer than the model's "
+                         f"max_position_embeddings ({limit} in {cfg.model}/config.json); set "
+                         "KESTREL_ALLOW_LONG_MAX_MODEL_LEN=1 (--allow-long-max-model-len) to "
+                         "allow it, with outputs that may be wrong past the trained context")
 
 
 def check_quantization(cfg: KestrelConfig, probe: Any = None) -> None:

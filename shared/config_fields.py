@@ -51,6 +51,8 @@ FIELDS: list[Field] = [
     Field("dtype", str, "auto", "weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda)",
           ("auto", "float32", "bfloat16", "float16")),
     Field("max_model_len", int, None, "max prompt + output tokens (default: model's, capped at 8192)"),
+    Field("allow_long_max_model_len", parse_bool, False, "allow --max-model-len past the model's "
+          "max_position_embeddings (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN; refused otherwise)"),
     Field("block_size", int, 16, "tokens per KV block"),
     Field("max_num_seqs", int, 64, "max requests running at once"),
     Field("max_num_batched_tokens", int, 2048, "token budget of one step (prefill chunks + decodes)"),
@@ -74,7 +76,8 @@ FIELDS: list[Field] = [
     # --- API limits and behaviour (OpenAI / Anthropic issues)
     Field("max_num_waiting", int, 256, "waiting-queue bound; beyond it requests get 503 + Retry-After"),
     Field("max_request_body_bytes", int, 8 << 20, "HTTP request body limit in bytes (413 beyond)"),
-    Field("chat_template", str, None, "chat template: a file path or a name under services/frontend/templates"),
+    Field("chat_template", str, None, "chat template: a Jinja file path or a bundled name (shared/chat_templates: qwen3); one that names "
+          "no file or does not compile is refused at startup"),
     Field("tool_call_parser", str, None, "tool call parser", ("hermes", "qwen3_coder")),
     Field("reasoning_parser", str, None, "reasoning parser", ("qwen3",)),
     Field("api_key", str, None, "require this key on API routes (Bearer or x-api-key)"),

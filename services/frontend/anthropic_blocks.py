@@ -11,13 +11,13 @@ max_tokens).
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 import orjson
 import partial_json_parser
 
+from services.frontend import strict_json
 from services.frontend.parsers.output import OutEvent, Reasoning
 from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
 
@@ -31,7 +31,7 @@ def tool_input(args: str) -> Any:
     """A tool_use block's input from its arguments JSON text. Valid JSON objects are kept
     verbatim (big integers exact); anything else goes through partial-json-parser."""
     try:
-        if isinstance(json.loads(args), dict):
+        if isinstance(strict_json.loads(args), dict):
             return orjson.Fragment(args)
     except ValueError:
         pass

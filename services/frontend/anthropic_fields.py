@@ -27,7 +27,7 @@ left empty).
 
 output_config (`parse_output_config`): `format: {"type": "json_schema", "schema": {...}}`
 constrains the text to the schema with the same grammar machinery as OpenAI's
-`response_format` (openai_sampling's `json_schema_constraint`, compiled by xgrammar in the
+`response_format` (structured_fields' `json_schema_constraint`, compiled by xgrammar in the
 engine; a schema it cannot compile is a 400 on `output_config.format.schema`). `effort`
 ("low", "medium", "high", "xhigh", "max") and `task_budget` are accepted and unused. The
 beta's top-level `output_format` (the same object) is read as `output_config.format`.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.frontend.errors import InvalidRequest
-from services.frontend.openai_sampling import json_schema_constraint
+from services.frontend.structured_fields import json_schema_constraint
 from shared.protocol import StructuredSpec
 
 # Read by anthropic_protocol.py.

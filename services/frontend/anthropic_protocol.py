@@ -54,8 +54,10 @@ from typing import Any
 from services.frontend.anthropic_fields import (Thinking, check_cache_control, check_known_fields,
                                                 parse_output_config, parse_thinking)
 from services.frontend.errors import InvalidRequest
+from services.frontend.openai_sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.frontend.schema_limits import depth_message, too_deep
 from services.frontend.strict_json import load_json
+from services.frontend.structured_fields import json_schema_constraint
 from shared.config_generation import NO_DEFAULTS, GenerationDefaults
 from shared.protocol import StructuredSpec
 
@@ -304,6 +306,21 @@ def _tools(body: dict, req: MessagesRequest) -> None:
         _need(bool(req.tool_schemas), "tool_choice", "tool_choice requires 'tools'.")
 
 
+def _check_forced_schemas(req: MessagesRequest) -> None:
+    """Compile each input_schema a forced answer (tool_choice any / tool) may use with
+    xgrammar, as the OpenAI routes do (`openai_tools`): one the engine could not compile is
+    a 400 naming `tools.<j>.input_schema`, not the engine's refusal. Off the event loop."""
+    if req.tool_choice not in ("any", "tool"):
+        return
+    for j, (name, schema) in enumerate(req.tool_schemas.items()):
+        if (req.tool_choice == "tool" and name != req.tool_name) or not schema:
+            continue
+        try:
+            json_schema_constraint(schema, f"tools.{j}.input_schema")
+        except InvalidRequest as e:
+            raise InvalidRequest(e.param, f"{e.param}: {e.message}") from None
+
+
 def parse_messages_request(raw: bytes, count_only: bool = False,
                            defaults: GenerationDefaults = NO_DEFAULTS) -> MessagesRequest:
     """Parse and validate a body (JSON bytes). count_only: the count_tokens route (no
@@ -343,6 +360,10 @@ def parse_messages_request(raw: bytes, count_only: bool = False,
     if stops is not None:
         _need(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
               "stop_sequences", "Input should be an array of non-empty strings.")
+        # capped as OpenAI's `stop` (each one is matched against every streamed chunk)
+        _need(len(stops) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in stops),
+              "stop_sequences", f"At most {MAX_STOP_STRINGS} stop sequences of at most "
+              f"{MAX_STOP_CHARS} characters each are allowed.")
         req.stop_sequences = list(dict.fromkeys(stops))
     if not count_only:
         d = defaults
@@ -365,6 +386,8 @@ def parse_messages_request(raw: bytes, count_only: bool = False,
     meta = body.get("metadata")
     _need(meta is None or isinstance(meta, dict), "metadata", "Input should be an object.")
     _tools(body, req)
+    if not count_only:
+        _check_forced_schemas(req)
     req.thinking = parse_thinking(body.get("thinking"), None if count_only else max_tokens)
     req.output_format = parse_output_config(body)
     if req.output_format is not None:

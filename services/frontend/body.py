@@ -22,6 +22,7 @@ import orjson
 from starlette.requests import Request
 
 from services.frontend.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
+from services.frontend.strict_json import BODY_TOO_DEEP
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -50,10 +51,12 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 def json_object(raw: bytes) -> dict[str, Any]:
     """`raw` parsed as a JSON object. Raises InvalidRequest (400, no field) when it is not
-    valid JSON or not an object."""
+    valid JSON, nested past orjson's 1024 levels ("nested too deeply") or not an object."""
     try:
         body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):  # orjson's 1024 levels
+            raise InvalidRequest(None, BODY_TOO_DEEP) from None
         raise InvalidRequest(None, "The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise InvalidRequest(None, "The request body must be a JSON object.")

@@ -2,8 +2,10 @@
 `--chat-template`, and per request the output parser (reasoning with `--reasoning-parser`,
 tool calls with `--tool-call-parser`, stop strings).
 
-`--chat-template` is a name of a file under services/frontend/templates/ without `.jinja`
-(`qwen3`), or a path to a Jinja file; without it, the model's own template is used. A
+`--chat-template` is a name of a file under shared/chat_templates/ without `.jinja`
+(`qwen3`), or a path to a Jinja file (`shared/chat_template_source.py`, where the config
+builder refuses one that names no file or does not compile); without it, the model's own
+template is used. A
 template that does not render tools (or tool calls) gets them through the fallback of
 `tool_prompt.py`; that is logged once, at load.
 """
@@ -11,7 +13,6 @@ template that does not render tools (or tool calls) gets them through the fallba
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from services.frontend.chat_template import ChatTemplate
@@ -19,24 +20,16 @@ from services.frontend.parsers.output import ChatOutputParser
 from services.frontend.parsers.reasoning import REASONING_PARSERS, THINK_OPEN
 from services.frontend.parsers.tool_parsers import make_tool_parser
 from services.frontend.tokenizer import Tokenizer
+from shared.chat_template_source import read_template
 
 log = logging.getLogger("kestrel.frontend.chat")
-
-TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 
 
 def load_chat_template(setting: str | None, tokenizer: Tokenizer) -> ChatTemplate | None:
     """The chat template to use: `setting` (a bundled name or a file path) or the model's.
     Returns None when there is none (chat requests then fail with 500).
     Raises ValueError when `setting` names no file, or its template does not compile."""
-    source = tokenizer.chat_template
-    if setting:
-        path = setting if os.path.isfile(setting) else os.path.join(TEMPLATES_DIR, f"{setting}.jinja")
-        if not os.path.isfile(path):
-            raise ValueError(f"chat template {setting!r} is neither a file nor one of "
-                             f"{sorted(f[:-6] for f in os.listdir(TEMPLATES_DIR))}")
-        with open(path, encoding="utf-8") as fh:
-            source = fh.read()
+    source = read_template(setting) if setting else tokenizer.chat_template
     if source is None:
         return None
     template = ChatTemplate(source, tokenizer.special_tokens)

@@ -1,10 +1,9 @@
 """Chat templates: a model's Jinja template turned into a prompt string.
 
 Follows the Hugging Face chat template conventions (`apply_chat_template` in transformers):
-the template runs in jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and
-`lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` block tag (rendered as
-its body), the globals `raise_exception(message)` and `strftime_now(format)`, and a `tojson`
-filter that keeps non-ASCII characters. The render variables are `messages`,
+the template runs in jinja2's `ImmutableSandboxedEnvironment` of the dialect defined in
+`shared/chat_template_source.py` (where the config builder checks `--chat-template` with it
+too). The render variables are `messages`,
 `add_generation_prompt`, `tools`, `documents`, the tokenizer's special tokens (`bos_token`,
 `eos_token`, ...) and any extra keyword arguments (e.g. `enable_thinking`).
 
@@ -17,17 +16,13 @@ the fallback of `tool_prompt.py` (probed once, when the template is loaded), nev
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.frontend.errors import InvalidRequest
 from services.frontend.tool_prompt import ToolSupport, probe_tool_support, with_fallback
+from shared.chat_template_source import compile_template
 
 # Render variables the renderer sets itself; a request's chat_template_kwargs may not.
 RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "tool_call_format",
@@ -50,47 +45,6 @@ def check_template_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> d
     return dict(kwargs)
 
 
-def _raise_exception(message: str) -> None:
-    """Template global: a template rejects its input (HF's `raise_exception`)."""
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    """Template global: the local time now, formatted with strftime."""
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """Template filter: JSON as Python's json.dumps writes it, non-ASCII kept by default."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
-    HF; for serving it renders just its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body", []), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 class ChatTemplate:
     """A compiled chat template.
 
@@ -101,10 +55,7 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template does not compile: {e}") from None
+        self._template = compile_template(source)
         self._special_tokens = dict(special_tokens or {})
         self.support: ToolSupport = probe_tool_support(
             lambda messages, tools: self._render(messages, True, tools, {}))

@@ -175,7 +175,10 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestM
             if finish in (FinishReason.ABORT, FinishReason.ERROR):
                 reason = finish
                 error = out.error or "The request was aborted by the engine."
-                log.error("%s failed in the engine: %s", request_id, error)
+                # a refusal of the request's own fault (a grammar that does not compile,
+                # "invalid": a 400) is the client's mistake, not a fault here
+                level = logging.INFO if out.error_kind == ErrorKind.INVALID else logging.ERROR
+                log.log(level, "%s failed in the engine: %s", request_id, error)
                 yield TextDelta(text, FinishReason.ERROR, error, n_prompt, n_out, out.error_kind)
                 return
             if finish is not None:

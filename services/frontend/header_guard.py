@@ -18,7 +18,9 @@ they replace with a new cycle when a request's headers are complete):
   cannot lock out new clients, which send their headers in milliseconds).
 
 Completion is checked after each `data_received` (headers only complete while the parser is
-fed), so the check costs one comparison per read. Bodies and responses are not limited
+fed), so the check costs one comparison per read; the head's size is counted before the
+parser is fed (up to its blank line), so a whole head past the limit in one read gets its
+431 too. Bodies and responses are not limited
 here (`--max-request-body-bytes` covers bodies).
 """
 
@@ -54,6 +56,7 @@ class _HeaderGuard(asyncio.Protocol):
     _timer: asyncio.TimerHandle | None = None
     _armed_cycle: Any = None  # the request cycle when the wait began (a new one: headers done)
     _head_bytes = 0
+    _tail = b""  # the last 3 bytes of the head so far (a "\r\n\r\n" may span two reads)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -63,15 +66,22 @@ class _HeaderGuard(asyncio.Protocol):
         if self._timer is None and (self.cycle is None or self.cycle.response_complete):
             self._arm()  # the next request on a kept-alive connection begins
         if self._timer is not None:
-            self._head_bytes += len(data)
-        super().data_received(data)
-        if self._timer is not None:
-            if self.cycle is not self._armed_cycle or self.transport.get_protocol() is not self:
-                self._disarm()  # its headers are complete: a request is being served (or
-                # the connection was upgraded and another protocol owns it now)
-            elif self._head_bytes > MAX_HEADER_BYTES:
+            # Counted before the parser sees the bytes: a whole oversized head in one read
+            # would otherwise complete (and disarm) before its size was checked. Only the
+            # bytes up to the blank line that ends the head count (a body may follow).
+            seen = self._tail + data
+            end = seen.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+            self._tail = seen[-3:]
+            if self._head_bytes > MAX_HEADER_BYTES:
                 self._refuse(431, "Request Header Fields Too Large",
                              f"Request headers over {MAX_HEADER_BYTES} bytes.")
+                return
+        super().data_received(data)
+        if self._timer is not None and (self.cycle is not self._armed_cycle
+                                        or self.transport.get_protocol() is not self):
+            self._disarm()  # its headers are complete: a request is being served (or the
+            # connection was upgraded and another protocol owns it now)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -86,6 +96,7 @@ class _HeaderGuard(asyncio.Protocol):
             oldest._refuse(408, "Request Timeout", "Too many connections waiting for headers.")
         self._armed_cycle = self.cycle
         self._head_bytes = 0
+        self._tail = b""
         self._timer = self.loop.call_later(self.header_timeout_s, self._expire)
         pending[self] = None
 

@@ -185,8 +185,9 @@ def parse_chat_request(raw: bytes, vocab_size: int,
     sampling = parse_sampling(body, vocab_size, defaults=defaults)
     if tools.forced:
         if sampling.structured is not None:
-            raise InvalidRequest("response_format", "'response_format' cannot be combined "
-                                 f"with tool_choice '{tools.choice}'.")
+            field = sampling.structured_param or "response_format"
+            raise InvalidRequest(field, f"'{field}' cannot be combined with tool_choice "
+                                 f"'{tools.choice}'.")
         sampling.structured = tools.constraint()
     return ChatCompletionRequest(
         model=body["model"], messages=messages, sampling=sampling,

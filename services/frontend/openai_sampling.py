@@ -15,10 +15,10 @@ field in `param` otherwise):
 - stop: a string or a list of at most MAX_STOP_STRINGS non-empty strings of at most
   MAX_STOP_CHARS characters each; stop_token_ids: ids inside the vocabulary;
 - ignore_eos, skip_special_tokens: booleans;
-- response_format: {"type": "text"} | {"type": "json_object"} |
-  {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; a schema that
-  xgrammar cannot compile, or nested more than 64 levels of objects and arrays
-  (services/frontend/schema_limits.py), is a 400 on `response_format.json_schema.schema`;
+- structured output: response_format, or vLLM's guided_json / guided_regex /
+  guided_choice / guided_grammar, or its structured_outputs, at most one
+  (services/frontend/structured_fields.py: a constraint xgrammar cannot compile, or a schema
+  nested more than 64 levels, is a 400 naming its field);
 - stream, and stream_options (an object, only with stream: true) with the booleans
   include_usage (a final usage chunk) and vLLM's continuous_usage_stats (with include_usage,
   usage on every chunk too).
@@ -32,20 +32,15 @@ request's own max_tokens (`SamplingRequest.max_tokens_for`).
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from services.frontend.errors import InvalidRequest
-from services.frontend.schema_limits import depth_message, too_deep
+from services.frontend.structured_fields import request_constraint
 from shared.config_generation import NO_DEFAULTS, GenerationDefaults
-from shared.grammar_errors import grammar_error_text
 from shared.protocol import SamplingParams, StructuredSpec
 
-log = logging.getLogger("kestrel.frontend.sampling")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1  # the largest top_k (the worker's sampler holds it in a tensor)
@@ -144,6 +139,7 @@ class SamplingRequest:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     structured: StructuredSpec | None = None
+    structured_param: str | None = None  # the request field of `structured` (for errors)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -225,73 +221,6 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _check_schema(schema_text: str, param: str = "response_format.json_schema.schema") -> None:
-    """Compile a JSON schema with xgrammar; raise InvalidRequest(param) if it cannot. The
-    first call imports xgrammar (and torch: seconds): call it off the event loop, after
-    `warm_xgrammar` (server startup) where possible."""
-    try:
-        import xgrammar
-        xgrammar.Grammar.from_json_schema(schema_text)
-    except ImportError:  # pragma: no cover - xgrammar is a runtime dependency
-        raise InvalidRequest(param, "Structured output is not available "
-                             "(xgrammar is not installed).") from None
-    except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
-        reason = grammar_error_text(e)
-        raise InvalidRequest(param, f"The JSON schema cannot be compiled: {reason}") from None
-
-
-def json_schema_constraint(schema: dict[str, Any], param: str) -> StructuredSpec:
-    """The StructuredSpec (kind json_schema) of a JSON schema object, checked with xgrammar
-    (the engine's compiler): Raises InvalidRequest(param) when the schema is nested too
-    deeply (more than `schema_limits.MAX_SCHEMA_DEPTH` levels) or cannot be compiled. Shared by
-    OpenAI's response_format and Anthropic's output_config.format. Call it off the event
-    loop (see `_check_schema`)."""
-    if too_deep(schema):  # xgrammar would take seconds (services/frontend/schema_limits.py)
-        raise InvalidRequest(param, depth_message(param))
-    try:
-        text = orjson.dumps(schema).decode()
-    except orjson.JSONEncodeError:  # "Recursion limit reached": nested past ~255 levels
-        raise InvalidRequest(param, depth_message(param)) from None
-    _check_schema(text, param)
-    return StructuredSpec(kind="json_schema", spec=text)
-
-
-def warm_xgrammar() -> None:
-    """Import xgrammar and compile a trivial schema, so that the first request's schema
-    check is fast. Blocks for seconds: the server runs it in a background thread. Never
-    raises (a missing xgrammar is reported by the first structured request)."""
-    try:
-        _check_schema('{"type": "object"}')
-    except Exception as e:
-        log.warning("xgrammar warm-up failed: %s", e)
-
-
-def parse_response_format(value: Any) -> StructuredSpec | None:
-    """`response_format` -> StructuredSpec (None for text). Raises InvalidRequest."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("type") not in (
-            "text", "json_object", "json_schema"):
-        raise InvalidRequest("response_format.type", "'response_format.type' must be 'text', "
-                             "'json_object' or 'json_schema'.")
-    kind = value["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredSpec(kind="json_object")
-    js = value.get("json_schema")
-    if not isinstance(js, dict):
-        raise InvalidRequest("response_format.json_schema",
-                             "'response_format.json_schema' must be an object.")
-    if not isinstance(js.get("name", ""), str):
-        raise InvalidRequest("response_format.json_schema.name", "'name' must be a string.")
-    schema = js.get("schema", {})
-    if not isinstance(schema, dict):
-        raise InvalidRequest("response_format.json_schema.schema",
-                             "'response_format.json_schema.schema' must be an object.")
-    return json_schema_constraint(schema, "response_format.json_schema.schema")
-
-
 def _default(value: float | int | None, neutral: float | int) -> float:
     return float(neutral if value is None else value)
 
@@ -327,6 +256,7 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1,
                                     "stream_options.continuous_usage_stats") and include_usage
     if top_k is None:
         top_k = defaults.top_k
+    structured, structured_param = request_constraint(body)  # compiles: off the event loop
     d = defaults
     return SamplingRequest(
         n=n or 1,
@@ -349,7 +279,8 @@ def parse_sampling(body: dict, vocab_size: int, min_max_tokens: int = 1,
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids", vocab_size),
         ignore_eos=get_bool(body, "ignore_eos", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-        structured=parse_response_format(body.get("response_format")),
+        structured=structured,
+        structured_param=structured_param,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,

@@ -11,21 +11,25 @@ Follows the OpenAI API reference (Chat Completions):
   "arguments": JSON text}}] and role "tool" messages with `tool_call_id`.
 
 `required` and a named choice are enforced with a JSON-schema constraint (`tool_choice.py`)
-that the engine compiles; one it cannot compile is a 400 before any SSE byte.
+that the engine compiles; each schema such an answer may use is compiled here first
+(xgrammar, off the event loop), so one it cannot compile is a 400 naming
+`tools[j].function.parameters` before any SSE byte.
 Every error is an `InvalidRequest` naming the field (`tools[0].function.name` style).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.frontend import strict_json
 from services.frontend.errors import InvalidRequest
 from services.frontend.openai_sampling import get_bool
 from services.frontend.parsers.tool_choice import forced_call_constraint
 from services.frontend.schema_limits import depth_message, too_deep
+from services.frontend.strict_json import JSONTooDeep
+from services.frontend.structured_fields import json_schema_constraint
 from shared.protocol import StructuredSpec
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -55,9 +59,9 @@ class ToolRequest:
         return bool(self.tools) and self.choice != "none"
 
     def constraint(self) -> StructuredSpec:
-        """The engine's JSON-schema constraint of a forced answer. It is compiled by the
-        engine, not here: importing and running xgrammar in the frontend blocks its event
-        loop for seconds. A schema the engine cannot compile fails the request with 400."""
+        """The engine's JSON-schema constraint of a forced answer, compiled by the engine
+        (each tool's schema in it has been compiled by `parse_tools` already, off the event
+        loop). A schema the engine still cannot compile fails the request with 400."""
         return forced_call_constraint(self.schemas, self.name, self.parallel)
 
 
@@ -132,7 +136,23 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest:
         raise InvalidRequest("tool_choice", "'tool_choice' must be a string or an object.")
     if req.forced and not req.tools:
         raise InvalidRequest("tool_choice", f"tool_choice '{choice}' requires 'tools'.")
+    if req.forced:
+        _check_forced_schemas(req)
     return req
+
+
+def _check_forced_schemas(req: ToolRequest) -> None:
+    """Compile the parameter schema of each tool a forced answer may call (the named one,
+    or all for "required") with xgrammar, as response_format's schema is checked: a schema
+    the engine could not compile is a 400 naming `tools[j].function.parameters` here, not
+    the engine's refusal with no param. Compiles: call it off the event loop."""
+    for j, tool in enumerate(req.tools):
+        name = tool["function"]["name"]
+        if req.choice == "named" and name != req.name:
+            continue
+        schema = req.schemas[name]
+        if schema:
+            json_schema_constraint(schema, f"tools[{j}].function.parameters")
 
 
 def parse_tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
@@ -152,7 +172,9 @@ def parse_tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                value = json.loads(args) if args.strip() else {}
+                value = strict_json.loads(args) if args.strip() else {}
+            except JSONTooDeep as e:
+                raise InvalidRequest(f"{p}.function.arguments", f"'arguments': {e}") from None
             except ValueError:
                 raise InvalidRequest(f"{p}.function.arguments",
                                      "'arguments' must be JSON text.") from None

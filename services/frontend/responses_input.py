@@ -25,10 +25,11 @@ The messages have the shape `openai_protocol.parse_messages` gives the chat temp
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from services.frontend import strict_json
 from services.frontend.errors import InvalidRequest
+from services.frontend.strict_json import JSONTooDeep
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -77,8 +78,10 @@ def _function_call(param: str, item: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(args, str):
         raise InvalidRequest(f"{param}.arguments", "'arguments' must be JSON text.")
     try:
-        value = json.loads(args) if args.strip() else {}
-    except (ValueError, RecursionError):  # (nested past the parser's recursion limit)
+        value = strict_json.loads(args) if args.strip() else {}
+    except JSONTooDeep as e:
+        raise InvalidRequest(f"{param}.arguments", f"'arguments': {e}") from None
+    except ValueError:
         raise InvalidRequest(f"{param}.arguments", "'arguments' must be JSON text.") from None
     return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": value if isinstance(value, dict) else args}}

@@ -33,8 +33,8 @@ from typing import Any
 
 from services.frontend.body import json_object
 from services.frontend.errors import InvalidRequest
-from services.frontend.openai_sampling import (SamplingRequest, get_bool, get_int,
-                                               parse_response_format, parse_sampling)
+from services.frontend.openai_sampling import SamplingRequest, get_bool, get_int, parse_sampling
+from services.frontend.structured_fields import parse_response_format
 from services.frontend.openai_tools import TOOL_CHOICES, ToolRequest, parse_tools
 from services.frontend.responses_input import input_messages
 from shared.config_generation import NO_DEFAULTS, GenerationDefaults

@@ -42,7 +42,7 @@ from services.frontend.errors import (APIError, InternalError, MethodNotAllowed,
                                       error_response)
 from services.frontend.info_api import InfoServing
 from services.frontend.lifecycle import DrainMiddleware, beat_forever, frontend_name, serve
-from services.frontend.openai_sampling import warm_xgrammar
+from services.frontend.structured_fields import warm_xgrammar
 from services.frontend.responses_api import ResponsesServing
 from services.frontend.tokenize_api import TokenizeServing
 from shared.config import KestrelConfig, add_cli_arguments, build_config

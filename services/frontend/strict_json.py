@@ -3,7 +3,15 @@
 The Anthropic routes parse with Python's json module (a tool input's big integers stay
 exact, where orjson would refuse them) but as strictly as the OpenAI routes' orjson: not
 UTF-8, NaN / Infinity tokens, too deep nesting, or a lone surrogate in any string (a
-`\\ud800` escape) is a 400 "not valid JSON" (`load_json`).
+`\\ud800` escape) is a 400 "not valid JSON" (`load_json`); a body nested past the parser's
+recursion limit is a 400 "nested too deeply".
+
+`loads` is the one parse of JSON text that a client (or the model) supplies inside a body:
+tool-call `arguments` of chat messages and Responses items, a tool_use block's input. Python's
+json recurses once per level, so text like `[[[...]]]` 1000 deep raised RecursionError (a 500)
+where it was called bare; `loads` raises `JSONTooDeep` (a ValueError) instead, and also for a
+document nested more than MAX_TEXT_DEPTH levels, which later steps (the chat template's
+`tojson`, orjson's dumps at about 255 levels) could not handle.
 """
 
 from __future__ import annotations
@@ -13,8 +21,30 @@ import re
 from typing import Any
 
 from services.frontend.errors import InvalidRequest
+from services.frontend.schema_limits import too_deep
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_TEXT_DEPTH = 128  # levels of objects and arrays in `loads`; orjson dumps at most ~255
+BODY_TOO_DEEP = "The request body is nested too deeply."
+
+
+class JSONTooDeep(ValueError):
+    """JSON text nested more deeply than `loads` accepts (a ValueError, so callers that
+    treat bad JSON text as a client's mistake treat this one the same)."""
+
+
+def loads(text: str | bytes, max_depth: int = MAX_TEXT_DEPTH, **kw: Any) -> Any:
+    """`json.loads(text, **kw)` (integers of any size exact) that never raises
+    RecursionError: text nested past the interpreter's recursion limit, or a value nested
+    more than `max_depth` levels of objects and arrays, raises JSONTooDeep. Other bad text
+    raises ValueError (json.JSONDecodeError, UnicodeDecodeError) as json.loads does."""
+    try:
+        value = json.loads(text, **kw)
+    except RecursionError:
+        raise JSONTooDeep("The JSON text is nested too deeply.") from None
+    if isinstance(value, (dict, list)) and too_deep(value, max_depth):
+        raise JSONTooDeep(f"The JSON text is nested more than {max_depth} levels deep.")
+    return value
 
 
 def _reject_constant(name: str) -> Any:
@@ -50,7 +80,9 @@ def load_json(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are rejected here
         body = json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+    except RecursionError:
+        raise InvalidRequest(None, BODY_TOO_DEEP) from None
+    except ValueError:  # UnicodeDecodeError is a ValueError
         raise InvalidRequest(None, "The request body is not valid JSON.") from None
     if "\\u" in text:  # only an escape can still produce a lone surrogate
         where = _first_lone_surrogate(body)

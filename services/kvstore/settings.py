@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import psutil
 
 from services.kvstore.disk_tier import file_bytes
-from shared.config import KestrelConfig
+from shared.config import KestrelConfig, check_kv_offload
 from shared.kv_layout import identity_for, kv_layout_for
 from shared.kv_pool import HEADER_SIZE, slot_stride
 from shared.model_spec import ModelFolderError
@@ -103,20 +103,17 @@ def _check_writable(folder: str) -> None:
 def resolve_setup(cfg: KestrelConfig) -> StoreSetup:
     """Check the offload settings and size the tiers. Raises ConfigError with a clear
     message for: no CPU tier (kv_offload_cpu_gib <= 0), a disk dir without a size limit (or
-    the reverse), a non-positive limit, a limit smaller than one block file, a pool larger
+    the reverse), a non-positive limit (`shared.config.check_kv_offload`), a limit smaller than one block file, a pool larger
     than the host memory or than the free space of /dev/shm, an unwritable disk dir, and a
     pool that holds no block."""
     cpu_gib = cfg.kv_offload_cpu_gib
     if cpu_gib is None or cpu_gib <= 0:
         raise ConfigError("setting kv_offload_cpu_gib: the kvstore needs a CPU tier; set "
                           "--kv-offload-cpu-gib to a positive size in GiB")
-    if cfg.kv_offload_disk_dir and cfg.kv_offload_disk_gib is None:
-        raise ConfigError("setting kv_offload_disk_dir requires --kv-offload-disk-gib: a disk "
-                          "tier without a size limit would fill the disk")
-    if cfg.kv_offload_disk_gib is not None and not cfg.kv_offload_disk_dir:
-        raise ConfigError("setting kv_offload_disk_gib is set but kv_offload_disk_dir is not")
-    if cfg.kv_offload_disk_gib is not None and cfg.kv_offload_disk_gib <= 0:
-        raise ConfigError(f"setting kv_offload_disk_gib: must be positive, got {cfg.kv_offload_disk_gib}")
+    try:  # the pairing and signs (the config builder has refused these already)
+        check_kv_offload(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         identity = identity_for(cfg)
     except ValueError as e:  # an int8 kv_cache_dtype on CUDA (the config check refuses it first)

@@ -265,7 +265,7 @@ def test_openai_agents_default_model_runs_agents_streamed_and_with_a_tool(server
 @pytest.fixture(scope="module")
 def thinking_server(smollm2_dir, repo_root, tmp_path_factory):
     """A server whose template opens `<think>` for the model when thinking is on."""
-    source = (repo_root / "services/frontend/templates/qwen3.jinja").read_text()
+    source = (repo_root / "shared/chat_templates/qwen3.jinja").read_text()
     closed = "{% if not thinking %}<think>\n\n</think>\n\n{% endif -%}"
     assert closed in source
     path = tmp_path_factory.mktemp("tpl") / "think.jinja"

@@ -343,10 +343,13 @@ TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": "yes"}]}]},
      "messages.0.content.0.cache_control", "Input should be an object"),
     ({"tools": [{**TOOL, "cache_control": "yes"}]}, "tools.0.cache_control", "Input should be an object"),
+    # capped as OpenAI's `stop` (16 of at most 256 characters): they were unlimited
+    ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences", "At most 16 stop sequences"),
+    ({"stop_sequences": ["x" * 257]}, "stop_sequences", "of at most 256 characters"),
 ], ids=["user content empty", "middle assistant content empty", "empty text block",
         "empty system text block", "tool name with a space", "tool name of 129", "strict not a boolean",
         "cache_control a string", "cache_control of another type", "block cache_control a string",
-        "tool cache_control a string"])
+        "tool cache_control a string", "17 stop sequences", "a stop sequence of 257 characters"])
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
 def test_what_anthropic_refuses_is_a_400_in_its_envelope(client, stack, change, param, says, path):
     body = OK | change
@@ -385,3 +388,16 @@ def test_message_delta_usage_is_the_messages_usage(client, stack):
     assert whole.cache_creation_input_tokens == whole.cache_read_input_tokens == 0
     assert whole.input_tokens == client.messages.count_tokens(**{
         k: v for k, v in kw.items() if k != "max_tokens"}).input_tokens
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "bad"}])
+def test_a_forced_tools_schema_that_does_not_compile_is_a_400_naming_it_before_the_engine(stack, choice):
+    """It was the engine's refusal ("The engine rejected the request: json_schema failed to
+    compile"), with no field named. count_tokens compiles nothing: it still answers."""
+    tools = [TOOL, {"name": "bad", "input_schema": {"type": "nonsense"}}]
+    n_added = len(stack.engine.added)
+    msg = _error(_post(stack, OK | {"tools": tools, "tool_choice": choice}))
+    assert msg.startswith("tools.1.input_schema: The JSON schema cannot be compiled"), msg
+    assert len(stack.engine.added) == n_added
+    body = {k: v for k, v in OK.items() if k != "max_tokens"} | {"tools": tools, "tool_choice": choice}
+    assert _post(stack, body, "/v1/messages/count_tokens").status_code == 200

@@ -306,3 +306,47 @@ def test_continue_final_message_continues_the_assistant_text_and_refuses_both_fl
     prompt = stack.engine.tokenizer.decode(stack.engine.added[-1].prompt_token_ids,
                                            skip_special_tokens=False)
     assert prompt.endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n"), prompt
+
+
+DEEP_ARGS = '{"a":' + "[" * 1000 + "]" * 1000 + "}"  # past Python json's recursion limit
+
+
+@pytest.mark.parametrize("args", [DEEP_ARGS, '{"a":' + "[" * 200 + "]" * 200 + "}"],
+                         ids=["1000 levels", "200 levels"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_deeply_nested_tool_call_arguments_in_messages_are_a_400_naming_them(stack, route, args):
+    """json.loads of the arguments raised RecursionError: a 500. Now a 400 naming the
+    arguments (services/frontend/strict_json.loads), as the Responses API answers."""
+    messages = HI + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = httpx.post(stack.url + route, json={"model": MODEL, "messages": messages}, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error",
+                                           "messages[1].tool_calls[0].function.arguments")
+    assert "nested" in err["message"]
+
+
+def test_deeply_nested_function_call_arguments_in_responses_input_are_a_400(stack):
+    item = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP_ARGS}
+    r = httpx.post(stack.url + "/v1/responses", json={"model": MODEL, "input": [
+        {"role": "user", "content": "hi"}, item,
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input[1].arguments" and "nested" in err["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize", "/v1/messages"])
+def test_a_body_nested_past_the_parser_limit_says_it_is_too_deep_not_invalid(stack, route):
+    deep = "[" * 1100 + "]" * 1100
+    raw = ('{"model": "%s", "messages": %s}' % (MODEL, deep)).encode()
+    r = httpx.post(stack.url + route, content=raw, timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    doc = r.json()
+    err = doc["error"]
+    if route == "/v1/messages":
+        assert doc["type"] == "error" and err["type"] == "invalid_request_error"
+    assert err["message"] == "The request body is nested too deeply."

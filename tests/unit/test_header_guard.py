@@ -158,3 +158,32 @@ def test_bad_settings_are_refused():
         guarded_protocol(AutoHTTPProtocol, 0, 8)
     with pytest.raises(ValueError):
         guarded_protocol(AutoHTTPProtocol, 5, 0)
+
+
+@pytest.mark.parametrize("pad", [100_000, MAX_HEADER_BYTES + 100])
+def test_a_head_over_the_limit_in_one_write_gets_431_and_a_body_after_a_small_head_does_not(serve, pad):
+    """A 100 KB header sent in one write got 200: the parser completed the head (and the
+    guard stood down) before its size was checked; only 200 KB got 431."""
+    if serve.protocol is H11Protocol:
+        pytest.skip("h11 refuses a head over its own 16 KiB limit first (400)")
+    port = serve(30.0, 64)
+    with _connect(port) as s:
+        try:
+            s.sendall(HALF + b"X-Pad: " + b"a" * pad + b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        rest = _read_until_closed(s, 60)
+        assert rest is not None and rest.startswith(b"HTTP/1.1 431 "), rest[:200] if rest else rest
+    # a body in the same write as a small head is not counted: head + body past the limit
+    body = b"b" * (MAX_HEADER_BYTES - 1000)
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nX-Pad: %s\r\nContent-Length: %d\r\n\r\n" % (
+        b"a" * 10_000, len(body))
+    with _connect(port) as s:
+        s.sendall(head + body)
+        s.settimeout(30)
+        data = b""
+        while not data.endswith(b"ok"):
+            chunk = s.recv(65536)
+            assert chunk, data
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]

@@ -34,6 +34,7 @@ from typing import Any
 import partial_json_parser
 from partial_json_parser import Allow
 
+from services.frontend import strict_json
 from services.frontend.parsers.json_prefix import JsonPrefixScanner
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -196,8 +197,8 @@ class _CallBody:
     def _fallback(self, out: list[Event]) -> None:
         """A complete body whose keys were not in the usual order."""
         try:
-            obj = json.loads(self.text)
-        except ValueError:
+            obj = strict_json.loads(self.text)
+        except ValueError:  # JSONTooDeep included
             return
         if isinstance(obj, dict):
             self._whole_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})),

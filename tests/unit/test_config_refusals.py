@@ -1,0 +1,89 @@
+"""Settings a new user found accepted that cannot work: each is refused by the config builder
+(a ValueError naming the setting), so `kestrel serve` exits 2 with the message as its last
+line on stderr before any process starts (no runtime folder, no weights loaded)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from shared.config import build_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMOLLM2 = os.path.join(REPO, "models", "SmolLM2-135M-Instruct")  # max_position_embeddings 8192
+
+
+def _broken_template(tmp_path) -> str:
+    path = tmp_path / "broken.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor")  # no closing %}
+    return str(path)
+
+
+REFUSED = [
+    ({"chat_template": "no-such-template"}, "setting chat_template: chat template "
+     "'no-such-template' is neither a file nor one of the bundled templates ['qwen3']"),
+    ({"chat_template": "BROKEN"}, "setting chat_template: chat template does not compile"),
+    ({"kv_offload_cpu_gib": "-1"}, "setting kv_offload_cpu_gib: must be >= 0"),
+    ({"kv_offload_cpu_gib": "1", "kv_offload_disk_dir": "/tmp/kv-disk"},
+     "setting kv_offload_disk_dir requires --kv-offload-disk-gib"),
+    ({"kv_offload_cpu_gib": "1", "kv_offload_disk_gib": "2"},
+     "setting kv_offload_disk_gib requires --kv-offload-disk-dir"),
+    ({"kv_offload_disk_dir": "/tmp/kv-disk", "kv_offload_disk_gib": "2"},
+     "setting kv_offload_disk_dir requires --kv-offload-cpu-gib"),
+    ({"served_model_name": ""}, "setting served_model_name: must not be empty"),
+    ({"shutdown_timeout": "-1"}, "setting shutdown_timeout: must be >= 0 seconds"),
+    ({"max_model_len": "8193"}, "setting max_model_len: 8193 is longer than the model's "
+     "max_position_embeddings (8192 in "),
+]
+
+
+def _cli(tmp_path, settings: dict[str, str]) -> dict[str, str]:
+    return {k: _broken_template(tmp_path) if v == "BROKEN" else v for k, v in settings.items()}
+
+
+@pytest.mark.parametrize("settings,message", REFUSED, ids=[next(iter(s)) + ("+" if len(s) > 1 else "")
+                                                            for s, _ in REFUSED])
+def test_a_setting_that_cannot_work_is_refused_by_the_config_builder(tmp_path, settings, message):
+    with pytest.raises(ValueError) as e:
+        build_config({"model": SMOLLM2, "device": "cpu"} | _cli(tmp_path, settings), env={})
+    assert message in str(e.value)
+
+
+def test_what_is_still_accepted_next_to_those_refusals(tmp_path):
+    """The limits themselves pass, and KESTREL_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN) lets a longer max_model_len through."""
+    base = {"model": SMOLLM2, "device": "cpu"}
+    assert build_config(base | {"max_model_len": "8192"}, env={}).max_model_len == 8192
+    cfg = build_config(base | {"max_model_len": "16384"}, env={"KESTREL_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    assert cfg.max_model_len == 16384 and cfg.source("allow_long_max_model_len") == "env"
+    assert build_config(base | {"shutdown_timeout": "0", "chat_template": "qwen3"}, env={}).shutdown_timeout == 0
+    disk = str(tmp_path / "disk")
+    cfg = build_config(base | {"kv_offload_cpu_gib": "0.5", "kv_offload_disk_dir": disk,
+                               "kv_offload_disk_gib": "1"}, env={})
+    assert (cfg.kv_offload_disk_dir, cfg.kv_offload_disk_gib) == (disk, 1.0)
+
+
+SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_template: chat template "
+                  "'no-such-template' is neither a file"),
+                 (["--chat-template", "BROKEN"], "setting chat_template: chat template does not compile"),
+                 (["--max-model-len", "9000"], "setting max_model_len: 9000 is longer than the model's "
+                  "max_position_embeddings (8192 in ")]
+
+
+@pytest.mark.parametrize("args,message", SERVE_REFUSED, ids=["unknown template", "template syntax error",
+                                                             "max_model_len"])
+def test_serve_refuses_them_with_exit_2_and_the_message_before_any_process_starts(tmp_path, args, message):
+    """A broken --chat-template used to log an ERROR and serve, every chat request a 500."""
+    runtime = tmp_path / "rt"
+    args = [_broken_template(tmp_path) if a == "BROKEN" else a for a in args]
+    r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", SMOLLM2, "--device", "cpu",
+                        *args, "--runtime-dir", str(runtime), "--instance-id", "ref" + uuid.uuid4().hex[:6]],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("KESTREL_")})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr.strip().splitlines()[-1], r.stderr
+    assert not runtime.exists(), "a process started: the runtime folder was created"
