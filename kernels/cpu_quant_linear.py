@@ -55,11 +55,14 @@ product (dequantize, then x @ W.T in fp32). `QuantWeight` holds one layer's pack
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from kernels import ref_fast
+from kernels import cpu_int4_vnni, ref_fast
+
+log = logging.getLogger(__name__)
 
 # the weight-only scheme a CPU worker's Linear layers take after loading (set by the model
 # runner before loading, from the `quantization` setting): "none", "int8", "int4" or "gguf"
@@ -77,6 +80,11 @@ ACT_DTYPE = torch.bfloat16  # the activations' dtype inside the products (module
 HEAD_W8A8 = True
 W8A8_ZERO_POINT = 128  # the u8 activation codes' zero point (codes round(x / s) + 128 in 1..255)
 W8A8_OUTLIERS = 8  # columns of x a row multiplies in fp32 instead (module doc)
+# int4 products of 1..INT4_VNNI_ROWS rows of x through the AVX-512 VNNI kernel (int8 activations,
+# kernels/cpu_int4_vnni.py) where it builds here: `pack_int4` then keeps its copy of the weight
+# beside the tinygemm one (which serves more rows and is the reference); off: tinygemm only
+INT4_VNNI = True
+INT4_VNNI_ROWS = 16
 XBUF_ROWS = 16  # rows of x whose ACT_DTYPE copy goes through a reused buffer (QuantWeight._xbuf)
 _INT4_INNER_K_TILES = 2  # the convert op's argument (the CUDA layout's; the CPU layout is fixed)
 
@@ -208,22 +216,29 @@ class QuantWeight:
     scales: torch.Tensor
     group_size: int = 0
     dense_t: torch.Tensor | None = None  # "w8a8": the float W.T [K, N] the outlier columns read
+    vnni: torch.Tensor | None = None  # "int4": the VNNI kernel's copy (`cpu_int4_vnni.pack`), or None
     # ref_fast.FEWER_OPS: the ACT_DTYPE copy of x for M <= XBUF_ROWS rows, reused (one copy_
     # instead of x.to's four ATen calls; the product reads it before the next call)
     _xbuf: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (packed weight and scales)."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+        """Bytes held (packed weight and scales, and the int4 VNNI copy where there is one)."""
+        held = [self.packed, self.scales] + ([self.vnni] if self.vnni is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] (fp32/bf16/fp16; row-strided views are made contiguous) ->
         [M, out_features] in x's dtype: x cast to ACT_DTYPE, the packed kernel, cast back.
         Equals `quant_linear_ref(x.to(ACT_DTYPE), self.dequantize())` up to the kernel's
-        summation order and the ACT_DTYPE rounding of the output."""
+        summation order and the ACT_DTYPE rounding of the output.
+        int4 with 1..INT4_VNNI_ROWS rows, INT4_VNNI on and a `vnni` copy: the VNNI kernel
+        instead, `cpu_int4_vnni.mm` (x quantized to int8 per group of 32, its weight's (s, m)
+        in fp16 from the unrounded scales: `cpu_int4_vnni.dequantize(self.vnni, N, K)`)."""
         if self.scheme == "w8a8":
             return self._matmul_w8a8(x)
+        if self.vnni is not None and INT4_VNNI and x.dim() == 2 and 0 < x.shape[0] <= INT4_VNNI_ROWS:
+            return cpu_int4_vnni.mm(x, self.vnni, self.out_features)
         int8 = self.scheme == "int8"
         kp = self.packed.shape[1] * (1 if int8 else 2)
         m = x.shape[0]
@@ -323,7 +338,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_featu
     zero): q [N, K'] of 0..15 (any integer dtype), scale and zero [N, K' / G] (any float
     dtype; stored in ACT_DTYPE, the one rounding this adds), G = K' / scale.shape[1] in
     INT4_GROUPS. in_features: the real K when K' carries zero padding (default K'). Rows are
-    padded to INT4_N_ALIGN with zero weights (scale and zero 0). Used by `quantize` and by
+    padded to INT4_N_ALIGN with zero weights (scale and zero 0). With INT4_VNNI on where
+    `cpu_int4_vnni.available()` (the first call may build the extension), also the VNNI
+    kernel's copy from the unrounded scale and zero (`QuantWeight.vnni`). Used by `quantize` and by
     the GGUF loader, whose Q4_0 / Q4_1 / Q4_K blocks are such groups (kernels/gguf_quant.py).
     Raises ValueError for a group size the kernel does not take."""
     n, kp = q.shape
@@ -338,7 +355,13 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_featu
         s32, z32 = (torch.nn.functional.pad(t, (0, 0, 0, npad - n)) for t in (s32, z32))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32.contiguous(), _INT4_INNER_K_TILES)
     sz = torch.stack([s32, z32], dim=2).transpose(0, 1).contiguous().to(ACT_DTYPE)  # [K'/G, N', 2]
-    return QuantWeight("int4", n, kp if in_features is None else in_features, packed, sz, g)
+    vnni = None
+    if INT4_VNNI and cpu_int4_vnni.available():
+        try:
+            vnni = cpu_int4_vnni.pack(q, scale, zero)
+        except ValueError as e:  # an (s, m) past fp16's range: this layer stays on tinygemm
+            log.warning("pack_int4: no VNNI copy of a [%d, %d] weight: %s", n, kp, e)
+    return QuantWeight("int4", n, kp if in_features is None else in_features, packed, sz, g, vnni=vnni)
 
 
 def dense_scheme() -> str:
