@@ -63,45 +63,54 @@ def test_pack_holds_the_quantizers_weight_within_fp16_scales():
 
 
 @needs_vnni
-def test_the_kernels_q8_of_x_is_the_torch_twins(ext):
+@pytest.mark.parametrize("planes", [1, 2])
+def test_the_kernels_q8_of_x_is_the_torch_twins(ext, planes):
     for m, k in [(1, 576), (3, 40), (5, 100), (16, 1536)]:
         x = _x(m, k, seed=k)
         x[0, :32] = 0.0  # an all-zero group: dx 0, codes 0
         ng = -(-k // 32)
-        got, want = vnni.quantize_x(x, ng), vnni.quantize_x_ref(x, ng)
+        got, want = vnni.quantize_x(x, ng, planes), vnni.quantize_x_ref(x, ng, planes)
         assert torch.equal(got[0], want[0])
         assert torch.equal(got[1], want[1]) and torch.allclose(got[2], want[2], rtol=1e-6, atol=0)
+        # |x - x_hat| <= half the last plane's step, amax / 254 or / 254^2, + the fp32 rounding of
+        # 127 / amax, v = x * that, d and d / 254 (each 2^-24 relative: < 2^-21 amax in all)
+        err = (vnni.dequantize_x(*got[:2], k) - x.double()).abs()
+        amax = torch.nn.functional.pad(x.abs(), (0, ng * 32 - k)).reshape(m, ng, 32).amax(2).double()
+        bound = amax / (254 if planes == 1 else 254 * 254) + 2.0 ** -21 * amax
+        assert torch.all(err <= bound.repeat_interleave(32, dim=1)[:, :k])
 
 
 SHAPES = [(1, 960, 576), (3, 40, 96), (5, 576, 1536), (16, 17, 32), (1, 7, 40), (4, 33, 100), (2, 3072, 576)]
 
 
 @needs_vnni
+@pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_kernel_matches_the_float64_truth_and_the_q8_bound(ext, m, n, k):
-    """mm against (1) mm_ref: float64 (qx dx) @ dequantize(packed).T, within fp32 accumulation,
-    2^-20 of sum |w| |x_q| per output; (2) the exact x @ W.T with x unquantized: within the Q8
-    bound sum_g (dx_g / 2) sum_{k in g} |w[n, k]| (round to nearest: |x - qx dx| <= dx / 2),
-    and for these seeded inputs at least 2x under it in the worst output (it is a worst case:
-    the rounding errors of a group's 32 columns do not all take the sign of their weights;
-    measured max 0.36 of the bound at K = 32..100, 0.14-0.22 at K = 576..1536)."""
+def test_kernel_matches_the_float64_truth_and_the_q8_bound(ext, m, n, k, planes):
+    """mm against (1) mm_ref: float64 x_hat @ dequantize(packed).T, x_hat the quantized x,
+    within fp32 accumulation, 2^-20 of sum |w| |x_hat| per output; (2) the exact x @ W.T with x
+    unquantized: within the bound sum_g e_g sum_{k in g} |w[n, k]|, e_g = max_g |x| / 254 (one
+    plane) or / 254^2 (two; round to nearest: half a step), and for these seeded inputs at
+    least 2x under it in the worst output (it is a worst case: the rounding errors of a group's
+    32 columns do not all take the sign of their weights; measured max 0.36 of the bound at
+    K = 32..100, 0.14-0.22 at K = 576..1536, one plane)."""
     kp = -(-k // 32) * 32
     w = torch.nn.functional.pad(_weights(n, k, seed=m + n), (0, kp - k))
     p = vnni.pack(*cq.quantize_int4(w, 32))
     wd = vnni.dequantize(p, n, k).double()
     x = _x(m, k, seed=n)
-    y = vnni.mm(x, p, n)
+    y = vnni.mm(x, p, n, planes)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    qx, dx, _ = vnni.quantize_x_ref(x, kp // 32)
-    xq = (qx.double().reshape(m, -1, 32) * dx.double()[..., None]).reshape(m, -1)[:, :k]
-    scale_sum = xq.abs() @ wd.abs().t()
-    assert torch.all((y.double() - vnni.mm_ref(x, p, n).double()).abs() <= 2.0 ** -20 * scale_sum + 1e-30)
+    qx, dx, _ = vnni.quantize_x_ref(x, kp // 32, planes)
+    scale_sum = vnni.dequantize_x(qx, dx, k).abs() @ wd.abs().t()
+    assert torch.all((y.double() - vnni.mm_ref(x, p, n, planes).double()).abs() <= 2.0 ** -20 * scale_sum + 1e-30)
     truth = x.double() @ wd.t()
     wabs = torch.nn.functional.pad(wd.abs(), (0, kp - k)).reshape(n, -1, 32).sum(dim=2)  # [N, NG]
-    q8_bound = (dx.double() / 2) @ wabs.t() + 2.0 ** -20 * scale_sum
+    amax = torch.nn.functional.pad(x.abs(), (0, kp - k)).reshape(m, -1, 32).amax(2).double()
+    bound = (amax / (254 if planes == 1 else 254 ** 2)) @ wabs.t() + 2.0 ** -20 * scale_sum
     err = (y.double() - truth).abs()
-    assert torch.all(err <= q8_bound), float((err - q8_bound).max())
-    assert float((err / q8_bound).max()) < 0.5
+    assert torch.all(err <= bound), float((err - bound).max())
+    assert float((err / bound).max()) < 0.5
 
 
 @needs_vnni
@@ -121,26 +130,33 @@ def test_bf16_and_row_strided_x_and_refused_shapes(ext):
 
 
 @needs_vnni
-def test_quant_weight_takes_the_kernel_for_few_rows_and_the_switch_turns_it_off(ext, monkeypatch):
-    """QuantWeight.matmul: 1..INT4_VNNI_ROWS rows through the VNNI copy (== vnni.mm), more rows
-    and INT4_VNNI off through tinygemm; nbytes counts both copies; GGUF groups (pack_int4 of
-    Q4_K's groups) get the copy too."""
+def test_quant_weight_holds_one_copy_and_the_switches_pick_the_product(ext, monkeypatch):
+    """pack_int4 with INT4_VNNI on makes the VNNI copy alone (nbytes: its bytes; dequantize: its
+    weight; matmul == vnni.mm for 1, 5, 16 and 40 rows); INT4_KEEP_TINYGEMM keeps tinygemm's too
+    and INT4_VNNI then picks the product per call; off at pack time: tinygemm alone. GGUF groups
+    (pack_int4 of Q4_K's groups) get the VNNI copy, the file's weight within fp16 (s, m)."""
     monkeypatch.setattr(cq, "INT4_VNNI", True)
+    monkeypatch.setattr(cq, "INT4_KEEP_TINYGEMM", False)
     n, k = 40, 100  # N padded to 48, K to 128
-    qw = cq.quantize(_weights(n, k, seed=5), "int4")
-    assert qw.vnni is not None and qw.vnni.shape == (3, 4, 320)
-    assert qw.nbytes == qw.packed.numel() + qw.scales.numel() * 2 + qw.vnni.numel()
-    for m in (1, 5, 16):
+    w = _weights(n, k, seed=5)
+    qw = cq.quantize(w, "int4")
+    assert qw.vnni is not None and qw.vnni.shape == (3, 4, 320) and qw.packed.numel() == 0
+    assert qw.nbytes == qw.vnni.numel() == 3 * 4 * 320
+    assert torch.equal(qw.dequantize(), vnni.dequantize(qw.vnni, n, k))
+    for m in (1, 5, 16, 40):
         x = _x(m, k, seed=m)
         assert torch.equal(qw.matmul(x), vnni.mm(x, qw.vnni, n))
-    x = _x(17, k, seed=17)
-    tiny = cq.quant_linear_ref(x.to(cq.ACT_DTYPE).float(), qw.dequantize())
-    assert torch.all((qw.matmul(x) - tiny).abs() <= 2.0 ** -7 * tiny.abs().amax(1, keepdim=True) + 1e-4)
-    monkeypatch.setattr(cq, "INT4_VNNI", False)
+    monkeypatch.setattr(cq, "INT4_KEEP_TINYGEMM", True)
+    both = cq.quantize(w, "int4")
+    assert both.vnni is not None and both.packed.numel() > 0
+    assert both.nbytes == both.packed.numel() + both.scales.numel() * 2 + both.vnni.numel()
     x = _x(2, k, seed=2)
-    tiny = cq.quant_linear_ref(x.to(cq.ACT_DTYPE).float(), qw.dequantize())
-    assert torch.all((qw.matmul(x) - tiny).abs() <= 2.0 ** -7 * tiny.abs().amax(1, keepdim=True) + 1e-4)
-    assert cq.quantize(_weights(n, k, seed=5), "int4").vnni is None  # off at pack time: no copy
+    assert torch.equal(both.matmul(x), vnni.mm(x, both.vnni, n))
+    monkeypatch.setattr(cq, "INT4_VNNI", False)
+    tiny = cq.quant_linear_ref(x.to(cq.ACT_DTYPE).float(), both.dequantize())
+    assert torch.all((both.matmul(x) - tiny).abs() <= 2.0 ** -7 * tiny.abs().amax(1, keepdim=True) + 1e-4)
+    assert qw.vnni is not None and torch.equal(qw.matmul(x), vnni.mm(x, qw.vnni, n))  # its only copy
+    assert cq.quantize(w, "int4").vnni is None  # off at pack time: tinygemm alone
 
     monkeypatch.setattr(cq, "INT4_VNNI", True)
     from gguf import GGMLQuantizationType
