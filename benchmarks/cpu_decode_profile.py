@@ -72,7 +72,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
 class Stream:
-    """One request on the runner: a prefill of ctx tokens, then one decode step per call."""
+    """One request on the runner: a prefill of ctx tokens, then one decode step per call.
+    Each stream of a runner takes its own KV blocks (after the previous stream's): streams that
+    shared block ids read each other's keys and values, so their greedy ids converged."""
+
+    _next_block: dict = {}  # id(runner) -> its first block no stream holds yet
 
     def __init__(self, runner, ctx: int, steps: int, rid: str = "p0", prompt: list[int] | None = None):
         """prompt: the prompt's token ids (default: ctx synthetic ids; ctx is then its length)."""
@@ -80,7 +84,12 @@ class Stream:
         bs = runner.block_size
         if prompt is None:
             prompt = [(7 * i + 11) % 10000 for i in range(ctx)]
-        self.table = list(range(-(-(len(prompt) + steps + 8) // bs)))
+        first = Stream._next_block.get(id(runner), 0)
+        n = -(-(len(prompt) + steps + 8) // bs)
+        if first + n > runner.num_blocks:
+            raise SystemExit(f"Stream: {first + n} KV blocks needed, the runner has {runner.num_blocks}")
+        Stream._next_block[id(runner)] = first + n
+        self.table = list(range(first, first + n))
         self.token = self._run(prompt, first=True)
 
     def _run(self, ids: list[int], first: bool = False) -> int:

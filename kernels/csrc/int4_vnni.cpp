@@ -210,6 +210,8 @@ std::vector<torch::Tensor> quantize_x(const torch::Tensor& x, int64_t ng, int64_
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("int4_vnni_mm", &int4_vnni_mm, "int4 (q*s+m, 16-row tiles) x int8-quantized fp32 x -> fp32");
-  mod.def("quantize_x", &quantize_x, "x fp32 [M, K] -> (qx int8, dx, sx) per group of 32");
+  // the GIL is released while the kernel runs, as torch's own ops do (a worker's other threads go on)
+  mod.def("int4_vnni_mm", &int4_vnni_mm, "int4 (q*s+m, 16-row tiles) x int8-quantized fp32 x -> fp32",
+          py::call_guard<py::gil_scoped_release>());
+  mod.def("quantize_x", &quantize_x, "x fp32 [M, K] -> (qx int8 planes, dx, sx) per group of 32");
 }
