@@ -1,4 +1,4 @@
-"""Kestrel's CPU int4 x int8 product for a few rows of x: AVX-512 VNNI, a C++ extension.
+"""Kestrel's CPU int4 x int8 product (any rows of x; made for decode's few): AVX-512 VNNI, a C++ extension.
 
 Why: `_weight_int4pack_mm_for_cpu` widens the int4 weights to bf16 and multiplies in floating
 point; at one row it is compute-bound (~8 GB/s of int4 weight bytes on the 2-core EPYC VM).
@@ -22,12 +22,16 @@ x_hat = q1 d (`quantize_x` gives the kernel's codes, `dequantize_x` x_hat). One 
 0.0011 to 0.0038 (its outlier channels take the group's scale), past the accuracy test's bound.
 So by default (X_PLANES = 2) a second int8 plane holds the first's rounding error,
 q2 = round((x / d - q1) * 254), x_hat = (254 q1 + q2) d / 254, |x - x_hat| <= max |x| / 64516:
-twice the integer dots, summed exactly in int32 as 254 dot1 + dot2; KL 0.00064. At one row the
-product reads memory and the second plane cost nothing measurable (12.57 against 12.75 ms a step).
+twice the integer dots, summed exactly in int32 as 254 dot1 + dot2; KL 0.00064. Alone, a layer's
+one-row products take ~1.8x one plane's time (48 -> 88 us, tinygemm 232); in the model step by
+step the two were within noise (12.6 / 12.8 ms, 16.0 / 16.2: the weights come from memory).
+Rows of x go 4 at a time over a tile of 16 weight rows (more rows: the tile again, from L1);
+`at::parallel_for` over tiles.
 
 The extension is built on first use with `torch.utils.cpp_extension.load` (ninja and a C++
 compiler; cached in torch's extensions folder, `TORCH_EXTENSIONS_DIR`, under a lock that makes
-concurrent first builds safe), only where the CPU has AVX-512 F/BW/VL and VNNI. Where any of that
+concurrent first builds safe; ~30 s on the 2-core VM, 0.25 s to load once built), only where the
+CPU has AVX-512 F/BW/VL, VNNI and F16C. Where any of that
 is missing or the build fails, `available()` is False (one warning logged) and callers keep
 `_weight_int4pack_mm_for_cpu`.
 """
@@ -52,7 +56,10 @@ GROUP_BYTES = 320  # bytes a tile's group: 256 of codes, 16 fp16 s, 16 fp16 m
 X_PLANES = 2
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "int4_vnni.cpp")
-_FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-fopenmp"]
+# -ffp-contract=off: x * (127 / amax) - q1 must round as torch's two ops do (quantize_x_ref), not as one FMA;
+# -fopenmp: at::parallel_for's OpenMP body (it binds to the libgomp torch has loaded, one thread pool)
+_FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
+          "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ext": the loaded module, or None once a build or check failed
@@ -94,8 +101,10 @@ def _build() -> Any:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
-        return cpp_extension.load(name="kestrel_int4_vnni", sources=[_SOURCE], extra_cflags=_FLAGS,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        ext = cpp_extension.load(name="kestrel_int4_vnni", sources=[_SOURCE], extra_cflags=_FLAGS,
+                                 extra_ldflags=["-fopenmp"], verbose=False)
+        log.info("int4 VNNI kernel loaded (%s): int4 products take int8 activations", ext.__file__)
+        return ext
     except Exception as e:  # a missing compiler or ninja, a failed build: serve without it
         log.warning("int4 VNNI kernel off: building %s failed (%s: %s); int4 stays on "
                     "_weight_int4pack_mm_for_cpu", _SOURCE, type(e).__name__, str(e).strip()[-300:])

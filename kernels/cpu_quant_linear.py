@@ -51,10 +51,11 @@ quantization").
 int4 where the CPU has AVX-512 VNNI and the extension builds (`INT4_VNNI`, on): Kestrel's own
 kernel instead (kernels/cpu_int4_vnni.py: x quantized to int8 per group of 32 at run time, u8 x s8
 integer dots, llama.cpp's Q4_1 x Q8 idea), in its own copy of the weight (5 bits a weight as
-tinygemm's; `pack_int4` makes one or the other, both with INT4_KEEP_TINYGEMM). One thread,
-SmolLM2's layer products (benchmarks/cpu_int4_kernel_micro.py): 2.8-3.6x tinygemm's at one row,
-3-10x at 64-256 rows; a decode step 17.4 -> 12.0 ms (int4), 18.1 -> 12.6 (gguf), greedy ids equal
-(docs/ARCHITECTURE.md §6.4 "CPU int4 x int8 kernel").
+tinygemm's; `pack_int4` makes one or the other, both with INT4_KEEP_TINYGEMM). x goes in two
+int8 planes (`cpu_int4_vnni.X_PLANES`; one plane's error failed the accuracy bound). One thread,
+SmolLM2's layer products (benchmarks/cpu_int4_kernel_micro.py): 2.6x tinygemm's at one row, 1.5x
+at 64 rows; a decode step 25.0 -> 16.0 ms (int4), 26.0 -> 16.5 (gguf) on the loaded VM; KL against
+fp32 0.0011 -> 0.00064 (docs/ARCHITECTURE.md §6.4 "CPU int4 x int8 kernel").
 
 `quantize_int8` / `quantize_int4` are the pure-torch quantizers (fp32 math),
 `dequantize_int8` / `dequantize_int4` their inverses, `quant_linear_ref` the truth of the
