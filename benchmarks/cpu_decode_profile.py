@@ -21,7 +21,8 @@ tinygemm vnni2: kernels/cpu_quant_linear.py `INT4_VNNI` off, `_weight_int4pack_m
 bf16 x; on, the AVX-512 VNNI kernel with x in one (vnni1) or two (vnni2) int8 planes,
 kernels/cpu_int4_vnni.py `X_PLANES`), swapped step by step in this process on one stream a side
 from the chat prompt, as --head-ab (rounds, the order rotated every step, medians, load
-averages, greedy ids and ratios against the first side, one profiled step of each side).
+averages, greedy ids and ratios against the first side, one profiled step of each side);
+--int4-prefill N also times N-token prefills of each side (--int4-prefill-reps a side, rotated).
 
 With --levels (one --quantization scheme; benchmarks/cpu_serve_levels.py) it times batch-1
 greedy decode of --tokens tokens from the chat prompt of benchmarks/cpu_decode.py at three
@@ -261,6 +262,18 @@ def run_int4_ab(a: argparse.Namespace, q: str) -> dict:
         rounds.append({"load_avg": os.getloadavg(), **{f"{s}_ms_median": round(statistics.median(v), 3)
                                                          for s, v in rm.items()}})
     out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids)}
+    if a.int4_prefill:  # whole-prompt prefills of synthetic ids, rotated like the steps
+        pre: dict = {s: [] for s in sides}
+        for i in range(a.int4_prefill_reps):
+            k = i % len(sides)
+            for s in sides[k:] + sides[:k]:
+                use(s)
+                t0 = time.perf_counter()
+                Stream(runner, a.int4_prefill, 0, rid=f"pre{s}{i}")
+                pre[s].append(1e3 * (time.perf_counter() - t0))
+        out["prefill"] = {"tokens": a.int4_prefill, "load_avg": os.getloadavg(),
+                          **{f"{s}_ms": [round(v, 1) for v in pre[s]] for s in sides},
+                          **{f"{s}_ms_median": round(statistics.median(pre[s]), 1) for s in sides}}
     for s in sides:
         use(s)
         out[s] = {"ms_per_step_median": round(statistics.median(ms[s]), 3), "ms_per_step_min": round(min(ms[s]), 3),
@@ -288,6 +301,9 @@ def main() -> int:
     ap.add_argument("--int4-ab", action="store_true", help="int4 tinygemm vs VNNI, step by step (module doc)")
     ap.add_argument("--int4-sides", nargs="+", default=["tinygemm", "vnni2"], choices=sorted(INT4_SIDES),
                     help="with --int4-ab: the sides, the first the base of the ratios")
+    ap.add_argument("--int4-prefill", type=int, default=0,
+                    help="with --int4-ab: also time prefills of this many tokens a side, rotated")
+    ap.add_argument("--int4-prefill-reps", type=int, default=3, help="with --int4-prefill: prefills a side")
     ap.add_argument("--levels", action="store_true", help="runner / core / HTTP decode rates (module doc)")
     ap.add_argument("--tokens", type=int, default=128, help="with --levels: tokens a stream")
     ap.add_argument("--rounds", type=int, default=5, help="with --levels / --head-ab: rounds")
