@@ -16,6 +16,14 @@ rounds of --steps steps, the order reversed every other step: ms a step per side
 round and over all), the load average per round, whether the two sides decoded the same
 greedy ids, and one profiled step of each.
 
+With --int4-ab the steps rotate between the int4 layers' products (--int4-sides, default
+tinygemm vnni2: kernels/cpu_quant_linear.py `INT4_VNNI` off, `_weight_int4pack_mm_for_cpu` with
+bf16 x; on, the AVX-512 VNNI kernel with x in one (vnni1) or two (vnni2) int8 planes,
+kernels/cpu_int4_vnni.py `X_PLANES`), swapped step by step in this process on one stream a side
+from the chat prompt, as --head-ab (rounds, the order rotated every step, medians, load
+averages, greedy ids and ratios against the first side, one profiled step of each side);
+--int4-prefill N also times N-token prefills of each side (--int4-prefill-reps a side, rotated).
+
 With --levels (one --quantization scheme; benchmarks/cpu_serve_levels.py) it times batch-1
 greedy decode of --tokens tokens from the chat prompt of benchmarks/cpu_decode.py at three
 levels, in one run, --rounds
@@ -38,6 +46,8 @@ Usage: .venv/bin/python benchmarks/cpu_decode_profile.py [--quantization int4 in
        [--threads 1] [--steps 64] [--ab] [--out FILE]
        .venv/bin/python benchmarks/cpu_decode_profile.py --head-ab --quantization int4 gguf \
            [--steps 32] [--rounds 5] [--out FILE]
+       .venv/bin/python benchmarks/cpu_decode_profile.py --int4-ab --quantization int4 gguf \
+           [--int4-sides tinygemm vnni1 vnni2] [--steps 32] [--rounds 5] [--out FILE]
        .venv/bin/python benchmarks/cpu_decode_profile.py --levels --quantization int4 \
            [--tokens 128] [--rounds 5] [--server-variant base] [--busy 0] [--concurrent]
            [--after-start 0] [--out FILE]
@@ -63,7 +73,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
 class Stream:
-    """One request on the runner: a prefill of ctx tokens, then one decode step per call."""
+    """One request on the runner: a prefill of ctx tokens, then one decode step per call.
+    Each stream of a runner takes its own KV blocks (after the previous stream's): streams that
+    shared block ids read each other's keys and values, so their greedy ids converged."""
+
+    _next_block: dict = {}  # id(runner) -> its first block no stream holds yet
 
     def __init__(self, runner, ctx: int, steps: int, rid: str = "p0", prompt: list[int] | None = None):
         """prompt: the prompt's token ids (default: ctx synthetic ids; ctx is then its length)."""
@@ -71,7 +85,12 @@ class Stream:
         bs = runner.block_size
         if prompt is None:
             prompt = [(7 * i + 11) % 10000 for i in range(ctx)]
-        self.table = list(range(-(-(len(prompt) + steps + 8) // bs)))
+        first = Stream._next_block.get(id(runner), 0)
+        n = -(-(len(prompt) + steps + 8) // bs)
+        if first + n > runner.num_blocks:
+            raise SystemExit(f"Stream: {first + n} KV blocks needed, the runner has {runner.num_blocks}")
+        Stream._next_block[id(runner)] = first + n
+        self.table = list(range(first, first + n))
         self.token = self._run(prompt, first=True)
 
     def _run(self, ids: list[int], first: bool = False) -> int:
@@ -95,6 +114,7 @@ def profile_step(stream: Stream) -> dict:
         stream.step()
     ev = prof.key_averages()
     aten = [e for e in ev if e.key.startswith("aten::")]
+    own = [e for e in ev if e.key.startswith("kestrel::")]  # the C++ extension's (RECORD_FUNCTION)
     calls = sum(e.count for e in aten)
     by_time = sorted(aten, key=lambda e: -e.self_cpu_time_total)[:20]
     by_count = sorted(aten, key=lambda e: -e.count)[:20]
@@ -106,6 +126,8 @@ def profile_step(stream: Stream) -> dict:
             "aten_self_ms": round(sum(e.self_cpu_time_total for e in aten) / 1e3, 3),
             "top_self_ms": [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 3)}
                             for e in by_time],
+            "kestrel_ops": [{"op": e.key, "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                            for e in own],
             "top_calls": [{"op": e.key, "calls": e.count} for e in by_count],
             "top_shapes": [{"op": k, "calls": n} for k, n in shapes.most_common(30)]}
 
@@ -196,6 +218,76 @@ def run_head_ab(a: argparse.Namespace, q: str) -> dict:
     return out
 
 
+INT4_SIDES = {"tinygemm": (False, 0), "vnni1": (True, 1), "vnni2": (True, 2)}  # (INT4_VNNI, X_PLANES)
+
+
+def run_int4_ab(a: argparse.Namespace, q: str) -> dict:
+    """--int4-ab for scheme q (module doc): the --int4-sides, rotated step by step."""
+    from benchmarks.cpu_decode import prompt_ids
+    from kernels import cpu_int4_vnni
+    from kernels import cpu_quant_linear as cq
+
+    if not cpu_int4_vnni.available():
+        raise SystemExit("--int4-ab: the int4 VNNI kernel is not available here")
+    cq.INT4_VNNI = cq.INT4_KEEP_TINYGEMM = True  # the weights get both copies at load
+    runner, load_s = load_runner({"model": a.model, "device": "cpu", "quantization": q,
+                                  "num_threads": a.threads, "max_model_len": 4096})
+    sides = list(a.int4_sides)
+
+    def use(side: str) -> None:
+        cq.INT4_VNNI, planes = INT4_SIDES[side]
+        cpu_int4_vnni.X_PLANES = planes or 2
+
+    ids = prompt_ids(a.model)
+    total = a.rounds * a.steps
+    streams, ms, toks = {}, {s: [] for s in sides}, {s: [] for s in sides}
+    for s in sides:
+        use(s)
+        streams[s] = Stream(runner, len(ids), total + 16, rid=f"i{s}", prompt=ids)
+        toks[s].append(streams[s].token)
+        for _ in range(4):  # warm-up
+            toks[s].append(streams[s].step())
+    rounds = []
+    for _r in range(a.rounds):
+        rm: dict = {s: [] for s in sides}
+        for i in range(a.steps):
+            k = i % len(sides)
+            for s in sides[k:] + sides[:k]:
+                use(s)
+                t0 = time.perf_counter()
+                toks[s].append(streams[s].step())
+                dt = 1e3 * (time.perf_counter() - t0)
+                rm[s].append(dt)
+                ms[s].append(dt)
+        rounds.append({"load_avg": os.getloadavg(), **{f"{s}_ms_median": round(statistics.median(v), 3)
+                                                         for s, v in rm.items()}})
+    out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids)}
+    if a.int4_prefill:  # whole-prompt prefills of synthetic ids, rotated like the steps
+        pre: dict = {s: [] for s in sides}
+        for i in range(a.int4_prefill_reps):
+            k = i % len(sides)
+            for s in sides[k:] + sides[:k]:
+                use(s)
+                t0 = time.perf_counter()
+                Stream(runner, a.int4_prefill, 0, rid=f"pre{s}{i}")
+                pre[s].append(1e3 * (time.perf_counter() - t0))
+        out["prefill"] = {"tokens": a.int4_prefill, "load_avg": os.getloadavg(),
+                          **{f"{s}_ms": [round(v, 1) for v in pre[s]] for s in sides},
+                          **{f"{s}_ms_median": round(statistics.median(pre[s]), 1) for s in sides}}
+    for s in sides:
+        use(s)
+        out[s] = {"ms_per_step_median": round(statistics.median(ms[s]), 3), "ms_per_step_min": round(min(ms[s]), 3),
+                  "profile": profile_step(streams[s])}
+    base, n = sides[0], len(toks[sides[0]])
+    for s in sides[1:]:
+        same = next((i for i in range(n) if toks[base][i] != toks[s][i]), n)
+        out[f"{s}_vs_{base}"] = {
+            "greedy_ids_equal": same == n, "greedy_common_prefix": same, "greedy_tokens": n,
+            "speedup": round(out[base]["ms_per_step_median"] / out[s]["ms_per_step_median"], 3),
+            "round_speedups": [round(r[f"{base}_ms_median"] / r[f"{s}_ms_median"], 3) for r in rounds]}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
@@ -206,6 +298,12 @@ def main() -> int:
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--head-ab", action="store_true", help="tied head int8 vs w8a8, step by step (module doc)")
+    ap.add_argument("--int4-ab", action="store_true", help="int4 tinygemm vs VNNI, step by step (module doc)")
+    ap.add_argument("--int4-sides", nargs="+", default=["tinygemm", "vnni2"], choices=sorted(INT4_SIDES),
+                    help="with --int4-ab: the sides, the first the base of the ratios")
+    ap.add_argument("--int4-prefill", type=int, default=0,
+                    help="with --int4-ab: also time prefills of this many tokens a side, rotated")
+    ap.add_argument("--int4-prefill-reps", type=int, default=3, help="with --int4-prefill: prefills a side")
     ap.add_argument("--levels", action="store_true", help="runner / core / HTTP decode rates (module doc)")
     ap.add_argument("--tokens", type=int, default=128, help="with --levels: tokens a stream")
     ap.add_argument("--rounds", type=int, default=5, help="with --levels / --head-ab: rounds")
@@ -223,6 +321,12 @@ def main() -> int:
 
         a.server_variant = a.server_variant or ["base"]
         return levels_run(a)
+    if a.int4_ab:
+        res = {"benchmark": "cpu_decode_profile --int4-ab", "date": time.strftime("%Y-%m-%d"),
+               "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
+               "schemes": {q: run_int4_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
+        emit_json(res, a.out)
+        return 0
     if a.head_ab:
         res = {"benchmark": "cpu_decode_profile --head-ab", "date": time.strftime("%Y-%m-%d"),
                "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),

@@ -48,6 +48,15 @@ bf16 x) -> 1.08 ms (the product alone). Without VNNI oneDNN's u8 x s8 dots may s
 int16, so the head keeps "int8" there (docs/ARCHITECTURE.md §6.4 "CPU weight-only
 quantization").
 
+int4 where the CPU has AVX-512 VNNI and the extension builds (`INT4_VNNI`, on): Kestrel's own
+kernel instead (kernels/cpu_int4_vnni.py: x quantized to int8 per group of 32 at run time, u8 x s8
+integer dots, llama.cpp's Q4_1 x Q8 idea), in its own copy of the weight (5 bits a weight as
+tinygemm's; `pack_int4` makes one or the other, both with INT4_KEEP_TINYGEMM). x goes in two
+int8 planes (`cpu_int4_vnni.X_PLANES`; one plane's error failed the accuracy bound). One thread,
+SmolLM2's layer products (benchmarks/cpu_int4_kernel_micro.py): 2.6x tinygemm's at one row, 1.5x
+at 64 rows; a decode step 25.0 -> 16.0 ms (int4), 26.0 -> 16.5 (gguf) on the loaded VM; KL against
+fp32 0.0011 -> 0.00064 (docs/ARCHITECTURE.md §6.4 "CPU int4 x int8 kernel").
+
 `quantize_int8` / `quantize_int4` are the pure-torch quantizers (fp32 math),
 `dequantize_int8` / `dequantize_int4` their inverses, `quant_linear_ref` the truth of the
 product (dequantize, then x @ W.T in fp32). `QuantWeight` holds one layer's packed weight.
@@ -55,11 +64,14 @@ product (dequantize, then x @ W.T in fp32). `QuantWeight` holds one layer's pack
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from kernels import ref_fast
+from kernels import cpu_int4_vnni, ref_fast
+
+log = logging.getLogger(__name__)
 
 # the weight-only scheme a CPU worker's Linear layers take after loading (set by the model
 # runner before loading, from the `quantization` setting): "none", "int8", "int4" or "gguf"
@@ -77,6 +89,13 @@ ACT_DTYPE = torch.bfloat16  # the activations' dtype inside the products (module
 HEAD_W8A8 = True
 W8A8_ZERO_POINT = 128  # the u8 activation codes' zero point (codes round(x / s) + 128 in 1..255)
 W8A8_OUTLIERS = 8  # columns of x a row multiplies in fp32 instead (module doc)
+# int4 products through the AVX-512 VNNI kernel (int8 activations, kernels/cpu_int4_vnni.py) where
+# it builds here: `pack_int4` then makes the kernel's copy of the weight instead of tinygemm's (the
+# same 5 bits a weight; the kernel takes any number of rows). Off: tinygemm's copy, and its kernel.
+INT4_VNNI = True
+# keep tinygemm's copy beside the VNNI one (twice the int4 bytes): for an A/B of the two products in
+# one process (benchmarks/cpu_decode_profile.py --int4-ab) and tests; INT4_VNNI then picks the product
+INT4_KEEP_TINYGEMM = False
 XBUF_ROWS = 16  # rows of x whose ACT_DTYPE copy goes through a reused buffer (QuantWeight._xbuf)
 _INT4_INNER_K_TILES = 2  # the convert op's argument (the CUDA layout's; the CPU layout is fixed)
 
@@ -193,7 +212,9 @@ class QuantWeight:
     ACT_DTYPE [N] (`quantize_int8`).
     scheme "int4": packed uint8 [N', K' / 2] (`_convert_weight_to_int4pack_for_cpu`; N' is N
     rounded up to INT4_N_ALIGN, K' is K rounded up to group_size, both zero-padded),
-    scales ACT_DTYPE [K' / G, N', 2] of (scale, zero) pairs (`quantize_int4`).
+    scales ACT_DTYPE [K' / G, N', 2] of (scale, zero) pairs (`quantize_int4`); with INT4_VNNI
+    where the kernel builds, `vnni`: uint8 [N' / 16, K' / 32, 320] (`cpu_int4_vnni.pack`) and
+    `packed` / `scales` empty, unless INT4_KEEP_TINYGEMM keeps them too.
     scheme "w8a8": `onednn::qlinear_prepack`'s opaque (mkldnn) copy of the int8 [N, K] codes
     of `quantize_int8`, scales fp32 [N], and `dense_t`: the fp32 W.T [K, N] (a view of the
     weight it was made from, not a copy) whose rows multiply each x row's W8A8_OUTLIERS
@@ -208,22 +229,30 @@ class QuantWeight:
     scales: torch.Tensor
     group_size: int = 0
     dense_t: torch.Tensor | None = None  # "w8a8": the float W.T [K, N] the outlier columns read
+    vnni: torch.Tensor | None = None  # "int4": the VNNI kernel's copy (`cpu_int4_vnni.pack`), or None
     # ref_fast.FEWER_OPS: the ACT_DTYPE copy of x for M <= XBUF_ROWS rows, reused (one copy_
     # instead of x.to's four ATen calls; the product reads it before the next call)
     _xbuf: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (packed weight and scales)."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+        """Bytes held (packed weight and scales, and the int4 VNNI copy where there is one)."""
+        held = [self.packed, self.scales] + ([self.vnni] if self.vnni is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] (fp32/bf16/fp16; row-strided views are made contiguous) ->
         [M, out_features] in x's dtype: x cast to ACT_DTYPE, the packed kernel, cast back.
         Equals `quant_linear_ref(x.to(ACT_DTYPE), self.dequantize())` up to the kernel's
-        summation order and the ACT_DTYPE rounding of the output."""
+        summation order and the ACT_DTYPE rounding of the output.
+        int4 with a `vnni` copy (and INT4_VNNI on, where tinygemm's copy is kept too): the VNNI
+        kernel instead, `cpu_int4_vnni.mm` (x quantized to int8 per group of 32; its weight's
+        (s, m) in fp16 from the unrounded scales, `dequantize`): equals
+        `cpu_int4_vnni.mm_ref(x, self.vnni, N)` up to fp32 accumulation."""
         if self.scheme == "w8a8":
             return self._matmul_w8a8(x)
+        if self.vnni is not None and (INT4_VNNI or not self.packed.numel()):
+            return cpu_int4_vnni.mm(x, self.vnni, self.out_features)
         int8 = self.scheme == "int8"
         kp = self.packed.shape[1] * (1 if int8 else 2)
         m = x.shape[0]
@@ -269,12 +298,15 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out_features, in_features] weight this one stands for (its stored
-        scales, ACT_DTYPE-rounded, included): the reference's W."""
+        scales, ACT_DTYPE-rounded, included): the reference's W. An int4 weight with only the
+        VNNI copy: `cpu_int4_vnni.dequantize` (q * s + m, s and m in fp16)."""
         n, k = self.out_features, self.in_features
         if self.scheme == "w8a8":
             return dequantize_int8(self.packed.to_dense().t(), self.scales)
         if self.scheme == "int8":
             return dequantize_int8(self.packed[:, :k], self.scales)
+        if self.vnni is not None and not self.packed.numel():  # the VNNI copy alone
+            return cpu_int4_vnni.dequantize(self.vnni, n, k)
         kp, g = self.packed.shape[1] * 2, self.group_size
         # the codes through the kernel itself (its packed layout is its own): with scale 1 and
         # zero 8 every group reads (q - 8) * 1 + 8 = q, exact in ACT_DTYPE, and identity rows
@@ -323,7 +355,10 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_featu
     zero): q [N, K'] of 0..15 (any integer dtype), scale and zero [N, K' / G] (any float
     dtype; stored in ACT_DTYPE, the one rounding this adds), G = K' / scale.shape[1] in
     INT4_GROUPS. in_features: the real K when K' carries zero padding (default K'). Rows are
-    padded to INT4_N_ALIGN with zero weights (scale and zero 0). Used by `quantize` and by
+    padded to INT4_N_ALIGN with zero weights (scale and zero 0). With INT4_VNNI on where
+    `cpu_int4_vnni.available()` (the first call may build the extension): the VNNI kernel's
+    copy from the unrounded scale and zero (`QuantWeight.vnni`) instead of tinygemm's (`packed`
+    and `scales` then empty), beside it with INT4_KEEP_TINYGEMM. Used by `quantize` and by
     the GGUF loader, whose Q4_0 / Q4_1 / Q4_K blocks are such groups (kernels/gguf_quant.py).
     Raises ValueError for a group size the kernel does not take."""
     n, kp = q.shape
@@ -331,6 +366,16 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_featu
     if g not in INT4_GROUPS or g * scale.shape[1] != kp or scale.shape != zero.shape or scale.shape[0] != n:
         raise ValueError(f"pack_int4: codes {tuple(q.shape)}, scales {tuple(scale.shape)}, zeros "
                          f"{tuple(zero.shape)}: group size must be one of {INT4_GROUPS}")
+    in_features = kp if in_features is None else in_features
+    vnni = None
+    if INT4_VNNI and cpu_int4_vnni.available():
+        try:
+            vnni = cpu_int4_vnni.pack(q, scale, zero)
+        except ValueError as e:  # an (s, m) past fp16's range: this layer stays on tinygemm
+            log.warning("pack_int4: no VNNI copy of a [%d, %d] weight: %s", n, kp, e)
+    if vnni is not None and not INT4_KEEP_TINYGEMM:
+        empty = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=ACT_DTYPE)
+        return QuantWeight("int4", n, in_features, *empty, g, vnni=vnni)
     npad = -(-n // INT4_N_ALIGN) * INT4_N_ALIGN
     q32, s32, z32 = q.to(torch.int32), scale.float(), zero.float()
     if npad != n:
@@ -338,7 +383,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_featu
         s32, z32 = (torch.nn.functional.pad(t, (0, 0, 0, npad - n)) for t in (s32, z32))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32.contiguous(), _INT4_INNER_K_TILES)
     sz = torch.stack([s32, z32], dim=2).transpose(0, 1).contiguous().to(ACT_DTYPE)  # [K'/G, N', 2]
-    return QuantWeight("int4", n, kp if in_features is None else in_features, packed, sz, g)
+    return QuantWeight("int4", n, in_features, packed, sz, g, vnni=vnni)
 
 
 def dense_scheme() -> str:

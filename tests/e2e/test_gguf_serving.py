@@ -5,7 +5,9 @@ Truth: transformers on the converted folder (every tensor dequantized to fp32 by
 package), scoring the same prompt. The server's prompt logprobs (/v1/completions, echo) come
 from the int4 blocks with bf16 activations, int8 for the Q8_0 weights and the tied head.
 Measured: |logprob - transformers'| max 0.26, mean 0.09 over the 47 scored tokens (their
-logprobs span -21.7 .. -3.3: an arbitrary token sequence); bounds 0.5 and 0.2. A loader bug
+logprobs span -21.7 .. -3.3: an arbitrary token sequence); bounds 0.5 and 0.2. With the int4
+VNNI kernel (kernels/cpu_int4_vnni.py, where it builds: activations in two int8 planes per
+group of 32, its (s, m) in fp16) instead of bf16 activations: max 0.196, mean 0.062. A loader bug
 moves the logits by several units (tests/parity/test_gguf_weights.py: 66-79% of their range).
 """
 

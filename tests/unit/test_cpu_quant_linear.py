@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from kernels import cpu_linear
+from kernels import cpu_int4_vnni, cpu_linear
 from kernels import cpu_quant_linear as cq
 from kernels.linear_ref import linear_ref
 from services.worker.layers.embedding import LMHead, VocabEmbedding
@@ -91,7 +91,10 @@ SHAPES = [(7, 40), (33, 100), (16, 64), (48, 576), (960, 576), (576, 1536)]
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_packed_kernel_matches_the_reference(scheme, shape):
+def test_packed_kernel_matches_the_reference(scheme, shape, monkeypatch):
+    """The ATen kernels (tinygemm for int4: INT4_VNNI off here; the VNNI route's own tests are
+    tests/unit/test_cpu_int4_vnni.py) against the dequantize-then-matmul reference."""
+    monkeypatch.setattr(cq, "INT4_VNNI", False)
     n, k = shape
     w = _weights(n, k, seed=2)
     qw = cq.quantize(w, scheme)
@@ -194,8 +197,11 @@ def _filled(lin: Linear, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_stacked_linear_with_fused_arguments(quant, scheme):
+def test_stacked_linear_with_fused_arguments(quant, scheme, monkeypatch):
+    """The fused arguments through the ATen kernels (INT4_VNNI off; with it on:
+    tests/unit/test_cpu_int4_vnni.py)."""
     quant(scheme)
+    monkeypatch.setattr(cq, "INT4_VNNI", False)
     torch.manual_seed(0)
     k = 64
     qkv = Linear(k, [48, 16, 16])  # stacked shards, N = 80 (not a multiple of 16 * 2)
@@ -278,8 +284,12 @@ def test_lm_head_untied_quantized_tied_kept_and_no_one_row_copy(quant, monkeypat
     assert untied.qweight is not None and untied.weight_dense is None and lin.weight_dense is None
     assert dense_copy_bytes(untied) == dense_copy_bytes(lin) == 0
     h = torch.randn(1, 32)
-    ref = linear_ref(h.to(cq.ACT_DTYPE).float(), untied.qweight.dequantize())
-    assert torch.allclose(untied(h), ref, atol=2.0 ** -7 * float(ref.abs().max()) + 1e-4)
+    if untied.qweight.vnni is not None:  # one row: the int4 VNNI kernel (int8 x), its own truth
+        ref = cpu_int4_vnni.mm_ref(h, untied.qweight.vnni, 64)
+        assert torch.allclose(untied(h), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:
+        ref = linear_ref(h.to(cq.ACT_DTYPE).float(), untied.qweight.dequantize())
+        assert torch.allclose(untied(h), ref, atol=2.0 ** -7 * float(ref.abs().max()) + 1e-4)
 
 
 def test_quantization_refused_on_cuda_before_any_process_starts():
