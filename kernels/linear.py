@@ -2,7 +2,7 @@
 also fuse the RMSNorm before it, the SiLU-and-mul before it, or the residual add after it.
 
 `linear` (the dispatcher) calls `skinny_linear_triton` for CUDA inputs with few rows
-(`skinny_applies`; a single row goes to `kernels.gemv` instead) and otherwise torch
+(`skinny_applies`; a single row, and 2..`gemv.ROWS` rows, go to `kernels.gemv` instead) and otherwise torch
 (`F.linear`: cuBLAS on the GPU, MKL on the CPU), with the fused steps run as their own ops
 (`kernels.norm`, `kernels.activation`, an add).
 `linear_ref` (`kernels.linear_ref`, imported here) is the pure-torch truth for tests.
