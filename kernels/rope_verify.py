@@ -259,14 +259,18 @@ if triton is not None:
         layer scales, or an int8 cache's fp32 per-token scales [num_blocks, block_size, KVH].
         Every token row of q must belong to a sequence (cu_seqlens_q covers [0, T)); the cache
         contiguous per block (slot * stride(1) addresses a slot). Raises ValueError for a strided
-        last dim, H not a multiple of KVH, max_q_len x G rows that do not fit one program
-        (`fits_multi_query`), and as `kv_operands`."""
+        last dim, a partial rotary or odd head_dim, H not a multiple of KVH, max_q_len x G rows
+        that do not fit one program (`fits_multi_query`), a cache not contiguous per block, and
+        as `kv_operands`."""
         t, h, d = q.shape
         kvh = k_cache.shape[2]
         if h % kvh or not fits_multi_query(max_q_len, h, kvh):
             raise ValueError(f"rope verify: {max_q_len} queries x {h}/{kvh} heads do not fit one program")
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            raise ValueError(f"rope verify: last strides {q.stride(-1)} {k.stride(-1)} {v.stride(-1)}")
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin.stride(-1) != 1:
+            raise ValueError(f"rope verify: last strides {q.stride(-1)} {k.stride(-1)} {v.stride(-1)} "
+                             f"{cos_sin.stride(-1)}")
+        if cos_sin.shape[-1] != d or d % 2:
+            raise ValueError(f"rope verify: full rotary only (cos_sin {tuple(cos_sin.shape)}, head_dim {d})")
         if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
             raise ValueError("rope verify: the KV cache must be contiguous per block")
         g = h // kvh

@@ -25,6 +25,8 @@ Model case "model_qwen3": a tiny Qwen3 (tests/unit/test_fused_linear.tiny_runner
 prefill, then the same verify step (two seqs, k = 3 and 1) through the reference backend and
 through `VerifyAttention` with ROPE_VERIFY on (the kernel forced on CPU tensors,
 `fused_verify_applies` patched): the logits' relative error, and the KV caches' after each.
+"warmup": `kernels.attention_warmup.warm_up_rope_verify` on an int8 cache, switch off and on: its
+launch counts against the multi-query variants, and the cache and scales untouched.
 """
 
 from __future__ import annotations
@@ -263,6 +265,31 @@ def model_case(tmp: pathlib.Path) -> dict:
     return {"logits": rel(got, want), "kv": kv_err, "fused_calls": calls["n"], "layers": len(runner.attn_layers)}
 
 
+def warmup_case(gen) -> dict:
+    """`kernels.attention_warmup.warm_up_rope_verify` with the switch on (its launches over a cache
+    of 64-token contexts, q/k norm on) and off: launch counts, and whether the cache and the int8
+    scales are left bit for bit as they were (its slots are -1)."""
+    from kernels import attention_warmup
+
+    h, kvh, d = 4, 2, 16
+    (kc, ks), (vc, vs) = (kv_quant.quantize_int8(torch.randn(6, BS, kvh, d, generator=gen)) for _ in range(2))
+    ks, vs = ks.contiguous(), vs.contiguous()
+    before = [x.clone() for x in (kc, vc, ks, vs)]
+    table = rotary.rope_cos_sin(rotary.rope_inv_freq(d, 10000.0), 64)
+    w = torch.ones(d)
+    n_off = attention_warmup.warm_up_rope_verify(kc, vc, h, torch.float32, 64, 64, table, w, w, ks, vs)
+    saved = rv.ROPE_VERIFY
+    rv.ROPE_VERIFY = True
+    try:
+        n_on = attention_warmup.warm_up_rope_verify(kc, vc, h, torch.float32, 64, 64, table, w, w, ks, vs)
+    finally:
+        rv.ROPE_VERIFY = saved
+    want = [(q, sp) for q, sp in attention_warmup.variants(h, kvh, d, 64, 64, device_info.num_sms(kc.device))
+            if 1 < q <= 32]
+    same = all(torch.equal(a, b) for a, b in zip((kc, vc, ks, vs), before))
+    return {"launches_off": n_off, "launches_on": n_on, "variants": len(want), "untouched": same}
+
+
 def main() -> None:
     import tempfile
 
@@ -280,6 +307,8 @@ def main() -> None:
                     out[f"{name}_{kv}_{str(dt).removeprefix('torch.')}"] = kernel_case(name, kv, dt, gen)
     finally:
         dm.MERGE_CHUNK_ELEMS = saved
+    if only is None or "warmup" in only:
+        out["warmup"] = warmup_case(gen)
     if only is None or "model" in only:
         with tempfile.TemporaryDirectory() as tmp:
             out["model_qwen3"] = model_case(pathlib.Path(tmp))

@@ -20,6 +20,8 @@ measures) with TRITON_INTERPRET=1 set before triton is imported. Bounds:
   several splits, never with one split or the fused merge; the merge counters back at 0.
 - the model: logits and KV caches within 1e-5 relative (fp32; measured ~6e-7 and ~2e-7), the
   fused path taken in every layer.
+- the start-up warm-up (`warm_up_rope_verify`): one launch per multi-query variant with the
+  switch on, none with it off, the cache and scales untouched.
 Skipped when triton is not installed.
 """
 
@@ -66,3 +68,9 @@ def test_tiny_qwen3_verify_step_through_the_fused_backend_matches_the_reference_
     r = interp_results["model_qwen3"]
     assert r["fused_calls"] == r["layers"] > 0, r
     assert r["logits"] <= 1e-5 and r["kv"] <= 1e-5, r
+
+
+def test_warm_up_launches_each_multi_query_variant_only_with_the_switch_and_writes_nothing(interp_results):
+    r = interp_results["warmup"]
+    assert r["launches_off"] == 0 and r["launches_on"] == r["variants"] > 0, r
+    assert r["untouched"], "the warm-up wrote the cache or its scales"
