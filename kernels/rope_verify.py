@@ -57,11 +57,16 @@ except ImportError:  # CPU-only installs: the dispatcher runs the two steps
 ROPE_VERIFY = False
 
 # launch defaults, the multi-query kernel's (`kernels.attention_multi_query.MQ_DEFAULTS`: block_n
-# None = 64 keys a tile, 32 for head_dim > 128; splits None = `multi_query_splits`); prefetch None:
-# with PDL for tiles of at most prefetch_max_block_n keys (`kernels.attention_triton._prefetch`).
-# Unmeasured.
-ROPE_VERIFY_DEFAULTS: dict = {"block_n": None, "num_warps": 4, "num_stages": 2, "splits": None,
-                              "fused_merge": False, "prefetch": None, "prefetch_max_block_n": 64}
+# None = 64 keys a tile, 32 for head_dim > 128; splits None = `multi_query_splits`) but 8 warps: compiled
+# for sm90 at Qwen3-0.6B's verify shapes (tests/unit/test_rope_verify_compile.py, bf16, PDL, prefetch, two
+# stages), 4 warps spill 248 (q_len 2..8, bf16 cache) to 1,168 bytes (q_len 9, int8) of stack a thread
+# (the multi-query kernel itself 128-200 bytes), 8 warps 0-232. prefetch None: with PDL for tiles of at most
+# prefetch_max_block_n keys (`kernels.attention_triton._prefetch`). early_angles: q's angle rows loaded
+# before the PDL wait (held across it: more spills, 344 against 248 bytes at 4 warps) instead of after.
+# None of it timed (scripts/gpu_roperify.sh).
+ROPE_VERIFY_DEFAULTS: dict = {"block_n": None, "num_warps": 8, "num_stages": 2, "splits": None,
+                              "fused_merge": False, "prefetch": None, "prefetch_max_block_n": 64,
+                              "early_angles": False}
 
 
 def fused_verify_applies(q: torch.Tensor, cos_sin: torch.Tensor, max_q_len: int | None, num_kv_heads: int) -> bool:
@@ -123,7 +128,7 @@ if triton is not None:
                             BLOCK_D: tl.constexpr, NORM: tl.constexpr, ONE_SPLIT: tl.constexpr,
                             USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FUSED_MERGE: tl.constexpr,
                             KV_QUANT: tl.constexpr, MERGE_G: tl.constexpr, BLOCK_S: tl.constexpr,
-                            CHUNK_S: tl.constexpr):
+                            CHUNK_S: tl.constexpr, EARLY_ANGLES: tl.constexpr):
         # no program returns early (a padding seq, seq_len 0, and an empty partition run through
         # with m -inf, l 0): with FUSED_MERGE the live ones arrive on their (seq, kv_head) counter
         # in `_finish_rows`, after the PDL wait
@@ -164,21 +169,20 @@ if triton is not None:
         km = mine[:, None] & dmask[None, :]
         qpos = tl.load(pos_ptr + tok, mask=rmask, other=0).to(tl.int64)
         kpos = tl.load(pos_ptr + ktok, mask=mine, other=0).to(tl.int64)
-        qcos = tl.load(cs_ptr + qpos[:, None] * cs_stride + ci[None, :], mask=qm, other=0.0)
-        qsin = tl.load(cs_ptr + qpos[:, None] * cs_stride + half + ci[None, :], mask=qm, other=0.0)
-        kcos = tl.load(cs_ptr + kpos[:, None] * cs_stride + ci[None, :], mask=km, other=0.0)
-        ksin = tl.load(cs_ptr + kpos[:, None] * cs_stride + half + ci[None, :], mask=km, other=0.0)
         slots = tl.load(slot_ptr + ktok, mask=mine, other=-1).to(tl.int64)
         if NORM:
             qw = tl.load(qn_ptr + dd, mask=dmask, other=0.0).to(tl.float32)[None, :]
             qwp = tl.load(qn_ptr + pd, mask=dmask, other=0.0).to(tl.float32)[None, :]
             kw = tl.load(kn_ptr + dd, mask=dmask, other=0.0).to(tl.float32)[None, :]
             kwp = tl.load(kn_ptr + pd, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        else:
-            qw = qcos  # unused without NORM
-            qwp = qcos
-            kw = qcos
-            kwp = qcos
+        else:  # unused without NORM
+            qw = tl.zeros([1, BLOCK_D], tl.float32)
+            qwp = qw
+            kw = qw
+            kwp = qw
+        if EARLY_ANGLES:  # q's angle rows [BLOCK_R, BLOCK_D] before the wait (registers held across it)
+            qcos = tl.load(cs_ptr + qpos[:, None] * cs_stride + ci[None, :], mask=qm, other=0.0)
+            qsin = tl.load(cs_ptr + qpos[:, None] * cs_stride + half + ci[None, :], mask=qm, other=0.0)
         if PREFETCH:  # the first tile of cached keys (the new tokens are past cend)
             nn = start + tl.arange(0, BLOCK_N)
             nm = nn < cend
@@ -189,8 +193,24 @@ if triton is not None:
             vs0 = kv_row_scales(vs_ptr, off, nm, head_dim, KV_QUANT)
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
+        if not EARLY_ANGLES:
+            qcos = tl.load(cs_ptr + qpos[:, None] * cs_stride + ci[None, :], mask=qm, other=0.0)
+            qsin = tl.load(cs_ptr + qpos[:, None] * cs_stride + half + ci[None, :], mask=qm, other=0.0)
         q = _rope_rows(q_ptr, tok[:, None] * sq_t + heads[:, None] * sq_h, dd, pd, qm, qcos, qsin, qw, qwp, eps,
                        head_dim, NORM)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        lo = start
+        if PREFETCH:  # the prefetched tile first: its registers free before the new tokens' are taken
+            m_i, l_i, acc = _attend_tile(q, kv_tile(k0, q, KV_QUANT), kv_tile(v0, q, KV_QUANT), nm, m_i, l_i, acc,
+                                         qk_scale, ks0, vs0, KV_QUANT)
+            lo = start + BLOCK_N
+        # the new tokens of this partition: rotated, stored, attended from registers before the loop
+        # over the cached keys (the online softmax takes its tiles in any order), so that their
+        # tiles are not held through it
+        kcos = tl.load(cs_ptr + kpos[:, None] * cs_stride + ci[None, :], mask=km, other=0.0)
+        ksin = tl.load(cs_ptr + kpos[:, None] * cs_stride + half + ci[None, :], mask=km, other=0.0)
         k_new = _rope_rows(k_ptr, ktok[:, None] * sk_t + kvh * sk_h, dd, pd, km, kcos, ksin, kw, kwp, eps, head_dim,
                            NORM)  # [BLOCK_Q, BLOCK_D], 0 outside this program's new tokens
         v_new = tl.load(v_ptr + ktok[:, None] * sv_t + kvh * sv_h + dd[None, :], mask=km, other=0.0)
@@ -219,21 +239,13 @@ if triton is not None:
         if KV_QUANT == 2:  # their scales at [slot, kv_head] (= c // head_dim: contiguous, `kv_operands`)
             tl.store(ks_ptr + c // head_dim, k_s_new, mask=wr)
             tl.store(vs_ptr + c // head_dim, v_s_new, mask=wr)
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        lo = start
-        if PREFETCH:
-            m_i, l_i, acc = _attend_tile(q, kv_tile(k0, q, KV_QUANT), kv_tile(v0, q, KV_QUANT), nm, m_i, l_i, acc,
-                                         qk_scale, ks0, vs0, KV_QUANT)
-            lo = start + BLOCK_N
-        # every cached key precedes every row's position: no causal mask below cend
+        # causal among the new tokens: the row of query i sees new key j <= i
+        valid = mine[None, :] & (jj[None, :] <= qi[:, None])
+        m_i, l_i, acc = _attend_masked(q, k_new, v_new, valid, m_i, l_i, acc, qk_scale, k_s_new, v_s_new, KV_QUANT)
+        # the cached keys: every one precedes every row's position, no causal mask below cend
         m_i, l_i, acc = _attend_range(q, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seq, s_bt, block_size, sc_b, sc_s,
                                       sc_h, kvh, dd, dd, dmask, head_dim, lo, cend, m_i, l_i, acc, qk_scale, BLOCK_N,
                                       BLOCK_D, KV_QUANT, 0)
-        # the new tokens from registers, causal among them: row of query i sees new key j <= i
-        valid = mine[None, :] & (jj[None, :] <= qi[:, None])
-        m_i, l_i, acc = _attend_masked(q, k_new, v_new, valid, m_i, l_i, acc, qk_scale, k_s_new, v_s_new, KV_QUANT)
         if KV_QUANT == 1:
             acc = acc * v_sc
         # the rows' out offsets and partial rows (`kernels.decode_merge`, indexed by token row)
@@ -299,6 +311,7 @@ if triton is not None:
             BLOCK_Q=max(16, triton.next_power_of_2(max_q_len)), BLOCK_N=block_n, BLOCK_D=bd, NORM=norm,
             ONE_SPLIT=splits == 1, USE_PDL=pdl, PREFETCH=_prefetch(cfg, pdl, block_n), FUSED_MERGE=cnt is not None,
             KV_QUANT=quant, **fused_merge_constants(h, kvh, d, splits, cnt is not None, max_q_len),
+            EARLY_ANGLES=bool(cfg["early_angles"]),
             num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if cfg["num_stages"] else {}),
             **launch_args(pdl))
         merge_splits(m, l_, acc, out, splits, pdl, cnt)  # nothing when the kernel merged

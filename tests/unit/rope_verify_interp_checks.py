@@ -56,7 +56,7 @@ PAD = 2  # where the padding seq goes
 CASES = {
     "splits7": (4, 2, 16, True, {"block_n": 16, "splits": 7}),
     "splits7_nonorm_prefetch": (4, 2, 16, False, {"block_n": 16, "splits": 7, "prefetch": True}),
-    "gqa4_fused": (8, 2, 16, True, {"block_n": 16, "splits": 5, "fused_merge": True}),
+    "gqa4_fused": (8, 2, 16, True, {"block_n": 16, "splits": 5, "fused_merge": True, "early_angles": True}),
     "one_split_hd24": (4, 1, 24, True, {"block_n": 16, "splits": 1, "prefetch": True}),
     "auto": (4, 2, 16, True, {}),
 }
