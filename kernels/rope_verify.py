@@ -40,6 +40,8 @@ their scales. Unmeasured on a GPU (scripts/gpu_roperify.sh measures it): off by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.attention import paged_attention
@@ -69,17 +71,20 @@ ROPE_VERIFY_DEFAULTS: dict = {"block_n": None, "num_warps": 8, "num_stages": 2, 
                               "early_angles": False}
 
 
-def fused_verify_applies(q: torch.Tensor, cos_sin: torch.Tensor, max_q_len: int | None, num_kv_heads: int) -> bool:
-    """Whether `rope_paged_verify` runs the fused kernel: q on CUDA, ROPE_VERIFY on, Triton,
-    full rotary (cos_sin [positions, head_dim], head_dim even) and a host bound max_q_len
-    that fits the multi-query kernel (`fits_multi_query`: 1 < max_q_len, max_q_len x G rows
-    within MAX_ROWS)."""
-    if not (q.is_cuda and ROPE_VERIFY and rope_verify_triton is not None and max_q_len is not None):
-        return False
-    from kernels.attention_multi_query import fits_multi_query
+def verify_fits(max_q_len: int | None, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a step of at most max_q_len queries a seq (a host bound, None: unknown) may take
+    the fused kernel: ROPE_VERIFY on, Triton there, and max_q_len x G rows within one program
+    of the multi-query kernel (`kernels.attention_multi_query.fits_multi_query`: 1 < max_q_len,
+    at most MAX_ROWS rows). Safe without Triton (False)."""
+    fits = _fits_multi_query
+    return ROPE_VERIFY and fits is not None and max_q_len is not None and fits(max_q_len, num_heads, num_kv_heads)
 
+
+def fused_verify_applies(q: torch.Tensor, cos_sin: torch.Tensor, max_q_len: int | None, num_kv_heads: int) -> bool:
+    """Whether `rope_paged_verify` runs the fused kernel: q on CUDA, `verify_fits`, and full
+    rotary (cos_sin [positions, head_dim], head_dim even)."""
     d = q.shape[-1]
-    return cos_sin.shape[-1] == d and d % 2 == 0 and fits_multi_query(max_q_len, q.shape[1], num_kv_heads)
+    return q.is_cuda and cos_sin.shape[-1] == d and d % 2 == 0 and verify_fits(max_q_len, q.shape[1], num_kv_heads)
 
 
 def rope_paged_verify(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cu_seqlens_q, seq_lens,
@@ -107,9 +112,12 @@ def rope_paged_verify(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
 
 
 rope_verify_triton = None  # set below when Triton imports: the CUDA path (below)
+_fits_multi_query: Callable[[int, int, int], bool] | None = None  # likewise (`verify_fits`)
 
 if triton is not None:
     from kernels.attention_multi_query import fits_multi_query, multi_query_splits
+
+    _fits_multi_query = fits_multi_query
     from kernels.attention_triton import _LOG2E, _attend_masked, _attend_range, _attend_tile, _kv_offsets, _prefetch
     from kernels.decode_merge import (_finish_rows, _partition, _store_rows, fused_merge_constants, merge_counters,
                                       merge_splits, split_buffers)

@@ -31,7 +31,6 @@ import torch
 
 from kernels import ref_fast, rope_verify
 from kernels.attention import RefAttentionPlan, paged_attention, paged_attention_ref
-from kernels.attention_multi_query import fits_multi_query
 from kernels.rope_decode import rope_paged_decode
 from kernels.rotary import rope_factors, rotary_and_store_kv, rotary_and_store_kv_ref
 from services.worker.kv_cache import KVHandle, PagedKVSpec
@@ -221,16 +220,14 @@ def select_backend(layers: Sequence[AttentionLayer], meta: AttentionMetadata, re
     """The backend of one step: `ReferenceAttention` when `reference` (the runner's device
     runs the references), else `DecodeAttention` when every sequence has one new token
     (meta.max_q_len == 1), else `VerifyAttention` when `kernels.rope_verify.ROPE_VERIFY` is on
-    and meta.max_q_len fits the multi-query kernel (`fits_multi_query`, with the first layer's
-    heads), else `PagedAttention`."""
+    and meta.max_q_len fits the multi-query kernel (`kernels.rope_verify.verify_fits`, with the
+    first layer's heads), else `PagedAttention`."""
     if reference:
         return ReferenceAttention(layers, meta)
     if meta.max_q_len == 1:
         return DecodeAttention(layers, meta)
-    if rope_verify.ROPE_VERIFY and meta.max_q_len is not None and layers:
-        a = layers[0]
-        kvh = a.k.shape[2]
-        h = kvh * a.group
-        if fits_multi_query(meta.max_q_len, h, kvh):
+    if rope_verify.ROPE_VERIFY and layers:
+        kvh = layers[0].k.shape[2]
+        if rope_verify.verify_fits(meta.max_q_len, kvh * layers[0].group, kvh):
             return VerifyAttention(layers, meta)
     return PagedAttention(layers, meta)
