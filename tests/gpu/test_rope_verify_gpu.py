@@ -12,7 +12,9 @@ docs/ARCHITECTURE.md §5.5) on CUDA, Qwen3-0.6B's attention shape (16 query head
 - in a CUDA graph captured at long contexts and replayed at shorter ones: each replay equal to
   the eager call at the same inputs bit for bit, and to the reference;
 - `VerifyAttention` (ROPE_VERIFY on) in the worker seams' dense fp64 check
-  (tests/unit/test_worker_seams.run_backend_steps).
+  (tests/unit/test_worker_seams.run_backend_steps);
+- a runner loaded with the switch on (warm-up and verify graphs capture the fused kernel): a
+  graph-replayed and an eager verify step against the eager step with the switch off.
 Tolerances as tests/gpu/test_mq_fused_gpu.py (fp32 2e-3: tf32 dots; bf16 2e-2; fp16 5e-3; a
 quantized cache 2e-2); written rows: relative norm error 1e-2 against the Triton writer (both
 round the rotation once in the dtype; a one-ulp difference of the norm can move a quantized
@@ -230,3 +232,58 @@ def test_verify_backend_equals_dense_attention_with_rope(monkeypatch, qk_norm):
 
     monkeypatch.setattr(rope_verify, "ROPE_VERIFY", True)
     run_backend_steps(VerifyAttention, True, qk_norm, device="cuda", tol=5e-3)
+
+
+def test_runner_verify_steps_with_the_switch_on_match_the_switch_off_through_graphs_and_eager(tmp_path, monkeypatch):
+    """A 4-layer Qwen3-0.6B-shaped runner (dummy fp32 weights, k = 3, verify graphs captured at load)
+    loaded with ROPE_VERIFY on: its warm-up and graph captures take the fused kernel; a verify step
+    replayed from a graph and the same step run eagerly (every layer through `rope_verify_triton`)
+    give the logits of the eager step with the switch off (the rotary kernel, then the multi-query
+    kernel), to fp32 rounding (tf32 dots in both)."""
+    import gc
+    import json
+
+    from tests.gpu.test_verify_graphs_gpu import K, ROOT, _prompts, _runner, _tables, _verify_plan
+    from tests.runner_driver import step_logits
+
+    cfg = json.loads((ROOT / "benchmarks/configs/qwen3-0.6b.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    calls = {"n": 0}
+    real = rope_verify.rope_verify_triton
+
+    def counting(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rope_verify, "ROPE_VERIFY", True)  # before the load: warm-up and captures take it
+    monkeypatch.setattr(rope_verify, "rope_verify_triton", counting)
+    r = _runner(tmp_path, "float32", 0.25)
+    try:
+        assert calls["n"] > 0 and r.verify_graphs is not None and r.verify_graphs.failed == []
+        prompts, tables = _prompts((5, 100, 17)), _tables(3, 400)
+        from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
+        greedy = SamplingParams(temperature=0.0)
+        last = r.execute(StepPlan(0, [ScheduledSeq(f"s{i}", p, 0, t, True, greedy, 0)
+                                      for i, (p, t) in enumerate(zip(prompts, tables))])).sampled_token_ids
+        vg = r.verify_graphs
+        before = vg.replays
+        graph = step_logits(r, _verify_plan(1, prompts, tables, last, K, "s")).clone()
+        assert vg.replays == before + 1, "the verify step did not replay a graph"
+        r.verify_graphs = None
+        try:
+            calls["n"] = 0
+            eager_on = step_logits(r, _verify_plan(2, prompts, tables, last, K, "s")).clone()
+            assert calls["n"] >= 4, "not every layer took the fused kernel"
+            n_on = calls["n"]
+            monkeypatch.setattr(rope_verify, "ROPE_VERIFY", False)
+            eager_off = step_logits(r, _verify_plan(3, prompts, tables, last, K, "s")).clone()
+            assert calls["n"] == n_on  # off: no fused launch
+        finally:
+            r.verify_graphs = vg
+        torch.testing.assert_close(eager_on, eager_off, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(graph, eager_off, atol=2e-3, rtol=2e-3)
+    finally:
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()
