@@ -1,5 +1,6 @@
 """A short text summary of `benchmarks/spec_verify_cost.py` result files, for the device
-scripts (scripts/gpu_spec_ab.sh, scripts/gpu_verifyk.sh): per file the verify and plain step
+scripts (scripts/gpu_spec_ab.sh, scripts/gpu_verifyk.sh, scripts/gpu_roperify.sh): per file its switches
+(mq_merge, gemv_rows, rope_verify) in its header line, the verify and plain step
 times (wall and GPU ms; a verify row's break-even acceptance length), the host part's rows,
 the kernel profile's top kernels and the replay drafter's end-to-end points (with their step
 kinds, benchmarks/spec_step_kinds.py).
@@ -22,6 +23,7 @@ def summarize(path: str) -> list[str]:
     r = json.load(open(path))
     mq = f" mq_merge={r['mq_merge']}" if "mq_merge" in r else ""
     mq += f" gemv_rows={r['gemv_rows']}" if "gemv_rows" in r else ""
+    mq += f" rope_verify={r['rope_verify']}" if "rope_verify" in r else ""
     out = [f"== {os.path.basename(path)} complete={r.get('complete')}{mq}"]
     for x in r.get("verify_cost", []):
         gpu = f", {x['gpu_ms']} ms gpu" if x.get("gpu_ms") is not None else ""

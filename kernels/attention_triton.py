@@ -133,8 +133,15 @@ def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT: tl.cons
     keys [BLOCK_N] (none valid in an empty partition: m stays -inf, l and acc 0); returns
     the updated (m_i, l_i, acc). ks, vs: an int8 cache's K and V scales of the tile's keys
     [BLOCK_N] (`kv_scores`, `kv_pv`; unused otherwise)."""
+    return _attend_masked(q, k, v, nm[None, :], m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT)
+
+
+@triton.jit
+def _attend_masked(q, k, v, valid, m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT: tl.constexpr):
+    """`_attend_tile` with the valid (row, key) pairs as a mask broadcastable to the scores
+    [BLOCK_G, BLOCK_N] (a causal mask among a verify step's new tokens, `kernels.rope_verify`)."""
     s = kv_scores(tl.dot(q, tl.trans(k)) * qk_scale, ks, KV_QUANT)
-    s = tl.where(nm[None, :], s, float("-inf"))
+    s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_ref[:, None])

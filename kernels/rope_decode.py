@@ -129,17 +129,19 @@ if triton is not None:
 
     @triton.jit
     def _rope_rows(x_ptr, rows, dd, pd, mask, cos, sin, w, wp, eps, head_dim, NORM: tl.constexpr):
-        """Rows of x (offsets rows [R, 1], or a scalar for one row, + dd) rotated: fp32 values of the dtype [R, BLOCK_D]
-        (normalised per row first with NORM, weights w at dd and wp at the partners pd)."""
+        """Rows of x (offsets rows [R, 1], or a scalar for one row, + dd) rotated: values [R, BLOCK_D] in x's dtype
+        (normalised per row first with NORM, weights w at dd and wp at the partners pd). cos, sin: the
+        angles at dd, [1, BLOCK_D] for rows of one position or [R, BLOCK_D] per row (`kernels.rope_verify`);
+        w, wp: [1, BLOCK_D] fp32."""
         x = tl.load(x_ptr + rows + dd[None, :], mask=mask, other=0.0)
         xp = tl.load(x_ptr + rows + pd[None, :], mask=mask, other=0.0)
         xf, xpf = x.to(tl.float32), xp.to(tl.float32)
         if NORM:
             r = tl.rsqrt(tl.sum(xf * xf, 1) / head_dim + eps)[:, None]
-            xf = ((xf * r).to(x.dtype).to(tl.float32) * w[None, :]).to(x.dtype).to(tl.float32)
-            xpf = ((xpf * r).to(x.dtype).to(tl.float32) * wp[None, :]).to(x.dtype).to(tl.float32)
+            xf = ((xf * r).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+            xpf = ((xpf * r).to(x.dtype).to(tl.float32) * wp).to(x.dtype).to(tl.float32)
         first = (dd < head_dim // 2)[None, :]
-        out = tl.where(first, xf * cos[None, :] - xpf * sin[None, :], xf * cos[None, :] + xpf * sin[None, :])
+        out = tl.where(first, xf * cos - xpf * sin, xf * cos + xpf * sin)
         return out.to(x.dtype)
 
     @triton.jit(do_not_specialize=["s_bt", "n_splits"])  # both vary from step to step
@@ -206,9 +208,9 @@ if triton is not None:
         gg = tl.arange(0, BLOCK_G)
         heads = kvh * G + gg
         q = _rope_rows(q_ptr, seq * sq_t + heads[:, None] * sq_h, dd, pd, (gg < G)[:, None] & dmask[None, :],
-                       cos, sin, qw, qwp, eps, head_dim, NORM)
+                       cos[None, :], sin[None, :], qw[None, :], qwp[None, :], eps, head_dim, NORM)
         k_new = _rope_rows(k_ptr, seq * sk_t + kvh * sk_h, dd, pd, dmask[None, :],
-                           cos, sin, kw, kwp, eps, head_dim, NORM)  # [1, BLOCK_D]
+                           cos[None, :], sin[None, :], kw[None, :], kwp[None, :], eps, head_dim, NORM)  # [1, BLOCK_D]
         v_new = tl.load(v_ptr + seq * sv_t + kvh * sv_h + dv[None, :], mask=dmask[None, :], other=0.0)
         # an fp8 cache: q in the dots' format, its scaling undone on the scores
         q, q_undo = fp8_dot_q(q, KV_QUANT, FP8_DOT)
