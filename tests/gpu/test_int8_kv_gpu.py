@@ -27,9 +27,6 @@ Skipped without CUDA, triton, or a GPU below compute capability 8.0 (bf16 dots).
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import pytest
 import torch
 
@@ -42,8 +39,9 @@ if torch.cuda.get_device_capability() < (8, 0):
 from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
+# the 4-layer Qwen3-0.6B-shaped model, its runner and plans: the fp8 KV test's (fixture included)
+from tests.gpu.test_fp8_kv_gpu import _plans, _runner, model_dir  # noqa: E402,F401,F811
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 I8 = torch.int8
 TOL = 2e-2  # bf16 output against the fp32 reference on the same int8 cache (bf16 dot operands)
 
@@ -225,36 +223,7 @@ def test_decode_replays_in_a_cuda_graph_with_new_cache_and_scales():
     assert rel(out, ref) < TOL and rel(out, run()) < 1e-6
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cfg = json.loads((ROOT / "benchmarks/configs/qwen3-0.6b.json").read_text())
-    cfg["num_hidden_layers"] = 4
-    d = tmp_path_factory.mktemp("qwen3int8kv")
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
-
-def _runner(d, **kw):
-    from services.worker.model_runner import ModelRunner
-    from shared.config import build_config
-
-    cli = {"model": str(d), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16",
-           "max_num_seqs": 16, "max_model_len": 2048, "gpu_memory_utilization": 0.2, **kw}
-    return ModelRunner(build_config(cli=cli, env={}))
-
-
-def _plans(prompts):
-    from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
-
-    greedy = SamplingParams(temperature=0.0)
-    tables = [list(range(i * 128, i * 128 + 128)) for i in range(len(prompts))]
-    prefill = StepPlan(0, [ScheduledSeq(f"r{i}", p, 0, t, True, greedy) for i, (p, t) in enumerate(zip(prompts, tables))])
-    decode = StepPlan(1, [ScheduledSeq(f"r{i}", [7], len(p), t, True, greedy, 1)
-                          for i, (p, t) in enumerate(zip(prompts, tables))])
-    return prefill, decode
-
-
-def test_model_with_int8_kv_end_to_end(model_dir, record_property, monkeypatch):
+def test_model_with_int8_kv_end_to_end(model_dir, record_property, monkeypatch):  # noqa: F811 (the fixture)
     import gc
 
     from shared import model_spec
