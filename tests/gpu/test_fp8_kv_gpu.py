@@ -110,12 +110,9 @@ def test_rotary_store_kernel_quantizes_the_rotated_keys(rot, record_property):
     _codes_close(out[1][2], out[0][2], record_property, f"rotary{rot}_v")
 
 
-def _fp8_paged(seqs, h, kvh, d, bs):
-    """An fp8 cache of K/V ~ N(0, 1) quantized with KS, VS; bf16 q; the reference output."""
-    ks, vs = _scales()
-    nb = sum(-(-(p + n) // bs) for p, n in seqs) + 5
-    kc = kv_quant.quantize_fp8(torch.randn(nb, bs, kvh, d, device="cuda"), ks)
-    vc = kv_quant.quantize_fp8(torch.randn(nb, bs, kvh, d, device="cuda"), vs)
+def _paged_layout(seqs, h, d, bs, nb):
+    """Block tables over a shuffled pool of nb blocks for seqs [(cached, new), ...] of block size bs,
+    their cu_seqlens_q and seq_lens (int32, CUDA), and a bf16 q [sum(new), h, d] ~ N(0, 1)."""
     perm = torch.randperm(nb).tolist()
     width = max(-(-(p + n) // bs) for p, n in seqs)
     tables, cu, lens = [], [0], []
@@ -128,6 +125,16 @@ def _fp8_paged(seqs, h, kvh, d, bs):
     bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return q, bt, cu_t, sl
+
+
+def _fp8_paged(seqs, h, kvh, d, bs):
+    """An fp8 cache of K/V ~ N(0, 1) quantized with KS, VS; bf16 q; the reference output."""
+    ks, vs = _scales()
+    nb = sum(-(-(p + n) // bs) for p, n in seqs) + 5
+    kc = kv_quant.quantize_fp8(torch.randn(nb, bs, kvh, d, device="cuda"), ks)
+    vc = kv_quant.quantize_fp8(torch.randn(nb, bs, kvh, d, device="cuda"), vs)
+    q, bt, cu_t, sl = _paged_layout(seqs, h, d, bs, nb)
     ref = attention.paged_attention_ref(q.float(), kc, vc, cu_t.cpu(), sl.cpu(), bt, d ** -0.5, None, ks, vs)
     return q, kc, vc, cu_t, sl, bt, ref, ks, vs
 

@@ -40,7 +40,7 @@ from kernels import attention, kv_quant, rope_decode, rotary  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from tests.gpu.test_kernels_gpu import _seed, rel  # noqa: E402,F401  (the same check and seed)
 # the 4-layer Qwen3-0.6B-shaped model, its runner and plans: the fp8 KV test's (fixture included)
-from tests.gpu.test_fp8_kv_gpu import _plans, _runner, model_dir  # noqa: E402,F401,F811
+from tests.gpu.test_fp8_kv_gpu import _paged_layout, _plans, _runner, model_dir  # noqa: E402,F401,F811
 
 I8 = torch.int8
 TOL = 2e-2  # bf16 output against the fp32 reference on the same int8 cache (bf16 dot operands)
@@ -116,18 +116,7 @@ def _int8_paged(seqs, h, kvh, d, bs):
     nb = sum(-(-(p + n) // bs) for p, n in seqs) + 5
     kc, ks = _cache(nb, bs, kvh, d)
     vc, vs = _cache(nb, bs, kvh, d)
-    perm = torch.randperm(nb).tolist()
-    width = max(-(-(p + n) // bs) for p, n in seqs)
-    tables, cu, lens = [], [0], []
-    for p, n in seqs:
-        m = -(-(p + n) // bs)
-        tables.append([perm.pop() for _ in range(m)] + [-1] * (width - m))
-        cu.append(cu[-1] + n)
-        lens.append(p + n)
-    q = torch.randn(cu[-1], h, d, device="cuda").bfloat16()
-    bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
-    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
-    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q, bt, cu_t, sl = _paged_layout(seqs, h, d, bs, nb)
     ref = attention.paged_attention_ref(q.float(), kc, vc, cu_t.cpu(), sl.cpu(), bt, d ** -0.5, None, ks, vs)
     return q, kc, vc, cu_t, sl, bt, ref, ks, vs
 
