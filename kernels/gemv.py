@@ -45,6 +45,7 @@ import torch
 
 from kernels.device_info import num_sms, tile_counters
 from kernels.linear_ref import linear_ref
+from kernels.norm import rms_norm_ref
 from kernels.pdl import launch_args, use_pdl
 
 ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inputs
@@ -103,15 +104,18 @@ if triton is not None:
     from kernels.pdl import pdl_release, pdl_wait
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, M, N, K, sw_n, sx_m, sy_m,
-                     sr_m, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
-                     HAS_RES: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, r_ptr, xn_ptr, M, N, K, sw_n, sx_m,
+                     sy_m, sr_m, sxn_m, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, XN_OUT: tl.constexpr, SPLIT: tl.constexpr,
+                     USE_PDL: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ROW_K: tl.constexpr):
         # x: [M, K] ([M, 2K] = gate | up with SILU; row stride sx_m), W: [N, K] (row stride sw_n;
         # FP8: e4m3 bytes as uint8, s: [N] fp32 row scales), y: [M, N] (row stride sy_m); ws:
         # [SPLIT programs, M, N] fp32 partials and cnt: int32 per row tile (SPLIT only); nw: [K]
         # norm weight (NORM); r: [M, N] residual (HAS_RES, row stride sr_m); ROW_K: K rounded
-        # up to a power of two (NORM). M rows (MAX_ROWS at most) reuse the W tile held in
+        # up to a power of two (NORM); xn: [M, K] (XN_OUT, with NORM; row stride sxn_m), where the
+        # programs of row tile 0 store the normalised x of their K range (the prologue's output, the
+        # MoE experts' input: kernels.moe). M rows (MAX_ROWS at most) reuse the W tile held in
         # registers one after the other; M == 1 is specialised by Triton (an int argument of
         # 1 is a constant), so the one-row kernel is the loop's single trip.
         pid_n = tl.program_id(0)
@@ -145,6 +149,9 @@ if triton is not None:
                 rstd = tl.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
                 xn = (x.to(tl.float32) * rstd).to(x.dtype)
                 x = (xn.to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
+                if XN_OUT:
+                    if pid_n == 0:
+                        tl.store(xn_ptr + m * sxn_m + rk, x, mask=kmask)
             acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
             if SPLIT:
                 tl.store(ws_ptr + (pid_k * M + m) * N + rn, acc, mask=nmask)
@@ -183,7 +190,8 @@ if triton is not None:
                     residual: torch.Tensor | None = None, block_n: int | None = None,
                     split: int | None = None, num_warps: int | None = None,
                     pdl: bool | None = None, scale: torch.Tensor | None = None, n: int | None = None,
-                    plan: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+                    plan: tuple[int, int, int] | None = None, xn_out: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
         """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for 1..MAX_ROWS
         rows: x [M, K] ([M, 2K] = cat(gate, up) with silu_mul; unit column stride, any row
         stride), weight [N, K] (unit stride along K), bias [N] or None, norm_weight [K] or
@@ -203,8 +211,13 @@ if triton is not None:
         plan: (block_n, split, num_warps) in place of `gemv_plan`'s; block_n / split /
         num_warps override single entries (the sweep benchmarks); pdl overrides
         `kernels.pdl.use_pdl`.
-        Raises ValueError for no rows or more than MAX_ROWS, x's width not K (2K with silu_mul)
-        or a strided K dimension.
+        xn_out: with norm_weight, an [M, K] tensor of x's dtype (unit column stride) that
+        receives the normalised rows (x * rstd rounded, times the weight rounded: the values the
+        product used), stored by the programs of the first row tile; the MoE layers' experts
+        read it (`services.worker.layers.moe.SparseMoeBlock.forward_fused`), so their norm
+        needs no launch of its own.
+        Raises ValueError for no rows or more than MAX_ROWS, x's width not K (2K with silu_mul),
+        a strided K dimension, or an xn_out without norm_weight or of another shape or dtype.
         """
         rows, kw = weight.shape
         if scale is None:
@@ -221,10 +234,16 @@ if triton is not None:
                              f"{MAX_ROWS} rows of {'2K' if silu_mul else 'K'} columns, unit stride along K (fp8: K <= K', "
                              "n <= N', an fp32 scale per row)")
         m = x.shape[0]
+        if xn_out is not None and (norm_weight is None or tuple(xn_out.shape) != (m, k) or xn_out.dtype != x.dtype
+                                   or xn_out.stride(1) != 1):
+            raise ValueError(f"gemv: xn_out {tuple(xn_out.shape)} {xn_out.dtype} stride {tuple(xn_out.stride())}: "
+                             f"want norm_weight and ({m}, {k}) {x.dtype} with unit column stride")
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         if n == 0 or k == 0:
             # degenerate shapes: no kernel
             w = weight if scale is None else (weight[:n, :k].float() * scale[:n, None]).to(x.dtype)
+            if xn_out is not None and norm_weight is not None:
+                xn_out.copy_(rms_norm_ref(x, norm_weight, eps))
             return y.copy_(linear_ref(x, w, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                                       residual=residual))
         bn, sp, warps = plan or gemv_plan(n, k, x.device)
@@ -244,10 +263,12 @@ if triton is not None:
         w = weight if scale is None else weight.view(torch.uint8)  # fp8: bytes, bitcast in the kernel
         _gemv_kernel[(n_tiles, sp)](x, w, y if scale is None else scale, y if bias is None else bias, y, ws,
                                     counters, x if norm_weight is None else norm_weight,
-                                    y if residual is None else residual, m, n, k, weight.stride(0), x.stride(0),
-                                    y.stride(0), 0 if residual is None else residual.stride(0), k_per, eps,
+                                    y if residual is None else residual, y if xn_out is None else xn_out, m, n, k,
+                                    weight.stride(0), x.stride(0), y.stride(0),
+                                    0 if residual is None else residual.stride(0),
+                                    0 if xn_out is None else xn_out.stride(0), k_per, eps,
                                     HAS_BIAS=bias is not None, SILU=silu_mul, NORM=norm_weight is not None,
-                                    HAS_RES=residual is not None, SPLIT=sp > 1, USE_PDL=pdl, FP8=scale is not None,
+                                    HAS_RES=residual is not None, XN_OUT=xn_out is not None, SPLIT=sp > 1, USE_PDL=pdl, FP8=scale is not None,
                                     BLOCK_N=bn, BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
                                     num_warps=num_warps or warps, **launch_args(pdl))
         return y

@@ -139,7 +139,7 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, xn_out: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatcher for `linear_ref` (see there for shapes and rounding): one launch of
     `kernels.gemv` for a single row (`gemv.ENABLED`), or of the skinny kernel, when
     `skinny_applies(x, weight)` (with SKINNY_PDL off a SiLU-and-mul prologue then runs as its
@@ -148,8 +148,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the reference on the CPU; a weight packed by `kernels.cpu_linear.pack` (CPU fp32) takes
     `packed_linear` in F.linear's place. Callers state the math (e.g. `silu_mul=True` for an MLP's
     down projection at any batch); which kernels run is decided here.
-    Raises ValueError when norm_weight and silu_mul are both given, or when x's columns,
-    norm_weight or residual (shape or dtype) do not fit weight.
+    xn_out: with norm_weight, an [M, K] tensor of x's dtype that also receives the normalised
+    x (the MoE experts' input, `services.worker.layers.moe`): stored by the gemv kernel's
+    prologue on its path, else the norm runs apart (one `rms_norm`) and the projection takes
+    its output.
+    Raises ValueError when norm_weight and silu_mul are both given, when x's columns,
+    norm_weight or residual (shape or dtype) do not fit weight, or for an xn_out without
+    norm_weight or of another shape or dtype than x.
     """
     if norm_weight is None and residual is None and not silu_mul:  # the plain (per-call cheap) path
         if x.is_cuda and skinny_applies(x, weight):
@@ -159,10 +164,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return packed_linear(x, weight, bias)
         return F.linear(x, weight, bias)  # = linear_ref(x, weight, bias)
     _check_fused(x, weight, norm_weight, silu_mul, residual)
+    if xn_out is not None:
+        if norm_weight is None or xn_out.shape != x.shape or xn_out.dtype != x.dtype:
+            raise ValueError(f"linear: xn_out {tuple(xn_out.shape)} {xn_out.dtype}: want norm_weight and "
+                             f"{tuple(x.shape)} {x.dtype}")
+        if not (skinny_applies(x, weight) and _gemv_rows(x.shape[0]) and xn_out.stride(1) == 1):
+            xn_out.copy_(rms_norm(x, norm_weight, eps))  # the norm apart; the projection reads its output
+            return linear(xn_out, weight, bias, residual=residual)
     if skinny_applies(x, weight):
-        y = _one_row(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
+        y = _one_row(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
+                     **({} if xn_out is None else {"xn_out": xn_out}))
         if y is not None:
             return y
+        if xn_out is not None and norm_weight is not None:  # gemv declined (split counters in a capture)
+            xn_out.copy_(rms_norm(x, norm_weight, eps))
+            return linear(xn_out, weight, bias, residual=residual)
         if silu_mul and not SKINNY_PDL:  # SILU_IN_KERNEL_ROWS: the K-loop kernel's SiLU runs apart
             x, silu_mul = silu_and_mul(x), False
         return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,

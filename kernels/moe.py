@@ -232,7 +232,8 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              renormalize: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE MLP from the router's logits: `fused_moe(x, w13, w2, *topk_softmax(router_logits,
     top_k, renormalize))`. x [T, H], router_logits [T, E], w13 / w2 as `fused_moe_ref`.
     Returns [T, H] in x's dtype. CUDA x of a few tokens (`moe_decode_triton.fits`) with
@@ -242,12 +243,29 @@ def moe_block(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     then returns out + sigmoid(gate) * output (`kernels.hybrid_glue.shared_expert_combine_ref`'s
     rounding), added in the decode path's down kernel with `SHARED_IN_DOWN`, else by
     `shared_expert_combine` after it.
+    residual: [T, H] in x's dtype, or None: the block then returns residual + that (in fp32,
+    rounded once more, as the decoder layer's residual add; in the decode path's down kernel,
+    else one add after it).
     Raises ValueError for shapes or dtypes that do not fit."""
     if (x.is_cuda and DECODE_FUSED and _moe_decode is not None and x.dim() == 2
             and _moe_decode.fits(x.shape[0], w13.shape[0], top_k)):
         fold = shared if SHARED_IN_DOWN else None
-        out = _moe_decode.fused_moe_decode(x, router_logits, w13, w2, top_k, renormalize, shared=fold)
-        return out if shared is None or fold is not None else shared_expert_combine(out, *shared)
+        if shared is None or fold is not None:
+            return _moe_decode.fused_moe_decode(x, router_logits, w13, w2, top_k, renormalize, shared=fold,
+                                                residual=residual)
+        out = _moe_decode.fused_moe_decode(x, router_logits, w13, w2, top_k, renormalize)
+        return _add_residual(shared_expert_combine(out, *shared), residual)
     weights, ids = topk_softmax(router_logits, top_k, renormalize)
     out = fused_moe(x, w13, w2, weights, ids)
-    return out if shared is None else shared_expert_combine(out, *shared)
+    return _add_residual(out if shared is None else shared_expert_combine(out, *shared), residual)
+
+
+def _add_residual(out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """out + residual ([T, H] each, one dtype) summed in fp32 and rounded once, as
+    `kernels.norm.fused_add_rms_norm_ref` adds; out itself when residual is None."""
+    if residual is None:
+        return out
+    if residual.shape != out.shape or residual.dtype != out.dtype:
+        raise ValueError(f"moe_block: residual {tuple(residual.shape)} {residual.dtype}, want "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return (out.float() + residual.float()).to(out.dtype)

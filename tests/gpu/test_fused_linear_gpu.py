@@ -85,6 +85,13 @@ def test_gemv_with_norm_silu_and_residual_matches_reference(dtype, pro, res, pdl
             xn = norm.rms_norm(x, kw["norm_weight"], kw["eps"])
             two = gemv.gemv_triton(xn, w, b, split=split, pdl=pdl, residual=kw.get("residual"))
             assert rel(got, two) < 1e-3, split
+            # the normalised rows stored for the MoE experts (xn_out): the values the product used
+            xn_out = torch.full_like(x, float("nan"))
+            with_xn = gemv.gemv_triton(x, w, b, split=split, pdl=pdl, xn_out=xn_out, **kw)
+            assert torch.equal(with_xn, got), split
+            assert rel(xn_out, xn) < 1e-2, split  # a value may round to its neighbour (the sum order)
+            assert torch.equal(gemv.gemv_triton(xn_out, w, b, split=split, pdl=pdl, residual=kw.get("residual")),
+                               got), split
     assert _counters_zero()
 
 
@@ -175,24 +182,32 @@ def test_fused_split_linear_replays_in_a_cuda_graph_and_captures_without_counter
         TILE_COUNTERS.update(saved)
 
 
-@pytest.fixture(scope="module")
-def one_layer_runner(tmp_path_factory):
+def one_layer(tmp_path_factory, config: str, gpu_memory_utilization: float):
+    """An eager CUDA ModelRunner of benchmarks/configs/<config>.json cut to one layer and a
+    4,096-token vocabulary (dummy bf16 weights), with norm weights that are not 1, so a norm
+    applied wrongly shows."""
     from services.worker.model_runner import ModelRunner
     from shared.config import build_config
 
-    cfg = json.loads((ROOT / "benchmarks/configs/qwen3-0.6b.json").read_text())
+    cfg = json.loads((ROOT / f"benchmarks/configs/{config}.json").read_text())
     cfg.update(num_hidden_layers=1, vocab_size=4096)
-    d = tmp_path_factory.mktemp("qwen3_1layer")
+    d = tmp_path_factory.mktemp(config.replace(".", "_") + "_1layer")
     (d / "config.json").write_text(json.dumps(cfg))
     cli = {"model": str(d), "load_format": "dummy", "device": "cuda", "dtype": "bfloat16", "max_num_seqs": 32,
-           "max_model_len": 1024, "gpu_memory_utilization": 0.2, "enforce_eager": True, "block_size": 16}
+           "max_model_len": 1024, "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": True,
+           "block_size": 16}
     runner = ModelRunner(build_config(cli=cli, env={}))
-    with torch.no_grad():  # norm weights that are not 1, so a norm applied wrongly shows
+    with torch.no_grad():
         g = torch.Generator(device="cuda").manual_seed(1)
         for name, p in runner.model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, device="cuda", generator=g))
     return runner
+
+
+@pytest.fixture(scope="module")
+def one_layer_runner(tmp_path_factory):
+    return one_layer(tmp_path_factory, "qwen3-0.6b", 0.2)
 
 
 def test_fused_path_is_chosen_for_1_to_16_rows_of_half_dtypes_on_cuda(one_layer_runner):
@@ -210,13 +225,14 @@ def test_fused_path_is_chosen_for_1_to_16_rows_of_half_dtypes_on_cuda(one_layer_
     assert not FusionPlan.choose(proj, cuda, torch.bfloat16, one_row=False, small_batches=False).fused(1)
 
 
-@pytest.mark.parametrize("batch", [1, 7, 16])
-def test_one_decoder_layer_fused_matches_unfused_at_decode(one_layer_runner, batch):
+def fused_and_unfused_decode(r, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one decode step of `batch` seqs (after their prefills) on the fused layer path,
+    then the same step on the unfused one (it rewrites the same KV slots)."""
     from services.worker.fusion import FusionPlan
     from shared.protocol import SamplingParams, ScheduledSeq, StepPlan
     from tests.runner_driver import step_logits
 
-    r, greedy = one_layer_runner, SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(5, 60, (batch,), generator=g)]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(batch)]
@@ -231,8 +247,35 @@ def test_one_decoder_layer_fused_matches_unfused_at_decode(one_layer_runner, bat
         fused = step_logits(r, decode)
         r.fusion = FusionPlan.choose(proj, cuda, torch.bfloat16, one_row=False, small_batches=False)
         assert not r.fusion.fused(batch)
-        unfused = step_logits(r, decode)  # the same step again: rewrites the same KV slots
+        unfused = step_logits(r, decode)
     finally:
         r.fusion = default
+    return fused, unfused
+
+
+@pytest.mark.parametrize("batch", [1, 7, 16])
+def test_one_decoder_layer_fused_matches_unfused_at_decode(one_layer_runner, batch):
+    fused, unfused = fused_and_unfused_decode(one_layer_runner, batch)
+    assert rel(fused, unfused) < TOL[torch.bfloat16]
+    assert _counters_zero()
+
+
+@pytest.fixture(scope="module")
+def one_moe_layer_runner(tmp_path_factory):
+    return one_layer(tmp_path_factory, "qwen3-30b-a3b", 0.3)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 12])
+def test_one_moe_layer_fused_matches_unfused_at_decode(one_moe_layer_runner, batch, monkeypatch):
+    # the MoE layer on the fused path (SparseMoeBlock.forward_fused: the norm in the router's gemv,
+    # xn_out for the experts, the residual in the decode path's down kernel; 12 tokens take the
+    # five-launch MoE path and the add after it) against the unfused layer, same step
+    assert len(one_moe_layer_runner.model.fusable_projections()) == 3  # qkv, o, the router
+    xn_calls = []
+    real = gemv.gemv_triton
+    monkeypatch.setattr(gemv, "gemv_triton",
+                        lambda *a, **kw: xn_calls.append(kw.get("xn_out") is not None) or real(*a, **kw))
+    fused, unfused = fused_and_unfused_decode(one_moe_layer_runner, batch)
+    assert any(xn_calls) == (batch <= gemv.ROWS)  # the router's gemv stored the experts' input
     assert rel(fused, unfused) < TOL[torch.bfloat16]
     assert _counters_zero()

@@ -9,7 +9,9 @@ picks Triton, int32 ids, T = 0, and a CUDA-graph capture of the whole op (moe_al
 included: no host sync) replayed on new inputs. The decode path (`kernels.moe.moe_block` at
 T = 1, 4, 8: router + alignment, gate_up, the down projection with the sum over k) against the
 same reference on the torch routing, against the five-launch path (DECODE_FUSED off), and in a
-CUDA graph; those tests set DECODE_FUSED themselves (it is on by default). Skipped without
+CUDA graph; those tests set DECODE_FUSED themselves (it is on by default). The two-launch
+decode path (GATE_UP "gemv": gate_up and down kernels that route each token themselves) with the
+layer residual against the reference, the three-launch path and in a CUDA graph. Skipped without
 CUDA or triton.
 """
 
@@ -140,3 +142,32 @@ def test_decode_block_in_a_cuda_graph(monkeypatch, weights):
         logits.copy_(torch.randn(1, E, device="cuda", generator=g))
         graph.replay()
         assert torch.equal(out, moe.moe_block(x, logits, w13, w2, K, True))
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_two_launch_decode_path_matches_reference_and_replays_in_a_graph(monkeypatch, weights, t):
+    # GATE_UP "gemv": the routed one-row gate_up kernel and the routed down kernel, with the layer
+    # residual, against the reference on the torch routing and the three-launch path
+    monkeypatch.setattr(moe, "DECODE_FUSED", True)
+    w13, w2 = weights
+    g = torch.Generator(device="cuda").manual_seed(200 + t)
+    x = torch.randn(t, H, device="cuda", generator=g)
+    logits = torch.stack([torch.randperm(E, device="cuda", generator=g) for _ in range(t)]).float() / 16
+    r = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+    truth = moe.fused_moe_ref(x, w13, w2, *moe.topk_softmax_ref(logits, K, True))
+    xb, lb, w13b, w2b = x.bfloat16(), logits.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    monkeypatch.setattr(moe_decode_triton, "GATE_UP", "grouped")
+    three = moe.moe_block(xb, lb, w13b, w2b, K, True, residual=r)
+    monkeypatch.setattr(moe_decode_triton, "GATE_UP", "gemv")
+    two = moe.moe_block(xb, lb, w13b, w2b, K, True, residual=r)
+    assert rel(two.double() - r.double(), truth) < TOL[torch.bfloat16]
+    assert rel(two, three) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_block(xb, lb, w13b, w2b, K, True, residual=r)
+    for seed in (1, 2):
+        g.manual_seed(seed)
+        xb.copy_(torch.randn(t, H, device="cuda", generator=g))
+        lb.copy_(torch.randn(t, E, device="cuda", generator=g))
+        graph.replay()
+        assert torch.equal(out, moe.moe_block(xb, lb, w13b, w2b, K, True, residual=r))

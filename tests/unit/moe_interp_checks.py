@@ -154,8 +154,34 @@ def decode_checks(gen: torch.Generator) -> dict[str, float]:
             gate, sh = wide[:, 3:4], torch.randn(t, h, generator=gen).to(dt)
             got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, config=conf, down=plan,
                                                      shared=(gate, sh))
-            res[f"{name}_shared_{str(dt).removeprefix('torch.')}"] = rel(got, hybrid_glue.shared_expert_combine_ref(
-                ref, gate, sh))
+            combined = hybrid_glue.shared_expert_combine_ref(ref, gate, sh)
+            res[f"{name}_shared_{str(dt).removeprefix('torch.')}"] = rel(got, combined)
+            # the decoder layer's residual added last in the down kernel (the fused layer path), with
+            # and without the shared expert: as the next layer's fused add (in fp32, rounded once)
+            r = torch.randn(t, h, generator=gen).to(dt)
+            got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, config=conf, down=plan,
+                                                     residual=r)
+            res[f"{name}_res_{str(dt).removeprefix('torch.')}"] = rel(got, (ref.double() + r.double()).to(dt))
+            got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, config=conf, down=plan,
+                                                     shared=(gate, sh), residual=r)
+            res[f"{name}_shared_res_{str(dt).removeprefix('torch.')}"] = rel(got, (combined.double()
+                                                                                   + r.double()).to(dt))
+            # GATE_UP "gemv": the routed one-row gate_up and the routed down kernel (two launches), with
+            # the default plans, a gate_up plan whose K tiles loop (BLOCK_K 16) over masked column tiles,
+            # and with a shared expert and the residual
+            dn = str(dt).removeprefix('torch.')
+            saved_mode, moe_decode_triton.GATE_UP = moe_decode_triton.GATE_UP, "gemv"
+            try:
+                got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, down=plan)
+                res[f"{name}_gemv_{dn}"] = rel(got, ref)
+                got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, down=plan,
+                                                         shared=(gate, sh), residual=r)
+                res[f"{name}_gemv_shared_res_{dn}"] = rel(got, (combined.double() + r.double()).to(dt))
+            finally:
+                moe_decode_triton.GATE_UP = saved_mode
+            act = moe_decode_triton.moe_gate_up_gemv(xd, logits.to(dt), w13d, k, renorm, plan=(8, 16, 2))
+            got = moe_decode_triton.moe_down_routed_triton(act, w2d, logits.to(dt), k, renorm, (4, 16, 2))
+            res[f"{name}_gemv_kloop_{dn}"] = rel(got, ref)
         # the down kernel alone, fp32: sum_j w[t, j] * w2[e] @ act[t * k + j] in float64
         w, ids = routing
         act = torch.randn(t * k, inter, generator=gen)

@@ -49,6 +49,10 @@ EXPECTED = {
               "sum_chunk": 16},
     "q_unfused": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": True, "W4_PLANS": True,
                   "sum_chunk": 16},
+    "layers_fused": {"FUSE_ONE_ROW": True},
+    "layers_unfused": {"FUSE_ONE_ROW": False},
+    "moe_gate_up_grouped": {"GATE_UP": "grouped"},
+    "moe_gate_up_gemv": {"GATE_UP": "gemv"},
 }
 
 
@@ -60,6 +64,7 @@ def state() -> dict:
          "USE_TUNED": moe_decode_triton.USE_TUNED, "ONE_ROW": fp8_gemv.ONE_ROW,
          "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
          "W4_PLANS": w4a16_gemv.USE_PLANS, "w4": dict(w4a16_gemv.GEMV1_DEFAULTS),
+         "FUSE_ONE_ROW": fusion.FUSE_ONE_ROW, "GATE_UP": moe_decode_triton.GATE_UP,
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -89,7 +94,8 @@ def isolated(monkeypatch):
     for mod, name in ((gated_deltanet, "IN_PLACE_DECODE"), (norm, "GATED_TRITON"), (linear, "GEMV_MAX_WEIGHT"),
                       (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
                       (moe_decode_triton, "USE_TUNED"), (fp8_gemv, "ONE_ROW"), (fusion, "FUSE_QUANTIZED_ONE_ROW"),
-                      (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS")):
+                      (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS"), (fusion, "FUSE_ONE_ROW"),
+                      (moe_decode_triton, "GATE_UP")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))

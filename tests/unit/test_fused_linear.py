@@ -8,11 +8,12 @@ layer path of the Llama / Qwen3 models that uses it.
    tiles of 16), fp32 and fp16, against `linear_ref` in the input dtype and in fp64 (the
    larger error counts); the in-kernel split sum equal bit for bit to the 2-kernel one and
    the tile counters zero after every launch (the K-loop kernel, `one_tile=False`; the
-   one-tile kernel has test_skinny_pdl_interp.py); a tiny Llama (with biases) and Qwen3 whose
-   fused layer path runs through the kernel, against their unfused path.
+   one-tile kernel has test_skinny_pdl_interp.py); a tiny Llama (with biases), Qwen3 and
+   Qwen3-MoE (a MoE and a dense layer; the router's gemv stores the experts' normalised input)
+   whose fused layer path runs through the kernel, against their unfused path.
 2. In this process: the dispatcher's argument errors, its CPU path against `linear_ref`, and
    the fused layer path forced on the CPU (reference ops) equal to the unfused path bit for
-   bit, prefill and decode, both architectures.
+   bit, prefill and decode, every architecture.
 Tolerances (relative norm error) as in test_kernels_triton_interp.py: fp32 1e-5, fp16 3e-3.
 """
 
@@ -36,16 +37,26 @@ SPLITS = (1, 2, 4)  # with BLOCK_K 32: k per split 300 / 160+140 / 96+96+96+12
 ROWS = (1, 3, 16)
 KERNEL_CASES = [f"{p}_{'res' if r else 'nores'}_s{s}_m{m}_{d}"
                 for p, r, s, m, d in itertools.product(PROLOGUES, (False, True), SPLITS, ROWS, DTYPES)]
-MODEL_CASES = [f"model_{arch}_{d}" for arch in ("llama_bias", "qwen3") for d in DTYPES]
+ARCHS = ("llama_bias", "qwen3", "qwen3_moe")
+MODEL_CASES = [f"model_{arch}_{d}" for arch in ARCHS for d in DTYPES]
+# projection launches a step on the fused path: 4 a dense layer; a MoE layer's qkv, o and router
+# (its experts are kernels.moe's), so qwen3_moe (layer 0 MoE, layer 1 dense) has 3 + 4
+PROJECTIONS = {"llama_bias": 8, "qwen3": 8, "qwen3_moe": 7}
 
 
 def tiny_config(arch: str) -> dict:
-    """config.json of a 2-layer model: GQA, odd-sized MLP; llama_bias has q/k/v/o and MLP biases."""
+    """config.json of a 2-layer model: GQA, odd-sized MLP; llama_bias has q/k/v/o and MLP biases;
+    qwen3_moe's layer 0 is a MoE layer (6 experts of width 40, top 2, renormalised) and layer 1
+    a dense one (mlp_only_layers)."""
     c = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
              rms_norm_eps=1e-6, tie_word_embeddings=False)
     if arch == "qwen3":
         return {**c, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    if arch == "qwen3_moe":
+        return {**c, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 6,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 40, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": [1]}
     return {**c, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True,
             "mlp_bias": True}
 
@@ -113,7 +124,11 @@ def test_interpreter_cases_really_split_k(interp_results):
 @pytest.mark.parametrize("case", MODEL_CASES)
 def test_fused_layer_path_through_the_kernel_matches_unfused_path_under_interpreter(interp_results, case):
     r = interp_results[case]
-    assert r["kernel_calls"] >= 4 * 2 * 4 and r["gemv_calls"] == 0, r  # 4 projections x 2 layers x 4 steps
+    arch = case[len("model_"):].rsplit("_", 1)[0]
+    # the projections x 4 steps; without the gemv a MoE router norms apart (xn_out) and its plain
+    # projection takes the dispatcher's plain path, F.linear for these CPU tensors
+    want = (PROJECTIONS[arch] - (arch == "qwen3_moe")) * 4
+    assert r["kernel_calls"] >= want and r["gemv_calls"] == 0, r
     assert 0 < r["split_calls"] < r["kernel_calls"], r  # o_proj and down_proj split K, the others not
     assert r["err"] <= TOL[case.rsplit("_", 1)[1]], f"{case}: relative error {r['err']}"
 
@@ -123,7 +138,11 @@ def test_fused_layer_path_at_one_row_through_gemv_matches_unfused_path_under_int
     # the 3 one-row decode steps take kernels.gemv with the norm prologue and residual
     # epilogue; the 9-token prefill the skinny kernel
     r = interp_results[case.replace("model_", "model_gemv_")]
-    assert r["gemv_calls"] == 4 * 2 * 3 and r["kernel_calls"] == 4 * 2, r
+    arch = case[len("model_"):].rsplit("_", 1)[0]
+    # (the prefill's MoE router: the norm apart and F.linear, as in the skinny case)
+    assert r["gemv_calls"] == PROJECTIONS[arch] * 3 and r["kernel_calls"] == PROJECTIONS[arch] - (arch == "qwen3_moe"), r
+    if arch == "qwen3_moe":  # the router's gemv stored the normalised rows the experts read
+        assert r["xn_out_calls"] == 3, r
     assert 0 < r["gemv_split_calls"] < r["gemv_calls"], r
     assert r["err"] <= TOL[case.rsplit("_", 1)[1]], f"{case}: relative error {r['err']}"
 
@@ -171,7 +190,7 @@ def test_linear_cpu_path_with_fused_steps_equals_the_formula(dtype):
     assert float((got.double() - want.double()).norm() / want.double().norm()) < tol
 
 
-@pytest.mark.parametrize("arch", ["llama_bias", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_fused_layer_path_forced_on_cpu_equals_unfused_path_bit_for_bit(arch, tmp_path, monkeypatch):
     from services.worker.fusion import FusionPlan
 
@@ -244,7 +263,7 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
 
     from kernels import gemv
 
-    calls = {"kernel": 0, "split": 0, "gemv": 0, "gemv_split": 0}
+    calls = {"kernel": 0, "split": 0, "gemv": 0, "gemv_split": 0, "xn_out": 0}
     real, real_gemv = L.skinny_linear_triton, gemv.gemv_triton
 
     def counting(x, weight, *a, **kw):
@@ -254,6 +273,7 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
 
     def counting_gemv(x, weight, *a, **kw):
         calls["gemv"] += 1
+        calls["xn_out"] += kw.get("xn_out") is not None
         calls["gemv_split"] += gemv.gemv_plan(*weight.shape, x.device)[1] > 1
         return real_gemv(x, weight, *a, **kw)
 
@@ -262,7 +282,7 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
     L.SKINNY_TUNING.update(block_k=32, programs_per_sm=2)
     gemv.TUNING.update(max_block_k=64)
     L.SKINNY_PDL = False  # the K-loop kernel (the one-tile one: tests/unit/skinny_pdl_interp_checks.py)
-    for arch, dname, one_row in itertools.product(("llama_bias", "qwen3"), DTYPES, ("skinny", "gemv")):
+    for arch, dname, one_row in itertools.product(ARCHS, DTYPES, ("skinny", "gemv")):
         runner = tiny_runner(tmp / f"{arch}_{dname}_{one_row}", arch, dname)
         unpack_cpu_weights(runner.model)  # the kernel wants dense row-major weights (as on the GPU)
         for mod in runner.model.modules():
@@ -274,14 +294,15 @@ def _model_checks(out: dict, tmp: pathlib.Path) -> None:
         L.skinny_linear_triton, gemv.gemv_triton = counting, counting_gemv
         gemv.ENABLED = one_row == "gemv"  # one row: the gemv kernel, or the skinny one
         runner.fusion = FusionPlan(frozenset(range(1, L.SKINNY_MAX_ROWS + 1)))
-        calls.update(kernel=0, split=0, gemv=0, gemv_split=0)
+        calls.update(kernel=0, split=0, gemv=0, gemv_split=0, xn_out=0)
         try:
             fused = run_steps(runner)
         finally:
             L.skinny_applies, L.skinny_linear_triton, runner.fusion, gemv.gemv_triton, gemv.ENABLED = saved
         name = f"model_{arch}_{dname}" if one_row == "skinny" else f"model_gemv_{arch}_{dname}"
         out[name] = {"err": max(_rel(a, b) for a, b in zip(fused, unfused)), "kernel_calls": calls["kernel"],
-                     "split_calls": calls["split"], "gemv_calls": calls["gemv"], "gemv_split_calls": calls["gemv_split"]}
+                     "split_calls": calls["split"], "gemv_calls": calls["gemv"], "gemv_split_calls": calls["gemv_split"],
+                     "xn_out_calls": calls["xn_out"]}
 
 
 def main() -> None:

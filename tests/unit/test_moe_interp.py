@@ -7,7 +7,9 @@ The decode path (`kernels/moe_decode_triton.py`): the router + alignment program
 torch routing and `moe_align` (ids and layout exactly; ties; E not a power of two; shared
 experts), the three-launch block against `fused_moe_ref` on the torch routing (one row, shared
 experts, the down projection's K loop, k = 1, the default configs; and with a shared expert
-added in the down kernel's epilogue against kernels.hybrid_glue's combine reference), the down kernel alone
+added in the down kernel's epilogue against kernels.hybrid_glue's combine reference, and with the
+decoder layer's residual added last there; the two-launch path of GATE_UP "gemv", whose gate_up
+and down kernels route each token themselves, the same ways), the down kernel alone
 against a float64 sum into a NaN-poisoned output.
 
 The checks run in one subprocess (`moe_interp_checks.py`) with TRITON_INTERPRET=1 set before
@@ -73,6 +75,23 @@ def test_three_launch_decode_block_matches_reference_on_torch_routing(interp_res
 def test_decode_block_adds_a_shared_expert_in_its_down_kernel_as_the_combine_reference(interp_results, case, dtype):
     err = interp_results[f"{case}_shared_{dtype}"]
     assert err <= TOL[dtype], f"{case} {dtype}: relative error {err}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("part", ["gemv", "gemv_shared_res", "gemv_kloop"])
+@pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])
+def test_two_launch_decode_path_routes_in_its_kernels_as_the_reference(interp_results, case, part, dtype):
+    # GATE_UP "gemv": the routed one-row gate_up kernel and the routed down kernel
+    err = interp_results[f"{case}_{part}_{dtype}"]
+    assert err <= TOL[dtype], f"{case} {part} {dtype}: relative error {err}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("part", ["res", "shared_res"])
+@pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])
+def test_decode_block_adds_the_layer_residual_last_in_its_down_kernel(interp_results, case, part, dtype):
+    err = interp_results[f"{case}_{part}_{dtype}"]
+    assert err <= TOL[dtype], f"{case} {part} {dtype}: relative error {err}"
 
 
 @pytest.mark.parametrize("case", ["decode_t1", "decode_t3_shared", "decode_t8_kloop", "decode_t2_k1"])

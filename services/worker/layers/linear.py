@@ -72,14 +72,24 @@ class Linear(nn.Module):
                     setattr(p, "shard_sizes", sizes)  # noqa: B010 (an attribute torch's stubs do not know)
 
     def forward(self, x: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                silu_mul: bool = False, residual: torch.Tensor | None = None,
+                xn_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The projection of x [T, in] -> [T, out] with the fused steps of `kernels.linear.linear`
+        (norm_weight / eps, silu_mul, residual; xn_out: with norm_weight, receives the normalised
+        x [T, in]). Raises ValueError as `linear` for arguments that do not fit."""
         if self.qweight is not None:
+            if xn_out is not None:  # the quantized kernels have no such output: the norm apart
+                if norm_weight is None:
+                    raise ValueError("Linear: xn_out needs norm_weight")
+                xn_out.copy_(rms_norm(x, norm_weight, eps))
+                x, norm_weight = xn_out, None
             return quant_forward(self.qweight, x, self.bias, norm_weight=norm_weight, eps=eps,
                                  silu_mul=silu_mul, residual=residual)
         w = self.weight if self.weight_dense is None or x.shape[0] != 1 else self.weight_dense
         if norm_weight is None and residual is None and not silu_mul:
             return linear(x, w, self.bias)
-        return linear(x, w, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual)
+        return linear(x, w, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
+                      xn_out=xn_out)
 
     def process_weights_after_loading(self) -> None:
         """On the CPU: an fp32 W is replaced by its oneDNN-packed form (`kernels.cpu_linear`:

@@ -71,13 +71,15 @@ class FusedMoE(nn.Module):
         return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
-               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward with the routing done here: the softmax top-k of router_logits [T, E]
         (`kernels.moe.topk_softmax`), renormalised when `renormalize`, then the experts; on
         CUDA a few tokens take the three-launch decode path (`kernels.moe.moe_block`).
         shared: a shared expert's (gate [T, 1], output [T, H]) to add as out + sigmoid(gate) *
-        output (in the decode path's down kernel, `kernels.moe.SHARED_IN_DOWN`), or None."""
-        return moe_block(x, router_logits, self.w13_weight, self.w2_weight, top_k, renormalize, shared)
+        output (in the decode path's down kernel, `kernels.moe.SHARED_IN_DOWN`), or None.
+        residual: [T, H] or None, added to the result last (`kernels.moe.moe_block`)."""
+        return moe_block(x, router_logits, self.w13_weight, self.w2_weight, top_k, renormalize, shared, residual)
 
 
 class SparseMoeBlock(nn.Module):
@@ -98,3 +100,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts.routed(x, self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def forward_fused(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h + moe(norm(h)) for the residual stream h [T, H] (the fused layer path,
+        `services.worker.fusion`), with no norm or add launch of its own: the router's
+        projection normalises h in its prologue and stores the normalised rows it used
+        (`kernels.linear.linear`'s xn_out) for the experts, and the decode path's down kernel
+        adds h (`kernels.moe.moe_block`'s residual). norm: the layer's RMSNorm (weight, eps)."""
+        xn = torch.empty_like(h)
+        logits = self.gate(h, norm_weight=norm.weight, eps=norm.eps, xn_out=xn)
+        return self.experts.routed(xn, logits, self.top_k, self.norm_topk_prob, residual=h)

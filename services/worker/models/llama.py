@@ -164,7 +164,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The fused path (module docstring): residual stream h [T, hidden] -> the next h."""
         h = self.self_attn(positions, h, attn, norm=self.input_layernorm, residual=h)
-        # the fused path runs dense MLPs only (fusable_projections is empty otherwise)
+        # a LlamaMLP, or a family's MLP with forward_fused (the MoE block); the others have an empty
+        # fusable_projections, so their steps never come here
         return cast(LlamaMLP, self.mlp).forward_fused(h, self.post_attention_layernorm)
 
 

@@ -8,7 +8,9 @@ renormalised when `norm_topk_prob`. Layer i is a MoE layer when num_experts > 0,
 Source of the architecture: Qwen team, "Qwen3 Technical Report" (2025, arXiv 2505.09388),
 and Hugging Face's `modeling_qwen3_moe.py` / `Qwen3MoeConfig` (transformers 5.24; parameter
 names follow its checkpoints: `mlp.gate.weight`, `mlp.experts.<e>.{gate,up,down}_proj.weight`).
-The MoE layers are `services.worker.layers.moe`; they run on the unfused layer path.
+The MoE layers are `services.worker.layers.moe`; on the fused layer path (CUDA decode steps,
+`services.worker.fusion`) their norm runs in the router projection's prologue and the residual
+add in the experts' down kernel (`SparseMoeBlock.forward_fused`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from services.worker.layers.moe import SparseMoeBlock
-from services.worker.models.llama import LlamaArgs
+from services.worker.models.llama import LlamaArgs, LlamaMLP
 from services.worker.models.qwen3 import Qwen3ForCausalLM
 from shared.model_spec import ModelSpec
 
@@ -37,8 +39,8 @@ def is_moe_layer(hf_config, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """The whole Qwen3-MoE model; interface as `LlamaForCausalLM` (a `CausalLM`), without
-    the fused layer path. Raises ValueError for an unsupported config (sliding window,
+    """The whole Qwen3-MoE model; interface as `LlamaForCausalLM` (a `CausalLM`). Raises
+    ValueError for an unsupported config (sliding window,
     an activation other than SiLU, num_experts_per_tok outside 1..num_experts)."""
 
     def mlp_for_layer(self, spec: ModelSpec, a: LlamaArgs, layer_idx: int) -> nn.Module | None:
@@ -49,5 +51,20 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                               spec.moe_intermediate_size, bool(c.get("norm_topk_prob", False)))
 
     def fusable_projections(self) -> list:
-        """[]: the MoE layers have no fused path (`services.worker.fusion`)."""
-        return []
+        """The fused layer path's projections (`services.worker.fusion`): layer 0's attention
+        projections and the first MoE layer's router (the MoE block's fused path,
+        `SparseMoeBlock.forward_fused`), with the first dense layer's MLP projections when
+        `mlp_only_layers` / `decoder_sparse_step` leave some; dense weights as tensors, quantized
+        ones as their weight objects (the fusion plan asks their kernels)."""
+        layers = self.model.decoder_layers
+        if not layers:
+            return []
+        a = layers[0].self_attn
+        out = [p.weight if p.qweight is None else p.qweight for p in (a.qkv_proj, a.o_proj)]
+        moe = next((layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)), None)
+        dense = next((layer.mlp for layer in layers if isinstance(layer.mlp, LlamaMLP)), None)
+        if moe is not None:
+            out.append(moe.gate.weight)
+        if dense is not None:
+            out += [p.weight if p.qweight is None else p.qweight for p in (dense.gate_up_proj, dense.down_proj)]
+        return out
