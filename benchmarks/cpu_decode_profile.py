@@ -170,6 +170,37 @@ def run_scheme(a: argparse.Namespace, q: str) -> dict:
     return out
 
 
+def rotated_steps(runner, sides: list[str], use, ids: list[int], a: argparse.Namespace, rid: str
+                  ) -> tuple[dict, dict, dict, list]:
+    """The A/B loop of --head-ab and --int4-ab: one decode stream of prompt ids per side (use(side)
+    switches the runner to it; 4 warm-up steps each), then a.rounds rounds of a.steps steps, the
+    sides rotated step by step. Returns (streams, ms: every step's wall ms by side, toks: each
+    side's greedy ids, rounds: each round's load average and median ms by side)."""
+    total = a.rounds * a.steps
+    streams, ms, toks = {}, {s: [] for s in sides}, {s: [] for s in sides}
+    for s in sides:
+        use(s)
+        streams[s] = Stream(runner, len(ids), total + 16, rid=f"{rid}{s}", prompt=ids)
+        toks[s].append(streams[s].token)
+        for _ in range(4):  # warm-up
+            toks[s].append(streams[s].step())
+    rounds = []
+    for _r in range(a.rounds):
+        rm: dict = {s: [] for s in sides}
+        for i in range(a.steps):
+            k = i % len(sides)
+            for s in sides[k:] + sides[:k]:
+                use(s)
+                t0 = time.perf_counter()
+                toks[s].append(streams[s].step())
+                dt = 1e3 * (time.perf_counter() - t0)
+                rm[s].append(dt)
+                ms[s].append(dt)
+        rounds.append({"load_avg": os.getloadavg(), **{f"{s}_ms_median": round(statistics.median(v), 3)
+                                                         for s, v in rm.items()}})
+    return streams, ms, toks, rounds
+
+
 def run_head_ab(a: argparse.Namespace, q: str) -> dict:
     """--head-ab for scheme q (module doc)."""
     from benchmarks.cpu_decode import prompt_ids
@@ -183,27 +214,11 @@ def run_head_ab(a: argparse.Namespace, q: str) -> dict:
         raise SystemExit(f"--head-ab: {a.model} under {q} has no tied head's quantized copy")
     copies = {s: cq.quantize(head.weight.data, s) for s in ("int8", "w8a8")}
     ids = prompt_ids(a.model)
-    total = a.rounds * a.steps
-    streams, ms, toks = {}, {s: [] for s in copies}, {s: [] for s in copies}
-    for s, c in copies.items():
-        head.qweight_tied = c
-        streams[s] = Stream(runner, len(ids), total + 16, rid=f"h{s}", prompt=ids)
-        toks[s].append(streams[s].token)
-        for _ in range(4):  # warm-up
-            toks[s].append(streams[s].step())
-    rounds = []
-    for r in range(a.rounds):
-        rm: dict = {s: [] for s in copies}
-        for i in range(a.steps):
-            for s in (copies if i % 2 == 0 else list(copies)[::-1]):
-                head.qweight_tied = copies[s]
-                t0 = time.perf_counter()
-                toks[s].append(streams[s].step())
-                dt = 1e3 * (time.perf_counter() - t0)
-                rm[s].append(dt)
-                ms[s].append(dt)
-        rounds.append({"load_avg": os.getloadavg(), **{f"{s}_ms_median": round(statistics.median(v), 3)
-                                                         for s, v in rm.items()}})
+
+    def use(side: str) -> None:
+        head.qweight_tied = copies[side]
+
+    streams, ms, toks, rounds = rotated_steps(runner, list(copies), use, ids, a, "h")
     out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids)}
     for s, c in copies.items():
         head.qweight_tied = c
@@ -239,28 +254,7 @@ def run_int4_ab(a: argparse.Namespace, q: str) -> dict:
         cpu_int4_vnni.X_PLANES = planes or 2
 
     ids = prompt_ids(a.model)
-    total = a.rounds * a.steps
-    streams, ms, toks = {}, {s: [] for s in sides}, {s: [] for s in sides}
-    for s in sides:
-        use(s)
-        streams[s] = Stream(runner, len(ids), total + 16, rid=f"i{s}", prompt=ids)
-        toks[s].append(streams[s].token)
-        for _ in range(4):  # warm-up
-            toks[s].append(streams[s].step())
-    rounds = []
-    for _r in range(a.rounds):
-        rm: dict = {s: [] for s in sides}
-        for i in range(a.steps):
-            k = i % len(sides)
-            for s in sides[k:] + sides[:k]:
-                use(s)
-                t0 = time.perf_counter()
-                toks[s].append(streams[s].step())
-                dt = 1e3 * (time.perf_counter() - t0)
-                rm[s].append(dt)
-                ms[s].append(dt)
-        rounds.append({"load_avg": os.getloadavg(), **{f"{s}_ms_median": round(statistics.median(v), 3)
-                                                         for s, v in rm.items()}})
+    streams, ms, toks, rounds = rotated_steps(runner, sides, use, ids, a, "i")
     out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids)}
     if a.int4_prefill:  # whole-prompt prefills of synthetic ids, rotated like the steps
         pre: dict = {s: [] for s in sides}
