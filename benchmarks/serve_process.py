@@ -7,7 +7,9 @@ installed: the GPU machine runs from a checkout with PYTHONPATH=.), on a free po
 then SIGKILL of its process group, so nothing it started outlives the benchmark.
 tests/e2e/server.py does the same for the tests, through the console script and psutil.
 A running server answers the benchmarks' reads: its model name, the engine's stats (GET
-/internal/stats) and the spec_decode counters (GET /metrics, benchmarks/spec_stats.py).
+/internal/stats) and the spec_decode counters (GET /metrics, benchmarks/spec_stats.py), and
+one started with --debug-utilities and a speculative config switches its speculation on or
+off (POST /debug/speculation).
 `serve_flags` spells a settings dict as the server's flags.
 """
 
@@ -110,6 +112,15 @@ class ServeProcess:
             return c, "metrics"
         c = spec_stats.spec_counters_from_stats(self.engine_stats())
         return (c, "engine_stats") if c is not None else (None, "none")
+
+    def set_speculation(self, enabled: bool) -> None:
+        """Switch the server's speculative decoding on or off (POST /debug/speculation: the
+        engine's set_speculation utility; the server needs --debug-utilities and a
+        speculative config). Raises RuntimeError when the server does not answer 200."""
+        r = httpx.post(self.base_url + "/debug/speculation", json={"enabled": enabled}, timeout=10.0,
+                       trust_env=False)
+        if r.status_code != 200:
+            raise RuntimeError(f"POST /debug/speculation {{enabled: {enabled}}}: {r.status_code} {r.text}")
 
     def log_tail(self, n: int = 40) -> str:
         """The last n lines of the server's log."""

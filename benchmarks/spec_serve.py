@@ -1,6 +1,7 @@
 """Speculative decoding under concurrent load: n-gram speculation (adaptive policy) against
-no speculation, through the HTTP API of two real `kestrel serve` processes of one run
-(issue 15: "At 32 and 256 concurrent, speculation on is never below 0.97x of off").
+no speculation, through the HTTP API of two real `kestrel serve` processes of one run, or of
+one with its speculation switched per run (--one-server, below) (issue 15: "At 32 and 256
+concurrent, speculation on is never below 0.97x of off").
 
 Servers: two `kestrel serve` subprocesses of the same model and settings, one plain and one
 with `--speculative-config '{"method": "ngram", "num_speculative_tokens": K}'` (K = --k,
@@ -14,6 +15,17 @@ num_blocks is in the JSON. Model: a config of benchmarks/configs (default Qwen3-
 dummy weights and a synthetic tokenizer (as benchmarks/serve_bench.py), bf16 on CUDA, or
 `--model DIR` (a real folder: its weights, tokenizer and chat template); `--tiny`: the
 tiny-qwen3 config on the CPU with small levels, a smoke run.
+`--one-server`: only the spec server is started (with --debug-utilities; on CUDA at
+gpu_memory_utilization --gpu-share, the share each server has in the two-server mode), and
+each run first switches its speculation off for the "plain" side or on for the "spec" side
+(POST /debug/speculation, the engine's set_speculation utility: switched off, the policy
+gives every request k = 0 and looks nothing up, proposes and probes nothing, so the engine
+does the plain work; switched on, it goes on from its learned state, docs/ARCHITECTURE.md
+§5.5). Why: at c256 two servers doing the same work differed by +-10% a round on the H200
+(the spec server's policy had switched speculation off: 0 lookups, 0 verify steps), more
+than the 3% the check has to resolve; one process has no such difference between its sides.
+The plain side's `rounds` then count its speculative work too (lookups, probes,
+spec_steps: 0 where the switch held). The JSON says "one_server": true. Default: two servers.
 
 Workload: the "copy" and "nocopy" prompt sets of benchmarks/spec_prompts.py (repeat a text
 or code with a small edit, where n-gram lookup can draft; open questions, where it cannot),
@@ -32,10 +44,12 @@ copied. A greedy random model mostly follows its own short loops, which n-gram l
 still find (in its output, or by chance in the prompt); acceptance is whatever that gives,
 reported per row, and the rows test the policy's promise (speculation that does not pay
 is switched off, so spec >= 0.97x plain) at that acceptance, not n-gram's gain on real text.
-Order: first a warm-up per server (every level once, both kinds mixed, --warmup-tokens
-(32) each; not measured; it also gives the adaptive policy its step-cost measurements),
-then --repeats (3) rounds of every level and kind, each a pair of runs back to back on
-the two servers, plain first or spec first alternately (by round and by row). Each run
+Order: first a warm-up per server (one-server: per side, its speculation switched for it;
+every level once, both kinds mixed, --warmup-tokens (32) each; not measured; it also gives
+the adaptive policy its step-cost measurements), then --repeats (3) rounds of every level
+and kind, each a pair of runs back to back on the two servers (one-server: on the one
+server, speculation off then on, or on then off), plain first or spec first alternately (by
+round and by row). Each run
 records its wall time and the Triton compiles / CUDA graph captures its server's worker
 met during it (`worker_jit_compiles` of the engine stats, services/worker/jit_watch.py),
 so that a stall shows in the JSON: per row `rounds` {plain, spec}: [{output_tok_per_s,
@@ -65,6 +79,7 @@ status 1 if a request failed or the run was cut short.
 Usage:
   python benchmarks/spec_serve.py [--config qwen3-0.6b] [--concurrency 1 32 256] [--out FILE]
   python benchmarks/spec_serve.py --tiny                                 # CPU smoke run
+  python benchmarks/spec_serve.py --tiny --one-server --repeats 1       # the same on one server
   .venv/bin/python benchmarks/spec_serve.py --model models/SmolLM2-135M-Instruct --device cpu \\
       --concurrency 1 4 --max-tokens 16 --repeats 1
 """
@@ -141,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--policy", choices=["adaptive", "fixed"], default="adaptive")
     ap.add_argument("--gpu-share", type=float, default=0.44, help="GPU memory share of each server")
+    ap.add_argument("--one-server", action="store_true",
+                    help="one spec server, speculation switched off/on per run (module doc)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the highest concurrency")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -162,7 +179,8 @@ def table(res: dict) -> str:
     sc = res["speculative_config"]
     lines = [f"spec_serve: {res['model']} ({res['weights']} weights) on {res['device']}, ngram "
              f"k={sc['num_speculative_tokens']} {sc.get('policy', 'adaptive')}, {res['settings']['api']}, "
-             f"{res['settings']['max_tokens']} tokens, {res['settings']['repeats']} rounds",
+             f"{res['settings']['max_tokens']} tokens, {res['settings']['repeats']} rounds"
+             + (", one server (speculation switched per run)" if res.get("one_server") else ""),
              f"{'conc':>5} {'kind':>7} {'plain tok/s':>11} {'spec tok/s':>11} {'ratio':>6} {'>=thr':>6} "
              f"{'L':>6} {'TTFT p50 ms':>15} {'TPOT p50 ms':>15} {'err':>5} {'jit p/s':>9}  spec s/round"]
     for lv in res["levels"]:
@@ -214,10 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     common = [*serve_flags(settings), "--max-num-waiting", str(max(256, top)), "--shutdown-timeout", "5",
               *a.server_args.split()]
     cuda = a.device != "cpu"
-    share = {"plain": a.gpu_share, "spec": min(1.0, 2 * a.gpu_share)}  # the plain server starts first
-    servers = {side: ServeProcess([*common, *(["--gpu-memory-utilization", str(share[side])] if cuda else []),
-                                   *(["--speculative-config", json.dumps(spec)] if side == "spec" else [])])
-               for side in SIDES}
+    # two servers: the plain one starts first, the spec one gets twice the share, which leaves
+    # it the same (module doc); one server: alone, it gets one share
+    share = {"spec": a.gpu_share} if a.one_server else {"plain": a.gpu_share, "spec": min(1.0, 2 * a.gpu_share)}
+    servers = {name: ServeProcess([*common, *(["--gpu-memory-utilization", str(share[name])] if cuda else []),
+                                   *(["--speculative-config", json.dumps(spec)] if name == "spec" else []),
+                                   *(["--debug-utilities"] if a.one_server else [])])
+               for name in share}
+    serve = {side: servers["spec" if a.one_server else side] for side in SIDES}  # the server of each side
+
+    def switch(side: str) -> None:
+        """One server: speculation off for the plain side, on for the spec side."""
+        if a.one_server:
+            serve[side].set_speculation(side == "spec")
+
     nreq = {c: requests_for(c, a.requests_per_concurrency, a.min_requests) for c in a.concurrency}
     reqs = {c: {kind: request_set(kind, nreq[c], chat, vocab, a.prefix_len, a.seed * 1000003 + 10 * c + i)
                 for i, kind in enumerate(a.kinds)} for c in a.concurrency}
@@ -234,25 +262,27 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     pool = start_pool(procs)
     try:
-        for side in SIDES:  # one after the other: each measures the GPU memory left to it
-            servers[side].start(a.startup_timeout)
-            blocks[side] = servers[side].engine_stats().get("num_blocks")
-        body["model"] = servers["plain"].model_name()
+        for name, srv in servers.items():  # one after the other: each measures the GPU memory left to it
+            srv.start(a.startup_timeout)
+            blocks[name] = srv.engine_stats().get("num_blocks")
+        body["model"] = servers["spec"].model_name()
         if a.warmup_tokens > 0:
             for side in SIDES:
+                switch(side)
                 for c in sorted(a.concurrency):
                     mixed = [r for pair in zip(*(request_set(k, c, chat, vocab, a.prefix_len, -1 - c)
                                                  for k in a.kinds)) for r in pair][:max(c, 2)]
-                    run_level(pool, procs, servers[side].base_url + url_path,
+                    run_level(pool, procs, serve[side].base_url + url_path,
                               {**body, "max_tokens": a.warmup_tokens}, mixed, c, a.request_timeout)
-        jit_warmup = {side: servers[side].engine_stats().get("worker_jit_compiles") for side in SIDES}
+        jit_warmup = {name: srv.engine_stats().get("worker_jit_compiles") for name, srv in servers.items()}
         print(f"servers up and warm after {time.monotonic() - t0:.1f} s (worker compiles since ready: "
               f"{jit_warmup})", file=sys.stderr, flush=True)
         for rnd in range(a.repeats):
             for row, (c, kind) in enumerate((c, k) for c in a.concurrency for k in a.kinds):
                 order = SIDES if (rnd + row) % 2 == 0 else SIDES[::-1]
                 for side in order:
-                    srv = servers[side]
+                    srv = serve[side]
+                    switch(side)
                     before = srv.engine_stats()
                     c_before = srv.spec_counters()[0] if side == "spec" else None
                     w0 = time.monotonic()
@@ -280,21 +310,23 @@ def main(argv: list[str] | None = None) -> int:
         final_stats = {k: v for k, v in servers["spec"].engine_stats().items() if k.startswith("spec")}
         complete = True
     except BaseException as e:
-        for side, srv in servers.items():
+        for name, srv in servers.items():
             if srv.proc is not None:
-                print(f"--- {side} server log tail ({srv.log_path}):\n{srv.log_tail()}", file=sys.stderr)
+                print(f"--- {name} server log tail ({srv.log_path}):\n{srv.log_tail()}", file=sys.stderr)
         if not isinstance(e, (SystemExit, KeyboardInterrupt)):
             raise
     finally:
         for srv in servers.values():
             srv.stop()  # first: requests still in flight then fail at once and the pool can end
         pool.shutdown(wait=True, cancel_futures=True)
-    compiled = {side: sum(x.get("jit_compiles") or 0 for c in rounds for k in rounds[c] for x in rounds[c][k][side])
-                + (jit_warmup.get(side) or 0) for side in SIDES}
-    jit_lines = {side: _serving_compile_lines(srv.log_path) for side, srv in servers.items() if compiled[side]}
+    compiled = {name: (jit_warmup.get(name) or 0)  # per server: its warm-up's and its sides' runs'
+                + sum(x.get("jit_compiles") or 0 for side in SIDES if serve[side] is srv
+                      for c in rounds for k in rounds[c] for x in rounds[c][k][side])
+                for name, srv in servers.items()}
+    jit_lines = {name: _serving_compile_lines(srv.log_path) for name, srv in servers.items() if compiled[name]}
     if complete:
-        for side, srv in servers.items():  # a run that got here needs no server log, unless its
-            if not compiled[side]:         # worker compiled after ready (the warnings name the kernels)
+        for name, srv in servers.items():  # a run that got here needs no server log, unless its
+            if not compiled[name]:         # worker compiled after ready (the warnings name the kernels)
                 os.unlink(srv.log_path)
     levels = []
     rows: dict = {}
@@ -314,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"benchmark": "spec_serve", "date": time.strftime("%Y-%m-%d"),
            "device": device_name() if cuda else "cpu", "cpu_count": os.cpu_count(),
            "model": a.model or a.config, "weights": settings["load_format"], "speculative_config": spec,
+           "one_server": a.one_server,
            "settings": {**{k: v for k, v in settings.items() if k != "model"}, "api": url_path,
                         "gpu_memory_utilization": share if cuda else None, "num_blocks": blocks,
                         "concurrency": a.concurrency, "requests": nreq, "max_tokens": a.max_tokens,
@@ -321,8 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                         "prefix_len": None if chat else a.prefix_len, "repeats": a.repeats,
                         "warmup_tokens": a.warmup_tokens, "client_procs": procs, "seed": a.seed,
                         "server_args": a.server_args,
-                        "order": "both servers up; per round and row plain/spec back to back, alternating "
-                                 "which goes first"},
+                        "order": ("one spec server (--debug-utilities); per round and row speculation off "
+                                  "(plain) / on (spec) back to back (POST /debug/speculation before each run), "
+                                  "alternating which goes first" if a.one_server else
+                                  "both servers up; per round and row plain/spec back to back, alternating "
+                                  "which goes first")},
            "counter_source": source, "levels": levels,
            "verdict": st.verdict(rows, a.check_levels, a.threshold), "policy_final_stats": final_stats,
            "server_startup_seconds": {k: s.startup_seconds for k, s in servers.items()},

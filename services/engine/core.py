@@ -249,7 +249,7 @@ class EngineCore:
                 self.num_sync_plans += 1
             self._in_flight += 1
             if self._busy_since is not None and self.spec is not None:
-                self.spec.cost.observe_overhead(now - self._busy_since)
+                self.spec.observe_overhead(now - self._busy_since)
             self._busy_since = None
         return out
 

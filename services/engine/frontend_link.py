@@ -107,8 +107,8 @@ class FrontendLink:
             eos_token_ids=list(core.info.eos_token_ids), max_num_waiting=self.cfg.max_num_waiting))
 
     def utility(self, msg: P.UtilityCall) -> P.UtilityResult:
-        """Answer a utility call: stats/ping, debug_sleep (with --debug-utilities),
-        reset_prefix_cache; an unknown method is an error result."""
+        """Answer a utility call: stats/ping, debug_sleep and set_speculation (with
+        --debug-utilities), reset_prefix_cache; an unknown method is an error result."""
         if msg.method in ("stats", "ping"):
             return P.UtilityResult(msg.call_id, {**self.core.stats(),
                                                  "num_frontends": len(self.frontends)})
@@ -127,11 +127,31 @@ class FrontendLink:
             self.debug_sleep_s = secs
             log.warning("debug_sleep: the engine will sleep %.1f s inside its next step", secs)
             return P.UtilityResult(msg.call_id, {"ok": True, "seconds": secs})
+        if msg.method == "set_speculation":
+            return self._set_speculation(msg)
         if msg.method == "reset_prefix_cache":
             ok = self.core.reset_prefix_cache()  # False while any block is in use
             log.info("reset_prefix_cache: %s", "done" if ok else "refused, blocks in use")
             return P.UtilityResult(msg.call_id, {"ok": ok})
         return P.UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+
+    def _set_speculation(self, msg: P.UtilityCall) -> P.UtilityResult:
+        """set_speculation {"enabled": bool}, debug only (--debug-utilities): speculation
+        switched off or on at runtime (`SpecPolicy.set_enabled`, docs/ARCHITECTURE.md §5.5),
+        so that a benchmark measures both sides on one server (benchmarks/spec_serve.py
+        --one-server). Error results: debug utilities off, no speculative config, `enabled`
+        not a boolean. Result {"ok": true, "enabled": bool}."""
+        if not self.cfg.debug_utilities:
+            return P.UtilityResult(msg.call_id, error="debug utilities are off (start with --debug-utilities)")
+        spec = self.core.spec
+        if spec is None:
+            return P.UtilityResult(msg.call_id, error="no speculative config")
+        enabled = msg.args.get("enabled")
+        if not isinstance(enabled, bool):
+            return P.UtilityResult(msg.call_id, error="enabled must be true or false")
+        spec.set_enabled(enabled)
+        log.warning("set_speculation: speculation switched %s", "on" if enabled else "off")
+        return P.UtilityResult(msg.call_id, {"ok": True, "enabled": enabled})
 
     # ------------------------------------------------------------------ liveness
 

@@ -52,6 +52,12 @@ services/engine/step_cost.py).
   the synchronous steps (a proposal, then a verify) once per interval: probes of requests
   one by one, each on its own clock, made almost every step at 256 concurrent requests
   synchronous (H200, spec_serve.py: 0.54-0.64x of plain).
+Switched off (`set_enabled(False)`, the engine's set_speculation utility, only with
+--debug-utilities): every decision short-circuits to the plain step's (no k, no lookup, no
+proposal, no probe) and nothing is counted or measured, so the engine does exactly the work
+of a server without speculation; switched on again, the policy goes on from the state it
+had (acceptance, costs, probe interval). benchmarks/spec_serve.py --one-server measures
+both sides on one server this way.
 Counters (`stats`): vLLM's spec_decode_num_drafts (seqs that verified drafts),
 num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, plus proposals, empty
 proposals, probe steps, steps that verified or proposed, n-gram lookups and the lookups that
@@ -121,7 +127,8 @@ class SpecPolicy:
     """k per request and step (module doc), from `cfg` (`--speculative-config`).
 
     async_scheduling: the engine plans ahead when it may (a plain step then hides the
-    engine's own time). cost: the measured step costs, fed by the engine core.
+    engine's own time). cost: the measured step costs, fed by the engine core. enabled:
+    False while speculation is switched off (`set_enabled`, module doc).
     """
 
     def __init__(self, cfg: SpeculativeConfig, async_scheduling: bool):
@@ -130,6 +137,7 @@ class SpecPolicy:
         self.fixed = cfg.policy == "fixed"
         self.async_scheduling = async_scheduling
         self.cost = StepCostModel()
+        self.enabled = True
         self.acceptance = 0.5  # engine-wide moving average: the prior of new requests
         # counters (cumulative)
         self.num_drafts = 0
@@ -157,6 +165,13 @@ class SpecPolicy:
         self._room: int | None = None
         self.last: dict = {}
 
+    def set_enabled(self, enabled: bool) -> None:
+        """Switch speculation on or off at runtime (module doc): off, every request's k is 0
+        and nothing is looked up, proposed, probed, counted or measured; on again, the
+        learned state (acceptance, costs, probe interval) is used as it was. Seqs planned
+        before the switch still report their results (`observe_result`: that work ran)."""
+        self.enabled = bool(enabled)
+
     def state(self, req: Request) -> SpecState:
         """The request's state, made on first use from the engine-wide prior."""
         st = req.spec
@@ -174,7 +189,11 @@ class SpecPolicy:
         leaves room for (None: no bound); the adaptive choice stays within it (drafts past
         it would displace decodes or prefill tokens, which their gains do not count).
         mixed: prefill tokens are expected in it (its plain cost is the mixed curve's,
-        services/engine/step_cost.py)."""
+        services/engine/step_cost.py). Switched off: nothing (no probe step, and the probe
+        interval does not advance)."""
+        self._probe_step = False
+        if not self.enabled:
+            return
         self._n, self._b = max(1, num_tokens), max(1, num_sampled)
         self._room = room
         self._a_star = None
@@ -182,7 +201,6 @@ class SpecPolicy:
         self._mixed = mixed
         self._base = self._plain_rate(self._n, mixed)
         self._pays = None
-        self._probe_step = False
         if not self.fixed:
             self._since_probe += 1
             if self._since_probe >= self._probe_interval and self.could_pay():
@@ -268,7 +286,9 @@ class SpecPolicy:
 
     def choose(self, cands: list[tuple[Request, int]]) -> dict[str, int]:
         """k per request id for `cands` ((request, usable drafts) of this step's decodes that
-        hold drafts); requests left out verify none (module doc)."""
+        hold drafts); requests left out verify none (module doc). Switched off: none."""
+        if not self.enabled:
+            return {}
         room = self._room
         if self.fixed:
             return {r.request_id: u for r, u in cands if u > 0}
@@ -330,7 +350,10 @@ class SpecPolicy:
     def may_ask(self, req: Request) -> bool:
         """Whether `req`, holding no drafts, could ask for some after this step (`num_propose`
         with k 0 and a positive limit would be > 0): the scheduler's cheap test, so that a
-        step in which nobody speculates costs the engine nearly what a plain one does."""
+        step in which nobody speculates costs the engine nearly what a plain one does.
+        Switched off: False."""
+        if not self.enabled:
+            return False
         if self.fixed or self._probe_step:
             return True
         st = req.spec
@@ -340,7 +363,10 @@ class SpecPolicy:
     def lookups_quiet(self) -> bool:
         """Whether `wants_lookup` holds in this step only for requests whose probe is on its
         way or that verified drafts last time: not "fixed", no probe step, and no acceptance
-        would pay on its own at this batch (break-even above 1)."""
+        would pay on its own at this batch (break-even above 1). Switched off: True (and
+        `wants_lookup` is False for all)."""
+        if not self.enabled:
+            return True
         return not self.fixed and not self._probe_step and self.break_even_acceptance() > 1.0
 
     def wants_lookup(self, req: Request, exact: bool) -> bool:
@@ -351,7 +377,9 @@ class SpecPolicy:
         drafts may verify now (no token in flight); when not, a hit makes the next plan wait
         for the results in flight, which a request whose drafts `choose` declined last time
         does not do (it is looked up only in steps planned after their results, and in
-        probe steps)."""
+        probe steps). Switched off: False."""
+        if not self.enabled:
+            return False
         if self.fixed or self._probe_step:
             return True
         st = req.spec
@@ -388,8 +416,8 @@ class SpecPolicy:
     def num_propose(self, req: Request, k: int, limit: int, declined: bool = False) -> int:
         """Drafts `req` asks for after this step's seq (which verifies k drafts); at most
         `limit` (what it could still use). declined: it held drafts and `choose` took none
-        (then it asks only in a probe step)."""
-        if limit <= 0:
+        (then it asks only in a probe step). Switched off: 0."""
+        if limit <= 0 or not self.enabled:
             return 0
         n = min(self.kmax, limit)
         if self.fixed:
@@ -433,8 +461,16 @@ class SpecPolicy:
 
     def observe_step(self, tokens: int, seconds: float, speculative: bool, mixed: bool = False) -> None:
         """A step of `tokens` tokens (drafts included) took `seconds`; speculative: a seq
-        verified or proposed; mixed: it ran a prefill chunk."""
-        self.cost.observe(tokens, seconds, speculative, mixed)
+        verified or proposed; mixed: it ran a prefill chunk. Not measured while switched off
+        (the policy's state stays as it was, module doc)."""
+        if self.enabled:
+            self.cost.observe(tokens, seconds, speculative, mixed)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """The engine spent `seconds` between a step's result and the next plan
+        (`StepCostModel.overhead`); not measured while switched off."""
+        if self.enabled:
+            self.cost.observe_overhead(seconds)
 
     def stats(self) -> dict:
         """Counters, inputs and the last choice (module doc), for `EngineCore.stats`."""
@@ -442,6 +478,7 @@ class SpecPolicy:
         return {
             "spec_method": self.cfg.method, "spec_policy": self.cfg.policy,
             "spec_num_speculative_tokens": self.kmax,
+            "spec_disabled": not self.enabled,
             "spec_decode_num_drafts": self.num_drafts,
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,

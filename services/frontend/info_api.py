@@ -1,13 +1,15 @@
 """The routes about the server itself: GET /v1/models, GET /v1/models/{model}, GET /health,
 GET /metrics, GET /openapi.json, GET /internal/stats, POST /reset_prefix_cache, and with
---debug-utilities POST /debug/sleep.
+--debug-utilities POST /debug/sleep and POST /debug/speculation.
 
 Model cards follow OpenAI's `model` object, with Kestrel's `max_model_len`. /health is 200
 only while the engine answers (engine_client.py says when). /metrics is Prometheus text
 (metrics.py); it and /health are open without a key (auth.py). /internal/stats answers only
 loopback clients. `POST /debug/sleep {"seconds": N}` (only with --debug-utilities, only
 from loopback): the engine sleeps inside its next step for N seconds (a hang, for watchdog
-tests).
+tests). `POST /debug/speculation {"enabled": false|true}` (the same conditions): the engine
+switches speculative decoding off or on (its set_speculation utility), so that a benchmark
+measures both sides on one server (benchmarks/spec_serve.py --one-server).
 """
 
 from __future__ import annotations
@@ -120,6 +122,30 @@ class InfoServing:
                             400, media_type="application/json")
         try:
             result = await self.ctx.engine.call_utility("debug_sleep", {"seconds": secs},
+                                                        timeout=5.0)
+        except EngineCallError as e:
+            return Response(orjson.dumps({"error": str(e)}), 400, media_type="application/json")
+        except (EngineUnavailable, TimeoutError) as e:
+            return Response(orjson.dumps({"error": f"engine unavailable: {e}"}), 503,
+                            media_type="application/json")
+        return Response(orjson.dumps(result), media_type="application/json")
+
+    async def debug_speculation(self, request: Request) -> Response:
+        """POST /debug/speculation {"enabled": true|false}: the engine's set_speculation
+        utility (docs/ARCHITECTURE.md §5.5). Loopback only (404 otherwise). 200 with the
+        engine's result ({"ok": true, "enabled": bool}); 400 for a bad body or a refused call
+        (e.g. "no speculative config"); 503 when the engine does not answer within 5 s."""
+        if not _is_loopback(request):
+            return Response(b'{"error": "not found"}', 404, media_type="application/json")
+        try:
+            enabled = orjson.loads(await request.body())["enabled"]
+            if not isinstance(enabled, bool):
+                raise TypeError(f"enabled is {type(enabled).__name__}, not a boolean")
+        except (ValueError, KeyError, TypeError) as e:
+            return Response(orjson.dumps({"error": f"body must be {{\"enabled\": true|false}}: {e}"}),
+                            400, media_type="application/json")
+        try:
+            result = await self.ctx.engine.call_utility("set_speculation", {"enabled": enabled},
                                                         timeout=5.0)
         except EngineCallError as e:
             return Response(orjson.dumps({"error": str(e)}), 400, media_type="application/json")

@@ -120,8 +120,12 @@ def routes(cfg: KestrelConfig) -> list[Route]:
         Route("/internal/stats", _bind("internal_stats", lambda s: s.info.internal_stats),
               methods=["GET"]),
     ]
-    if cfg.debug_utilities:  # debug-only: the engine sleeps in a step (watchdog tests)
+    if cfg.debug_utilities:  # debug-only: the engine sleeps in a step (watchdog tests), and
+        # speculation switched at runtime (benchmarks/spec_serve.py --one-server)
         table.append(Route("/debug/sleep", _bind("debug_sleep", lambda s: s.info.debug_sleep),
+                           methods=["POST"]))
+        table.append(Route("/debug/speculation",
+                           _bind("debug_speculation", lambda s: s.info.debug_speculation),
                            methods=["POST"]))
     return table
 
