@@ -120,9 +120,13 @@ class InfoServing:
         except (ValueError, KeyError, TypeError) as e:
             return Response(orjson.dumps({"error": f"body must be {{\"seconds\": N}}: {e}"}),
                             400, media_type="application/json")
+        return await self._debug_call("debug_sleep", {"seconds": secs})
+
+    async def _debug_call(self, method: str, args: dict) -> Response:
+        """A debug route's engine utility call: 200 with its result, 400 for a refused call,
+        503 when the engine does not answer within 5 s."""
         try:
-            result = await self.ctx.engine.call_utility("debug_sleep", {"seconds": secs},
-                                                        timeout=5.0)
+            result = await self.ctx.engine.call_utility(method, args, timeout=5.0)
         except EngineCallError as e:
             return Response(orjson.dumps({"error": str(e)}), 400, media_type="application/json")
         except (EngineUnavailable, TimeoutError) as e:
@@ -144,12 +148,4 @@ class InfoServing:
         except (ValueError, KeyError, TypeError) as e:
             return Response(orjson.dumps({"error": f"body must be {{\"enabled\": true|false}}: {e}"}),
                             400, media_type="application/json")
-        try:
-            result = await self.ctx.engine.call_utility("set_speculation", {"enabled": enabled},
-                                                        timeout=5.0)
-        except EngineCallError as e:
-            return Response(orjson.dumps({"error": str(e)}), 400, media_type="application/json")
-        except (EngineUnavailable, TimeoutError) as e:
-            return Response(orjson.dumps({"error": f"engine unavailable: {e}"}), 503,
-                            media_type="application/json")
-        return Response(orjson.dumps(result), media_type="application/json")
+        return await self._debug_call("set_speculation", {"enabled": enabled})

@@ -299,6 +299,20 @@ def main() -> None:
                     same = same and torch.equal(got[i:i + 1], gemv.gemv_triton(xin[i:i + 1], ws, **one, **kw))
         zeroed = all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
         out[f"gemv_rows_{name}"] = max(errs) if zeroed and same else float("inf")
+        # xn_out (a MoE layer's router, services.worker.layers.moe): the normalised rows the product
+        # used, stored by the first row tile's programs over every K split into a NaN-poisoned
+        # buffer; y unchanged by it, and the plain product of those rows equal to y
+        errs, same = [], True
+        for m, n, k, kw in ((1, 37, 100, {}), (2, 70, 300, {"split": 3, "block_n": 8}), (1, 9, 1000, {"split": 4})):
+            xs = torch.randn(m, k, generator=gen).to(dt)
+            ws = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
+            nw = (1 + 0.3 * torch.randn(k, generator=gen)).to(dt)
+            xn = torch.full((m, k), float("nan")).to(dt)
+            got = gemv.gemv_triton(xs, ws, norm_weight=nw, eps=1e-5, xn_out=xn, **kw)
+            same = same and torch.equal(got, gemv.gemv_triton(xs, ws, norm_weight=nw, eps=1e-5, **kw))
+            same = same and torch.equal(got, gemv.gemv_triton(xn, ws, **kw))
+            errs.append(rel(xn, norm.rms_norm_ref(xs.float(), nw.float(), 1e-5)))
+        out[f"gemv_xn_out_{name}"] = max(errs) if same else float("inf")
         # a CUDA graph's pending input ids: -(j + 1) = row j of the last draw (in place)
         ids = torch.tensor([5, pending_ids.encode_pending(2), 0, pending_ids.encode_pending(0), 7])
         last = torch.tensor([11, 12, 13])
