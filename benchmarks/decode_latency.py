@@ -95,7 +95,7 @@ from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
-from services.worker.models import qwen3_next  # noqa: E402
+from services.worker.models import qwen3_moe, qwen3_next  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
@@ -121,13 +121,14 @@ GREEDY = SamplingParams(temperature=0.0)
 # the one-row kernel's summing program loads at a time; 8 before 2026-12-03); fuse_one_row
 # (services.worker.fusion.FUSE_ONE_ROW: one-row steps on the fused layer path, for Qwen3-MoE
 # since 2026-12-07: the MoE layers' norm in the router's gemv and the residual add in the
-# experts' down kernel); moe_gate_up (kernels.moe_decode_triton.GATE_UP: the MoE decode path's gate_up
+# experts' down kernel), fuse_moe_layers (services.worker.models.qwen3_moe.FUSE_MOE_LAYERS: whether
+# Qwen3-MoE offers its layers to that path at all); moe_gate_up (kernels.moe_decode_triton.GATE_UP: the MoE decode path's gate_up
 # as the grouped GEMM after the router + alignment program, or as a one-row kernel that routes
 # each token itself, with the down kernel routing too: two launches).
 KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
               "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm",
               "moe_decode_tuned", "fp8_one_row", "fuse_quantized", "fp8_tuned", "w4_tuned", "w4_sum_chunk",
-              "fuse_one_row", "moe_gate_up")
+              "fuse_one_row", "fuse_moe_layers", "moe_gate_up")
 VARIANTS: dict[str, dict] = {
     # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
     # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
@@ -161,9 +162,12 @@ VARIANTS: dict[str, dict] = {
     "q_unfused": {"fp8_one_row": "gemv", "fuse_quantized": False, "fp8_tuned": True, "w4_tuned": True,
                   "w4_sum_chunk": 16},
     # the fused layer path at one row (a MoE model's too) against the unfused layers
-    "layers_fused": {"fuse_one_row": True}, "layers_unfused": {"fuse_one_row": False},
-    # the MoE decode path's gate_up: grouped GEMM (three launches) or routed one-row kernels (two)
-    "moe_gate_up_grouped": {"moe_gate_up": "grouped"}, "moe_gate_up_gemv": {"moe_gate_up": "gemv"}}
+    # (the MoE decode path's gate_up: grouped GEMM after the router + alignment program, three
+    # launches; or routed one-row kernels, two; set in each, so that none depends on the defaults)
+    "layers_fused": {"fuse_one_row": True, "fuse_moe_layers": True, "moe_gate_up": "grouped"},
+    "layers_unfused": {"fuse_one_row": False, "fuse_moe_layers": False, "moe_gate_up": "grouped"},
+    "moe_gate_up_grouped": {"moe_gate_up": "grouped"}, "moe_gate_up_gemv": {"moe_gate_up": "gemv"},
+    "layers_fused_gemv": {"fuse_one_row": True, "fuse_moe_layers": True, "moe_gate_up": "gemv"}}
 assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
@@ -184,7 +188,8 @@ def read_knobs() -> dict:
             "moe_decode_tuned": moe_decode_triton.USE_TUNED, "fp8_one_row": fp8_gemv.ONE_ROW,
             "fuse_quantized": fusion.FUSE_QUANTIZED_ONE_ROW, "fp8_tuned": fp8_gemv.USE_PLANS,
             "w4_tuned": w4a16_gemv.USE_PLANS, "w4_sum_chunk": w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"],
-            "fuse_one_row": fusion.FUSE_ONE_ROW, "moe_gate_up": moe_decode_triton.GATE_UP}
+            "fuse_one_row": fusion.FUSE_ONE_ROW, "fuse_moe_layers": qwen3_moe.FUSE_MOE_LAYERS,
+            "moe_gate_up": moe_decode_triton.GATE_UP}
 
 
 def variant_knobs(name: str, baseline: dict) -> dict:
@@ -207,7 +212,7 @@ def set_knobs(k: dict) -> None:
     fp8_gemv.ONE_ROW, fusion.FUSE_QUANTIZED_ONE_ROW = k["fp8_one_row"], k["fuse_quantized"]
     fp8_gemv.USE_PLANS, w4a16_gemv.USE_PLANS = k["fp8_tuned"], k["w4_tuned"]
     w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"] = k["w4_sum_chunk"]
-    fusion.FUSE_ONE_ROW = k["fuse_one_row"]
+    fusion.FUSE_ONE_ROW, qwen3_moe.FUSE_MOE_LAYERS = k["fuse_one_row"], k["fuse_moe_layers"]
     moe_decode_triton.GATE_UP = k["moe_gate_up"]
 
 

@@ -4,7 +4,7 @@
 # input, xn_out; the residual add in the MoE down kernel) and the two-launch MoE decode path
 # (kernels.moe_decode_triton.GATE_UP "gemv": gate_up and down kernels that route each token themselves).
 #   1. their GPU tests (tests/gpu/test_fused_linear_gpu.py -k "moe or gemv_with_norm", tests/gpu/test_moe_gpu.py)
-#   2. benchmarks/decode_latency.py --ab layers_unfused layers_fused moe_gate_up_gemv, two rounds in one
+#   2. benchmarks/decode_latency.py --ab layers_unfused layers_fused layers_fused_gemv, two rounds in one
 #      process (the graphs captured again before each): the old path, the new default, and the two-launch MoE
 #   3. benchmarks/moe_decode_sweep.py --stages gemv at T = 1: the two-launch path's plans
 #   4. PART=all: the int8 KV GPU tests too (tests/gpu/test_int8_kv_gpu.py, as scripts/gpu_fp8kv_check.sh tests)
@@ -20,7 +20,7 @@ UTIL=$([ "${MEM_MIB:-0}" -gt 100000 ] && echo 0.75 || echo 0.92)
 run tests_moe_fused "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_fused_linear_gpu.py -k "moe or gemv_with_norm" tests/gpu/test_moe_gpu.py
 run decode_ab_layers "${AB_TIMEOUT:-200}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
-  --gpu-memory-utilization "$UTIL" --ab layers_unfused layers_fused moe_gate_up_gemv --ab-rounds 2 \
+  --gpu-memory-utilization "$UTIL" --ab layers_unfused layers_fused layers_fused_gemv --ab-rounds 2 \
   --out "$OUT/decode_ab_layers_qwen3-30b-a3b.json"
 run moe_sweep_gemv "${SWEEP_TIMEOUT:-90}" python3 benchmarks/moe_decode_sweep.py --config qwen3-30b-a3b --tokens 1 \
   --stages gemv --out "$OUT/moe_decode_sweep_gemv_qwen3-30b-a3b.json"

@@ -21,7 +21,7 @@ from kernels import attention_triton as at
 from kernels import fp8_gemv, gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode, w4a16_gemv
 from services.worker import fusion
 from services.worker.layers import gated_deltanet
-from services.worker.models import qwen3_next
+from services.worker.models import qwen3_moe, qwen3_next
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKINNY = linear.SKINNY_MAX_WEIGHT
@@ -49,10 +49,11 @@ EXPECTED = {
               "sum_chunk": 16},
     "q_unfused": {"ONE_ROW": "gemv", "FUSE_QUANTIZED_ONE_ROW": False, "FP8_PLANS": True, "W4_PLANS": True,
                   "sum_chunk": 16},
-    "layers_fused": {"FUSE_ONE_ROW": True},
-    "layers_unfused": {"FUSE_ONE_ROW": False},
+    "layers_fused": {"FUSE_ONE_ROW": True, "FUSE_MOE_LAYERS": True, "GATE_UP": "grouped"},
+    "layers_unfused": {"FUSE_ONE_ROW": False, "FUSE_MOE_LAYERS": False, "GATE_UP": "grouped"},
     "moe_gate_up_grouped": {"GATE_UP": "grouped"},
     "moe_gate_up_gemv": {"GATE_UP": "gemv"},
+    "layers_fused_gemv": {"FUSE_ONE_ROW": True, "FUSE_MOE_LAYERS": True, "GATE_UP": "gemv"},
 }
 
 
@@ -65,6 +66,7 @@ def state() -> dict:
          "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
          "W4_PLANS": w4a16_gemv.USE_PLANS, "w4": dict(w4a16_gemv.GEMV1_DEFAULTS),
          "FUSE_ONE_ROW": fusion.FUSE_ONE_ROW, "GATE_UP": moe_decode_triton.GATE_UP,
+         "FUSE_MOE_LAYERS": qwen3_moe.FUSE_MOE_LAYERS,
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -95,7 +97,7 @@ def isolated(monkeypatch):
                       (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
                       (moe_decode_triton, "USE_TUNED"), (fp8_gemv, "ONE_ROW"), (fusion, "FUSE_QUANTIZED_ONE_ROW"),
                       (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS"), (fusion, "FUSE_ONE_ROW"),
-                      (moe_decode_triton, "GATE_UP")):
+                      (moe_decode_triton, "GATE_UP"), (qwen3_moe, "FUSE_MOE_LAYERS")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))

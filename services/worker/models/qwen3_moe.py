@@ -23,6 +23,12 @@ from services.worker.models.qwen3 import Qwen3ForCausalLM
 from shared.model_spec import ModelSpec
 
 
+# MoE layers on the fused layer path (`Qwen3MoeForCausalLM.fusable_projections`); False keeps
+# Qwen3-MoE unfused, the path before 2026-12-07 (benchmarks/decode_latency.py variants
+# layers_unfused / layers_fused). Read when the runner chooses its FusionPlan.
+FUSE_MOE_LAYERS = True
+
+
 def num_experts(hf_config) -> int:
     """Routed experts per MoE layer: config.json `num_experts` (the published files) or
     `num_local_experts` (what transformers 5 writes for the same field); 0 when neither."""
@@ -55,9 +61,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         projections and the first MoE layer's router (the MoE block's fused path,
         `SparseMoeBlock.forward_fused`), with the first dense layer's MLP projections when
         `mlp_only_layers` / `decoder_sparse_step` leave some; dense weights as tensors, quantized
-        ones as their weight objects (the fusion plan asks their kernels)."""
+        ones as their weight objects (the fusion plan asks their kernels). [] with FUSE_MOE_LAYERS off."""
         layers = self.model.decoder_layers
-        if not layers:
+        if not layers or not FUSE_MOE_LAYERS:
             return []
         a = layers[0].self_attn
         out = [p.weight if p.qweight is None else p.qweight for p in (a.qkv_proj, a.o_proj)]
