@@ -270,6 +270,9 @@ def test_one_moe_layer_fused_matches_unfused_at_decode(one_moe_layer_runner, bat
     # the MoE layer on the fused path (SparseMoeBlock.forward_fused: the norm in the router's gemv,
     # xn_out for the experts, the residual in the decode path's down kernel; 12 tokens take the
     # five-launch MoE path and the add after it) against the unfused layer, same step
+    from services.worker.models import qwen3_moe
+
+    monkeypatch.setattr(qwen3_moe, "FUSE_MOE_LAYERS", True)  # whatever the default
     assert len(one_moe_layer_runner.model.fusable_projections()) == 3  # qkv, o, the router
     xn_calls = []
     real = gemv.gemv_triton

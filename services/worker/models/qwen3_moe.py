@@ -24,9 +24,10 @@ from shared.model_spec import ModelSpec
 
 
 # MoE layers on the fused layer path (`Qwen3MoeForCausalLM.fusable_projections`); False keeps
-# Qwen3-MoE unfused, the path before 2026-12-07 (benchmarks/decode_latency.py variants
+# Qwen3-MoE unfused, the path before 2026-12-07. Off until timed on a GPU (built 2026-12-07 with
+# no device machine to be had: scripts/gpu_moe_fused.sh, benchmarks/decode_latency.py variants
 # layers_unfused / layers_fused). Read when the runner chooses its FusionPlan.
-FUSE_MOE_LAYERS = True
+FUSE_MOE_LAYERS = False
 
 
 def num_experts(hf_config) -> int:
