@@ -9,7 +9,8 @@
 #   3. benchmarks/moe_decode_sweep.py --stages gemv at T = 1: the two-launch path's plans
 #   4. PART=all: the int8 KV GPU tests too (tests/gpu/test_int8_kv_gpu.py, as scripts/gpu_fp8kv_check.sh tests)
 # Everything lands under $OUT (default ./gpu_out): env.txt, bench.log, decode_ab_layers_qwen3-30b-a3b.json,
-# moe_decode_sweep_gemv_qwen3-30b-a3b.json. Run from the repo root:  bash scripts/gpu_moe_fused.sh [all|moe]
+# moe_decode_sweep_gemv_qwen3-30b-a3b.json. Run from the repo root:  bash scripts/gpu_moe_fused.sh [all|moe|ab]
+# (ab: 1 and 2 only, about 5 minutes)
 set -u
 PART=${1:-all}
 # shellcheck source=scripts/gpu_env.sh
@@ -22,6 +23,7 @@ run tests_moe_fused "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovi
 run decode_ab_layers "${AB_TIMEOUT:-200}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
   --gpu-memory-utilization "$UTIL" --ab layers_unfused layers_fused layers_fused_gemv --ab-rounds 2 \
   --out "$OUT/decode_ab_layers_qwen3-30b-a3b.json"
+[ "$PART" = ab ] && exit 0
 run moe_sweep_gemv "${SWEEP_TIMEOUT:-90}" python3 benchmarks/moe_decode_sweep.py --config qwen3-30b-a3b --tokens 1 \
   --stages gemv --out "$OUT/moe_decode_sweep_gemv_qwen3-30b-a3b.json"
 if [ "$PART" = all ]; then
