@@ -24,6 +24,10 @@ from the chat prompt, as --head-ab (rounds, the order rotated every step, median
 averages, greedy ids and ratios against the first side, one profiled step of each side);
 --int4-prefill N also times N-token prefills of each side (--int4-prefill-reps a side, rotated).
 
+With --call-ab the steps rotate between the model modules' call through `nn.Module.__call__`
+(torch's hook dispatch, "nn_call") and `services.worker.layers.module.Module`'s direct call
+("direct_call"), as --int4-ab (the same JSON per side and ratios against nn_call).
+
 With --levels (one --quantization scheme; benchmarks/cpu_serve_levels.py) it times batch-1
 greedy decode of --tokens tokens from the chat prompt of benchmarks/cpu_decode.py at three
 levels, in one run, --rounds
@@ -268,6 +272,13 @@ def run_int4_ab(a: argparse.Namespace, q: str) -> dict:
         out["prefill"] = {"tokens": a.int4_prefill, "load_avg": os.getloadavg(),
                           **{f"{s}_ms": [round(v, 1) for v in pre[s]] for s in sides},
                           **{f"{s}_ms_median": round(statistics.median(pre[s]), 1) for s in sides}}
+    return side_summary(out, sides, use, streams, ms, toks, rounds)
+
+
+def side_summary(out: dict, sides: list[str], use, streams: dict, ms: dict, toks: dict, rounds: list) -> dict:
+    """`rotated_steps`' results into out: per side the median and min ms a step and one profiled
+    step; per side after the first, "<side>_vs_<first>": greedy ids equal (and the common
+    prefix), the speedup of the medians and of each round's. Returns out."""
     for s in sides:
         use(s)
         out[s] = {"ms_per_step_median": round(statistics.median(ms[s]), 3), "ms_per_step_min": round(min(ms[s]), 3),
@@ -282,6 +293,31 @@ def run_int4_ab(a: argparse.Namespace, q: str) -> dict:
     return out
 
 
+def run_call_ab(a: argparse.Namespace, q: str) -> dict:
+    """--call-ab for scheme q (module doc): the model modules' call through nn.Module's (hook
+    dispatch) against services.worker.layers.module.Module's direct call, rotated step by step."""
+    from torch import nn
+
+    from benchmarks.cpu_decode import prompt_ids
+    from services.worker.layers.module import Module
+
+    runner, load_s = load_runner({"model": a.model, "device": "cpu", "quantization": q,
+                                  "num_threads": a.threads, "max_model_len": 4096})
+    direct = Module.__call__
+    calls = {"nn_call": nn.Module.__call__, "direct_call": direct}
+
+    def use(side: str) -> None:
+        Module.__call__ = calls[side]  # type: ignore[method-assign]
+
+    ids = prompt_ids(a.model)
+    try:
+        streams, ms, toks, rounds = rotated_steps(runner, list(calls), use, ids, a, "c")
+        out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids)}
+        return side_summary(out, list(calls), use, streams, ms, toks, rounds)
+    finally:
+        Module.__call__ = direct  # type: ignore[method-assign]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
@@ -293,6 +329,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--head-ab", action="store_true", help="tied head int8 vs w8a8, step by step (module doc)")
     ap.add_argument("--int4-ab", action="store_true", help="int4 tinygemm vs VNNI, step by step (module doc)")
+    ap.add_argument("--call-ab", action="store_true",
+                    help="nn.Module's call vs layers.module.Module's direct call, step by step (module doc)")
     ap.add_argument("--int4-sides", nargs="+", default=["tinygemm", "vnni2"], choices=sorted(INT4_SIDES),
                     help="with --int4-ab: the sides, the first the base of the ratios")
     ap.add_argument("--int4-prefill", type=int, default=0,
@@ -319,6 +357,12 @@ def main() -> int:
         res = {"benchmark": "cpu_decode_profile --int4-ab", "date": time.strftime("%Y-%m-%d"),
                "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
                "schemes": {q: run_int4_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
+        emit_json(res, a.out)
+        return 0
+    if a.call_ab:
+        res = {"benchmark": "cpu_decode_profile --call-ab", "date": time.strftime("%Y-%m-%d"),
+               "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
+               "schemes": {q: run_call_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
         emit_json(res, a.out)
         return 0
     if a.head_ab:

@@ -10,9 +10,10 @@ from kernels.cpu_linear import dense_linear_onednn, packed_linear
 from kernels import cpu_quant_linear
 from kernels.cpu_quant_linear import QuantWeight
 from services.worker.layers.linear import pack_cpu_weight, quantize_cpu_weight, to_cpu_gemm_layout
+from services.worker.layers.module import Module
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(Module):
     """weight [vocab, hidden]; input_ids [num_tokens] int64 -> [num_tokens, hidden]."""
 
     def __init__(self, vocab_size: int, hidden: int):
@@ -23,7 +24,7 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(Module):
     """Logits of the given hidden states: [n, hidden] -> [n, vocab] fp32.
 
     tie_to: an embedding whose weight this head shares (tied embeddings), or None for a

@@ -40,6 +40,7 @@ from kernels.gdn_decode import conv1d_update_slots, gated_delta_rule_decode_slot
 from kernels.norm import rms_norm_gated
 from services.worker.layers.linear import Linear
 from services.worker.state_cache import StepState
+from services.worker.layers.module import Module
 
 # Decode steps update the state slots in place (`GatedDeltaNet._decode`). False: the earlier
 # path, kept for A/B measurement (benchmarks/decode_latency.py --variants): the step's states
@@ -64,7 +65,7 @@ class StateShape:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-class _ConvWeight(nn.Module):
+class _ConvWeight(Module):
     """Holds the checkpoint's `conv1d.weight` [C, 1, W] (a depthwise nn.Conv1d's layout)."""
 
     def __init__(self, channels: int, width: int):
@@ -72,7 +73,7 @@ class _ConvWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, width), requires_grad=False)
 
 
-class RMSNormGated(nn.Module):
+class RMSNormGated(Module):
     """Per-head gated RMSNorm with weight [head_v_dim] (`kernels.norm.rms_norm_gated_ref`)."""
 
     def __init__(self, dim: int, eps: float):
@@ -84,7 +85,7 @@ class RMSNormGated(nn.Module):
         return rms_norm_gated(x, gate, self.weight, self.eps)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(Module):
     """Qwen3-Next's linear-attention layer over a varlen batch, carrying per-sequence state.
 
     hidden_size H; num_k_heads Hk and num_v_heads Hv (Hv a multiple of Hk: each key head

@@ -20,9 +20,10 @@ from kernels.norm import rms_norm
 from kernels.w4a16_linear import W4Weight
 from services.worker.layers.fp8 import Fp8Stash, process_fp8
 from services.worker.layers.w4a16 import process_w4
+from services.worker.layers.module import Module
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """y = x @ W.T (+ b).
 
     in_features: columns of W. out_features: rows of W, or a list of shard row counts whose

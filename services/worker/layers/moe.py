@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels.moe import fused_moe, moe_block, topk_softmax
 from services.worker.layers.linear import Linear
+from services.worker.layers.module import Module
 
 __all__ = ["EXPERT_PARAMS", "FusedMoE", "SparseMoeBlock", "expert_shard", "topk_softmax"]
 
@@ -54,7 +55,7 @@ def _stacked(num_experts: int, rows: int, cols: int, shard_sizes: list[int] | No
     return p
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(Module):
     """The experts of one MoE layer. forward(x [T, H], topk_weights [T, k] fp32,
     topk_ids [T, k] int64) -> [T, H] in x's dtype: sum over j of topk_weights[t, j] times
     expert topk_ids[t, j]'s down(silu(gate(x)) * up(x)). Build under the target device and
@@ -82,7 +83,7 @@ class FusedMoE(nn.Module):
         return moe_block(x, router_logits, self.w13_weight, self.w2_weight, top_k, renormalize, shared, residual)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(Module):
     """A decoder layer's MoE MLP: the router's projection `gate` (a Linear [E, H], no
     bias), softmax top-k routing (`kernels.moe.topk_softmax`) and the experts (`FusedMoE`); the
     parameter names are the Qwen3-MoE checkpoints' (`mlp.gate.weight`, `mlp.experts.<e>.*`

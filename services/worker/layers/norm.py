@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from kernels.norm import fused_add_rms_norm, rms_norm
+from services.worker.layers.module import Module
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """RMSNorm with weight [hidden] (uninitialised until loaded).
 
     forward(x) -> rms_norm(x); forward(x, residual) -> (rms_norm(x + residual), x + residual).

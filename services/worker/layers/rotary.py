@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kernels.rotary import rope_cos_sin, rope_inv_freq
+from services.worker.layers.module import Module
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """RoPE for one model (all layers share one instance).
 
     rot_dim: rotated dims per head (head_dim unless partial rotary). theta: rope_theta.

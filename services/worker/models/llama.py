@@ -36,6 +36,7 @@ from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from shared.model_spec import ModelSpec
+from services.worker.layers.module import Module
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class LlamaArgs:
         )
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     """GQA self-attention of layer `layer_idx`: the qkv projection, the step's attention
     backend, the o projection. With a.qk_norm, the q_norm / k_norm weights the backend
     applies (parameters `self_attn.q_norm.weight`, `self_attn.k_norm.weight`)."""
@@ -121,7 +122,7 @@ class LlamaAttention(nn.Module):
                              1e-6 if qn is None else qn.eps)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.gate_up_proj = Linear(a.hidden_size, [a.intermediate_size] * 2, a.mlp_bias)
@@ -138,7 +139,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(gu, silu_mul=True, residual=h)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     """One decoder layer: attention, then the MLP (`mlp`: a LlamaMLP by default; a family
     may give another module with forward(x [T, hidden]) -> [T, hidden], e.g. a MoE block,
     which then runs on the unfused path only)."""
@@ -169,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
         return cast(LlamaMLP, self.mlp).forward_fused(h, self.post_attention_layernorm)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     """The decoder stack. mlp_for_layer(i): layer i's MLP module, None for a LlamaMLP."""
 
     def __init__(self, a: LlamaArgs, max_positions: int,
@@ -221,7 +222,7 @@ class LlamaModel(nn.Module):
         return out, torch.cat([taps[i] for i in layers], dim=-1)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     """The whole model (a `services.worker.models.base.CausalLM`). Build it under the target
     device and default dtype; the loader fills its (uninitialised) parameters.
 

@@ -48,6 +48,7 @@ from services.worker.models.llama import LlamaArgs, LlamaMLP
 from services.worker.models.qwen3_moe import is_moe_layer, num_experts
 from services.worker.state_cache import StateSpec
 from shared.model_spec import FULL_ATTENTION, ModelSpec
+from services.worker.layers.module import Module
 
 # One projection (one launch at batch 1) where several read the same input (module doc).
 # Changes the parameter layout, so it is read when the model is built; False: the
@@ -74,7 +75,7 @@ def partial_rotary_factor(hf_config) -> float:
     return float(hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(Module):
     """Qwen3-Next's full attention of the kv_index-th attention layer: qkv_proj stacks q_proj
     [2 * heads * head_dim] (per head: q then its gate), k_proj and v_proj; zero-centred q/k
     norms for the backend; output attn * sigmoid(gate) through o_proj. x [T, H] -> [T, H]."""
@@ -106,7 +107,7 @@ class GatedAttention(nn.Module):
                              self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
 
 
-class _SharedExpertDown(nn.Module):
+class _SharedExpertDown(Module):
     """The shared expert of a stacked MoE block: its down projection only (its gate_up is
     part of the block's `in_proj`); `mlp.shared_expert.down_proj.weight` as in LlamaMLP."""
 
@@ -163,7 +164,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob) + torch.sigmoid(gate) * shared
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(Module):
     """One layer: zero-centred norm, token mixer (`self_attn` or `linear_attn`), residual,
     zero-centred norm, MLP, residual. x [T, H] -> [T, H]."""
 
@@ -209,7 +210,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(Module):
     """The decoder stack (checkpoint prefix `model.`): embedding, partial rotary table,
     layers, final zero-centred norm. forward(input_ids [T], positions [T], attn) -> [T, H]."""
 
@@ -239,7 +240,7 @@ class Qwen3NextModel(nn.Module):
         return self.norm(x)
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(Module):
     """The whole Qwen3-Next model (a `services.worker.models.base.CausalLM`). Build it under
     the target device and default dtype; the loader fills its parameters.
 

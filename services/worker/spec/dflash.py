@@ -55,11 +55,12 @@ from services.worker.spec.head_layers import DRAFT_PACKED_MODULES, DraftAttentio
 from services.worker.spec.head_loading import (TargetParts, building, check_layers, fill_weights, head_args,
                                                read_config, spread_layers, tensor_names)
 from shared.spec_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from services.worker.layers.module import Module
 
 DFLASH_DEFAULT_LAYERS = 4  # target layers read when neither the config nor the folder names them
 
 
-class DFlashLayer(nn.Module):
+class DFlashLayer(Module):
     """One drafter layer: pre-norm attention and SwiGLU MLP with residuals (Qwen3's)."""
 
     def __init__(self, a: HeadArgs, layer_idx: int):
@@ -76,7 +77,7 @@ class DFlashLayer(nn.Module):
         return self.mlp(h) + residual
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(Module):
     """The drafter's weights (module doc for the layout). a: its shapes; fc_in: fc's input
     width (target layers read x hidden); max_positions: rotary rows."""
 

@@ -52,7 +52,6 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch import nn
 
 from services.worker.kv_cache import KVHandle, PagedKVSpec
 from services.worker.layers.attention import AttentionBackend, AttentionLayer, bind_layers
@@ -67,6 +66,7 @@ from services.worker.spec.head_layers import DRAFT_PACKED_MODULES, DraftAttentio
 from services.worker.spec.head_loading import (TargetParts, building, check_layers, fill_weights, head_args,
                                                read_config, read_tensor, tensor_names, tensor_shape)
 from shared.spec_config import SpeculativeConfig
+from services.worker.layers.module import Module
 
 
 def eagle_default_layers(num_layers: int) -> tuple[int, ...]:
@@ -75,7 +75,7 @@ def eagle_default_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(Module):
     """The head's decoder layer ("midlayer"): attention over [embedding, feature] (2H in),
     then the SwiGLU MLP (module doc for the wiring)."""
 
@@ -95,7 +95,7 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(emb), f], dim=-1), (f if self.norm_before_residual else feat)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(Module):
     """The head's weights (module doc for the layout). a: its shapes (vocab_size: the draft
     vocabulary); fc_in: fc's input width (target layers read x the target's hidden size);
     target_vocab: the target's vocabulary; own_embed: an embed_tokens of its own;

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.linear import Linear
 from services.worker.layers.norm import RMSNorm
+from services.worker.layers.module import Module
 
 # checkpoint module name -> (our stacked module, shard index), for services.worker.loader
 DRAFT_PACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -62,7 +62,7 @@ class HeadArgs:
         return self.attn_in or self.hidden_size
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(Module):
     """GQA self-attention of drafter layer `layer_idx` with q and k/v projected apart.
 
     Parameters: q_proj [heads * head_dim, attn_input], kv_proj [2 * kv_heads * head_dim,
@@ -105,7 +105,7 @@ class DraftAttention(nn.Module):
                              1e-6 if qn is None else qn.eps)
 
 
-class DraftMLP(nn.Module):
+class DraftMLP(Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up stacked in gate_up_proj."""
 
     def __init__(self, a: HeadArgs):

@@ -1,0 +1,32 @@
+"""`Module`: the base of Kestrel's model modules, an `nn.Module` whose call runs `forward`
+directly while neither the module nor torch's global registries hold a hook.
+
+Why: a CPU decode step of a small model is bound by Python, not by its products, and
+`nn.Module.__call__` (`_wrapped_call_impl`, `_call_impl`: two frames and eight hook checks)
+runs some 275 times a step for SmolLM2. Measured on the 2-core dev VM (2026-12-07, SmolLM2-135M
+int4, 2 threads, three variants rotated step by step in one process, the VM loaded by a CI run):
+43.5 ms a step through `nn.Module.__call__`, 39.4 ms with this call (1.10x). With a hook
+registered (a test records the residual stream with one) the call is `nn.Module`'s, so hooks
+still run. docs/ARCHITECTURE.md §6.1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+# torch's global hook registries (dicts it mutates in place, never rebinds)
+_GLOBAL_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
+                 _torch_module._global_backward_hooks, _torch_module._global_backward_pre_hooks)
+
+
+class Module(nn.Module):
+    """`nn.Module` with the direct call (module doc); subclass it as `nn.Module`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks
+                or any(_GLOBAL_HOOKS)):
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
