@@ -79,8 +79,10 @@ QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8")  # kernels/kv_quant.py; docs/ARCHITEC
 CUDA_KV_DTYPES = ("fp8_e4m3",)  # the quantized ones cleared on CUDA (kernels/kv_quant_triton.py), and int8 below
 # int8 on CUDA: every Triton kernel that writes or reads the paged KV cache takes an int8 cache
 # (kernels/kv_quant_triton.py; checked under the Triton interpreter, tests/unit/test_kv_int8_interp.py),
-# but none has run on a GPU yet. The GPU session flips this to True once tests/gpu/test_int8_kv_gpu.py
-# passes there (scripts/gpu_fp8kv_check.sh runs it); `kv_dtype_in_use` reads it at call time.
+# and tests/gpu/test_int8_kv_gpu.py passed on an H100 on 2026-12-07 (18 tests, after its capacity check
+# was made independent of the first runner's leftovers); flipping this to True also turns the CPU tests
+# of the refusal (tests/unit/test_kv_quant.py, test_model_facts.py) into acceptance tests: the next
+# session's change. `kv_dtype_in_use` reads it at call time.
 INT8_KV_CUDA = False
 
 

@@ -232,8 +232,12 @@ def test_model_with_int8_kv_end_to_end(model_dir, record_property, monkeypatch):
     rep = r.report()
     assert rep["kv_cache_dtype"] == "int8" and rep["attention"] == "triton"
     assert r.kv.k[0].dtype == I8 and r.kv.k_scale[0].shape == r.kv.k[0].shape[:3] and r.graphs is not None
-    ratio = rep["kv_tokens"] / bf_tokens
+    # capacity: the tokens this cache holds against what bf16 blocks would hold in the same bytes (the
+    # two runners' budgets differ by what the first leaves allocated: 1.51x apart on an H100, 2026-12-07)
+    bf_tokens_same_bytes = rep["kv_bytes"] // bf_block * rep["block_size"]
+    ratio = rep["kv_tokens"] / bf_tokens_same_bytes
     record_property("kv_tokens_int8_over_bf16", ratio)
+    record_property("kv_tokens_int8_over_bf16_runner", rep["kv_tokens"] / bf_tokens)
     d = r.kv.k[0].shape[-1]
     assert rep["kv_block_bytes"] * 2 * d == bf_block * (d + 4)  # d bytes + a 4-byte scale a token and head
     assert 1.8 < ratio < 2.1

@@ -24,10 +24,12 @@ from shared.model_spec import ModelSpec
 
 
 # MoE layers on the fused layer path (`Qwen3MoeForCausalLM.fusable_projections`); False keeps
-# Qwen3-MoE unfused, the path before 2026-12-07. Off until timed on a GPU (built 2026-12-07 with
-# no device machine to be had: scripts/gpu_moe_fused.sh, benchmarks/decode_latency.py variants
-# layers_unfused / layers_fused). Read when the runner chooses its FusionPlan.
-FUSE_MOE_LAYERS = False
+# Qwen3-MoE unfused, the path before 2026-12-07. Measured on an H100 (2026-12-07, Qwen3-30B-A3B,
+# dummy bf16, 1K context, batch 1, two rounds in one process; scripts/gpu_moe_fused.sh ab,
+# benchmarks/results/2026-12-07_h100_decode_ab_layers_qwen3-30b-a3b.json): TPOT 3.394 ms unfused,
+# 3.350 fused (-1.3%, both rounds); the two-launch MoE path on top 3.675 (slower: GATE_UP stays
+# "grouped"). Read when the runner chooses its FusionPlan.
+FUSE_MOE_LAYERS = True
 
 
 def num_experts(hf_config) -> int:
