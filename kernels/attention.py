@@ -21,8 +21,7 @@ A quantized KV cache (fp8_e4m3, int8: `kernels.kv_quant`, the layer's scales pas
 k_scale / v_scale): the references dequantize blocks to fp32 as they are gathered and run
 the attention in fp32; on CUDA fp8_e4m3 and int8 caches go to the Triton kernels
 (`kernels.kv_quant_triton`: quantized on write, widened and scaled on read, fp32
-accumulation; the config refuses int8 on CUDA until its GPU tests pass,
-`shared.model_spec.INT8_KV_CUDA`).
+accumulation; tests/gpu/test_fp8_kv_gpu.py and test_int8_kv_gpu.py).
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 # the cache dtypes every Triton kernel that writes or reads the paged KV cache takes (the store,
 # the rotary + store, decode, multi-query, prefill and the fused rotary decode; int8 since issue
-# 17's int8 work, its GPU tests pending: shared.model_spec.INT8_KV_CUDA keeps CUDA configs off it)
+# 17's int8 work, tests/gpu/test_int8_kv_gpu.py)
 TRITON_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 
 

@@ -10,7 +10,7 @@
 #   4. PART=all: the int8 KV GPU tests too (tests/gpu/test_int8_kv_gpu.py, as scripts/gpu_fp8kv_check.sh tests)
 # Everything lands under $OUT (default ./gpu_out): env.txt, bench.log, decode_ab_layers_qwen3-30b-a3b.json,
 # moe_decode_sweep_gemv_qwen3-30b-a3b.json. Run from the repo root:  bash scripts/gpu_moe_fused.sh [all|moe|ab]
-# (ab: 1 and 2 only, about 5 minutes)
+# (ab: 1 and 2 only, about 5 minutes; SKIP_TESTS=1 leaves out step 1)
 set -u
 PART=${1:-all}
 # shellcheck source=scripts/gpu_env.sh
@@ -18,7 +18,7 @@ PART=${1:-all}
 # the 61 GB of Qwen3-30B-A3B's weights: 0.75 of an H200, 0.92 of an H100 (80 GB)
 MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 UTIL=$([ "${MEM_MIB:-0}" -gt 100000 ] && echo 0.75 || echo 0.92)
-run tests_moe_fused "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
+[ "${SKIP_TESTS:-0}" = 1 ] || run tests_moe_fused "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider \
   tests/gpu/test_fused_linear_gpu.py -k "moe or gemv_with_norm" tests/gpu/test_moe_gpu.py
 run decode_ab_layers "${AB_TIMEOUT:-200}" python3 benchmarks/decode_latency.py --config qwen3-30b-a3b \
   --gpu-memory-utilization "$UTIL" --ab layers_unfused layers_fused layers_fused_gemv --ab-rounds 2 \

@@ -290,8 +290,7 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
         raise ValueError("setting kv_offload_state_fraction: must be in (0, 1), got "
                          f"{cfg.kv_offload_state_fraction!r}")
     check_chat_template(cfg.chat_template)  # names a file and compiles (vLLM refuses too)
-    # an int8 KV cache on CUDA (no kernel reads it yet): refused before any process starts
-    kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype, cfg.device)
+    kv_dtype_in_use(cfg.dtype, cfg.kv_cache_dtype)  # an unknown kv_cache_dtype: refused before any process starts
     check_speculative(cfg)  # combinations that cannot work: refused before any process starts
     check_quantization(cfg, probe)
     check_recurrent_state(cfg)

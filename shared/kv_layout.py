@@ -139,7 +139,7 @@ def kv_layout_for(cfg: KestrelConfig, *, dtype: str | None = None,
 def identity_for(cfg: KestrelConfig, parallel: ParallelLayout = ParallelLayout()) -> bytes:
     """The model identity of a config without reading the model folder (the kvstore, which
     may be bound to a folder it never reads; equal to `kv_layout_for(cfg).model_identity`).
-    Raises KVDtypeNotImplemented for a quantized kv_cache_dtype on CUDA."""
+    Raises ValueError for an unknown kv_cache_dtype."""
     dtype = resolved_dtype(cfg.dtype, cfg.device)
-    return model_identity(cfg.model, dtype, kv_dtype_in_use(dtype, cfg.kv_cache_dtype, cfg.device),
+    return model_identity(cfg.model, dtype, kv_dtype_in_use(dtype, cfg.kv_cache_dtype),
                           cfg.block_size, parallel)

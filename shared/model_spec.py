@@ -56,11 +56,6 @@ class ModelFolderError(ValueError):
     a required field missing or of the wrong type. The message names the folder and the field."""
 
 
-class KVDtypeNotImplemented(ValueError):
-    """A quantized kv_cache_dtype on a device whose attention kernels are not cleared for it yet
-    (int8 on CUDA while INT8_KV_CUDA is False: its Triton kernels have not run on a GPU)."""
-
-
 def default_max_model_len(max_position_embeddings: int) -> int:
     """max_model_len (tokens) when the setting is unset: min(max_position_embeddings, 8192)."""
     return min(max_position_embeddings, MAX_MODEL_LEN_CAP)
@@ -76,38 +71,22 @@ def dtype_bytes(dtype: str) -> int:
 
 
 QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8")  # kernels/kv_quant.py; docs/ARCHITECTURE.md §4.6
-CUDA_KV_DTYPES = ("fp8_e4m3",)  # the quantized ones cleared on CUDA (kernels/kv_quant_triton.py), and int8 below
-# int8 on CUDA: every Triton kernel that writes or reads the paged KV cache takes an int8 cache
-# (kernels/kv_quant_triton.py; checked under the Triton interpreter, tests/unit/test_kv_int8_interp.py),
-# and tests/gpu/test_int8_kv_gpu.py passed on an H100 on 2026-12-07 (18 tests, after its capacity check
-# was made independent of the first runner's leftovers); flipping this to True also turns the CPU tests
-# of the refusal (tests/unit/test_kv_quant.py, test_model_facts.py) into acceptance tests: the next
-# session's change. `kv_dtype_in_use` reads it at call time.
-INT8_KV_CUDA = False
 
 
-def kv_dtype_in_use(dtype: str, kv_cache_dtype: str, device: str = "cpu") -> str:
+def kv_dtype_in_use(dtype: str, kv_cache_dtype: str) -> str:
     """The KV cache dtype the workers actually use for a `kv_cache_dtype` setting.
 
     "auto" is the model dtype; "fp8_e4m3" and "int8" are quantized caches, read by the
     torch references of the CPU path (kernels/kv_quant.py) and by the Triton kernels on CUDA
-    (kernels/kv_quant_triton.py; int8 there only once INT8_KV_CUDA is set). device: the
-    resolved device setting ("cpu", "cuda"). Raises `KVDtypeNotImplemented` for int8 on
-    "cuda" while INT8_KV_CUDA is False (its kernels' GPU tests have not run), so that no
-    process starts with it, and ValueError for an unknown name.
+    (kernels/kv_quant_triton.py; int8's GPU tests, tests/gpu/test_int8_kv_gpu.py, passed on an
+    H100 on 2026-12-07): both are served on either device. Raises ValueError for an unknown
+    name.
     """
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype not in QUANTIZED_KV_DTYPES:
         raise ValueError(f"setting kv_cache_dtype: {kv_cache_dtype!r} is not one of "
                          f"{('auto', *QUANTIZED_KV_DTYPES)}")
-    if device == "cuda" and kv_cache_dtype not in CUDA_KV_DTYPES + (("int8",) if INT8_KV_CUDA else ()):
-        raise KVDtypeNotImplemented(
-            f"setting kv_cache_dtype: {kv_cache_dtype!r} is not implemented on CUDA yet: its Triton kernels "
-            "(kernels/kv_quant_triton.py) pass their interpreter tests but have not run on a GPU; what "
-            "remains is tests/gpu/test_int8_kv_gpu.py on a GPU (scripts/gpu_fp8kv_check.sh), then "
-            "shared.model_spec.INT8_KV_CUDA = True. Use --kv-cache-dtype fp8_e4m3 or auto on CUDA, or "
-            "serve an int8 KV cache on the CPU (--device cpu)")
     return kv_cache_dtype
 
 

@@ -48,7 +48,6 @@ from services.worker.verify_graphs import VerifyGraphs, replay_verify
 from shared.config import KestrelConfig, state_checkpoint_slots
 from shared.gguf_source import require_gguf
 from shared.kv_layout import KVLayout
-from shared import model_spec
 from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
 from shared.state_layout import StateLayout
@@ -159,12 +158,6 @@ class ModelRunner:
                              f"config's {self.kv_layout}")
         self.use_ref_attention = self.device.type == "cpu" or attn_kernels.paged_attention_triton is None
         self.kv_dtype = _QUANT_KV_DTYPES.get(self.spec.kv_dtype, self.dtype)
-        # the Triton kernels read the model dtype, fp8_e4m3 and int8 (kernels.kv_quant_triton); int8's
-        # have not run on a GPU yet: shared.model_spec.INT8_KV_CUDA (kv_dtype_in_use refuses it first)
-        if self.kv_dtype == torch.int8 and not self.use_ref_attention and not model_spec.INT8_KV_CUDA:
-            raise ValueError(f"kv_cache_dtype {self.spec.kv_dtype!r}: the Triton kernels' int8 path awaits its GPU "
-                             "tests (tests/gpu/test_int8_kv_gpu.py, then shared.model_spec.INT8_KV_CUDA); "
-                             "the CPU path reads int8, fp8_e4m3 runs on CUDA")
         fp8_scales, self.kv_scales = self._kv_scales(cfg)
         self.fusion = FusionPlan.choose(module.fusable_projections(), self.device, self.dtype)
         self.sampler = Sampler(cfg.seed, self.spec.eos_token_ids)

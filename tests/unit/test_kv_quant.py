@@ -25,7 +25,7 @@ from services.worker.kv_cache import KVCache, PagedKVSpec, num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from shared.config import build_config
 from shared.kv_layout import KVLayout, kv_layout_for
-from shared.model_spec import KVDtypeNotImplemented, load_model_spec
+from shared.model_spec import load_model_spec
 from tests.unit.test_model_facts import LLAMA, _folder
 
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
@@ -325,11 +325,17 @@ def test_fp8_kv_is_accepted_on_cuda_with_one_byte_elements_in_its_layout_and_ide
     assert fp8.model_identity != bf16.model_identity  # tier blocks of one dtype are never read as the other
 
 
-def test_int8_kv_is_refused_on_cuda_naming_fp8_e4m3_as_what_works_there(tmp_path):
+def test_int8_kv_is_accepted_on_cuda_with_its_scales_in_the_block_bytes_and_its_own_identity(tmp_path):
+    """int8 on CUDA (tests/gpu/test_int8_kv_gpu.py passed on an H100): one byte an element plus
+    4 bytes of K scale and 4 of V scale per token and head, an identity of its own."""
     d = _folder(tmp_path, LLAMA)
-    with pytest.raises(KVDtypeNotImplemented, match="not implemented on CUDA") as e:
-        build_config(cli={"model": d, "device": "cuda", "kv_cache_dtype": "int8", "profile": "none"}, env={})
-    assert "--kv-cache-dtype fp8_e4m3" in str(e.value) and "--device cpu" in str(e.value)
+    base = {"model": d, "device": "cuda", "profile": "none", "dtype": "bfloat16"}
+    i8 = kv_layout_for(build_config(cli={**base, "kv_cache_dtype": "int8"}, env={}))
+    fp8 = kv_layout_for(build_config(cli={**base, "kv_cache_dtype": "fp8_e4m3"}, env={}))
+    assert (i8.kv_dtype, i8.elem_bytes) == ("int8", 1)
+    per_token_head = 2 * LLAMA["num_hidden_layers"] * LLAMA["num_key_value_heads"]
+    assert i8.block_bytes - fp8.block_bytes == per_token_head * i8.block_size * 4
+    assert i8.model_identity != fp8.model_identity
 
 
 def test_fp8_kv_on_cuda_is_accepted_with_speculation_and_for_a_hybrid_model(tmp_path):

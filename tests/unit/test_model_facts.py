@@ -20,7 +20,7 @@ from services.worker.kv_transfer import KVTransfer
 from shared.config import build_config
 from shared.hashing import model_identity_hash
 from shared.kv_layout import KVLayout, ParallelLayout, identity_for, kv_layout_for
-from shared.model_spec import (DTYPE_BYTES, KVDtypeNotImplemented, ModelFolderError, kv_dtype_in_use,
+from shared.model_spec import (DTYPE_BYTES, ModelFolderError, kv_dtype_in_use,
                                load_model_spec, model_spec_for)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -112,11 +112,7 @@ def test_a_bad_model_folder_is_a_typed_error_naming_the_folder(tmp_path, content
 def test_a_quantized_kv_cache_dtype_is_the_specs_kv_dtype_and_an_unknown_one_is_refused(tmp_path, kv):
     d = _folder(tmp_path, LLAMA)
     assert load_model_spec(d, kv_cache_dtype=kv).kv_dtype == kv
-    if kv == "fp8_e4m3":  # the Triton kernels read it (kernels/kv_quant_triton.py)
-        assert kv_dtype_in_use("bfloat16", kv, "cuda") == kv
-    else:
-        with pytest.raises(KVDtypeNotImplemented, match="not implemented on CUDA"):
-            kv_dtype_in_use("bfloat16", kv, "cuda")
+    assert kv_dtype_in_use("bfloat16", kv) == kv  # read on CUDA by kernels/kv_quant_triton.py
     with pytest.raises(ValueError, match="is not one of"):
         load_model_spec(d, kv_cache_dtype="fp4")
 
@@ -191,21 +187,6 @@ def test_the_worker_resolves_auto_dtype_as_the_config_does(tmp_path):
     assert model_spec_for(cfg, dtype="bfloat16").kv_dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("command", ["serve", "engine", "kvstore"])
-@pytest.mark.parametrize("kv", ["int8"])
-def test_the_cli_refuses_an_int8_kv_cache_on_cuda_before_any_process_starts(tmp_path, command, kv):
-    runtime = tmp_path / "rt"
-    r = subprocess.run([sys.executable, "-m", "services.cli", command, "--model",
-                        str(SMOLLM2), "--kv-cache-dtype", kv, "--runtime-dir", str(runtime),
-                        "--instance-id", "kvq" + uuid.uuid4().hex[:6], "--device", "cuda",
-                        "--kv-offload-cpu-gib", "0.01"],
-                       cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "kv_cache_dtype" in r.stderr and "not implemented on CUDA" in r.stderr, r.stderr
-    assert "--device cpu" in r.stderr and "fp8_e4m3" in r.stderr, r.stderr
-    assert not runtime.exists(), "a process started: the runtime folder was created"
-
-
 @pytest.mark.parametrize("content, needle", [(None, "kestrel fetch-model"),
                                              ("{not json", "not valid JSON")])
 def test_serve_refuses_a_bad_model_folder_before_any_process_starts(tmp_path, content, needle):
@@ -221,12 +202,3 @@ def test_serve_refuses_a_bad_model_folder_before_any_process_starts(tmp_path, co
     assert needle in r.stderr and str(model) in r.stderr, r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
 
-
-def test_int8_kv_refusal_on_cuda_names_the_gpu_tests_left_and_the_switch_lifts_it(monkeypatch):
-    from shared import model_spec
-
-    with pytest.raises(KVDtypeNotImplemented) as e:
-        kv_dtype_in_use("bfloat16", "int8", "cuda")
-    assert "tests/gpu/test_int8_kv_gpu.py" in str(e.value) and "INT8_KV_CUDA" in str(e.value)
-    monkeypatch.setattr(model_spec, "INT8_KV_CUDA", True)  # what the GPU session flips after its tests
-    assert kv_dtype_in_use("bfloat16", "int8", "cuda") == "int8"

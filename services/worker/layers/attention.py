@@ -190,7 +190,7 @@ class ReferenceAttention(AttentionBackend):
     there) and the torch reference of paged attention with meta.ref_plan's gathers (built
     per layer when it is None). Reads every KV dtype (fp8_e4m3, int8: the layer's scales go
     to the write and the read, `kernels.kv_quant`); the CUDA backends read the model dtype,
-    fp8_e4m3 and int8 (`kernels.kv_quant_triton`; int8 behind `shared.model_spec.INT8_KV_CUDA`). On the CPU with `kernels.ref_fast.
+    fp8_e4m3 and int8 (`kernels.kv_quant_triton`). On the CPU with `kernels.ref_fast.
     FEWER_OPS` the step's rotary factors are made once for all layers
     (`kernels.rotary.rope_factors`; docs/ARCHITECTURE.md §6.4 "CPU decode ops")."""
 
