@@ -58,10 +58,6 @@ bf16 on CUDA, or `--tiny` (tiny-qwen3, fp32, CPU, small settings) to try it anyw
 (kernels/attention_multi_query.py MQ_DEFAULTS "fused_merge": a `_merge_kernel` launch after
 the kernel, the default, or in the kernel by the last live split; set before the runner loads,
 so its warm-up and graphs take it; decode steps are unaffected; scripts/gpu_mqfuse.sh runs both).
---rope-verify on|off runs verify layers through the fused rotary + KV write + multi-query
-attention kernel (kernels/rope_verify.py ROPE_VERIFY; default off, the rotary kernel then the
-multi-query kernel); set before the runner loads, so its warm-up and verify graphs take it
-(scripts/gpu_roperify.sh runs both).
 --gemv-rows N sends projections of 2..N rows (verify steps at batch 1 up to k = N - 1) to the
 one-row gemv kernel run over each row in turn (kernels/gemv.py ROWS, default the module's 2) in
 place of the one-tile skinny kernel; 1 keeps the skinny kernel; set before the runner loads, so
@@ -580,9 +576,6 @@ def main() -> None:
     ap.add_argument("--mq-merge", choices=["launch", "fused"], default="launch",
                     help="the split merge of the multi-query (verify) attention kernel: a second launch "
                          "(default) or in the kernel (kernels/attention_multi_query.py MQ_DEFAULTS fused_merge)")
-    ap.add_argument("--rope-verify", choices=["off", "on"], default="off",
-                    help="verify layers on the fused rotary + KV write + multi-query attention kernel "
-                         "(kernels/rope_verify.py ROPE_VERIFY), or the rotary kernel then the multi-query one")
     ap.add_argument("--skinny-tuning", default=None,
                     help="JSON: entries of kernels/linear.py SKINNY_PDL_TUNING for the whole run (the one-tile "
                          "kernel's plan), e.g. '{\"max_block_k\": 512}'")
@@ -601,8 +594,6 @@ def main() -> None:
         linear_kernels.SKINNY_PDL_TUNING.update(json.loads(a.skinny_tuning))
     from kernels import attention_multi_query
     attention_multi_query.MQ_DEFAULTS["fused_merge"] = a.mq_merge == "fused"  # before the warm-up and graphs
-    from kernels import rope_verify
-    rope_verify.ROPE_VERIFY = a.rope_verify == "on"  # read by select_backend at every step, graphs' captures too
     from kernels import gemv as gemv_kernels
     if a.gemv_rows is not None:
         gemv_kernels.ROWS = a.gemv_rows  # read by linear() at every call, before the warm-up and graphs
@@ -624,7 +615,7 @@ def main() -> None:
     cli.update({"gpu_memory_utilization": 0.35} if cuda else {"kv_cache_gib": 0.25})
     res: dict = {"benchmark": "spec_verify_cost", "device": device_name() if cuda else "cpu", "config": a.config,
                  "weights": "dummy", "dtype": cli["dtype"], "torch": torch.__version__,
-                 "mq_merge": a.mq_merge, "rope_verify": a.rope_verify, "gemv_rows": gemv_kernels.ROWS,
+                 "mq_merge": a.mq_merge, "gemv_rows": gemv_kernels.ROWS,
                  "skinny_pdl_tuning": dict(linear_kernels.SKINNY_PDL_TUNING),
                  "settings": {k: v for k, v in vars(a).items() if k not in ("out", "notes")}, "notes": a.notes}
     def save_partial() -> None:  # a run cut short (a timeout) keeps the parts already done

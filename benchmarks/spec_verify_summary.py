@@ -1,6 +1,6 @@
 """A short text summary of `benchmarks/spec_verify_cost.py` result files, for the device
-scripts (scripts/gpu_spec_ab.sh, scripts/gpu_verifyk.sh, scripts/gpu_roperify.sh): per file its switches
-(mq_merge, gemv_rows, rope_verify) in its header line, the verify and plain step
+scripts (scripts/gpu_spec_ab.sh, scripts/gpu_verifyk.sh): per file its switches
+(mq_merge, gemv_rows, and rope_verify in files of 2026-12-07 and before) in its header line, the verify and plain step
 times (wall and GPU ms; a verify row's break-even acceptance length), the host part's rows,
 the kernel profile's top kernels and the replay drafter's end-to-end points (with their step
 kinds, benchmarks/spec_step_kinds.py).

@@ -139,7 +139,7 @@ def _attend_tile(q, k, v, nm, m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT: tl.cons
 @triton.jit
 def _attend_masked(q, k, v, valid, m_i, l_i, acc, qk_scale, ks, vs, KV_QUANT: tl.constexpr):
     """`_attend_tile` with the valid (row, key) pairs as a mask broadcastable to the scores
-    [BLOCK_G, BLOCK_N] (a causal mask among a verify step's new tokens, `kernels.rope_verify`)."""
+    [BLOCK_G, BLOCK_N]."""
     s = kv_scores(tl.dot(q, tl.trans(k)) * qk_scale, ks, KV_QUANT)
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

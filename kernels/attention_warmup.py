@@ -107,37 +107,3 @@ def warm_up_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: i
         torch.cuda.synchronize(dev)
     return len(todo)
 
-
-def warm_up_rope_verify(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
-                        max_model_len: int, max_q_len: int, cos_sin: torch.Tensor, q_norm: torch.Tensor | None = None,
-                        k_norm: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> int:
-    """With `kernels.rope_verify.ROPE_VERIFY` on (and full rotary: cos_sin [positions, head_dim]),
-    launch each multi-query variant of `variants` (q_len 2 .. MAX_ROWS / G, every split class)
-    once through the fused rotary verify kernel, as `warm_up_attention` does for the two-launch
-    path: one seq of q_len zero queries at positions 0.., slots -1 (nothing is written), over
-    blocks 0.. of the cache; q_norm, k_norm as the model's (NORM is a constexpr). Returns the
-    number of launches (0 with the switch off)."""
-    from kernels import rope_verify
-
-    d = k_cache.shape[3]
-    if not rope_verify.ROPE_VERIFY or rope_verify.rope_verify_triton is None or cos_sin.shape[-1] != d or d % 2:
-        return 0
-    dev = k_cache.device
-    kvh = k_cache.shape[2]
-    todo = [(q, s) for q, s in variants(num_heads, kvh, d, max_model_len, max_q_len, num_sms(dev))
-            if 1 < q <= MAX_ROWS // (num_heads // kvh)]
-    for q, s in todo:
-        q_t = torch.zeros((q, num_heads, d), dtype=dtype, device=dev)
-        kv = torch.zeros((q, kvh, d), dtype=dtype, device=dev)
-        cu = torch.tensor([0, q], dtype=META_DTYPE, device=dev)
-        lens = torch.tensor([q], dtype=META_DTYPE, device=dev)
-        width = triton.cdiv(q, k_cache.shape[1])
-        tables = torch.arange(width, dtype=META_DTYPE, device=dev).clamp(max=k_cache.shape[0] - 1)[None]
-        pos = torch.arange(q, dtype=torch.long, device=dev)
-        slots = torch.full((q,), -1, dtype=torch.long, device=dev)
-        rope_verify.rope_verify_triton(q_t, kv, kv, pos, cos_sin, k_cache, v_cache, slots, cu, lens, tables, 1.0, q,
-                                       max_model_len, q_norm, k_norm, 1e-6, {"splits": s}, k_scale, v_scale)
-    if dev.type == "cuda" and todo:
-        torch.cuda.synchronize(dev)
-    return len(todo)

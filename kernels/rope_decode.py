@@ -131,7 +131,7 @@ if triton is not None:
     def _rope_rows(x_ptr, rows, dd, pd, mask, cos, sin, w, wp, eps, head_dim, NORM: tl.constexpr):
         """Rows of x (offsets rows [R, 1], or a scalar for one row, + dd) rotated: values [R, BLOCK_D] in x's dtype
         (normalised per row first with NORM, weights w at dd and wp at the partners pd). cos, sin: the
-        angles at dd, [1, BLOCK_D] for rows of one position or [R, BLOCK_D] per row (`kernels.rope_verify`);
+        angles at dd, [1, BLOCK_D] for rows of one position or [R, BLOCK_D] per row;
         w, wp: [1, BLOCK_D] fp32."""
         x = tl.load(x_ptr + rows + dd[None, :], mask=mask, other=0.0)
         xp = tl.load(x_ptr + rows + pd[None, :], mask=mask, other=0.0)

@@ -221,15 +221,11 @@ class ModelRunner:
             warm_up_sampler(self.spec.vocab_size, cfg.max_num_seqs, self.device)
             # every launch variant eager steps can meet (verify steps past the verify graphs,
             # prefill chunks with decodes): kernels/attention_warmup.py
-            from kernels.attention_warmup import warm_up_attention, warm_up_rope_verify
+            from kernels.attention_warmup import warm_up_attention
             a0 = module.attention_specs()[0] if self.kv.k else None
             if a0 is not None:
                 warm_up_attention(self.kv.k[0], self.kv.v[0], a0.num_heads, self.dtype, self.max_model_len,
                                   cfg.max_num_batched_tokens, self.kv.k_scale[0], self.kv.v_scale[0])
-                # the fused rotary verify kernel's variants, with kernels.rope_verify.ROPE_VERIFY on
-                warm_up_rope_verify(self.kv.k[0], self.kv.v[0], a0.num_heads, self.dtype, self.max_model_len,
-                                    cfg.max_num_batched_tokens, a0.cos_sin, a0.q_norm, a0.k_norm,
-                                    self.kv.k_scale[0], self.kv.v_scale[0])
         self.plan_state = PlanState()  # what the engine sends once per request
         self.prompt_scorer = PromptScorer()  # prompt logprobs across a prompt's chunks
         self.draft_probs = DraftProbs()  # q of the last proposal per request (probabilistic drafting)

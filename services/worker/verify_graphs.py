@@ -11,9 +11,7 @@ the eager step's layout (`VerifyGraphs.real_inputs`). A smaller batch is padded 
 captured size with empty seqs (seq_len 0: their programs attend to nothing; slot -1).
 
 The attention is the eager verify step's own backend (`PagedAttention`: the rotary + KV
-write kernel, then `kernels.attention.paged_attention`; with `kernels.rope_verify.ROPE_VERIFY`
-on, `VerifyAttention`: the two in one kernel over the multi-query layout, the same host bounds
-fixing its grid), captured with the static bounds
+write kernel, then `kernels.attention.paged_attention`), captured with the static bounds
 max_q_len = 1 + K and max_seq_len = max_model_len. For 1 + K query rows x the query heads
 of a KV head within one program (`kernels.attention_multi_query.fits_multi_query`) that is
 the split-K multi-query kernel of `kernels/attention_multi_query.py` (program (seq, kv head,
@@ -79,8 +77,7 @@ class VerifyGraphs:
     """Captured verify forwards, keyed by (batch size, k), over persistent inputs.
 
     forward: the runner's model over its KV cache (`VerifyForward`; the backend follows from
-        the metadata's max_q_len = 1 + k > 1: `PagedAttention`, or `VerifyAttention` with
-        `kernels.rope_verify.ROPE_VERIFY` on, which the capture then fixes).
+        the metadata's max_q_len = 1 + k > 1: `PagedAttention`).
     max_num_seqs: the runner's largest batch (sizes: `verify_sizes`). max_k: the largest k
         (num_speculative_tokens >= 1). max_model_len: tokens per sequence. block_size:
         tokens per KV block. Capture runs in __init__ (`capture_seconds`); `failed` lists

@@ -16,9 +16,8 @@ import torch
 from kernels.rotary import rope_cos_sin, rope_inv_freq
 from services.worker.fusion import FusionPlan
 from services.worker.kv_cache import KVCache, PagedKVSpec
-from kernels import rope_verify
 from services.worker.layers.attention import (AttentionSpec, DecodeAttention, PagedAttention, ReferenceAttention,
-                                              VerifyAttention, bind_layers, select_backend)
+                                              bind_layers, select_backend)
 from services.worker.step_inputs import prepare_step
 from shared.protocol import SamplingParams, ScheduledSeq
 
@@ -117,7 +116,7 @@ def run_backend_steps(backend_cls, kernels_meta: bool, qk_norm: bool, device: st
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("backend_cls,kernels_meta", [(ReferenceAttention, False), (PagedAttention, True),
-                                                      (DecodeAttention, True), (VerifyAttention, True)])
+                                                      (DecodeAttention, True)])
 def test_attention_backends_equal_dense_attention_with_rope_and_write_their_layers_cache(backend_cls, kernels_meta,
                                                                                          qk_norm):
     run_backend_steps(backend_cls, kernels_meta, qk_norm)
@@ -134,18 +133,12 @@ def test_backend_is_chosen_from_the_step_metadata():
         assert type(select_backend(layers, prepare_step(seqs, BS, 64, cpu, False)[2], True)) is ReferenceAttention
 
 
-def test_verify_backend_is_chosen_only_with_its_switch_and_a_fitting_query_bound(monkeypatch):
+def test_a_verify_step_takes_the_paged_backend():
     layers, _, _, _ = _layers(False)
     cpu = torch.device("cpu")
     verify = [ScheduledSeq("a", [4, 5, 6], 3, [0, 1], True, GREEDY, 1, num_draft=2),
               ScheduledSeq("b", [4], 0, [2], True, GREEDY, 1)]
-    long = [ScheduledSeq("a", list(range(40)), 0, list(range(10)), True, GREEDY)]  # 40 x G = 80 rows > MAX_ROWS
-    decode = [ScheduledSeq("a", [4], 3, [0], True, GREEDY, 1)]
     assert type(select_backend(layers, prepare_step(verify, BS, 64, cpu, True)[2], False)) is PagedAttention
-    monkeypatch.setattr(rope_verify, "ROPE_VERIFY", True)
-    assert type(select_backend(layers, prepare_step(verify, BS, 64, cpu, True)[2], False)) is VerifyAttention
-    assert type(select_backend(layers, prepare_step(long, BS, 64, cpu, True)[2], False)) is PagedAttention
-    assert type(select_backend(layers, prepare_step(decode, BS, 64, cpu, True)[2], False)) is DecodeAttention
     assert type(select_backend(layers, prepare_step(verify, BS, 64, cpu, False)[2], True)) is ReferenceAttention
 
 

@@ -9,12 +9,9 @@ runner builds one backend per step from the step's `AttentionMetadata` (`select_
 - `DecodeAttention` (CUDA, every sequence has one new token): one kernel does the norm,
   the rotation, the KV write and the attention (`kernels.rope_decode.rope_paged_decode`);
   inside a CUDA graph this path is fixed at capture.
-- `VerifyAttention` (CUDA, a few queries a sequence: verify steps; only with
-  `kernels.rope_verify.ROPE_VERIFY` on, off by default): one kernel does the norm, the rotation,
-  the KV write and the multi-query attention (`kernels.rope_verify.rope_paged_verify`), plus
-  the split merge.
-- `PagedAttention` (CUDA, prefill chunks and decodes mixed): `rotary_and_store_kv`, then
-  `paged_attention` (varlen, over the paged cache).
+- `PagedAttention` (CUDA, prefill chunks, decodes mixed with them, verify steps):
+  `rotary_and_store_kv`, then `paged_attention` (varlen, over the paged cache; the multi-query
+  kernel for verify steps).
 - `ReferenceAttention` (the CPU, or no Triton): the same two steps on the torch references,
   with the step's gather plan (`kernels.attention.RefAttentionPlan`).
 
@@ -29,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ref_fast, rope_verify
+from kernels import ref_fast
 from kernels.attention import RefAttentionPlan, paged_attention, paged_attention_ref
 from kernels.rope_decode import rope_paged_decode
 from kernels.rotary import rope_factors, rotary_and_store_kv, rotary_and_store_kv_ref
@@ -153,24 +150,6 @@ class DecodeAttention(AttentionBackend):
                                  m.max_seq_len, a.k_scale, a.v_scale).reshape(q.shape[0], -1)
 
 
-class VerifyAttention(AttentionBackend):
-    """Verify steps on CUDA (every sequence's few queries its last tokens, meta.max_q_len x G
-    rows within one program), with `kernels.rope_verify.ROPE_VERIFY` on: `rope_paged_verify`
-    (norm, rotary, KV write, multi-query attention in one kernel; a partial rotary falls back
-    to the two launches there). Inside a verify CUDA graph the path is fixed at capture: the
-    metadata's host bounds (max_q_len 1 + K, max_seq_len max_model_len) fix the grid."""
-
-    __slots__ = ()
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-        a, m = self.layers[layer], self.meta
-        return rope_verify.rope_paged_verify(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, m.cu_seqlens_q,
-                                             m.seq_lens, m.block_tables, a.scale, a.q_norm, a.k_norm, a.eps,
-                                             m.ref_plan, m.max_q_len, m.max_seq_len, a.k_scale,
-                                             a.v_scale).reshape(q.shape[0], -1)
-
-
 class PagedAttention(AttentionBackend):
     """Prefill chunks and decodes together on CUDA: `rotary_and_store_kv`, `paged_attention`."""
 
@@ -219,15 +198,9 @@ class ReferenceAttention(AttentionBackend):
 def select_backend(layers: Sequence[AttentionLayer], meta: AttentionMetadata, reference: bool) -> AttentionBackend:
     """The backend of one step: `ReferenceAttention` when `reference` (the runner's device
     runs the references), else `DecodeAttention` when every sequence has one new token
-    (meta.max_q_len == 1), else `VerifyAttention` when `kernels.rope_verify.ROPE_VERIFY` is on
-    and meta.max_q_len fits the multi-query kernel (`kernels.rope_verify.verify_fits`, with the
-    first layer's heads), else `PagedAttention`."""
+    (meta.max_q_len == 1), else `PagedAttention`."""
     if reference:
         return ReferenceAttention(layers, meta)
     if meta.max_q_len == 1:
         return DecodeAttention(layers, meta)
-    if rope_verify.ROPE_VERIFY and layers:
-        kvh = layers[0].k.shape[2]
-        if rope_verify.verify_fits(meta.max_q_len, kvh * layers[0].group, kvh):
-            return VerifyAttention(layers, meta)
     return PagedAttention(layers, meta)
