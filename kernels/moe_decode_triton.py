@@ -71,8 +71,11 @@ DOWN_TUNING: dict = {"tile_elems": 8192, "max_block_k": 2048, "programs_per_sm":
 # the logits are two launches back), so no alignment and two launches. Read at every call.
 GATE_UP = "grouped"
 # the gemv gate_up's plan (`gate_up_plan`): gate + up weight elements a program holds, longest K
-# tile, programs per SM at least (narrower column tiles first), warps. Not swept yet.
-GATE_UP_TUNING: dict = {"tile_elems": 8192, "max_block_k": 2048, "programs_per_sm": 4, "num_warps": 4}
+# tile, programs per SM at least (narrower column tiles first), warps. From benchmarks/
+# moe_decode_sweep.py --stages gemv on an H100 (2026-12-07, Qwen3-30B-A3B at T = 1): BLOCK_N 4,
+# 2 warps: the MoE call 32.5 us, against 41.5 us with 8,192 elements and 4 warps (BLOCK_N 2) and
+# 35.3 us on the grouped path (the down kernel's best plan gained 0.2 us more: kept as it is).
+GATE_UP_TUNING: dict = {"tile_elems": 16384, "max_block_k": 2048, "programs_per_sm": 4, "num_warps": 2}
 # The decode path's measured choices: the gate_up configs of kernels/moe_configs/ (`moe_triton.
 # pick_config`) and DOWN_TUNING's programs_per_sm_by_tokens; False takes the untuned defaults
 # (the A/B baseline: benchmarks/decode_latency.py variant moe_untuned)
