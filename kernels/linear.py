@@ -137,6 +137,14 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *
     return gemv.gemv_triton(x if x.stride(1) == 1 else x.contiguous(), weight, bias, **fused)
 
 
+def _norm_apart(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, xn_out: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    """`linear`'s xn_out path when the gemv prologue does not store it: the norm runs apart
+    into xn_out (one `rms_norm`), then the plain projection (with the residual add) reads it."""
+    xn_out.copy_(rms_norm(x, norm_weight, eps))
+    return linear(xn_out, weight, bias, residual=residual)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
            residual: torch.Tensor | None = None, xn_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,16 +177,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"linear: xn_out {tuple(xn_out.shape)} {xn_out.dtype}: want norm_weight and "
                              f"{tuple(x.shape)} {x.dtype}")
         if not (skinny_applies(x, weight) and _gemv_rows(x.shape[0]) and xn_out.stride(1) == 1):
-            xn_out.copy_(rms_norm(x, norm_weight, eps))  # the norm apart; the projection reads its output
-            return linear(xn_out, weight, bias, residual=residual)
+            return _norm_apart(x, norm_weight, eps, xn_out, weight, bias, residual)
     if skinny_applies(x, weight):
         y = _one_row(x, weight, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
                      **({} if xn_out is None else {"xn_out": xn_out}))
         if y is not None:
             return y
         if xn_out is not None and norm_weight is not None:  # gemv declined (split counters in a capture)
-            xn_out.copy_(rms_norm(x, norm_weight, eps))
-            return linear(xn_out, weight, bias, residual=residual)
+            return _norm_apart(x, norm_weight, eps, xn_out, weight, bias, residual)
         if silu_mul and not SKINNY_PDL:  # SILU_IN_KERNEL_ROWS: the K-loop kernel's SiLU runs apart
             x, silu_mul = silu_and_mul(x), False
         return skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, eps=eps,

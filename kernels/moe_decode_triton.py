@@ -97,6 +97,11 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr
                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr):
     # One program: the top-k softmax of every token on [BLOCK_T, E_POW2] tiles, then the
     # alignment (module doc). Rows t >= num_tokens and columns e >= num_experts are masked.
+    # `_route_row` is the same routing on one row (the gemv path's): keep the two in step (fp32
+    # softmax, ties to the lowest index, the renormalisation). Not shared: the tile form
+    # reduces along axis 1 of every token at once and also fills `slot` for the alignment; a
+    # per-row loop or a [1, E] tile in the row kernels would change the code GPU timings were
+    # taken on.
     pdl_wait(USE_PDL)  # the logits are the kernel before's output
     pdl_release(USE_PDL)
     tt = tl.arange(0, BLOCK_T)
@@ -190,7 +195,8 @@ def _route_row(logits_row, num_experts, TOP_K: tl.constexpr, K_POW2: tl.constexp
                RENORMALIZE: tl.constexpr):
     # One token's routing, `_route_align_kernel`'s on one row: the fp32 softmax of its E logits,
     # k rounds of argmax (ties to the lowest index), the optional renormalisation. Returns
-    # (ids [K_POW2] int32, weights [K_POW2] fp32); slots past TOP_K hold 0.
+    # (ids [K_POW2] int32, weights [K_POW2] fp32); slots past TOP_K hold 0. A change to the
+    # routing math here goes into `_route_align_kernel`'s tile form too (why not shared: there).
     ee = tl.arange(0, E_POW2)
     ev = ee < num_experts
     x = tl.load(logits_row + ee, mask=ev, other=float("-inf")).to(tl.float32)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
-import tempfile
 
 import pytest
 from prometheus_client import generate_latest
@@ -24,7 +22,7 @@ from services.frontend import (anthropic_api, chat_api, completions_api, info_ap
                                tokenize_api)
 from services.frontend.metrics import METRICS, RequestMetrics, RequestTimer
 from shared.config import build_config
-from tests.unit.test_frontend_support import HI, MODEL, REPLY_TEXT, REPO, FakeEngine, build_model_dir
+from tests.unit.test_frontend_support import HI, MODEL, REPLY_TEXT, REPO, fake_engine_in_tempdir
 
 SERVING_CLASSES = [(chat_api, "ChatServing"), (completions_api, "CompletionsServing"),
                    (tokenize_api, "TokenizeServing"), (anthropic_api, "AnthropicServing"),
@@ -33,14 +31,8 @@ SERVING_CLASSES = [(chat_api, "ChatServing"), (completions_api, "CompletionsServ
 
 @pytest.fixture()
 def engine():
-    d = tempfile.mkdtemp(prefix="kfs-")
-    model_dir = build_model_dir(os.path.join(d, "model"))
-    fake = FakeEngine(f"ipc://{d}/engine.sock", model_dir).start()
-    try:
+    with fake_engine_in_tempdir("kfs-") as (fake, model_dir, _):
         yield fake, model_dir
-    finally:
-        fake.stop()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _counting(monkeypatch) -> dict[str, int]:

@@ -6,6 +6,8 @@
 - `Stack`: a model folder, a FakeEngine and a frontend subprocess on a free port;
   `running_stack(*flags)` starts one for a fixture (and the module-scoped fixtures `stack`
   and `tok` are built on it).
+- `fake_engine_in_tempdir(prefix)`: a FakeEngine on a model folder in a fresh temporary
+  folder, for an in-process app (starlette's TestClient); stopped and removed on exit.
 - `FakeEngine`: a thread with a ZMQ ROUTER that speaks `shared.protocol` like the engine:
   answers Hello with EngineInfo and Heartbeat with Heartbeat, and answers each AddRequest
   with a fixed reply (token ids of REPLY_TEXT), shaped by the last user message:
@@ -27,6 +29,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -246,6 +249,21 @@ class FakeEngine:
         finally:
             sock.close(0)
             ctx.term()
+
+
+@contextlib.contextmanager
+def fake_engine_in_tempdir(prefix: str):
+    """(fake engine, model folder, temporary folder): a started FakeEngine on an ipc socket
+    in a fresh folder (mkdtemp with `prefix`) that also holds the model folder; the engine is
+    stopped and the folder removed on exit, also when the body raised."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    model_dir = build_model_dir(os.path.join(d, "model"))
+    fake = FakeEngine(f"ipc://{d}/engine.sock", model_dir).start()
+    try:
+        yield fake, model_dir, d
+    finally:
+        fake.stop()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- frontend subprocess

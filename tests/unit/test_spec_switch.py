@@ -17,8 +17,6 @@ TestClient against the fake engine of tests/unit/test_frontend_support.py).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 from starlette.testclient import TestClient
@@ -30,7 +28,7 @@ from services.frontend import server
 from shared import protocol as P
 from shared.config import build_config
 from tests.unit.engine_rig import core_config, toy_info
-from tests.unit.test_frontend_support import MODEL, FakeEngine, build_model_dir
+from tests.unit.test_frontend_support import MODEL, fake_engine_in_tempdir
 from tests.unit.test_spec_policy import _policy, _req, _reqs, cpu_like
 from tests.unit.test_spec_scheduler import outputs, pair, run, spec_json
 
@@ -151,14 +149,8 @@ def test_set_speculation_switches_the_policy_and_the_stats_show_it():
 
 @pytest.fixture()
 def fake_engine():
-    d = tempfile.mkdtemp(prefix="kss-")
-    model_dir = build_model_dir(os.path.join(d, "model"))
-    fake = FakeEngine(f"ipc://{d}/engine.sock", model_dir).start()
-    try:
-        yield fake, model_dir, d
-    finally:
-        fake.stop()
-        shutil.rmtree(d, ignore_errors=True)
+    with fake_engine_in_tempdir("kss-") as engine:
+        yield engine
 
 
 def _app(fake_engine, debug: bool):
