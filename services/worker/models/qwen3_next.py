@@ -15,7 +15,13 @@ its checkpoints. What differs from Qwen3-MoE:
 - the MoE block adds a shared expert (a SwiGLU MLP of shared_expert_intermediate_size)
   times sigmoid(shared_expert_gate(x)).
 The checkpoint's multi-token-prediction head (`mtp.*`) is not loaded (ignored_prefixes).
-The model has no fused layer path.
+
+Two layer paths, chosen by the runner per step (`services.worker.fusion.FusionPlan`, as for
+Llama / Qwen3-MoE): unfused (`forward`, or `forward_residual` with `FUSED_GLUE`: the norms
+and residual adds as their own ops) and, with `FUSE_LAYERS`, fused
+(`Qwen3NextDecoderLayer.forward_fused`: the zero-centred norms inside the first projections'
+prologues with their `scale` as the norm weight, the residual adds inside the output
+projections and the MoE down kernel; two launches fewer a layer at batch 1).
 
 Launch count at batch 1 (docs/ARCHITECTURE.md §6.3): with `STACK_PROJECTIONS` (read when the
 model is built) the projections that read the same input are one Linear, filled by the
@@ -25,7 +31,9 @@ in_proj`, a MoE block's router + shared expert gate_up + shared_expert_gate as `
 With `FUSED_GLUE` (read at each forward, so at graph capture) the elementwise glue runs in
 one kernel each (`kernels.hybrid_glue`: the attention's output gate, the shared expert's
 combine, which the MoE decode path folds into its down kernel: `kernels.moe.SHARED_IN_DOWN`)
-and each residual add goes into the next norm (`fused_add_rms_norm`).
+and each residual add goes into the next norm (`fused_add_rms_norm`). On the fused layer path
+(`FUSE_LAYERS`) a layer has no norm or add launch at all: a Qwen3.5 gated-DeltaNet layer is
+10 launches instead of 12, a gated-attention layer 11 instead of 13 (docs/ARCHITECTURE.md §6.3).
 """
 
 from __future__ import annotations
