@@ -53,7 +53,11 @@ the shared expert's combine in one kernel each, the residual adds inside the nor
 kernels.moe.DECODE_FUSED on, its default, the shared expert is added in the MoE down kernel)
 and "moe_fused_glue_on_apart" (glue on, its combine as its own kernel, kernels.moe.SHARED_IN_DOWN
 off). (The former "moe_fused_glue_off" / "moe_fused_glue_on" were glue_off / glue_on with
-DECODE_FUSED forced on; since it is on by default they are gone.)
+DECODE_FUSED forced on; since it is on by default they are gone.) "hybrid_unfused" / "hybrid_fused"
+(qwen3_next.FUSE_LAYERS, glue on in both: a hybrid's layers on the fused layer path at one row, the
+zero-centred norms in the first projections' gemv prologues and the residual adds in the output
+projections and the MoE down kernel, two launches fewer a layer; JSON fused_one_row says which
+path the batch-1 graph took): `--config qwen3.5-35b-a3b --ab hybrid_unfused hybrid_fused --ab-rounds 2`.
 The quantized decode products (scripts/gpu_qgemv.sh, with --quantization fp8 / awq): q_old (the
 FP8 legacy one-row kernel, unfused layers, heuristic plans, the W4A16 one-row split sum 8
 partials a load), q_unfused (the FP8 one-row product on kernels.gemv's kernel, the sweeps'
@@ -124,11 +128,14 @@ GREEDY = SamplingParams(temperature=0.0)
 # experts' down kernel), fuse_moe_layers (services.worker.models.qwen3_moe.FUSE_MOE_LAYERS: whether
 # Qwen3-MoE offers its layers to that path at all); moe_gate_up (kernels.moe_decode_triton.GATE_UP: the MoE decode path's gate_up
 # as the grouped GEMM after the router + alignment program, or as a one-row kernel that routes
-# each token itself, with the down kernel routing too: two launches).
+# each token itself, with the down kernel routing too: two launches); fuse_hybrid_layers
+# (services.worker.models.qwen3_next.FUSE_LAYERS: whether a hybrid, Qwen3-Next / Qwen3.5-MoE,
+# offers its layers to the fused layer path: the zero-centred norms in the first projections'
+# prologues, the residual adds in the output projections and the MoE down kernel).
 KNOB_NAMES = ("in_place_decode", "gated_norm_triton", "gemv_max_weight", "rec_table", "block_v", "rec_warps",
               "rec_order", "fused_glue", "moe_decode_fused", "shared_in_down", "fused_merge", "programs_per_sm",
               "moe_decode_tuned", "fp8_one_row", "fuse_quantized", "fp8_tuned", "w4_tuned", "w4_sum_chunk",
-              "fuse_one_row", "fuse_moe_layers", "moe_gate_up")
+              "fuse_one_row", "fuse_moe_layers", "moe_gate_up", "fuse_hybrid_layers")
 VARIANTS: dict[str, dict] = {
     # the MoE decode fusion's A/B (scripts/gpu_moe_check.sh ab): old = the five MoE launches and
     # decode attention's merge launch, new = the three-launch MoE path and the in-kernel merge
@@ -167,7 +174,11 @@ VARIANTS: dict[str, dict] = {
     "layers_fused": {"fuse_one_row": True, "fuse_moe_layers": True, "moe_gate_up": "grouped"},
     "layers_unfused": {"fuse_one_row": False, "fuse_moe_layers": False, "moe_gate_up": "grouped"},
     "moe_gate_up_grouped": {"moe_gate_up": "grouped"}, "moe_gate_up_gemv": {"moe_gate_up": "gemv"},
-    "layers_fused_gemv": {"fuse_one_row": True, "fuse_moe_layers": True, "moe_gate_up": "gemv"}}
+    "layers_fused_gemv": {"fuse_one_row": True, "fuse_moe_layers": True, "moe_gate_up": "gemv"},
+    # a hybrid's layers (Qwen3-Next, Qwen3.5-MoE) on the fused layer path at one row, against
+    # the unfused layers (both with the fused glue, its default; scripts/gpu_hybrid_fused.sh)
+    "hybrid_fused": {"fuse_one_row": True, "fuse_hybrid_layers": True, "fused_glue": True},
+    "hybrid_unfused": {"fuse_one_row": True, "fuse_hybrid_layers": False, "fused_glue": True}}
 assert all(set(v) <= set(KNOB_NAMES) for v in VARIANTS.values())
 
 
@@ -189,7 +200,7 @@ def read_knobs() -> dict:
             "fuse_quantized": fusion.FUSE_QUANTIZED_ONE_ROW, "fp8_tuned": fp8_gemv.USE_PLANS,
             "w4_tuned": w4a16_gemv.USE_PLANS, "w4_sum_chunk": w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"],
             "fuse_one_row": fusion.FUSE_ONE_ROW, "fuse_moe_layers": qwen3_moe.FUSE_MOE_LAYERS,
-            "moe_gate_up": moe_decode_triton.GATE_UP}
+            "moe_gate_up": moe_decode_triton.GATE_UP, "fuse_hybrid_layers": qwen3_next.FUSE_LAYERS}
 
 
 def variant_knobs(name: str, baseline: dict) -> dict:
@@ -214,6 +225,7 @@ def set_knobs(k: dict) -> None:
     w4a16_gemv.GEMV1_DEFAULTS["sum_chunk"] = k["w4_sum_chunk"]
     fusion.FUSE_ONE_ROW, qwen3_moe.FUSE_MOE_LAYERS = k["fuse_one_row"], k["fuse_moe_layers"]
     moe_decode_triton.GATE_UP = k["moe_gate_up"]
+    qwen3_next.FUSE_LAYERS = k["fuse_hybrid_layers"]
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> float:

@@ -54,6 +54,8 @@ EXPECTED = {
     "moe_gate_up_grouped": {"GATE_UP": "grouped"},
     "moe_gate_up_gemv": {"GATE_UP": "gemv"},
     "layers_fused_gemv": {"FUSE_ONE_ROW": True, "FUSE_MOE_LAYERS": True, "GATE_UP": "gemv"},
+    "hybrid_fused": {"FUSE_ONE_ROW": True, "FUSE_LAYERS": True, "FUSED_GLUE": True},
+    "hybrid_unfused": {"FUSE_ONE_ROW": True, "FUSE_LAYERS": False, "FUSED_GLUE": True},
 }
 
 
@@ -66,7 +68,7 @@ def state() -> dict:
          "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
          "W4_PLANS": w4a16_gemv.USE_PLANS, "w4": dict(w4a16_gemv.GEMV1_DEFAULTS),
          "FUSE_ONE_ROW": fusion.FUSE_ONE_ROW, "GATE_UP": moe_decode_triton.GATE_UP,
-         "FUSE_MOE_LAYERS": qwen3_moe.FUSE_MOE_LAYERS,
+         "FUSE_MOE_LAYERS": qwen3_moe.FUSE_MOE_LAYERS, "FUSE_LAYERS": qwen3_next.FUSE_LAYERS,
          "rope": dict(rope_decode.ROPE_DECODE_DEFAULTS), "attn": dict(at.DECODE_DEFAULTS),
          "tuning": dict(gdn_decode.TUNING)}
     return s
@@ -97,7 +99,7 @@ def isolated(monkeypatch):
                       (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
                       (moe_decode_triton, "USE_TUNED"), (fp8_gemv, "ONE_ROW"), (fusion, "FUSE_QUANTIZED_ONE_ROW"),
                       (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS"), (fusion, "FUSE_ONE_ROW"),
-                      (moe_decode_triton, "GATE_UP"), (qwen3_moe, "FUSE_MOE_LAYERS")):
+                      (moe_decode_triton, "GATE_UP"), (qwen3_moe, "FUSE_MOE_LAYERS"), (qwen3_next, "FUSE_LAYERS")):
         monkeypatch.setattr(mod, name, getattr(mod, name))
     monkeypatch.setattr(rope_decode, "ROPE_DECODE_DEFAULTS", dict(rope_decode.ROPE_DECODE_DEFAULTS))
     monkeypatch.setattr(at, "DECODE_DEFAULTS", dict(at.DECODE_DEFAULTS))

@@ -37,7 +37,7 @@ from kernels.gated_delta_rule import (
     gated_delta_rule_prefill,
 )
 from kernels.gdn_decode import conv1d_update_slots, gated_delta_rule_decode_slots
-from kernels.norm import rms_norm_gated
+from kernels.norm import rms_norm, rms_norm_gated
 from services.worker.layers.linear import Linear
 from services.worker.state_cache import StepState
 from services.worker.layers.module import Module
@@ -167,14 +167,22 @@ class GatedDeltaNet(Module):
                  else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
         return {n: ("in_proj", i) for i, n in enumerate(names)}
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (qkvz [T, rows of in_proj_qkvz], ba [T, 2*Hv]): one product when
-        stacked (the two are column views of its output, no copy), else two."""
+        stacked (the two are column views of its output, no copy), else two. norm_weight
+        [H] / eps: an RMSNorm of x first, inside the (first) projection's kernel
+        (`Linear`'s prologue; the fused layer path); apart, that projection also stores the
+        normalised x (xn_out) for the second to read."""
         if self.in_proj is not None:
-            y = self.in_proj(x)
+            y = self.in_proj(x) if norm_weight is None else self.in_proj(x, norm_weight=norm_weight, eps=eps)
             return y[:, :self.qkvz_rows], y[:, self.qkvz_rows:]
         assert self.in_proj_qkvz is not None and self.in_proj_ba is not None
-        return self.in_proj_qkvz(x), self.in_proj_ba(x)
+        if norm_weight is None:
+            return self.in_proj_qkvz(x), self.in_proj_ba(x)
+        xn = torch.empty_like(x)
+        qkvz = self.in_proj_qkvz(x, norm_weight=norm_weight, eps=eps, xn_out=xn)
+        return qkvz, self.in_proj_ba(xn)
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], layout: str = "qwen3_next",
@@ -192,15 +200,25 @@ class GatedDeltaNet(Module):
                    cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"],
                    cfg.get("rms_norm_eps", 1e-6), cfg.get("hidden_act", "silu"), layout, stacked)
 
-    def forward_step(self, x: torch.Tensor, state: StepState, index: int) -> torch.Tensor:
+    def forward_step(self, x: torch.Tensor, state: StepState, index: int, *,
+                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` over one runner step, this layer being the model's `index`-th recurrent
         layer (services/worker/state_cache.py). x [T, H] -> [T, H]. A decode step (every seq
         one token, none tracked; `IN_PLACE_DECODE`) updates the seqs' state slots in place
         (`_decode`); any other step gathers the seqs' states from their slots, runs, and
-        writes them back."""
+        writes them back.
+        The fused layer path (services/worker/fusion.py): norm_weight [H] / eps, an RMSNorm
+        of x first; residual [T, H], added to the output. In the in-place decode they run
+        inside the projections' kernels (the input projection's prologue, out_proj's
+        epilogue); on the other paths as their own ops (the reference's rounding: the sum in
+        x's dtype)."""
         if IN_PLACE_DECODE and not state.track and x.shape[0] == len(state.seq_lens_host):
             conv_all, ssm_all = state.cache.layers[index]
-            return self._decode(x, conv_all, ssm_all, state.slots, state.has_initial)
+            return self._decode(x, conv_all, ssm_all, state.slots, state.has_initial, norm_weight, eps, residual)
+        if norm_weight is not None or residual is not None:
+            out = self.forward_step(x if norm_weight is None else rms_norm(x, norm_weight, eps), state, index)
+            return out if residual is None else out + residual
         conv, ssm = state.gather(index)  # fresh seqs' states already zeros: no second zeroing
         lens = state.seq_lens_host
         if state.track:
@@ -297,12 +315,15 @@ class GatedDeltaNet(Module):
         return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), z, b, a
 
     def _decode(self, x: torch.Tensor, conv_all: torch.Tensor, ssm_all: torch.Tensor, slots: torch.Tensor,
-                has_initial: torch.Tensor) -> torch.Tensor:
+                has_initial: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """One token for each of N seqs, x [N, H] -> [N, H], row i on state slot slots[i] of
         conv_all [S, C, W-1] and ssm_all [S, Hv, K, V] (updated in place; from zeros where
-        has_initial[i] is False: `kernels.gdn_decode`). The math of `forward`'s decode."""
+        has_initial[i] is False: `kernels.gdn_decode`). The math of `forward`'s decode.
+        norm_weight / eps: RMSNorm x inside the input projection (`project`); residual
+        [N, H]: added inside out_proj (the fused layer path)."""
         t = x.shape[0]
-        mixed, z, b, a = self._decode_inputs(*self.project(x))
+        mixed, z, b, a = self._decode_inputs(*self.project(x, norm_weight, eps))
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         mixed = conv1d_update_slots(mixed, conv_all, weight, None, slots, has_initial, self.activation)
         kd, hk = self.head_k_dim, self.num_k_heads
@@ -310,7 +331,8 @@ class GatedDeltaNet(Module):
         k = mixed[:, self.key_dim:2 * self.key_dim].view(t, hk, kd)
         v = mixed[:, 2 * self.key_dim:].view(t, self.num_v_heads, self.head_v_dim)
         o = gated_delta_rule_decode_slots(q, k, v, a, b, self.A_log, self.dt_bias, ssm_all, slots, has_initial)
-        return self.out_proj(self.norm(o, z).reshape(t, self.value_dim))
+        o = self.norm(o, z).reshape(t, self.value_dim)
+        return self.out_proj(o) if residual is None else self.out_proj(o, residual=residual)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_state: torch.Tensor,
                 ssm_state: torch.Tensor, has_initial_state: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,13 @@ its checkpoints. What differs from Qwen3-MoE:
 - the MoE block adds a shared expert (a SwiGLU MLP of shared_expert_intermediate_size)
   times sigmoid(shared_expert_gate(x)).
 The checkpoint's multi-token-prediction head (`mtp.*`) is not loaded (ignored_prefixes).
-The model has no fused layer path.
+
+Two layer paths, chosen by the runner per step (`services.worker.fusion.FusionPlan`, as for
+Llama / Qwen3-MoE): unfused (`forward`, or `forward_residual` with `FUSED_GLUE`: the norms
+and residual adds as their own ops) and, with `FUSE_LAYERS`, fused
+(`Qwen3NextDecoderLayer.forward_fused`: the zero-centred norms inside the first projections'
+prologues with their `scale` as the norm weight, the residual adds inside the output
+projections and the MoE down kernel; two launches fewer a layer at batch 1).
 
 Launch count at batch 1 (docs/ARCHITECTURE.md §6.3): with `STACK_PROJECTIONS` (read when the
 model is built) the projections that read the same input are one Linear, filled by the
@@ -25,12 +31,15 @@ in_proj`, a MoE block's router + shared expert gate_up + shared_expert_gate as `
 With `FUSED_GLUE` (read at each forward, so at graph capture) the elementwise glue runs in
 one kernel each (`kernels.hybrid_glue`: the attention's output gate, the shared expert's
 combine, which the MoE decode path folds into its down kernel: `kernels.moe.SHARED_IN_DOWN`)
-and each residual add goes into the next norm (`fused_add_rms_norm`).
+and each residual add goes into the next norm (`fused_add_rms_norm`). On the fused layer path
+(`FUSE_LAYERS`) a layer has no norm or add launch at all: a Qwen3.5 gated-DeltaNet layer is
+10 launches instead of 12, a gated-attention layer 11 instead of 13 (docs/ARCHITECTURE.md §6.3).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import torch
 from torch import nn
@@ -55,6 +64,13 @@ from services.worker.layers.module import Module
 # checkpoint's projections as they are (the A/B baseline). Under FP8 / 4-bit weights the
 # model keeps them apart (`stacks_projections`): a stacked weight must be one format.
 STACK_PROJECTIONS = True  # H200: stacked + glue 2.97 ms a token, apart 3.12 (docs/ARCHITECTURE.md §6.3)
+# The fused layer path (`Qwen3NextDecoderLayer.forward_fused`: each layer's norms inside its
+# first projections' prologues, its residual adds inside the output projection and the MoE
+# down kernel; no norm or add launch of its own) where the runner's FusionPlan takes it (CUDA
+# decode steps whose projections are on our kernels, as Qwen3-MoE's `FUSE_MOE_LAYERS`).
+# False: `fusable_projections` is [] and every step runs the unfused path below. Read when the
+# runner chooses its FusionPlan (benchmarks/decode_latency.py --ab hybrid_unfused hybrid_fused).
+FUSE_LAYERS = True
 # The decode glue in fused kernels (module doc); read at each forward. 14-16% faster at batch 1
 # on the H200, its bf16 logits as close to fp32's as the torch glue's (docs/ARCHITECTURE.md §6.3).
 FUSED_GLUE = True
@@ -90,16 +106,24 @@ class GatedAttention(Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend,
+                norm: ZeroCenteredRMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. The fused layer path: norm, the layer's input norm, applied to
+        x inside qkv_proj (its scale the prologue's weight); residual [T, H], added to the
+        o_proj output inside it. The q/gate split, the q/k norms and the partial rotary come
+        after the projection, so the prologue leaves them as they are."""
         t = x.shape[0]
-        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.scale, eps=norm.eps)
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(t, self.heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim].contiguous(), qg[..., self.head_dim:]
         o = attn.forward(self.kv_index, q, k.view(t, self.kv_heads, self.head_dim),
                          v.view(t, self.kv_heads, self.head_dim), positions)
         if FUSED_GLUE:  # one launch for the gate's copy, sigmoid and product
-            return self.o_proj(sigmoid_gate_mul(o, gate))
-        return self.o_proj(o * torch.sigmoid(gate.reshape(t, self.q_size)))
+            o = sigmoid_gate_mul(o, gate)
+        else:
+            o = o * torch.sigmoid(gate.reshape(t, self.q_size))
+        return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
 
     def spec(self, cos_sin: torch.Tensor) -> AttentionSpec:
         """This layer's attention for the backend (after loading: the norms' scales)."""
@@ -149,19 +173,50 @@ class SharedExpertMoeBlock(SparseMoeBlock):
             self.shared_expert_gate = Linear(a.hidden_size, 1, False, quantizable=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, shared = self._project(x)
+        return self._experts(x, logits, shared)
+
+    def forward_fused(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """h + mlp(norm(h)) for the residual stream h [T, H] (the fused layer path,
+        `services.worker.fusion`; as `SparseMoeBlock.forward_fused`), with no norm or add
+        launch of its own: the first projection (`in_proj`, or the router `gate` when apart)
+        normalises h in its prologue and stores the normalised rows (xn_out) that the
+        experts, and apart the shared expert and its gate, read; the residual add runs in the
+        MoE decode path's down kernel, with the shared expert's combine (`FUSED_GLUE`,
+        `kernels.moe.moe_block`'s shared and residual). norm: the layer's
+        `ZeroCenteredRMSNorm` (its scale is the prologue's weight)."""
+        zc = cast(ZeroCenteredRMSNorm, norm)  # (the base's signature: any norm module)
+        xn = torch.empty_like(h)
+        logits, shared = self._project(h, zc.scale, zc.eps, xn)
+        return self._experts(xn, logits, shared, h)
+
+    def _project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 xn_out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The router's logits [T, E] and the shared expert's (gate [T, 1], output [T, H])
+        (None without a shared expert) of x [T, H]; with norm_weight, of rms_norm(x) *
+        norm_weight, the normalised x stored in xn_out by the first projection."""
+        fused = {} if norm_weight is None else {"norm_weight": norm_weight, "eps": eps, "xn_out": xn_out}
         if self.in_proj is not None:  # one product, split by views
             assert self.shared_expert is not None
             e, i = self.num_experts, self.shared_size
-            y = self.in_proj(x)
-            logits, gate = y[:, :e], y[:, e + 2 * i:]
+            y = self.in_proj(x, **fused)
             shared = self.shared_expert.down_proj(y[:, e:e + 2 * i], silu_mul=True)
-        else:
-            if self.shared_expert is None or self.shared_expert_gate is None:
-                return super().forward(x)
-            logits, gate, shared = self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
-        if FUSED_GLUE:  # the sigmoid, product and sum in one launch (in the MoE decode path: its down kernel)
-            return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob, (gate, shared))
-        return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob) + torch.sigmoid(gate) * shared
+            return y[:, :e], (y[:, e + 2 * i:], shared)
+        logits = self.gate(x, **fused)
+        xn = x if xn_out is None else xn_out
+        if self.shared_expert is None or self.shared_expert_gate is None:
+            return logits, None
+        return logits, (self.shared_expert_gate(xn), self.shared_expert(xn))
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts on x [T, H] plus the shared expert's sigmoid(gate) * output,
+        plus residual (or None)."""
+        if shared is None or FUSED_GLUE:  # the sigmoid, product and sums in one launch (the MoE decode path's down kernel)
+            return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob, shared, residual)
+        gate, out = shared
+        y = self.experts.routed(x, logits, self.top_k, self.norm_topk_prob) + torch.sigmoid(gate) * out
+        return y if residual is None else residual + y
 
 
 class Qwen3NextDecoderLayer(Module):
@@ -209,6 +264,26 @@ class Qwen3NextDecoderLayer(Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """The fused layer path (`FUSE_LAYERS`, services/worker/fusion.py): the residual
+        stream h [T, H] -> the next, with no norm or residual-add launch of its own. The
+        token mixer's input projection normalises h in its prologue (input_layernorm's
+        scale) and its output projection adds h; then the MLP's: a MoE block's
+        `SharedExpertMoeBlock.forward_fused` (the norm in its first projection, the add in
+        the experts' down kernel), a dense MLP's gate_up with the norm and down with the add.
+        The sums round as `forward_residual`'s (once, in the model dtype)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if self.self_attn is not None:
+            h = self.self_attn(positions, h, attn, norm=n1, residual=h)
+        else:
+            assert self.linear_attn is not None and attn.state is not None, "a linear layer needs the step's state"
+            h = self.linear_attn.forward_step(h, attn.state, self.state_index, norm_weight=n1.scale, eps=n1.eps,
+                                              residual=h)
+        if isinstance(self.mlp, SharedExpertMoeBlock):
+            return self.mlp.forward_fused(h, n2)
+        mlp = cast(LlamaMLP, self.mlp)  # as LlamaMLP.forward_fused, with the zero-centred norm's scale
+        return mlp.down_proj(mlp.gate_up_proj(h, norm_weight=n2.scale, eps=n2.eps), silu_mul=True, residual=h)
+
 
 class Qwen3NextModel(Module):
     """The decoder stack (checkpoint prefix `model.`): embedding, partial rotary table,
@@ -228,8 +303,13 @@ class Qwen3NextModel(Module):
         self.layers = nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                fused: bool = False) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if fused:  # the residual stream alone; norms and adds inside the projections
+            for layer in self.decoder_layers:
+                x = layer.forward_fused(positions, x, attn)
+            return self.norm(x)
         if FUSED_GLUE:  # the residual adds inside the norms
             residual: torch.Tensor | None = None
             for layer in self.decoder_layers:
@@ -279,7 +359,7 @@ class Qwen3NextForCausalLM(Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 fused: bool = False) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
+        return self.model(input_ids, positions, attn, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -304,9 +384,30 @@ class Qwen3NextForCausalLM(Module):
                 out.append(StateSpec(tuple(s.shape for s in shapes), tuple(s.dtype for s in shapes)))
         return out
 
-    def fusable_projections(self) -> list[torch.Tensor]:
-        """[]: no fused layer path."""
-        return []
+    def fusable_projections(self) -> list:
+        """The fused layer path's projections (`services.worker.fusion.FusionPlan`), one of
+        each kind of layer (layers of a kind have the same shapes): the first attention
+        layer's qkv and o, the first linear layer's input projection(s) and out_proj, the
+        first MoE block's `in_proj` (apart: the router, which normalises for the rest) and
+        the first dense MLP's gate_up and down; dense weights as tensors, quantized ones as
+        their weight objects (the plan asks their kernels). [] with FUSE_LAYERS off."""
+        if not FUSE_LAYERS:
+            return []
+        layers = self.model.decoder_layers
+        attn = next((layer.self_attn for layer in layers if layer.self_attn is not None), None)
+        gdn = next((layer.linear_attn for layer in layers if layer.linear_attn is not None), None)
+        moe = next((layer.mlp for layer in layers if isinstance(layer.mlp, SharedExpertMoeBlock)), None)
+        dense = next((layer.mlp for layer in layers if isinstance(layer.mlp, LlamaMLP)), None)
+        projections: list[Linear | None] = []
+        if attn is not None:
+            projections += [attn.qkv_proj, attn.o_proj]
+        if gdn is not None:
+            projections += [gdn.in_proj, gdn.in_proj_qkvz, gdn.out_proj]
+        if moe is not None:
+            projections.append(moe.in_proj if moe.in_proj is not None else moe.gate)
+        if dense is not None:
+            projections += [dense.gate_up_proj, dense.down_proj]
+        return [p.weight if p.qweight is None else p.qweight for p in projections if p is not None]
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
