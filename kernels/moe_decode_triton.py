@@ -69,7 +69,13 @@ DOWN_TUNING: dict = {"tile_elems": 8192, "max_block_k": 2048, "programs_per_sm":
 # rows of its expert in registers as the down kernel holds w2's) that routes its token itself from
 # the router logits (`_route_row`), and the down kernel routes its token too (before its PDL wait:
 # the logits are two launches back), so no alignment and two launches. Read at every call.
-GATE_UP = "grouped"
+# "gemv" since 2026-12-07: with GATE_UP_TUNING's plan, batch-1 TPOT on an H100 -2.9% (Qwen3-30B-A3B)
+# and -3.1% (Qwen3.5-35B-A3B) against "grouped" (docs/ARCHITECTURE.md §6.3 "Two launches").
+GATE_UP = "gemv"
+# the most tokens a step sends to the "gemv" gate_up; more take "grouped". 1: only batch 1 was
+# timed (at a few tokens the gemv reads an expert once per token that picked it, the grouped
+# GEMM once). Up to MAX_TOKENS works (tests/gpu/test_moe_gpu.py).
+GEMV_MAX_TOKENS = 1
 # the gemv gate_up's plan (`gate_up_plan`): gate + up weight elements a program holds, longest K
 # tile, programs per SM at least (narrower column tiles first), warps. From benchmarks/
 # moe_decode_sweep.py --stages gemv on an H100 (2026-12-07, Qwen3-30B-A3B at T = 1): BLOCK_N 4,
@@ -499,7 +505,7 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     [T, H]) added in the down kernel's epilogue (`moe_down_sum_triton`), or None; residual
     [T, H] or None: added after it there too. With GATE_UP "gemv" (and no config given) two
     launches instead: `moe_gate_up_gemv` and `moe_down_routed_triton`, each routing its token
-    itself. Returns [T, H] in x's dtype. No host sync:
+    itself, for steps of up to GEMV_MAX_TOKENS tokens. Returns [T, H] in x's dtype. No host sync:
     CUDA-graph capturable. Raises ValueError when `fits(T, E, top_k)` is false or shapes
     and dtypes do not fit.
     """
@@ -509,7 +515,7 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
             or tuple(w2.shape) != (e, h, w13.shape[1] // 2) or not fits(t, e, top_k)):
         raise ValueError(f"fused_moe_decode: x {tuple(x.shape)} {x.dtype}, logits {tuple(router_logits.shape)}, "
                          f"w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)}, top_k {top_k}")
-    if GATE_UP == "gemv" and config is None:  # two launches, the routing in both kernels
+    if GATE_UP == "gemv" and config is None and t <= GEMV_MAX_TOKENS:  # two launches, the routing in both kernels
         if x.stride(1) != 1:
             x = x.contiguous()
         act = moe_gate_up_gemv(x, router_logits, w13, top_k, renormalize)

@@ -159,6 +159,7 @@ def test_two_launch_decode_path_matches_reference_and_replays_in_a_graph(monkeyp
     monkeypatch.setattr(moe_decode_triton, "GATE_UP", "grouped")
     three = moe.moe_block(xb, lb, w13b, w2b, K, True, residual=r)
     monkeypatch.setattr(moe_decode_triton, "GATE_UP", "gemv")
+    monkeypatch.setattr(moe_decode_triton, "GEMV_MAX_TOKENS", moe_decode_triton.MAX_TOKENS)
     two = moe.moe_block(xb, lb, w13b, w2b, K, True, residual=r)
     assert rel(two.double() - r.double(), truth) < TOL[torch.bfloat16]
     assert rel(two, three) < 1e-2

@@ -171,6 +171,7 @@ def decode_checks(gen: torch.Generator) -> dict[str, float]:
             # and with a shared expert and the residual
             dn = str(dt).removeprefix('torch.')
             saved_mode, moe_decode_triton.GATE_UP = moe_decode_triton.GATE_UP, "gemv"
+            saved_max, moe_decode_triton.GEMV_MAX_TOKENS = moe_decode_triton.GEMV_MAX_TOKENS, moe_decode_triton.MAX_TOKENS
             try:
                 got = moe_decode_triton.fused_moe_decode(xd, logits.to(dt), w13d, w2d, k, renorm, down=plan)
                 res[f"{name}_gemv_{dn}"] = rel(got, ref)
@@ -178,7 +179,7 @@ def decode_checks(gen: torch.Generator) -> dict[str, float]:
                                                          shared=(gate, sh), residual=r)
                 res[f"{name}_gemv_shared_res_{dn}"] = rel(got, (combined.double() + r.double()).to(dt))
             finally:
-                moe_decode_triton.GATE_UP = saved_mode
+                moe_decode_triton.GATE_UP, moe_decode_triton.GEMV_MAX_TOKENS = saved_mode, saved_max
             act = moe_decode_triton.moe_gate_up_gemv(xd, logits.to(dt), w13d, k, renorm, plan=(8, 16, 2))
             got = moe_decode_triton.moe_down_routed_triton(act, w2d, logits.to(dt), k, renorm, (4, 16, 2))
             res[f"{name}_gemv_kloop_{dn}"] = rel(got, ref)
