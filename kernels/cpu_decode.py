@@ -6,7 +6,8 @@ Why: a batch-1 CPU decode step of SmolLM2 is mostly Python and small ATen calls;
 take ~9 ATen calls a norm and ~40 for a layer's rotary, KV store and SDPA.
 
 Who calls them (with `kernels.ref_fast.CPU_CXX_OPS` on, CPU tensors only, where `available()`):
-- `kernels.norm.rms_norm` / `fused_add_rms_norm` for fp32 [T, hidden] rows (prefill too);
+- `services.worker.layers.norm.RMSNorm` for fp32 [T, hidden] rows (prefill too), and the
+  `kernels.activation.silu_and_mul` dispatcher likewise (`silu_and_mul`);
 - `services.worker.layers.attention.ReferenceAttention` on decode-only steps (one new token a
   sequence) for layers with an fp32 KV cache and no q/k norm (`AttentionLayer.cxx`); prefill,
   mixed steps, fp8 / int8 KV caches and Qwen3's q/k norm keep the torch path.
@@ -23,6 +24,7 @@ two-pass softmax, within fp32 rounding of `paged_attention_ref`'s SDPA.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -43,6 +45,7 @@ FLAVOURS: dict[str, tuple[tuple[str, ...], list[str]]] = {  # name -> (/proc/cpu
 }
 
 
+@functools.cache
 def flavour() -> str:
     """The widest of FLAVOURS this CPU runs ("generic" where /proc/cpuinfo says nothing)."""
     flags = cpu_ext.cpu_flags()
@@ -55,13 +58,14 @@ def _make(name: str) -> Any:
                          "the CPU path keeps the torch references", required=need, logger=log)
 
 
-_loaders = {name: cpu_ext.Loader(lambda name=name: _make(name)) for name in FLAVOURS}
+_loaders = {name: cpu_ext.Loader(functools.partial(_make, name)) for name in FLAVOURS}
 
 
 def extension(name: str | None = None) -> Any:
     """The loaded extension of flavour `name` (default `flavour()`), built on first use; None where
     it cannot be had (one warning)."""
-    return _loaders[name or flavour()].get()
+    st = _loaders[name or flavour()]
+    return st.state["ext"] if "ext" in st.state else st.get()
 
 
 def available() -> bool:
@@ -113,6 +117,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     """
     return extension().decode_attention(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                         block_tables, seq_lens, scale)
+
+
+def decode_attention_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, positions: torch.Tensor,
+                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`decode_attention` on the fused projection's output: qkv [T, (heads + 2 kv_heads) *
+    head_dim] fp32 (unit column stride), q, k and v its column ranges in that order (not
+    modified). Returns [T, heads * head_dim] fp32. Raises as `decode_attention`, and
+    RuntimeError when qkv's width is not (heads + 2 kv_heads) * head_dim."""
+    return extension().decode_attention_qkv(qkv, heads, kv_heads, head_dim, positions, cos_sin, k_cache, v_cache,
+                                            slot_mapping, block_tables, seq_lens, scale)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :n]) * x[:, n:] for x [T, 2n] fp32 CPU (unit column stride) -> new [T, n] fp32,
+    silu(a) = a / (1 + exp(-a)) (`kernels.activation.silu_and_mul_ref`, within a few fp32 ulps:
+    the exp differs). Raises RuntimeError for an odd width or other dtypes, AttributeError where
+    `available()` is False."""
+    return extension().silu_and_mul(x)
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -22,6 +22,10 @@
 namespace {
 
 constexpr int kLanes = 16;
+// multiply-adds a chunk of the attention's at::parallel_for holds at least: below that the threads'
+// fork and join cost about what they save (SmolLM2's 9 heads of 64 at batch 1 split in two chunks
+// from ~60 keys on, and run on one thread below)
+constexpr int64_t kMinWork = 1 << 16;
 
 // sum of a[i] * b[i], i < n, in kLanes partial sums
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -113,23 +117,22 @@ inline void rotate(const float* __restrict x, const float* __restrict cs, int64_
   for (int64_t i = 2 * half; i < d; ++i) out[i] = x[i];
 }
 
+// q [T, H, D], k and v [T, KVH, D] as pointers and strides (token, head; unit last stride)
+struct QKV {
+  const float *q, *k, *v;
+  int64_t nt, h, kvh, d, sq0, sq1, sk0, sk1, sv0, sv1;
+};
+
 // One decode token per sequence t (T of them): rotate q[t] and k[t] by positions[t]'s row of cos_sin,
 // store the rotated k[t] and v[t] at slot_mapping[t] (a slot < 0: not stored), and attend q[t]'s heads
 // over the seq_lens[t] cached tokens of block_tables[t] (query head h reads KV head h / (H / KVH)),
 // softmax(q k^T * scale) v in fp32. Returns [T, H * D] fp32. Shapes and errors: kernels/cpu_decode.py.
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const torch::Tensor& positions, const torch::Tensor& cos_sin,
-                               const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                               const torch::Tensor& seq_lens, double scale) {
-  RECORD_FUNCTION("kestrel::decode_attention", c10::ArrayRef<c10::IValue>{});
+torch::Tensor attend(const QKV& x, const torch::Tensor& positions, const torch::Tensor& cos_sin,
+                     const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                     const torch::TensorOptions& opts) {
   auto f32 = [](const torch::Tensor& t) { return t.scalar_type() == torch::kFloat && t.device().is_cpu(); };
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && f32(q) && f32(k) && f32(v) && q.stride(2) == 1 &&
-                  k.stride(2) == 1 && v.stride(2) == 1,
-              "decode_attention: q, k, v must be fp32 CPU [T, heads, head_dim] tensors with unit last stride");
-  const int64_t nt = q.size(0), h = q.size(1), d = q.size(2), kvh = k.size(1);
-  TORCH_CHECK(k.size(0) == nt && v.size(0) == nt && v.size(1) == kvh && k.size(2) == d && v.size(2) == d,
-              "decode_attention: k and v must be [T, kv_heads, head_dim] of q's T and head_dim");
+  const int64_t nt = x.nt, h = x.h, d = x.d, kvh = x.kvh;
   TORCH_CHECK(kvh > 0 && h % kvh == 0, "decode_attention: num_heads ", h, " is not a multiple of num_kv_heads ", kvh);
   TORCH_CHECK(k_cache.dim() == 4 && f32(k_cache) && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   f32(v_cache) && v_cache.is_contiguous() && k_cache.size(2) == kvh && k_cache.size(3) == d,
@@ -168,17 +171,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     }
     smax = std::max(smax, s);
   }
-  auto out = torch::empty({nt, h * d}, q.options());
+  auto out = torch::empty({nt, h * d}, opts);
   if (nt == 0) return out;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   const float* csp = cos_sin.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = k.stride(0), sk1 = k.stride(1);
-  const int64_t sv0 = v.stride(0), sv1 = v.stride(1);
   const int64_t row = kvh * d;  // a slot's values in the cache
 
   // 1. the new keys (rotated) and values into their slots; every token's before any attention reads
@@ -186,17 +184,18 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     if (slots[t] < 0) continue;
     const float* cs = csp + pos[t] * rot;
     for (int64_t j = 0; j < kvh; ++j) {
-      rotate(kp + t * sk0 + j * sk1, cs, half, d, kc + slots[t] * row + j * d);
-      const float* vs = vp + t * sv0 + j * sv1;
+      rotate(x.k + t * x.sk0 + j * x.sk1, cs, half, d, kc + slots[t] * row + j * d);
+      const float* vs = x.v + t * x.sv0 + j * x.sv1;
       float* vd = vc + slots[t] * row + j * d;
       for (int64_t i = 0; i < d; ++i) vd[i] = vs[i];
     }
   }
 
-  // 2. a task per (token, query head): two passes over the keys (scores, then softmax-weighted values)
+  // 2. a task per (token, query head): two passes over the keys (scores, then softmax-weighted values);
+  // the tasks of a chunk of at::parallel_for hold at least ~kMinWork multiply-adds
   const int64_t g = h / kvh;
   const float sc = static_cast<float>(scale);
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(smax * d * 2, 1));
+  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(smax * d * 2, 1));
   at::parallel_for(0, nt * h, grain, [&](int64_t b, int64_t end) {
     std::vector<float> buf(smax + 2 * d);
     float* scores = buf.data();
@@ -204,14 +203,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     float* acc = qr + d;
     for (int64_t task = b; task < end; ++task) {
       const int64_t t = task / h, hh = task % h, j = hh / g, s = sl[t];
-      rotate(qp + t * sq0 + hh * sq1, csp + pos[t] * rot, half, d, qr);
+      rotate(x.q + t * x.sq0 + hh * x.sq1, csp + pos[t] * rot, half, d, qr);
       const int32_t* table = bt + t * width;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t p = 0; p < s; ++p) {
         const float* kr = kc + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row + j * d;
-        const float x = dot(qr, kr, d) * sc;
-        scores[p] = x;
-        mx = std::max(mx, x);
+        const float e = dot(qr, kr, d) * sc;
+        scores[p] = e;
+        mx = std::max(mx, e);
       }
       float sum = 0.0f;
       for (int64_t p = 0; p < s; ++p) {
@@ -233,6 +232,64 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// q [T, H, D], k, v [T, KVH, D] fp32 views (unit last stride) -> attend
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& positions, const torch::Tensor& cos_sin,
+                               const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                               const torch::Tensor& seq_lens, double scale) {
+  RECORD_FUNCTION("kestrel::decode_attention", c10::ArrayRef<c10::IValue>{});
+  auto f32 = [](const torch::Tensor& t) { return t.scalar_type() == torch::kFloat && t.device().is_cpu(); };
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && f32(q) && f32(k) && f32(v) && q.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1,
+              "decode_attention: q, k, v must be fp32 CPU [T, heads, head_dim] tensors with unit last stride");
+  const int64_t nt = q.size(0), d = q.size(2), kvh = k.size(1);
+  TORCH_CHECK(k.size(0) == nt && v.size(0) == nt && v.size(1) == kvh && k.size(2) == d && v.size(2) == d,
+              "decode_attention: k and v must be [T, kv_heads, head_dim] of q's T and head_dim");
+  const QKV x{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), nt, q.size(1), kvh, d,
+              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+  return attend(x, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale, q.options());
+}
+
+// the fused projection's output qkv [T, (H + 2 KVH) D] (unit column stride): q, k, v its column ranges
+torch::Tensor decode_attention_qkv(const torch::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                   const torch::Tensor& positions, const torch::Tensor& cos_sin,
+                                   const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                   const torch::Tensor& seq_lens, double scale) {
+  RECORD_FUNCTION("kestrel::decode_attention", c10::ArrayRef<c10::IValue>{});
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.device().is_cpu() && qkv.stride(1) == 1 &&
+                  heads > 0 && kv_heads > 0 && head_dim > 0 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
+              "decode_attention_qkv: qkv must be an fp32 CPU [T, (heads + 2 kv_heads) head_dim] tensor with unit "
+              "column stride");
+  const float* p = qkv.data_ptr<float>();
+  const int64_t s0 = qkv.stride(0);
+  const QKV x{p, p + heads * head_dim, p + (heads + kv_heads) * head_dim, qkv.size(0), heads, kv_heads, head_dim,
+              s0, head_dim, s0, head_dim, s0, head_dim};
+  return attend(x, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
+                qkv.options());
+}
+
+// silu(x[:, :n]) * x[:, n:] for x [T, 2n] fp32 (unit column stride) -> [T, n]; silu(a) = a / (1 + exp(-a))
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  RECORD_FUNCTION("kestrel::silu_and_mul", c10::ArrayRef<c10::IValue>{});
+  check_rows(x, "silu_and_mul: x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must have an even number of columns");
+  const int64_t t = x.size(0), n = x.size(1) / 2, sx = x.stride(0);
+  auto out = torch::empty({t, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, row_grain(n), [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const float* g = xp + i * sx;
+      const float* u = g + n;
+      float* o = op + i * n;
+      for (int64_t c = 0; c < n; ++c) o[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -242,5 +299,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::call_guard<py::gil_scoped_release>());
   mod.def("decode_attention", &decode_attention,
           "rotary + KV store + paged attention of one decode token a sequence, fp32",
+          py::call_guard<py::gil_scoped_release>());
+  mod.def("decode_attention_qkv", &decode_attention_qkv, "decode_attention on the fused qkv output",
+          py::call_guard<py::gil_scoped_release>());
+  mod.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of fp32 rows [T, 2n] -> [T, n]",
           py::call_guard<py::gil_scoped_release>());
 }

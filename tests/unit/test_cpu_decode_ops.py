@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kernels import cpu_decode, ref_fast
-from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.activation import silu_and_mul
+from kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
 from kernels.rotary import rope_cos_sin, rope_inv_freq
 
 FLAVOURS = sorted({cpu_decode.flavour(), "generic"})
@@ -44,9 +45,12 @@ def test_rms_norm_matches_the_reference(ext, rows, hidden):
         torch.testing.assert_close(out, want, rtol=4e-6, atol=1e-7)
 
 
-def test_norm_dispatchers_take_the_op_on_fp32_cpu_rows_only(monkeypatch):
-    """With CPU_CXX_OPS the dispatchers call the extension for fp32 [T, hidden] CPU rows; 3-D
-    per-head views and bf16 keep the reference."""
+def test_dispatchers_take_the_ops_on_fp32_cpu_rows_only(monkeypatch):
+    """With CPU_CXX_OPS the RMSNorm layer and the SiLU-and-mul dispatcher call the extension for
+    fp32 [T, hidden] CPU rows (the same values as the references); 3-D per-head views, bf16 and
+    the switch off keep the references."""
+    from services.worker.layers.norm import RMSNorm
+
     real = cpu_decode.extension()
     if real is None:
         pytest.skip("the CPU decode ops are not available here")
@@ -59,15 +63,22 @@ def test_norm_dispatchers_take_the_op_on_fp32_cpu_rows_only(monkeypatch):
 
     monkeypatch.setitem(cpu_decode._loaders[cpu_decode.flavour()].state, "ext", Spy())
     monkeypatch.setattr(ref_fast, "CPU_CXX_OPS", True)
-    x, r, w = torch.randn(2, 64), torch.randn(2, 64), torch.randn(64)
-    rms_norm(x, w, 1e-6)
-    fused_add_rms_norm(x, r, w, 1e-6)
-    assert calls == ["rms_norm", "fused_add_rms_norm"]
-    rms_norm(x.view(2, 4, 16), w[:16], 1e-6)
-    rms_norm(x.bfloat16(), w.bfloat16(), 1e-6)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.normal_()
+    x, r, w = torch.randn(2, 64), torch.randn(2, 64), norm.weight.data
+    torch.testing.assert_close(norm(x), rms_norm_ref(x, w, 1e-6), rtol=4e-6, atol=1e-7)
+    out, res = norm(x, r)
+    assert torch.equal(res, x + r)
+    torch.testing.assert_close(out, rms_norm_ref(x + r, w, 1e-6), rtol=4e-6, atol=1e-7)
+    silu_and_mul(x)
+    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul"]
+    norm(x.view(1, 2, 64))  # 3-D: the reference
+    silu_and_mul(x.bfloat16())
     monkeypatch.setattr(ref_fast, "CPU_CXX_OPS", False)
-    rms_norm(x, w, 1e-6)
-    assert calls == ["rms_norm", "fused_add_rms_norm"]
+    norm(x)
+    norm(x, r)
+    silu_and_mul(x)
+    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul"]
 
 
 def _case(seq_lens, heads, kvh, d, bs, rot=None, seed=0, pad=()):
@@ -123,6 +134,32 @@ def test_decode_attention_matches_rotary_store_and_paged_attention_ref(ext, case
     # slots nowhere written
     assert torch.equal(args[5], ref_args[5]) and torch.equal(args[6], ref_args[6])
     assert torch.equal(args[0], q0) and torch.equal(args[1], k0)  # q and k left as they were
+
+
+@pytest.mark.parametrize("case", ["mixed_lengths_boundaries", "odd_block_size_head_dim"])
+def test_decode_attention_on_the_fused_qkv_row_equals_the_views(ext, case):
+    """decode_attention_qkv (the fused projection's output whole) gives decode_attention's bits."""
+    c = CASES[case]
+    args = _case(seed=3, **c)
+    t, heads, kvh, d = args[0].shape[0], c["heads"], c["kvh"], c["d"]
+    qkv = torch.as_strided(args[0], (t, (heads + 2 * kvh) * d), (args[0].stride(0), 1))
+    more = [a.clone() if isinstance(a, torch.Tensor) else a for a in args[3:]]
+    out = ext.decode_attention_qkv(qkv, heads, kvh, d, *more)
+    assert torch.equal(out, ext.decode_attention(*args))
+    assert torch.equal(more[2], args[5]) and torch.equal(more[3], args[6])
+    with pytest.raises(RuntimeError, match="qkv"):
+        ext.decode_attention_qkv(qkv, heads, kvh + 1, d, *more)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (3, 7), (17, 100)])
+def test_silu_and_mul_matches_the_reference(ext, rows, n):
+    from kernels.activation import silu_and_mul_ref
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, 2 * n + 3, generator=g)[:, 1:2 * n + 1] * 6  # row-strided, |x| up to ~25
+    torch.testing.assert_close(ext.silu_and_mul(x), silu_and_mul_ref(x), rtol=4e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="even"):
+        ext.silu_and_mul(x[:, 1:])
 
 
 def test_decode_attention_refuses_bad_arguments_before_writing(ext):
@@ -200,7 +237,7 @@ def test_smollm2_greedy_decode_and_logits_same_with_the_switch_on_and_off(runner
     real = cpu_decode.extension()
     if real is None:
         pytest.skip("the CPU decode ops are not available here")
-    calls = {"decode_attention": 0}
+    calls = {"decode_attention_qkv": 0}
 
     class Spy:
         def __getattr__(self, name):
@@ -212,10 +249,10 @@ def test_smollm2_greedy_decode_and_logits_same_with_the_switch_on_and_off(runner
     monkeypatch.setattr(ref_fast, "CPU_CXX_OPS", False)
     off = generate(runner, prompts, N_NEW)
     off_logits = _decode_logits(runner, prompts, off)
-    assert calls["decode_attention"] == 0
+    assert calls["decode_attention_qkv"] == 0
     monkeypatch.setattr(ref_fast, "CPU_CXX_OPS", True)
     on = generate(runner, prompts, N_NEW)
-    assert calls["decode_attention"] == (N_NEW - 1) * runner.model.args.num_hidden_layers
+    assert calls["decode_attention_qkv"] == (N_NEW - 1) * runner.model.args.num_hidden_layers
     on_logits = _decode_logits(runner, prompts, off)
     assert on == off
     err = (on_logits - off_logits).abs().max() / off_logits.abs().max()
@@ -232,8 +269,12 @@ def test_declared_unavailable_extension_keeps_the_torch_path(runner, prompts, mo
     monkeypatch.setitem(cpu_decode._loaders[cpu_decode.flavour()].state, "ext", None)
     monkeypatch.setattr(ref_fast, "CPU_CXX_OPS", True)
     assert not cpu_decode.available()
-    x, w = torch.randn(3, 64), torch.randn(64)
-    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    from services.worker.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 64)
+    assert torch.equal(norm(x), rms_norm_ref(x, norm.weight.data, 1e-6))
     assert generate(runner, prompts[:2], 8) == want
 
 

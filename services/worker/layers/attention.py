@@ -97,11 +97,12 @@ class AttentionLayer:
     spec: the layer's `AttentionSpec`; kv: its `KVHandle` (shape spec.kv). k_scale, v_scale:
     the handle's scales (None unless the KV dtype is quantized). group: query heads a KV head.
     cxx: whether `kernels.cpu_decode.decode_attention` can serve the layer's decode steps (a
-    contiguous fp32 CPU cache, not quantized, no q/k norm, an fp32 rotary table).
+    contiguous fp32 CPU cache, not quantized, no q/k norm, an fp32 rotary table). heads,
+    kv_heads, head_dim: the spec's; sizes: the q, k, v widths of a fused qkv row.
     """
 
-    __slots__ = ("cos_sin", "cxx", "eps", "group", "k", "k_norm", "k_scale", "kv", "q_norm", "scale", "v",
-                 "v_scale")
+    __slots__ = ("cos_sin", "cxx", "eps", "group", "head_dim", "heads", "k", "k_norm", "k_scale", "kv", "kv_heads",
+                 "q_norm", "scale", "sizes", "v", "v_scale")
 
     def __init__(self, spec: AttentionSpec, kv: KVHandle):
         self.kv = kv
@@ -110,6 +111,9 @@ class AttentionLayer:
         self.cos_sin, self.scale = spec.cos_sin, spec.scale
         self.q_norm, self.k_norm, self.eps = spec.q_norm, spec.k_norm, spec.eps
         self.group = spec.num_heads // spec.num_kv_heads
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.sizes = [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                      spec.num_kv_heads * spec.head_dim]
         self.cxx = (self.k.device.type == "cpu" and self.k.dtype == torch.float32 and self.v.dtype == torch.float32
                     and self.k.is_contiguous() and self.v.is_contiguous() and self.k_scale is None
                     and self.q_norm is None and self.cos_sin.dtype == torch.float32
@@ -149,6 +153,16 @@ class AttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`forward` on the fused projection's output qkv [T, (heads + 2 kv_heads) * head_dim]
+        (q, k, v its column ranges, the layer's spec's heads): split into views and passed on; a
+        backend may take qkv whole (`ReferenceAttention`'s C++ decode)."""
+        a = self.layers[layer]
+        t = qkv.shape[0]
+        q, k, v = qkv.split(a.sizes, dim=-1)
+        return self.forward(layer, q.view(t, a.heads, a.head_dim), k.view(t, a.kv_heads, a.head_dim),
+                            v.view(t, a.kv_heads, a.head_dim), positions)
 
 
 class DecodeAttention(AttentionBackend):
@@ -220,6 +234,16 @@ class ReferenceAttention(AttentionBackend):
             ref_fast.CPU_CXX_OPS and p is not None and p.dec_blocks is not None and p.dec_tokens is None
             and not p.prefills and meta.block_tables.device.type == "cpu" and meta.block_tables.dtype == torch.int32
             and meta.seq_lens.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64) else None
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The base's; a C++ decode step's layer takes qkv whole (`kernels.cpu_decode.
+        decode_attention_qkv`: no split, no views)."""
+        a, cxx = self.layers[layer], self.cxx
+        if cxx is not None and a.cxx and qkv.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1:
+            m = self.meta
+            return cxx.decode_attention_qkv(qkv, a.heads, a.kv_heads, a.head_dim, positions, a.cos_sin, a.k, a.v,
+                                            m.slot_mapping, m.block_tables, m.seq_lens, a.scale)
+        return AttentionBackend.forward_qkv(self, layer, qkv, positions)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
