@@ -3,14 +3,19 @@
 // each, where the torch references take ~9 and ~40 ATen calls. Python side, shapes and the cases
 // that take them: kernels/cpu_decode.py; docs/ARCHITECTURE.md §6.4 "CPU decode ops".
 //
-// Plain C++ written for the compiler's vectoriser (no intrinsics): the same source builds with
-// AVX-512, AVX2 or no flags at all (kernels/cpu_decode.py picks them from the CPU). Reductions keep
-// kLanes partial sums (lane l sums elements l, l + kLanes, ...) so that -O3 vectorises them without
-// -ffast-math; built with -ffp-contract=off, so that the rotary and the norm round each product and
-// sum once as torch's ops do (the rotation is then bit-equal to kernels.rotary's reference).
+// Plain C++ written for the compiler's vectoriser: the same source builds with AVX-512, AVX2 or no
+// flags at all (kernels/cpu_decode.py picks them from the CPU). Reductions keep kLanes partial sums
+// (lane l sums elements l, l + kLanes, ...) so that -O3 vectorises them without -ffast-math; built
+// with -ffp-contract=off, so that the rotary and the norm round each product and sum once as torch's
+// ops do (the rotation is then bit-equal to kernels.rotary's reference). The attention's inner loops
+// (a dot product a key, e^x, the value sums) take AVX-512 intrinsics where the build has __AVX512F__
+// (one horizontal sum a key instead of a scalar chain, a polynomial e^x on 16 lanes), else the loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -27,22 +32,165 @@ constexpr int kLanes = 16;
 // from ~60 keys on, and run on one thread below)
 constexpr int64_t kMinWork = 1 << 16;
 
-// sum of a[i] * b[i], i < n, in kLanes partial sums
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// sum of a[i] * b[i], i < n, in kLanes partial sums (summed as a tree: no chain of kLanes adds)
+inline float dot_lanes(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  float s = acc[0];
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
+#ifdef __AVX512F__
+// AVX-512 (the "avx512" build): 16 lanes a vector, the tail by a mask; FMAs (one rounding a product-sum)
+inline __mmask16 tail(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = tail(n - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// e^x for x <= 0 (lanes below -87.3 give ~0): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial
+// of degree 7 (relative error ~1e-8 at |r| = ln2 / 2 before rounding), times 2^n by vscalefps
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: hi exact in 9 bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// x[p] = e^(x[p] - m) for p < n; returns their sum
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + p), vm));
+    _mm512_storeu_ps(x + p, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (p < n) {
+    const __mmask16 k = tail(n - p);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + p), vm));
+    _mm512_mask_storeu_ps(x + p, k, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// y[i] += w * x[i], i < n
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  const __m512 vw = _mm512_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(vw, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = tail(n - i);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(vw, _mm512_maskz_loadu_ps(m, x + i),
+                                                    _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+// One query head q (rotated, ND * 16 values) over s keys of one KV head (kj, vj: the head's column in the
+// caches; table: the sequence's blocks of bs slots of `row` values): scores, softmax and the weighted sum
+// of the values with q and the output sums in registers, keys in order -> out[ND * 16]. scores: s floats.
+template <int ND>
+void head_avx512(const float* q, const float* kj, const float* vj, const int32_t* table, int64_t s, int64_t bs,
+                 int64_t row, float sc, float* scores, float* out) {
+  __m512 qv[ND], acc[ND];
+  for (int c = 0; c < ND; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t p0 = 0; p0 < s; p0 += bs) {
+    const float* kb = kj + static_cast<int64_t>(table[p0 / bs]) * bs * row;
+    const int64_t n = std::min(bs, s - p0);
+    for (int64_t o = 0; o < n; ++o) {
+      const float* kr = kb + o * row;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+      const float e = _mm512_reduce_add_ps(a) * sc;
+      scores[p0 + o] = e;
+      mx = std::max(mx, e);
+    }
+  }
+  const float inv = 1.0f / exp_sub_sum(scores, s, mx);
+  for (int c = 0; c < ND; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < s; p0 += bs) {
+    const float* vb = vj + static_cast<int64_t>(table[p0 / bs]) * bs * row;
+    const int64_t n = std::min(bs, s - p0);
+    for (int64_t o = 0; o < n; ++o) {
+      const float* vr = vb + o * row;
+      const __m512 w = _mm512_set1_ps(scores[p0 + o]);
+      for (int c = 0; c < ND; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+    }
+  }
+  const __m512 vi = _mm512_set1_ps(inv);
+  for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], vi));
+}
+
+using HeadFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
+                        float*, float*);
+
+// head_avx512 for head_dim d (a multiple of 16 up to 128), else nullptr (the general loop)
+inline HeadFn head_kernel(int64_t d) {
+  if (d % 16) return nullptr;
+  switch (d / 16) {
+    case 1: return head_avx512<1>;
+    case 2: return head_avx512<2>;
+    case 3: return head_avx512<3>;
+    case 4: return head_avx512<4>;
+    case 5: return head_avx512<5>;
+    case 6: return head_avx512<6>;
+    case 7: return head_avx512<7>;
+    case 8: return head_avx512<8>;
+    default: return nullptr;
+  }
+}
+#else
+// the portable build: loops for the vectoriser, std::exp
+inline float dot(const float* a, const float* b, int64_t n) { return dot_lanes(a, b, n); }
+
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  float s = 0.0f;
+  for (int64_t p = 0; p < n; ++p) {
+    x[p] = std::exp(x[p] - m);
+    s += x[p];
+  }
+  return s;
+}
+
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+using HeadFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
+                        float*, float*);
+inline HeadFn head_kernel(int64_t) { return nullptr; }
+#endif
+
 // one row: out = (x * rsqrt(sum(x^2) / n + eps)) * w, the order of kernels.norm.rms_norm_ref in fp32
 inline void norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t n,
                      float eps) {
-  const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  const float r = 1.0f / std::sqrt(dot_lanes(x, x, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * r) * w[i];
 }
 
@@ -191,42 +339,57 @@ torch::Tensor attend(const QKV& x, const torch::Tensor& positions, const torch::
     }
   }
 
-  // 2. a task per (token, query head): two passes over the keys (scores, then softmax-weighted values);
-  // the tasks of a chunk of at::parallel_for hold at least ~kMinWork multiply-adds
+  // 2. a task per (token, KV head): its g query heads over the sequence's keys, in two passes (scores,
+  // then softmax-weighted values); a chunk of at::parallel_for holds at least ~kMinWork multiply-adds
   const int64_t g = h / kvh;
   const float sc = static_cast<float>(scale);
-  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(smax * d * 2, 1));
-  at::parallel_for(0, nt * h, grain, [&](int64_t b, int64_t end) {
-    std::vector<float> buf(smax + 2 * d);
-    float* scores = buf.data();
-    float* qr = scores + smax;
-    float* acc = qr + d;
+  const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(smax * d * 2 * g, 1));
+  const HeadFn head = head_kernel(d);
+  at::parallel_for(0, nt * kvh, grain, [&](int64_t b, int64_t end) {
+    std::vector<float> buf(g * (smax + 2 * d) + 2 * g);
+    float* scores = buf.data();      // [g, smax]
+    float* qr = scores + g * smax;   // [g, d]: the rotated q heads
+    float* acc = qr + g * d;         // [g, d]
+    float* mx = acc + g * d;         // [g]
+    float* sum = mx + g;             // [g]
     for (int64_t task = b; task < end; ++task) {
-      const int64_t t = task / h, hh = task % h, j = hh / g, s = sl[t];
-      rotate(x.q + t * x.sq0 + hh * x.sq1, csp + pos[t] * rot, half, d, qr);
+      const int64_t t = task / kvh, j = task % kvh, s = sl[t];
+      for (int64_t i = 0; i < g; ++i)
+        rotate(x.q + t * x.sq0 + (j * g + i) * x.sq1, csp + pos[t] * rot, half, d, qr + i * d);
       const int32_t* table = bt + t * width;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < s; ++p) {
-        const float* kr = kc + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row + j * d;
-        const float e = dot(qr, kr, d) * sc;
-        scores[p] = e;
-        mx = std::max(mx, e);
+      const float* kj = kc + j * d;
+      const float* vj = vc + j * d;
+      if (head != nullptr) {  // AVX-512, head_dim a multiple of 16 up to 128: a head at a time in registers
+        for (int64_t i = 0; i < g; ++i)
+          head(qr + i * d, kj, vj, table, s, bs, row, sc, scores, op + t * h * d + (j * g + i) * d);
+        continue;
       }
-      float sum = 0.0f;
-      for (int64_t p = 0; p < s; ++p) {
-        const float e = std::exp(scores[p] - mx);
-        scores[p] = e;
-        sum += e;
+      for (int64_t i = 0; i < g; ++i) mx[i] = -std::numeric_limits<float>::infinity();
+      for (int64_t p0 = 0; p0 < s; p0 += bs) {  // block by block: no division a key
+        const float* kb = kj + static_cast<int64_t>(table[p0 / bs]) * bs * row;
+        const int64_t n = std::min(bs, s - p0);
+        for (int64_t o = 0; o < n; ++o) {
+          const float* kr = kb + o * row;
+          for (int64_t i = 0; i < g; ++i) {
+            const float e = dot(qr + i * d, kr, d) * sc;
+            scores[i * smax + p0 + o] = e;
+            mx[i] = std::max(mx[i], e);
+          }
+        }
       }
-      for (int64_t i = 0; i < d; ++i) acc[i] = 0.0f;
-      for (int64_t p = 0; p < s; ++p) {
-        const float* vr = vc + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * row + j * d;
-        const float w = scores[p];
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * vr[i];
+      for (int64_t i = 0; i < g; ++i) sum[i] = exp_sub_sum(scores + i * smax, s, mx[i]);
+      for (int64_t i = 0; i < g * d; ++i) acc[i] = 0.0f;
+      for (int64_t p0 = 0; p0 < s; p0 += bs) {
+        const float* vb = vj + static_cast<int64_t>(table[p0 / bs]) * bs * row;
+        const int64_t n = std::min(bs, s - p0);
+        for (int64_t o = 0; o < n; ++o)
+          for (int64_t i = 0; i < g; ++i) axpy(scores[i * smax + p0 + o], vb + o * row, acc + i * d, d);
       }
-      const float inv = 1.0f / sum;
-      float* o = op + t * h * d + hh * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = acc[i] * inv;
+      for (int64_t i = 0; i < g; ++i) {
+        const float inv = 1.0f / sum[i];
+        float* o = op + t * h * d + (j * g + i) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+      }
     }
   });
   return out;
