@@ -6,8 +6,9 @@ Why: a batch-1 CPU decode step of SmolLM2 is mostly Python and small ATen calls;
 take ~9 ATen calls a norm and ~40 for a layer's rotary, KV store and SDPA.
 
 Who calls them (with `kernels.ref_fast.CPU_CXX_OPS` on, CPU tensors only, where `available()`):
-- `services.worker.layers.norm.RMSNorm` for fp32 [T, hidden] rows (prefill too), and the
-  `kernels.activation.silu_and_mul` dispatcher likewise (`silu_and_mul`);
+- the `kernels.norm.rms_norm` / `fused_add_rms_norm` and `kernels.activation.silu_and_mul`
+  dispatchers for fp32 [T, hidden] CPU rows (prefill too; the unfused layers' norms and the fused
+  path's prologues alike, so the two stay bit-equal);
 - `services.worker.layers.attention.ReferenceAttention` on decode-only steps (one new token a
   sequence) for layers with an fp32 KV cache and no q/k norm (`AttentionLayer.cxx`); prefill,
   mixed steps, fp8 / int8 KV caches and Qwen3's q/k norm keep the torch path.
@@ -17,9 +18,11 @@ widest set (`flavour()`): "avx512" (AVX-512 F/BW/VL + FMA), "avx2" (AVX2 + FMA),
 (no ISA flags). Built on first use by `kernels.cpu_ext.build`; where the build fails `available()`
 is False after one warning and the callers keep the torch references.
 
-Values: the norm as `kernels.norm.rms_norm_ref` up to the order of the sum of squares (a few fp32
-ulps); the rotary bit-equal to `kernels.rotary`'s (-ffp-contract=off); the attention in fp32 with a
-two-pass softmax, within fp32 rounding of `paged_attention_ref`'s SDPA.
+References (the torch paths they replace): `kernels.norm.rms_norm_ref` / `fused_add_rms_norm_ref`
+(the same up to the order of the sum of squares, a few fp32 ulps), `kernels.activation.
+silu_and_mul_ref` (the exp differs by ulps), `kernels.rope_decode.rope_paged_decode` on CPU tensors
+(the rotary bit-equal, -ffp-contract=off; the attention in fp32 with a two-pass softmax, within fp32
+rounding of `paged_attention_ref`'s SDPA).
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     block_tables: [T, max_blocks] int32 (-1 past each table's end); seq_lens: [T] int32, cached
         tokens of each sequence including the new one (its keys are positions 0 .. seq_len - 1).
     scale: the softmax scale (head_dim ** -0.5).
-    Returns [T, heads * head_dim] fp32, `kernels.attention.paged_attention_ref`'s output after
-    `kernels.rotary.rotary_and_store_kv_ref` (`decode_attention_ref`).
+    Returns [T, heads * head_dim] fp32: the reference is `kernels.rope_decode.rope_paged_decode` on
+    CPU tensors (`rotary_and_store_kv_ref`, then `paged_attention_ref`), reshaped.
     Raises RuntimeError (from the extension) when heads is not a multiple of kv_heads, for other
     dtypes or shapes, a seq_len outside 1 .. max_blocks * block_size, a position past the table,
     a slot past the cache or a block id of a sequence's used blocks outside the cache (checked
@@ -137,23 +140,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     the exp differs). Raises RuntimeError for an odd width or other dtypes, AttributeError where
     `available()` is False."""
     return extension().silu_and_mul(x)
-
-
-def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """The torch path `decode_attention` replaces (same arguments and result; q and k are rotated
-    in place here): `apply_rotary_ref` on q and k, `store_kv_ref` of the tokens whose slot is >= 0,
-    then `paged_attention_ref` with one query a sequence."""
-    from kernels.attention import paged_attention_ref, store_kv_ref
-    from kernels.rotary import apply_rotary_ref
-
-    t = q.shape[0]
-    cs = cos_sin.index_select(0, positions)
-    q.copy_(apply_rotary_ref(q, cs))
-    k.copy_(apply_rotary_ref(k, cs))
-    keep = (slot_mapping >= 0).nonzero().flatten()
-    store_kv_ref(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep])
-    cu = torch.arange(t + 1, dtype=torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, block_tables, scale).reshape(t, -1)

@@ -1,7 +1,8 @@
 """Kestrel's C++ CPU decode ops (`kernels.cpu_decode`, `kernels.ref_fast.CPU_CXX_OPS`) against the
 torch references they replace: the RMS norm (residual add fused) against `kernels.norm`'s
-references, the decode attention against `rotary_and_store_kv_ref`'s rotation and store and
-`paged_attention_ref` (`cpu_decode.decode_attention_ref`) on awkward shapes, both for this CPU's
+references, the decode attention against `kernels.rope_decode.rope_paged_decode`'s CPU path
+(`rotary_and_store_kv_ref`, `paged_attention_ref`; `_reference` below where a padding slot of -1
+must be skipped, which the CPU store does not) on awkward shapes, both for this CPU's
 flavour and the generic build (no ISA flags: what a CPU without AVX-512 or AVX2 runs); the real
 SmolLM2 decoding with the switch on and off; and the torch path where the extension is declared
 unavailable or its build fails."""
@@ -110,6 +111,26 @@ def _case(seq_lens, heads, kvh, d, bs, rot=None, seed=0, pad=()):
             d ** -0.5]
 
 
+def _reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale):
+    """The torch path the op replaces: `rope_paged_decode` on CPU tensors (q and k rotated in place,
+    k and v stored, attention of one query a sequence). With padding slots (< 0), which the CPU store
+    does not skip: `apply_rotary_ref` on every row, `store_kv_ref` of the others, `paged_attention_ref`."""
+    from kernels.attention import paged_attention_ref, store_kv_ref
+    from kernels.rope_decode import rope_paged_decode
+    from kernels.rotary import apply_rotary_ref
+
+    t = q.shape[0]
+    cu = torch.arange(t + 1, dtype=torch.int32)
+    keep = (slot_mapping >= 0).nonzero().flatten()
+    if len(keep) == t:
+        return rope_paged_decode(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, cu, seq_lens,
+                                 block_tables, scale).reshape(t, -1)
+    cs = cos_sin.index_select(0, positions)
+    qr, kr = apply_rotary_ref(q, cs), apply_rotary_ref(k, cs)
+    store_kv_ref(kr[keep], v[keep], k_cache, v_cache, slot_mapping[keep])
+    return paged_attention_ref(qr, k_cache, v_cache, cu, seq_lens, block_tables, scale).reshape(t, -1)
+
+
 CASES = {
     "one_seq_gqa3": dict(seq_lens=[64], heads=9, kvh=3, d=64, bs=16),
     "mixed_lengths_boundaries": dict(seq_lens=[1, 16, 17, 33, 5, 48], heads=9, kvh=3, d=64, bs=16),
@@ -127,7 +148,7 @@ def test_decode_attention_matches_rotary_store_and_paged_attention_ref(ext, case
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     q0, k0 = args[0].clone(), args[1].clone()
     out = ext.decode_attention(*args)
-    want = cpu_decode.decode_attention_ref(*ref_args)
+    want = _reference(*ref_args)
     assert out.shape == want.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-6)
     # the cache: the rotated keys bit-equal to the reference rotation's, the values copied, padding

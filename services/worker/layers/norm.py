@@ -1,33 +1,12 @@
-"""RMSNorm layer (optionally fused with the residual add); math in `kernels.norm`, and on fp32
-CPU rows with `kernels.ref_fast.CPU_CXX_OPS` Kestrel's C++ op (`kernels.cpu_decode`, where its
-extension builds; docs/ARCHITECTURE.md §6.4 "CPU decode ops")."""
+"""RMSNorm layer (optionally fused with the residual add); math in `kernels.norm`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels import cpu_decode, ref_fast
 from kernels.norm import fused_add_rms_norm, rms_norm
 from services.worker.layers.module import Module
-
-
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float):
-    """rms_norm(x) (residual None) or fused_add_rms_norm(x, residual): the C++ op for fp32
-    [T, hidden] CPU rows with unit column stride (and such a residual of x's shape) while
-    CPU_CXX_OPS is on and the extension is built, else the `kernels.norm` dispatchers (CUDA:
-    Triton, unchanged)."""
-    if (ref_fast.CPU_CXX_OPS and x.is_cpu and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.dim() == 2 and x.stride(1) == 1 and w.is_contiguous()):
-        ext = cpu_decode.extension()
-        if ext is not None:
-            if residual is None:
-                return ext.rms_norm(x, w, eps)
-            if residual.dtype == torch.float32 and residual.shape == x.shape and residual.stride(1) == 1:
-                return ext.fused_add_rms_norm(x, residual, w, eps)
-    if residual is None:
-        return rms_norm(x, w, eps)
-    return fused_add_rms_norm(x, residual, w, eps)
 
 
 class RMSNorm(Module):
@@ -43,7 +22,9 @@ class RMSNorm(Module):
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return _norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -62,4 +43,6 @@ class ZeroCenteredRMSNorm(RMSNorm):
         self.scale = (1.0 + self.weight.detach().float()).to(self.weight.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return _norm(x, residual, self.scale, self.eps)
+        if residual is None:
+            return rms_norm(x, self.scale, self.eps)
+        return fused_add_rms_norm(x, residual, self.scale, self.eps)
