@@ -28,8 +28,8 @@ namespace {
 
 constexpr int kLanes = 16;
 // multiply-adds a chunk of the attention's at::parallel_for holds at least: below that the threads'
-// fork and join cost about what they save (SmolLM2's 9 heads of 64 at batch 1 split in two chunks
-// from ~60 keys on, and run on one thread below)
+// fork and join cost about what they save (SmolLM2's 3 KV heads of 3 x 64 at batch 1: one thread below
+// ~57 keys, two chunks to ~85, a chunk a KV head from there)
 constexpr int64_t kMinWork = 1 << 16;
 
 // sum of a[i] * b[i], i < n, in kLanes partial sums (summed as a tree: no chain of kLanes adds)
