@@ -28,6 +28,11 @@ With --call-ab the steps rotate between the model modules' call through `nn.Modu
 (torch's hook dispatch, "nn_call") and `services.worker.layers.module.Module`'s direct call
 ("direct_call"), as --int4-ab (the same JSON per side and ratios against nn_call).
 
+With --cxx-ab the steps rotate between the torch references of the CPU decode path ("torch_ops":
+`kernels.ref_fast.CPU_CXX_OPS` off) and Kestrel's C++ CPU ops ("cxx_ops": on; kernels/cpu_decode.py:
+the RMS norms and the decode attention), as --int4-ab (the same JSON per side and ratios against
+torch_ops).
+
 With --levels (one --quantization scheme; benchmarks/cpu_serve_levels.py) it times batch-1
 greedy decode of --tokens tokens from the chat prompt of benchmarks/cpu_decode.py at three
 levels, in one run, --rounds
@@ -52,6 +57,8 @@ Usage: .venv/bin/python benchmarks/cpu_decode_profile.py [--quantization int4 in
            [--steps 32] [--rounds 5] [--out FILE]
        .venv/bin/python benchmarks/cpu_decode_profile.py --int4-ab --quantization int4 gguf \
            [--int4-sides tinygemm vnni1 vnni2] [--steps 32] [--rounds 5] [--out FILE]
+       .venv/bin/python benchmarks/cpu_decode_profile.py --cxx-ab --quantization int4 gguf \
+           [--threads 2] [--steps 48] [--rounds 4] [--out FILE]
        .venv/bin/python benchmarks/cpu_decode_profile.py --levels --quantization int4 \
            [--tokens 128] [--rounds 5] [--server-variant base] [--busy 0] [--concurrent]
            [--after-start 0] [--out FILE]
@@ -318,6 +325,38 @@ def run_call_ab(a: argparse.Namespace, q: str) -> dict:
         Module.__call__ = direct  # type: ignore[method-assign]
 
 
+def run_cxx_ab(a: argparse.Namespace, q: str) -> dict:
+    """--cxx-ab for scheme q (module doc): the torch references against the C++ CPU decode ops
+    (`kernels.ref_fast.CPU_CXX_OPS` off / on), rotated step by step."""
+    from benchmarks.cpu_decode import prompt_ids
+    from kernels import cpu_decode, ref_fast
+
+    if not cpu_decode.available():
+        raise SystemExit("--cxx-ab: the CPU decode ops' extension is not available here")
+    runner, load_s = load_runner({"model": a.model, "device": "cpu", "quantization": q,
+                                  "num_threads": a.threads, "max_model_len": 4096})
+    sides = {"torch_ops": False, "cxx_ops": True}
+
+    def use(side: str) -> None:
+        ref_fast.CPU_CXX_OPS = sides[side]
+
+    ids = prompt_ids(a.model)
+    try:
+        streams, ms, toks, rounds = rotated_steps(runner, list(sides), use, ids, a, "x")
+        out: dict = {"load_seconds": round(load_s, 2), "rounds": rounds, "prompt_tokens": len(ids),
+                     "flavour": cpu_decode.flavour()}
+        return side_summary(out, list(sides), use, streams, ms, toks, rounds)
+    finally:
+        ref_fast.CPU_CXX_OPS = True
+
+
+# flag -> (the JSON's benchmark name, the run of one scheme): the A/B modes, rotated step by step
+AB_MODES = {"int4_ab": ("cpu_decode_profile --int4-ab", run_int4_ab),
+            "call_ab": ("cpu_decode_profile --call-ab", run_call_ab),
+            "head_ab": ("cpu_decode_profile --head-ab", run_head_ab),
+            "cxx_ab": ("cpu_decode_profile --cxx-ab", run_cxx_ab)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct")
@@ -331,6 +370,8 @@ def main() -> int:
     ap.add_argument("--int4-ab", action="store_true", help="int4 tinygemm vs VNNI, step by step (module doc)")
     ap.add_argument("--call-ab", action="store_true",
                     help="nn.Module's call vs layers.module.Module's direct call, step by step (module doc)")
+    ap.add_argument("--cxx-ab", action="store_true",
+                    help="torch references vs the C++ CPU decode ops (ref_fast.CPU_CXX_OPS), step by step")
     ap.add_argument("--int4-sides", nargs="+", default=["tinygemm", "vnni2"], choices=sorted(INT4_SIDES),
                     help="with --int4-ab: the sides, the first the base of the ratios")
     ap.add_argument("--int4-prefill", type=int, default=0,
@@ -353,24 +394,13 @@ def main() -> int:
 
         a.server_variant = a.server_variant or ["base"]
         return levels_run(a)
-    if a.int4_ab:
-        res = {"benchmark": "cpu_decode_profile --int4-ab", "date": time.strftime("%Y-%m-%d"),
-               "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
-               "schemes": {q: run_int4_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
-        emit_json(res, a.out)
-        return 0
-    if a.call_ab:
-        res = {"benchmark": "cpu_decode_profile --call-ab", "date": time.strftime("%Y-%m-%d"),
-               "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
-               "schemes": {q: run_call_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
-        emit_json(res, a.out)
-        return 0
-    if a.head_ab:
-        res = {"benchmark": "cpu_decode_profile --head-ab", "date": time.strftime("%Y-%m-%d"),
-               "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "load_avg_start": os.getloadavg(),
-               "schemes": {q: run_head_ab(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
-        emit_json(res, a.out)
-        return 0
+    for flag, (name, run) in AB_MODES.items():
+        if getattr(a, flag):
+            res = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), "threads": a.threads, "steps": a.steps,
+                   "rounds": a.rounds, "load_avg_start": os.getloadavg(),
+                   "schemes": {q: run(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}
+            emit_json(res, a.out)
+            return 0
     res = {"benchmark": "cpu_decode_profile", "date": time.strftime("%Y-%m-%d"), "threads": a.threads,
            "context": a.context, "steps": a.steps, "load_avg_start": os.getloadavg(),
            "schemes": {q: run_scheme(a, q) for q in a.quantization}, "load_avg": os.getloadavg()}

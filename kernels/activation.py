@@ -1,7 +1,8 @@
 """SiLU-and-mul, the gate of a SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer").
 
-Dispatcher `silu_and_mul` picks the torch reference on the CPU and `silu_and_mul_triton`
-(bottom of this file) on CUDA tensors when Triton imports.
+Dispatcher `silu_and_mul` picks the torch reference on the CPU (Kestrel's C++ op for fp32 rows
+with `kernels.ref_fast.CPU_CXX_OPS`, `kernels.cpu_decode`) and `silu_and_mul_triton` (bottom of
+this file) on CUDA tensors when Triton imports.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import ref_fast
+from kernels import cpu_decode, ref_fast
 
 silu_and_mul_triton = None  # set by the GPU issue: same signature as silu_and_mul_ref
 
@@ -28,9 +29,15 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Dispatcher for `silu_and_mul_ref` (see there for shapes)."""
-    if x.is_cuda and silu_and_mul_triton is not None:
-        return silu_and_mul_triton(x)
+    """Dispatcher for `silu_and_mul_ref` (see there for shapes): Triton on CUDA, the C++ op
+    (`kernels.cpu_decode.silu_and_mul`) for fp32 [T, 2n] CPU rows with `ref_fast.CPU_CXX_OPS`."""
+    if x.is_cuda:
+        if silu_and_mul_triton is not None:
+            return silu_and_mul_triton(x)
+    elif ref_fast.CPU_CXX_OPS and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        ext = cpu_decode.extension()
+        if ext is not None:
+            return ext.silu_and_mul(x)
     return silu_and_mul_ref(x)
 
 

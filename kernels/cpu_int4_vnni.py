@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 from typing import Any
 
 import torch
+
+from kernels import cpu_ext
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,10 @@ GROUP_BYTES = 320  # bytes a tile's group: 256 of codes, 16 fp16 s, 16 fp16 m
 # 2, a second plane of the first's rounding error (<= max |x| / 64516), twice the integer dots (module doc)
 X_PLANES = 2
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "int4_vnni.cpp")
-# -ffp-contract=off: x * (127 / amax) - q1 must round as torch's two ops do (quantize_x_ref), not as one FMA;
-# -fopenmp: at::parallel_for's OpenMP body (it binds to the libgomp torch has loaded, one thread pool)
-_FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
-          "-fopenmp"]
+_SOURCE = os.path.join(cpu_ext.CSRC, "int4_vnni.cpp")
+# -ffp-contract=off: x * (127 / amax) - q1 must round as torch's two ops do (quantize_x_ref), not as one FMA
+# (cpu_ext.build adds -fopenmp: at::parallel_for's OpenMP body)
+_FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ext": the loaded module, or None once a build or check failed
@@ -68,47 +68,17 @@ _state: dict[str, Any] = {}  # "ext": the loaded module, or None once a build or
 def cpu_supported() -> bool:
     """Whether this CPU has the ISA the kernel is compiled for (/proc/cpuinfo's flags: AVX-512
     F/BW/VL, AVX512_VNNI, F16C). False where /proc/cpuinfo is not readable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return all(fl in flags for fl in _REQUIRED_FLAGS)
-    except OSError:
-        pass
-    return False
-
-
-def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; a venv's own (the `ninja` package, a dependency)
-    is not on it when the venv's python runs without the venv activated: put its folder last."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # cpp_extension.load then raises, and _build warns
-    os.environ["PATH"] = os.pathsep.join(p for p in (os.environ.get("PATH", ""), ninja.BIN_DIR) if p)
+    flags = cpu_ext.cpu_flags()
+    return all(fl in flags for fl in _REQUIRED_FLAGS)
 
 
 def _build() -> Any:
     """Load (building if needed) the extension; None with one warning where it cannot be."""
+    fallback = "int4 stays on _weight_int4pack_mm_for_cpu"
     if not cpu_supported():
-        log.warning("int4 VNNI kernel off: the CPU lacks one of %s; int4 stays on "
-                    "_weight_int4pack_mm_for_cpu", ", ".join(_REQUIRED_FLAGS))
+        log.warning("int4 VNNI kernel off: the CPU lacks one of %s; %s", ", ".join(_REQUIRED_FLAGS), fallback)
         return None
-    try:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        ext = cpp_extension.load(name="kestrel_int4_vnni", sources=[_SOURCE], extra_cflags=_FLAGS,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
-        log.info("int4 VNNI kernel loaded (%s): int4 products take int8 activations", ext.__file__)
-        return ext
-    except Exception as e:  # a missing compiler or ninja, a failed build: serve without it
-        log.warning("int4 VNNI kernel off: building %s failed (%s: %s); int4 stays on "
-                    "_weight_int4pack_mm_for_cpu", _SOURCE, type(e).__name__, str(e).strip()[-300:])
-        return None
+    return cpu_ext.build("kestrel_int4_vnni", _SOURCE, _FLAGS, "int4 VNNI kernel", fallback, logger=log)
 
 
 def extension() -> Any:

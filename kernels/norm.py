@@ -2,7 +2,8 @@
 
 Dispatchers `rms_norm`, `fused_add_rms_norm` and `rms_norm_gated` pick the torch references
 (`*_ref`) on the CPU and `*_triton` (bottom of this file) on CUDA tensors when Triton imports
-(`rms_norm_gated`: also `GATED_TRITON`).
+(`rms_norm_gated`: also `GATED_TRITON`); `rms_norm` and `fused_add_rms_norm` take Kestrel's C++
+ops for fp32 CPU rows with `kernels.ref_fast.CPU_CXX_OPS` (`kernels.cpu_decode`).
 
 Algorithm: RMSNorm (Zhang & Sennrich 2019), y = x / sqrt(mean(x^2) + eps) * w, computed in
 fp32 and cast back before the weight multiply, in the order of Hugging Face's LlamaRMSNorm
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import ref_fast
+from kernels import cpu_decode, ref_fast
 
 rms_norm_triton = None  # set by the GPU issue: same signature as rms_norm_ref
 fused_add_rms_norm_triton = None  # same signature as fused_add_rms_norm_ref
@@ -82,18 +83,41 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return rms_norm_gated_ref(x, gate, weight, eps)
 
 
+def _cxx(x: torch.Tensor, weight: torch.Tensor):
+    """The C++ CPU ops' module when they take this norm (`kernels.cpu_decode`: CPU_CXX_OPS on, fp32
+    [T, hidden] CPU rows with unit column stride, a contiguous fp32 weight, the extension built),
+    else None."""
+    if (ref_fast.CPU_CXX_OPS and x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()):
+        return cpu_decode.extension()
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Dispatcher for `rms_norm_ref` (see there for shapes)."""
-    if x.is_cuda and rms_norm_triton is not None:
-        return rms_norm_triton(x, weight, eps)
+    """Dispatcher for `rms_norm_ref` (see there for shapes): Triton on CUDA, the C++ op
+    (`kernels.cpu_decode.rms_norm`) for fp32 CPU rows with `ref_fast.CPU_CXX_OPS`."""
+    if x.is_cuda:
+        if rms_norm_triton is not None:
+            return rms_norm_triton(x, weight, eps)
+    else:
+        ext = _cxx(x, weight)
+        if ext is not None:
+            return ext.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher for `fused_add_rms_norm_ref` (see there for shapes)."""
-    if x.is_cuda and fused_add_rms_norm_triton is not None:
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    """Dispatcher for `fused_add_rms_norm_ref` (see there for shapes): Triton on CUDA, the C++ op
+    (`kernels.cpu_decode.fused_add_rms_norm`) for fp32 CPU rows with `ref_fast.CPU_CXX_OPS`."""
+    if x.is_cuda:
+        if fused_add_rms_norm_triton is not None:
+            return fused_add_rms_norm_triton(x, residual, weight, eps)
+    else:
+        ext = _cxx(x, weight)
+        if ext is not None and residual.dtype == torch.float32 and residual.shape == x.shape \
+                and residual.stride(1) == 1:
+            return ext.fused_add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 

@@ -14,6 +14,13 @@ same values, bit for bit, on CPU tensors (CUDA tensors keep the forms before):
 - `kernels.cpu_quant_linear.QuantWeight.matmul`: the bf16 cast of x through a reused buffer,
   the cast back as empty + copy_.
 Off: the forms before (benchmarks/cpu_decode_profile.py --ab times both in one process).
+
+CPU_CXX_OPS on (the default): Kestrel's C++ CPU ops (`kernels.cpu_decode`, where its extension
+builds) take the fp32 RMS norms (`kernels.norm.rms_norm` / `fused_add_rms_norm`), the
+SiLU-and-mul (`kernels.activation.silu_and_mul`) and the decode-only steps' attention (`services.worker.layers.attention.ReferenceAttention`: rotary, KV
+store and paged attention in one call) on CPU tensors; off, or where the extension cannot be had,
+the torch references above (benchmarks/cpu_decode_profile.py --cxx-ab times both in one process).
 """
 
 FEWER_OPS = True
+CPU_CXX_OPS = True

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ref_fast
+from kernels import cpu_decode, ref_fast
 from kernels.attention import RefAttentionPlan, paged_attention, paged_attention_ref
 from kernels.rope_decode import rope_paged_decode
 from kernels.rotary import rope_factors, rotary_and_store_kv, rotary_and_store_kv_ref
@@ -93,9 +93,13 @@ class AttentionLayer:
 
     spec: the layer's `AttentionSpec`; kv: its `KVHandle` (shape spec.kv). k_scale, v_scale:
     the handle's scales (None unless the KV dtype is quantized). group: query heads a KV head.
+    cxx: whether `kernels.cpu_decode.decode_attention` can serve the layer's decode steps (a
+    contiguous fp32 CPU cache, not quantized, no q/k norm, an fp32 rotary table). heads,
+    kv_heads, head_dim: the spec's; sizes: the q, k, v widths of a fused qkv row.
     """
 
-    __slots__ = ("cos_sin", "eps", "group", "k", "k_norm", "k_scale", "kv", "q_norm", "scale", "v", "v_scale")
+    __slots__ = ("cos_sin", "cxx", "eps", "group", "head_dim", "heads", "k", "k_norm", "k_scale", "kv", "kv_heads",
+                 "q_norm", "scale", "sizes", "v", "v_scale")
 
     def __init__(self, spec: AttentionSpec, kv: KVHandle):
         self.kv = kv
@@ -104,14 +108,25 @@ class AttentionLayer:
         self.cos_sin, self.scale = spec.cos_sin, spec.scale
         self.q_norm, self.k_norm, self.eps = spec.q_norm, spec.k_norm, spec.eps
         self.group = spec.num_heads // spec.num_kv_heads
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.sizes = [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                      spec.num_kv_heads * spec.head_dim]
+        self.cxx = (self.k.device.type == "cpu" and self.k.dtype == torch.float32 and self.v.dtype == torch.float32
+                    and self.k.is_contiguous() and self.v.is_contiguous() and self.k_scale is None
+                    and self.q_norm is None and self.cos_sin.dtype == torch.float32
+                    and self.cos_sin.is_contiguous() and self.cos_sin.device.type == "cpu")
 
 
 def bind_layers(specs: Sequence[AttentionSpec], handles: Sequence[KVHandle]) -> list[AttentionLayer]:
     """One `AttentionLayer` per (spec, handle), layer order. Raises ValueError on a count
-    mismatch."""
+    mismatch. Where a layer can take the C++ CPU decode attention and `kernels.ref_fast.
+    CPU_CXX_OPS` is on, its extension is built here (at load, not in the first step)."""
     if len(specs) != len(handles):
         raise ValueError(f"{len(specs)} attention layers, {len(handles)} KV handles")
-    return [AttentionLayer(s, h) for s, h in zip(specs, handles)]
+    layers = [AttentionLayer(s, h) for s, h in zip(specs, handles)]
+    if ref_fast.CPU_CXX_OPS and any(a.cxx for a in layers):
+        cpu_decode.extension()
+    return layers
 
 
 class AttentionBackend:
@@ -135,6 +150,16 @@ class AttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`forward` on the fused projection's output qkv [T, (heads + 2 kv_heads) * head_dim]
+        (q, k, v its column ranges, the layer's spec's heads): split into views and passed on; a
+        backend may take qkv whole (`ReferenceAttention`'s C++ decode)."""
+        a = self.layers[layer]
+        t = qkv.shape[0]
+        q, k, v = qkv.split(a.sizes, dim=-1)
+        return self.forward(layer, q.view(t, a.heads, a.head_dim), k.view(t, a.kv_heads, a.head_dim),
+                            v.view(t, a.kv_heads, a.head_dim), positions)
 
 
 class DecodeAttention(AttentionBackend):
@@ -171,17 +196,41 @@ class ReferenceAttention(AttentionBackend):
     to the write and the read, `kernels.kv_quant`); the CUDA backends read the model dtype,
     fp8_e4m3 and int8 (`kernels.kv_quant_triton`). On the CPU with `kernels.ref_fast.
     FEWER_OPS` the step's rotary factors are made once for all layers
-    (`kernels.rotary.rope_factors`; docs/ARCHITECTURE.md §6.4 "CPU decode ops")."""
+    (`kernels.rotary.rope_factors`; docs/ARCHITECTURE.md §6.4 "CPU decode ops"). With
+    `kernels.ref_fast.CPU_CXX_OPS` a decode-only step (one new token a sequence: the plan has
+    decodes only) runs each layer whose `AttentionLayer.cxx` holds, with fp32 q, as one
+    `kernels.cpu_decode.decode_attention` call (rotary, KV store, attention; q and k are left
+    unrotated), where the extension is built; other layers and steps take the torch path."""
 
-    __slots__ = ("rope",)
+    __slots__ = ("cxx", "rope")
 
     def __init__(self, layers: Sequence[AttentionLayer], meta: AttentionMetadata):
         super().__init__(layers, meta)
         self.rope: tuple | None = None  # (cos_sin table, its rope_factors) of this step
+        p = meta.ref_plan
+        # the C++ ops' module for this step's decode attention, or None (the torch path)
+        self.cxx = cpu_decode.extension() if (
+            ref_fast.CPU_CXX_OPS and p is not None and p.dec_blocks is not None and p.dec_tokens is None
+            and not p.prefills and meta.block_tables.device.type == "cpu" and meta.block_tables.dtype == torch.int32
+            and meta.seq_lens.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64) else None
+
+    def forward_qkv(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The base's; a C++ decode step's layer takes qkv whole (`kernels.cpu_decode.
+        decode_attention_qkv`: no split, no views)."""
+        a, cxx = self.layers[layer], self.cxx
+        if cxx is not None and a.cxx and qkv.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1:
+            m = self.meta
+            return cxx.decode_attention_qkv(qkv, a.heads, a.kv_heads, a.head_dim, positions, a.cos_sin, a.k, a.v,
+                                            m.slot_mapping, m.block_tables, m.seq_lens, a.scale)
+        return AttentionBackend.forward_qkv(self, layer, qkv, positions)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
         a, m = self.layers[layer], self.meta
+        cxx = self.cxx
+        if cxx is not None and a.cxx and q.dtype == torch.float32:
+            return cxx.decode_attention(q, k, v, positions, a.cos_sin, a.k, a.v, m.slot_mapping, m.block_tables,
+                                        m.seq_lens, a.scale)
         if ref_fast.FEWER_OPS and not q.is_cuda and q.dtype == torch.float32:
             rope = self.rope
             if rope is None or rope[0] is not a.cos_sin:

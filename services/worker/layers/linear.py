@@ -7,6 +7,8 @@ the row sizes of its shards and the loader copies each checkpoint tensor into it
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -109,6 +111,13 @@ class Linear(Module):
             pack_cpu_weight(self, "weight")
 
 
+@functools.cache
+def _meta_weight(n: int, k: int) -> torch.Tensor:
+    """A meta [n, k] tensor: the weight shape `_check_fused` checks against, made once a shape (an
+    empty meta tensor a call cost ~5 us of the CPU decode step's down projections)."""
+    return torch.empty(n, k, device="meta")
+
+
 def quant_forward(qw: QuantWeight | Fp8Weight | W4Weight, x: torch.Tensor, bias: torch.Tensor | None = None, *,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,8 +129,7 @@ def quant_forward(qw: QuantWeight | Fp8Weight | W4Weight, x: torch.Tensor, bias:
     Shapes and dtypes as `linear` (x [T, K], or [T, 2K] with silu_mul -> [T, N] in x's
     dtype); raises ValueError as it does."""
     if norm_weight is not None or silu_mul or residual is not None:
-        _check_fused(x, torch.empty(qw.out_features, qw.in_features, device="meta"), norm_weight,
-                     silu_mul, residual)
+        _check_fused(x, _meta_weight(qw.out_features, qw.in_features), norm_weight, silu_mul, residual)
         if isinstance(qw, Fp8Weight) and x.shape[0] == 1 and qw.fuses_one_row(x.device, x.dtype):
             return fp8_linear.fp8_linear(x, qw, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                                          residual=residual)

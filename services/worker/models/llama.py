@@ -106,12 +106,8 @@ class LlamaAttention(Module):
                 norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Fused path: norm, applied to x inside the qkv
         projection; residual [T, hidden], added to the o_proj output inside it."""
-        t = x.shape[0]
         qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.weight, eps=norm.eps)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        o = attn.forward(self.layer_idx, q.view(t, self.heads, self.head_dim),
-                         k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim),
-                         positions)
+        o = attn.forward_qkv(self.layer_idx, qkv, positions)  # split into q, k, v views unless taken whole
         return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
 
     def spec(self, cos_sin: torch.Tensor) -> AttentionSpec:
