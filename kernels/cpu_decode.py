@@ -67,8 +67,7 @@ _loaders = {name: cpu_ext.Loader(functools.partial(_make, name)) for name in FLA
 def extension(name: str | None = None) -> Any:
     """The loaded extension of flavour `name` (default `flavour()`), built on first use; None where
     it cannot be had (one warning)."""
-    st = _loaders[name or flavour()]
-    return st.state["ext"] if "ext" in st.state else st.get()
+    return _loaders[name or flavour()].get()
 
 
 def available() -> bool:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 import torch
@@ -61,8 +60,6 @@ _SOURCE = os.path.join(cpu_ext.CSRC, "int4_vnni.cpp")
 # (cpu_ext.build adds -fopenmp: at::parallel_for's OpenMP body)
 _FLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]
 
-_lock = threading.Lock()
-_state: dict[str, Any] = {}  # "ext": the loaded module, or None once a build or check failed
 
 
 def cpu_supported() -> bool:
@@ -81,13 +78,12 @@ def _build() -> Any:
     return cpu_ext.build("kestrel_int4_vnni", _SOURCE, _FLAGS, "int4 VNNI kernel", fallback, logger=log)
 
 
+_loader = cpu_ext.Loader(_build)  # state "ext": the loaded module, or None once a build or check failed
+
+
 def extension() -> Any:
     """The loaded extension module (built once a process, on first call), or None."""
-    if "ext" not in _state:
-        with _lock:
-            if "ext" not in _state:
-                _state["ext"] = _build()
-    return _state["ext"]
+    return _loader.get()
 
 
 def available() -> bool:
@@ -148,7 +144,7 @@ def mm(x: torch.Tensor, packed: torch.Tensor, n_out: int, planes: int | None = N
     per group of 32 to `planes` (default X_PLANES) int8 planes (module doc). Raises RuntimeError
     (from the extension) for shapes that do not fit or planes not 1 or 2, AttributeError where
     `available()` is False."""
-    ext = _state["ext"] if "ext" in _state else extension()
+    ext = extension()
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     y = ext.int4_vnni_mm(xf, packed, n_out, planes or X_PLANES)
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import cpu_ext
 from kernels import cpu_int4_vnni as vnni
 from kernels import cpu_quant_linear as cq
 
@@ -211,7 +212,7 @@ def test_linear_with_fused_arguments_through_the_kernel(ext, monkeypatch):
 def test_unavailable_extension_falls_back_to_tinygemm_with_one_warning(monkeypatch, caplog):
     """A CPU without the ISA (or a failed build): available() is False after one warning, int4
     weights get no VNNI copy, and matmul is tinygemm's."""
-    monkeypatch.setattr(vnni, "_state", {})
+    monkeypatch.setattr(vnni, "_loader", cpu_ext.Loader(vnni._build))
     monkeypatch.setattr(vnni, "cpu_supported", lambda: False)
     monkeypatch.setattr(cq, "INT4_VNNI", True)
     with caplog.at_level(logging.WARNING, logger=vnni.__name__):
@@ -231,7 +232,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
     def broken(**kw):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(vnni, "_state", {})
+    monkeypatch.setattr(vnni, "_loader", cpu_ext.Loader(vnni._build))
     monkeypatch.setattr(vnni, "cpu_supported", lambda: True)
     monkeypatch.setattr(cpp_extension, "load", broken)
     with caplog.at_level(logging.WARNING, logger=vnni.__name__):
