@@ -20,10 +20,13 @@
    b=1 at 1K; `triton.testing.do_bench` medians; KV bytes read / time in TB/s.
 4. The MLP's SiLU-and-mul in the down projection's kernel against its own kernel (--only
    silu), per shape at M = 1..16 rows: which row counts the dispatcher should fuse it at.
+5. (--only rows, not in the default run) the projections of 2..16 rows (verify steps at batch 1):
+   the one-tile skinny kernel, the gemv kernel a row at a time and as one tile (kernels/gemv.py
+   ROWS_TILE, a grid of ROWS_TUNING), the one-row gemv as the floor (`sweep_rows`).
 Copy bandwidth (device-to-device, read + write) is measured first, as the ceiling.
 Writes JSON to --out; prints the best variants last.
 
-Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention|silu]
+Usage: python benchmarks/kernel_sweep.py [--out FILE] [--quick] [--only linear|fused|attention|silu|rows]
        [--skinny k_loop|one_tile]   (the 2..16-row kernel: kernels/linear.py SKINNY_PDL; default k_loop)
        [--shapes qwen3-0.6b ...] [--ms 1 4 16]   (the linear part's model shapes and rows)
 """
@@ -143,6 +146,61 @@ def sweep_linear(quick: bool, shapes: list[str] | None = None, ms: tuple[int, ..
             if save is not None:
                 save(res)
         del ws, lm
+        torch.cuda.empty_cache()
+    return res
+
+
+def sweep_rows(shapes: list[str] | None, ms: tuple[int, ...], save=None) -> dict:
+    """Part 5 (--only rows): the projections of 2..16 rows (verify steps at batch 1), every projection of
+    every layer of a shape at M rows in one CUDA graph (distinct weights per layer), on the one-tile
+    skinny kernel (`skinny`), the gemv kernel one row after another (`gemv_loop`) and the gemv kernel's
+    rows as one tile (`kernels.gemv.ROWS_TILE`) over a grid of ROWS_TUNING (`tile_te*_w*_pp*`), with the
+    one-row gemv of the same weights (`gemv_m1`) as the floor. Times in us a pass."""
+    from kernels import gemv
+    res: dict = {}
+    grid = [dict(tile_elems=te, num_warps=nw, programs_per_sm=pp)
+            for te, nw, pp in itertools.product((8192, 16384, 32768, 65536), (4, 8), (2,))]
+    grid += [dict(tile_elems=16384, num_warps=4, programs_per_sm=1), dict(tile_elems=16384, num_warps=4, programs_per_sm=4)]
+    default = dict(gemv.ROWS_TUNING)
+    for name, (layers, mats, _head) in SHAPES.items():
+        if shapes and name not in shapes:
+            continue
+        ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
+              for _ in range(layers)]
+        wbytes = sum(w.numel() * 2 for lw in ws for w in lw)
+
+        def stack(f, xs):
+            def run():
+                for lw in ws:
+                    for w in lw:
+                        f(xs[w.shape[1]], w)
+            return run
+        x1 = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for _, k in mats}
+        floor = graph_time(stack(gemv.gemv_triton, x1)) * 1e6
+        for m in ms:
+            xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in mats}
+            row: dict = {"gemv_m1": floor}
+            row["skinny"] = graph_time(stack(linear.skinny_linear_triton, xs)) * 1e6
+            row["gemv_loop"] = graph_time(stack(lambda x, w: gemv.gemv_triton(x, w, rows_tile=False), xs)) * 1e6
+            for v in grid:
+                gemv.ROWS_TUNING.update(v)
+                key = "tile_te{tile_elems}_w{num_warps}_pp{programs_per_sm}".format(**v)
+                try:
+                    row[key] = graph_time(stack(lambda x, w: gemv.gemv_triton(x, w, rows_tile=True), xs)) * 1e6
+                except Exception as e:  # a variant that fails to compile is reported, not fatal
+                    row[key] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            gemv.ROWS_TUNING.clear()
+            gemv.ROWS_TUNING.update(default)
+            timed = {k: v for k, v in row.items() if isinstance(v, float) and k != "gemv_m1"}
+            best = min(timed, key=timed.get)
+            row.update(best=best, weight_bytes=wbytes, best_TBps=round(wbytes / row[best] / 1e6, 3),
+                       best_over_m1=round(row[best] / floor, 3), skinny_over_m1=round(row["skinny"] / floor, 3))
+            res[f"{name}_m{m}"] = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
+            print(name, m, "m1", round(floor, 1), "skinny", round(row["skinny"], 1), "loop", round(row["gemv_loop"], 1),
+                  "best", best, round(row[best], 1), flush=True)
+            if save is not None:
+                save(res)
+        del ws
         torch.cuda.empty_cache()
     return res
 
@@ -285,7 +343,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="a few variants only (a smoke run)")
-    ap.add_argument("--only", choices=["linear", "fused", "attention", "silu"], default=None)
+    ap.add_argument("--only", choices=["linear", "fused", "attention", "silu", "rows"], default=None)
     ap.add_argument("--skinny", choices=["k_loop", "one_tile"], default="k_loop",
                     help="the 2..16-row kernel the linear, fused and silu parts time (kernels/linear.py SKINNY_PDL): "
                          "the K-loop kernel, whose launch parameters (SKINNY_TUNING) the linear part sweeps, or "
@@ -307,6 +365,12 @@ def main() -> None:
 
     if a.only in (None, "linear"):
         res["linear"] = sweep_linear(a.quick, a.shapes, tuple(a.ms), save, a.limit)
+    if a.only == "rows":  # not part of the default run
+        def save_rows(part: dict) -> None:
+            if a.out:
+                with open(a.out, "w") as fh:
+                    json.dump({**res, "rows": part, "complete": False}, fh, indent=1)
+        res["rows"] = sweep_rows(a.shapes, tuple(a.ms), save_rows)
     if a.only in (None, "fused"):
         res["fused_layer"] = sweep_fused_layer(a.quick)
     if a.only in (None, "silu"):
