@@ -22,6 +22,7 @@ from torch import nn
 from kernels.moe import fused_moe, moe_block, topk_softmax
 from services.worker.layers.linear import Linear
 from services.worker.layers.module import Module
+from services.worker.layers.norm import RMSNorm
 
 __all__ = ["EXPERT_PARAMS", "FusedMoE", "SparseMoeBlock", "expert_shard", "topk_softmax"]
 
@@ -102,12 +103,13 @@ class SparseMoeBlock(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts.routed(x, self.gate(x), self.top_k, self.norm_topk_prob)
 
-    def forward_fused(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """h + moe(norm(h)) for the residual stream h [T, H] (the fused layer path,
         `services.worker.fusion`), with no norm or add launch of its own: the router's
         projection normalises h in its prologue and stores the normalised rows it used
         (`kernels.linear.linear`'s xn_out) for the experts, and the decode path's down kernel
-        adds h (`kernels.moe.moe_block`'s residual). norm: the layer's RMSNorm (weight, eps)."""
+        adds h (`kernels.moe.moe_block`'s residual). norm: the layer's RMSNorm (its
+        `prologue_weight` and eps)."""
         xn = torch.empty_like(h)
-        logits = self.gate(h, norm_weight=norm.weight, eps=norm.eps, xn_out=xn)
+        logits = self.gate(h, norm_weight=norm.prologue_weight, eps=norm.eps, xn_out=xn)
         return self.experts.routed(xn, logits, self.top_k, self.norm_topk_prob, residual=h)

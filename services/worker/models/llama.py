@@ -106,7 +106,7 @@ class LlamaAttention(Module):
                 norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Fused path: norm, applied to x inside the qkv
         projection; residual [T, hidden], added to the o_proj output inside it."""
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.weight, eps=norm.eps)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.prologue_weight, eps=norm.eps)
         o = attn.forward_qkv(self.layer_idx, qkv, positions)  # split into q, k, v views unless taken whole
         return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
 
@@ -130,8 +130,9 @@ class LlamaMLP(Module):
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
     def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """h + mlp(norm(h)) for the residual stream h [T, hidden], in two projections."""
-        gu = self.gate_up_proj(h, norm_weight=norm.weight, eps=norm.eps)
+        """h + mlp(norm(h)) for the residual stream h [T, hidden], in two projections (norm's
+        `prologue_weight` in gate_up's prologue: any RMSNorm, the zero-centred one too)."""
+        gu = self.gate_up_proj(h, norm_weight=norm.prologue_weight, eps=norm.eps)
         return self.down_proj(gu, silu_mul=True, residual=h)
 
 

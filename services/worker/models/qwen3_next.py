@@ -20,8 +20,8 @@ Two layer paths, chosen by the runner per step (`services.worker.fusion.FusionPl
 Llama / Qwen3-MoE): unfused (`forward`, or `forward_residual` with `FUSED_GLUE`: the norms
 and residual adds as their own ops) and, with `FUSE_LAYERS`, fused
 (`Qwen3NextDecoderLayer.forward_fused`: the zero-centred norms inside the first projections'
-prologues with their `scale` as the norm weight, the residual adds inside the output
-projections and the MoE down kernel; two launches fewer a layer at batch 1).
+prologues, their `prologue_weight` (the `scale`) as the norm weight, the residual adds inside
+the output projections and the MoE down kernel; two launches fewer a layer at batch 1).
 
 Launch count at batch 1 (docs/ARCHITECTURE.md §6.3): with `STACK_PROJECTIONS` (read when the
 model is built) the projections that read the same input are one Linear, filled by the
@@ -39,7 +39,6 @@ and each residual add goes into the next norm (`fused_add_rms_norm`). On the fus
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
 
 import torch
 from torch import nn
@@ -51,7 +50,7 @@ from services.worker.layers.gated_deltanet import GatedDeltaNet
 from services.worker.layers.glue import sigmoid_gate_mul
 from services.worker.layers.linear import Linear, weights_unquantized
 from services.worker.layers.moe import SparseMoeBlock
-from services.worker.layers.norm import ZeroCenteredRMSNorm
+from services.worker.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.models.llama import LlamaArgs, LlamaMLP
 from services.worker.models.qwen3_moe import is_moe_layer, num_experts
@@ -107,13 +106,13 @@ class GatedAttention(Module):
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend,
-                norm: ZeroCenteredRMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. The fused layer path: norm, the layer's input norm, applied to
-        x inside qkv_proj (its scale the prologue's weight); residual [T, H], added to the
+        x inside qkv_proj (its `prologue_weight`); residual [T, H], added to the
         o_proj output inside it. The q/gate split, the q/k norms and the partial rotary come
         after the projection, so the prologue leaves them as they are."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.scale, eps=norm.eps)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.prologue_weight, eps=norm.eps)
         qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(t, self.heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim].contiguous(), qg[..., self.head_dim:]
@@ -176,7 +175,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         logits, shared = self._project(x)
         return self._experts(x, logits, shared)
 
-    def forward_fused(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """h + mlp(norm(h)) for the residual stream h [T, H] (the fused layer path,
         `services.worker.fusion`; as `SparseMoeBlock.forward_fused`), with no norm or add
         launch of its own: the first projection (`in_proj`, or the router `gate` when apart)
@@ -184,10 +183,9 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         experts, and apart the shared expert and its gate, read; the residual add runs in the
         MoE decode path's down kernel, with the shared expert's combine (`FUSED_GLUE`,
         `kernels.moe.moe_block`'s shared and residual). norm: the layer's
-        `ZeroCenteredRMSNorm` (its scale is the prologue's weight)."""
-        zc = cast(ZeroCenteredRMSNorm, norm)  # (the base's signature: any norm module)
+        `ZeroCenteredRMSNorm` (its `prologue_weight`, the scale, in the prologue)."""
         xn = torch.empty_like(h)
-        logits, shared = self._project(h, zc.scale, zc.eps, xn)
+        logits, shared = self._project(h, norm.prologue_weight, norm.eps, xn)
         return self._experts(xn, logits, shared, h)
 
     def _project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -233,8 +231,8 @@ class Qwen3NextDecoderLayer(Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = GatedAttention(a, kv_index) if self.is_attention else None
         self.linear_attn = None if self.is_attention else GatedDeltaNet.from_hf_config(c, gdn_layout, stacked)
-        self.mlp: nn.Module = (SharedExpertMoeBlock(a, c, spec.moe_intermediate_size, stacked)
-                               if is_moe_layer(c, layer_idx) else LlamaMLP(a))
+        self.mlp: SharedExpertMoeBlock | LlamaMLP = (SharedExpertMoeBlock(a, c, spec.moe_intermediate_size, stacked)
+                                                     if is_moe_layer(c, layer_idx) else LlamaMLP(a))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -268,21 +266,19 @@ class Qwen3NextDecoderLayer(Module):
         """The fused layer path (`FUSE_LAYERS`, services/worker/fusion.py): the residual
         stream h [T, H] -> the next, with no norm or residual-add launch of its own. The
         token mixer's input projection normalises h in its prologue (input_layernorm's
-        scale) and its output projection adds h; then the MLP's: a MoE block's
-        `SharedExpertMoeBlock.forward_fused` (the norm in its first projection, the add in
-        the experts' down kernel), a dense MLP's gate_up with the norm and down with the add.
+        `prologue_weight`, its scale) and its output projection adds h; then the MLP's
+        forward_fused: a MoE block's `SharedExpertMoeBlock.forward_fused` (the norm in its
+        first projection, the add in the experts' down kernel), a dense MLP's
+        `LlamaMLP.forward_fused` (gate_up with the norm, down with the add).
         The sums round as `forward_residual`'s (once, in the model dtype)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         if self.self_attn is not None:
             h = self.self_attn(positions, h, attn, norm=n1, residual=h)
         else:
             assert self.linear_attn is not None and attn.state is not None, "a linear layer needs the step's state"
-            h = self.linear_attn.forward_step(h, attn.state, self.state_index, norm_weight=n1.scale, eps=n1.eps,
-                                              residual=h)
-        if isinstance(self.mlp, SharedExpertMoeBlock):
-            return self.mlp.forward_fused(h, n2)
-        mlp = cast(LlamaMLP, self.mlp)  # as LlamaMLP.forward_fused, with the zero-centred norm's scale
-        return mlp.down_proj(mlp.gate_up_proj(h, norm_weight=n2.scale, eps=n2.eps), silu_mul=True, residual=h)
+            h = self.linear_attn.forward_step(h, attn.state, self.state_index, norm_weight=n1.prologue_weight,
+                                              eps=n1.eps, residual=h)
+        return self.mlp.forward_fused(h, n2)
 
 
 class Qwen3NextModel(Module):
