@@ -48,7 +48,7 @@ and gated norm, and one-row projections over SKINNY_MAX_WEIGHT on cuBLAS), "in_p
 (in place, the earlier projection routing) and "in_place_bv32" (in place, the recurrent
 kernel's fixed launch with 32 value columns and 4 warps, the 3-D order, instead of
 gdn_decode.REC_LAUNCH, which takes 8 columns and 1 warp at batch 1); for a hybrid (Qwen3-Next,
-Qwen3.5-MoE) "glue_off" / "glue_on" (qwen3_next.FUSED_GLUE: the attention's output gate and
+Qwen3.5-MoE) "glue_off" / "glue_on" (qwen3_next_blocks.FUSED_GLUE: the attention's output gate and
 the shared expert's combine in one kernel each, the residual adds inside the norms; with
 kernels.moe.DECODE_FUSED on, its default, the shared expert is added in the MoE down kernel)
 and "moe_fused_glue_on_apart" (glue on, its combine as its own kernel, kernels.moe.SHARED_IN_DOWN
@@ -99,7 +99,7 @@ from services.worker.layers import gated_deltanet  # noqa: E402
 from services.worker.layers.linear import quantized_weight_bytes  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker import fusion  # noqa: E402
-from services.worker.models import qwen3_moe, qwen3_next  # noqa: E402
+from services.worker.models import qwen3_moe, qwen3_next, qwen3_next_blocks  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
@@ -111,7 +111,7 @@ GREEDY = SamplingParams(temperature=0.0)
 # read when the decode graphs are captured: in_place_decode (gated_deltanet.IN_PLACE_DECODE),
 # gated_norm_triton (norm.GATED_TRITON), gemv_max_weight (linear.GEMV_MAX_WEIGHT), gdn_decode.TUNING's
 # rec_table, block_v, rec_warps and rec_order (rec_table True takes gdn_decode.REC_LAUNCH by rows,
-# False the fixed three), fused_glue (qwen3_next.FUSED_GLUE), moe_decode_fused
+# False the fixed three), fused_glue (qwen3_next_blocks.FUSED_GLUE), moe_decode_fused
 # (kernels.moe.DECODE_FUSED), shared_in_down (kernels.moe.SHARED_IN_DOWN), fused_merge (both
 # decode kernels' in-kernel merge: rope_decode.ROPE_DECODE_DEFAULTS' and
 # attention_triton.DECODE_DEFAULTS'; read from the one in use), programs_per_sm (the rotary
@@ -150,7 +150,7 @@ VARIANTS: dict[str, dict] = {
     "gathered": {"in_place_decode": False, "gated_norm_triton": False, "gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
     "in_place_cublas": {"gemv_max_weight": linear.SKINNY_MAX_WEIGHT},
     "in_place_bv32": {"rec_table": False, "block_v": 32, "rec_warps": 4},  # 1 warp would spill (sm90)
-    # the hybrid's decode glue in fused kernels (qwen3_next.FUSED_GLUE), on the three-launch MoE
+    # the hybrid's decode glue in fused kernels (qwen3_next_blocks.FUSED_GLUE), on the three-launch MoE
     # decode path (kernels.moe.DECODE_FUSED, on by default); _apart: the shared expert's combine
     # as its own kernel instead of in the MoE down kernel
     "glue_off": {"fused_glue": False}, "glue_on": {"fused_glue": True},
@@ -193,7 +193,7 @@ def read_knobs() -> dict:
     return {"in_place_decode": gated_deltanet.IN_PLACE_DECODE, "gated_norm_triton": norm.GATED_TRITON,
             "gemv_max_weight": linear.GEMV_MAX_WEIGHT,
             **{k: gdn_decode.TUNING[k] for k in ("rec_table", "block_v", "rec_warps", "rec_order")},
-            "fused_glue": qwen3_next.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
+            "fused_glue": qwen3_next_blocks.FUSED_GLUE, "moe_decode_fused": moe.DECODE_FUSED,
             "shared_in_down": moe.SHARED_IN_DOWN, "fused_merge": _merge_defaults()["fused_merge"],
             "programs_per_sm": rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"],
             "moe_decode_tuned": moe_decode_triton.USE_TUNED, "fp8_one_row": fp8_gemv.ONE_ROW,
@@ -215,7 +215,7 @@ def set_knobs(k: dict) -> None:
     linear.GEMV_MAX_WEIGHT = k["gemv_max_weight"]
     gdn_decode.TUNING.update(rec_table=k["rec_table"], block_v=k["block_v"], rec_warps=k["rec_warps"],
                              rec_order=k["rec_order"])
-    qwen3_next.FUSED_GLUE, moe.DECODE_FUSED, moe.SHARED_IN_DOWN = k["fused_glue"], k["moe_decode_fused"], \
+    qwen3_next_blocks.FUSED_GLUE, moe.DECODE_FUSED, moe.SHARED_IN_DOWN = k["fused_glue"], k["moe_decode_fused"], \
         k["shared_in_down"]
     rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"] = at.DECODE_DEFAULTS["fused_merge"] = k["fused_merge"]
     rope_decode.ROPE_DECODE_DEFAULTS["programs_per_sm"] = k["programs_per_sm"]
@@ -414,7 +414,7 @@ def main() -> None:
            "quantization": a.quantization, "pdl": a.pdl, "moe_launches": a.moe_launches, "gemv": a.gemv,
            "fused_layers": a.fused_layers, "rope_decode": a.rope_decode, "attn": a.attn,
            "moe_decode_fused": moe.DECODE_FUSED, "stack": a.stack,
-           "stacked_projections": bool(getattr(runner.model, "stacked", False)), "fused_glue": qwen3_next.FUSED_GLUE,
+           "stacked_projections": bool(getattr(runner.model, "stacked", False)), "fused_glue": qwen3_next_blocks.FUSED_GLUE,
            "fused_merge": _merge_defaults()["fused_merge"],
            "gemv_plans": {f"{n}x{k}": p for (n, k), p in gemv.PLANS.items()},
            "w4_plans": {",".join(map(str, key)): c for key, c in w4a16_gemv.PLANS.items()},

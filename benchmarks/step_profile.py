@@ -10,7 +10,7 @@ before it ends and waits inside, so its profiled time includes that wait: `--pdl
 each kernel's own time.
 --decode-fusion on profiles the MoE decode path and the in-kernel split merge, off neither, default the
 module defaults (the MoE decode path on, the merge off).
---glue on|off profiles a hybrid with its decode glue fused or not (qwen3_next.FUSED_GLUE; default: the
+--glue on|off profiles a hybrid with its decode glue fused or not (qwen3_next_blocks.FUSED_GLUE; default: the
 module's, on); --quantization fp8 and --kv-cache-dtype fp8_e4m3 profile quantized weights / KV.
 --stack off builds it with its projections apart (qwen3_next.STACK_PROJECTIONS, on by default).
 Usage: python benchmarks/step_profile.py [--config qwen3-0.6b] [--pdl on|off] [--parts all|b1]
@@ -35,7 +35,7 @@ from benchmarks.common import device_name, model_dir  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402
 from kernels import moe, pdl, rope_decode, sampling, sampling_noise  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
-from services.worker.models import qwen3_next  # noqa: E402
+from services.worker.models import qwen3_next, qwen3_next_blocks  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 
@@ -137,7 +137,7 @@ def main() -> None:
                          "decode kernels' in-kernel split merge (fused_merge, off by default); default: the "
                          "module defaults (docs/ARCHITECTURE.md §6.4)")
     ap.add_argument("--glue", choices=["on", "off", "default"], default="default",
-                    help="on: a hybrid's decode glue in fused kernels (services.worker.models.qwen3_next.FUSED_GLUE; "
+                    help="on: a hybrid's decode glue in fused kernels (services.worker.models.qwen3_next_blocks.FUSED_GLUE; "
                          "default: the module's, on)")
     ap.add_argument("--quantization", choices=["none", "fp8"], default="none")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
@@ -146,7 +146,7 @@ def main() -> None:
     a = ap.parse_args()
     pdl.ENABLED = a.pdl == "on"
     if a.glue != "default":
-        qwen3_next.FUSED_GLUE = a.glue == "on"
+        qwen3_next_blocks.FUSED_GLUE = a.glue == "on"
     qwen3_next.STACK_PROJECTIONS = a.stack == "on"
     if a.decode_fusion != "default":  # read when the runner captures its graphs
         on = a.decode_fusion == "on"
@@ -161,7 +161,7 @@ def main() -> None:
     res: dict = {"benchmark": "step_profile", "device": device_name(), "config": a.config, "pdl": a.pdl,
                  "parts": a.parts, "moe_decode_fused": moe.DECODE_FUSED,
                  "fused_merge": rope_decode.ROPE_DECODE_DEFAULTS["fused_merge"], "decode_fusion": a.decode_fusion,
-                 "fused_glue": qwen3_next.FUSED_GLUE, "quantization": a.quantization,
+                 "fused_glue": qwen3_next_blocks.FUSED_GLUE, "quantization": a.quantization,
                  "kv_cache_dtype": a.kv_cache_dtype,
                  "stacked_projections": bool(getattr(runner.model, "stacked", False))}
     nbps = -(-1100 // runner.block_size)

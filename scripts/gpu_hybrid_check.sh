@@ -14,7 +14,7 @@
 #   decode_ab_llama-3.1-8b.json  with part "routing" (or all): Llama-3.1-8B batch-1 TPOT with its qkv
 #                                projection (25M weights) on cuBLAS and on the gemv, alternately
 #   with part "glue" (or all): the stacked projections and fused decode glue (qwen3_next.STACK_PROJECTIONS,
-#   FUSED_GLUE; docs/ARCHITECTURE.md §6.3):
+#   qwen3_next_blocks.FUSED_GLUE; docs/ARCHITECTURE.md §6.3):
 #   tests_glue_gpu.txt           pytest tail of tests/gpu/test_hybrid_glue_gpu.py, test_moe_gpu.py, test_hybrid_graphs_gpu.py
 #   decode_glue_qwen3.5-35b-a3b.json        stacked: graphs TPOT per variant (glue off / on twice, with the MoE
 #                                decode path, its default; on with the shared combine apart)

@@ -1,7 +1,7 @@
 """The hybrid models' launch savings on CUDA (docs/ARCHITECTURE.md §6.3): the glue kernels of
 kernels/hybrid_glue.py against their torch references at Qwen3.5-35B-A3B's decode shapes, and
 a tiny random Qwen3-Next (tests/hybrid_checkpoint.py) with qwen3_next.STACK_PROJECTIONS and
-FUSED_GLUE on and off, decoding from CUDA graphs.
+qwen3_next_blocks.FUSED_GLUE on and off, decoding from CUDA graphs.
 Shown:
 - sigmoid_gate_mul (16 heads of 256, the gate the strided second half of each head of the
   q projection) and shared_expert_combine (hidden 2048, the gate a column of the stacked
@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 from kernels import hybrid_glue  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
-from services.worker.models import qwen3_next  # noqa: E402
+from services.worker.models import qwen3_next, qwen3_next_blocks  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.hybrid_checkpoint import write_tiny_qwen3_next  # noqa: E402
@@ -110,7 +110,7 @@ def tiny(tmp_path_factory):
 
 def _runner(path, dtype: str, stack: bool, glue: bool, monkeypatch) -> ModelRunner:
     monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", stack)  # read when the model is built
-    monkeypatch.setattr(qwen3_next, "FUSED_GLUE", glue)  # read when the graphs are captured
+    monkeypatch.setattr(qwen3_next_blocks, "FUSED_GLUE", glue)  # read when the graphs are captured
     cli = {"model": str(path), "device": "cuda", "dtype": dtype, "block_size": 16, "max_num_seqs": 8,
            "max_model_len": 512, "max_num_batched_tokens": 1, "gpu_memory_utilization": 0.1}
     r = ModelRunner(build_config(cli=cli, env={}))

@@ -218,10 +218,10 @@ def test_logits_match_transformers_with_projections_stacked_or_apart_and_glue_fu
     """qwen3_next.STACK_PROJECTIONS (one Linear per group of projections of one input) and
     FUSED_GLUE (the glue dispatchers, the residual adds inside the norms) leave the logits
     transformers' (the default, stacked without the glue, is the test above)."""
-    from services.worker.models import qwen3_next
+    from services.worker.models import qwen3_next, qwen3_next_blocks
 
     monkeypatch.setattr(qwen3_next, "STACK_PROJECTIONS", stack)
-    monkeypatch.setattr(qwen3_next, "FUSED_GLUE", glue)
+    monkeypatch.setattr(qwen3_next_blocks, "FUSED_GLUE", glue)
     path, hf = tiny_next
     runner = _runner(path, block_size=4)
     names = {n for n, _ in runner.model.named_parameters()}
@@ -240,7 +240,7 @@ def test_stacked_projections_hold_the_concatenated_checkpoint_tensors(tiny_next,
     from safetensors.torch import load_file
 
     from services.worker.loader import dense_weights
-    from services.worker.models.qwen3_next import SharedExpertMoeBlock
+    from services.worker.models.qwen3_next_blocks import SharedExpertMoeBlock
 
     from services.worker.models import qwen3_next
 

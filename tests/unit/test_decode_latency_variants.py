@@ -21,7 +21,7 @@ from kernels import attention_triton as at
 from kernels import fp8_gemv, gdn_decode, linear, moe, moe_decode_triton, norm, rope_decode, w4a16_gemv
 from services.worker import fusion
 from services.worker.layers import gated_deltanet
-from services.worker.models import qwen3_moe, qwen3_next
+from services.worker.models import qwen3_moe, qwen3_next, qwen3_next_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SKINNY = linear.SKINNY_MAX_WEIGHT
@@ -62,7 +62,7 @@ EXPECTED = {
 def state() -> dict:
     """The switches as the modules hold them (read directly, not through decode_latency)."""
     s = {"IN_PLACE_DECODE": gated_deltanet.IN_PLACE_DECODE, "GATED_TRITON": norm.GATED_TRITON,
-         "GEMV_MAX_WEIGHT": linear.GEMV_MAX_WEIGHT, "FUSED_GLUE": qwen3_next.FUSED_GLUE,
+         "GEMV_MAX_WEIGHT": linear.GEMV_MAX_WEIGHT, "FUSED_GLUE": qwen3_next_blocks.FUSED_GLUE,
          "DECODE_FUSED": moe.DECODE_FUSED, "SHARED_IN_DOWN": moe.SHARED_IN_DOWN,
          "USE_TUNED": moe_decode_triton.USE_TUNED, "ONE_ROW": fp8_gemv.ONE_ROW,
          "FUSE_QUANTIZED_ONE_ROW": fusion.FUSE_QUANTIZED_ONE_ROW, "FP8_PLANS": fp8_gemv.USE_PLANS,
@@ -96,7 +96,7 @@ def with_changes(base: dict, changes: dict) -> dict:
 def isolated(monkeypatch):
     """Every switch back at its value after the test (the dicts as copies of their own)."""
     for mod, name in ((gated_deltanet, "IN_PLACE_DECODE"), (norm, "GATED_TRITON"), (linear, "GEMV_MAX_WEIGHT"),
-                      (qwen3_next, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
+                      (qwen3_next_blocks, "FUSED_GLUE"), (moe, "DECODE_FUSED"), (moe, "SHARED_IN_DOWN"),
                       (moe_decode_triton, "USE_TUNED"), (fp8_gemv, "ONE_ROW"), (fusion, "FUSE_QUANTIZED_ONE_ROW"),
                       (fp8_gemv, "USE_PLANS"), (w4a16_gemv, "USE_PLANS"), (fusion, "FUSE_ONE_ROW"),
                       (moe_decode_triton, "GATE_UP"), (qwen3_moe, "FUSE_MOE_LAYERS"), (qwen3_next, "FUSE_LAYERS")):

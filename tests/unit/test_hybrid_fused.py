@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 from services.worker.fusion import FusionPlan  # noqa: E402
 from services.worker.layers.norm import ZeroCenteredRMSNorm  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
-from services.worker.models import qwen3_next  # noqa: E402
+from services.worker.models import qwen3_next, qwen3_next_blocks  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
 from tests.hybrid_checkpoint import write_tiny_qwen3_next  # noqa: E402
@@ -94,7 +94,7 @@ def _count(monkeypatch, cls, name: str) -> list[int]:
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "apart"])
 def test_fused_layer_path_forced_on_cpu_equals_unfused_path_bit_for_bit(tiny, stacked, glue, monkeypatch):
     arch, path = tiny
-    monkeypatch.setattr(qwen3_next, "FUSED_GLUE", glue)  # read at each forward
+    monkeypatch.setattr(qwen3_next_blocks, "FUSED_GLUE", glue)  # read at each forward
     r = _runner(path, monkeypatch, stacked)
     layers = r.model.model.decoder_layers
     assert any(layer.is_attention for layer in layers) and any(not layer.is_attention for layer in layers)
@@ -131,7 +131,7 @@ def test_fusable_projections_name_each_layer_kinds_fused_projections(tiny, stack
     layers = r.model.model.decoder_layers
     attn = next(lay.self_attn for lay in layers if lay.self_attn is not None)
     gdn = next(lay.linear_attn for lay in layers if lay.linear_attn is not None)
-    moe = next(lay.mlp for lay in layers if isinstance(lay.mlp, qwen3_next.SharedExpertMoeBlock))
+    moe = next(lay.mlp for lay in layers if isinstance(lay.mlp, qwen3_next_blocks.SharedExpertMoeBlock))
     want = [attn.qkv_proj, attn.o_proj, gdn.in_proj if stacked else gdn.in_proj_qkvz, gdn.out_proj,
             moe.in_proj if stacked else moe.gate]
     if arch == "qwen3_next":

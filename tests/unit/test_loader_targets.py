@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from services.worker.layers.gated_deltanet import GatedDeltaNet
 from services.worker.loader import _target
-from services.worker.models.qwen3_next import MOE_STACKED, Qwen3NextForCausalLM
+from services.worker.models.qwen3_next import Qwen3NextForCausalLM
+from services.worker.models.qwen3_next_blocks import MOE_STACKED
 
 PACKED = {**Qwen3NextForCausalLM.packed_modules, **GatedDeltaNet.packed_modules("qwen3_5", True), **MOE_STACKED}
 

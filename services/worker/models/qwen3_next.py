@@ -8,17 +8,18 @@ Source of the architecture: Qwen team, "Qwen3-Next" (2025 release), and Hugging 
 its checkpoints. What differs from Qwen3-MoE:
 - full attention: q_proj also yields an output gate (per head, q then gate), the output is
   attn * sigmoid(gate) before o_proj; partial rotary (the first head_dim *
-  partial_rotary_factor dims of each head); zero-centred q/k RMSNorms;
+  partial_rotary_factor dims of each head); zero-centred q/k RMSNorms
+  (`qwen3_next_blocks.GatedAttention`);
 - linear attention: `services.worker.layers.gated_deltanet.GatedDeltaNet`, its per-request
   state in the runner's state cache (docs/ARCHITECTURE.md §4.7);
 - every RMSNorm is zero-centred (scale 1 + weight: `ZeroCenteredRMSNorm`);
 - the MoE block adds a shared expert (a SwiGLU MLP of shared_expert_intermediate_size)
-  times sigmoid(shared_expert_gate(x)).
+  times sigmoid(shared_expert_gate(x)) (`qwen3_next_blocks.SharedExpertMoeBlock`).
 The checkpoint's multi-token-prediction head (`mtp.*`) is not loaded (ignored_prefixes).
 
 Two layer paths, chosen by the runner per step (`services.worker.fusion.FusionPlan`, as for
-Llama / Qwen3-MoE): unfused (`forward`, or `forward_residual` with `FUSED_GLUE`: the norms
-and residual adds as their own ops) and, with `FUSE_LAYERS`, fused
+Llama / Qwen3-MoE): unfused (`forward`, or `forward_residual` with `FUSED_GLUE`, below: the
+norms and residual adds as their own ops) and, with `FUSE_LAYERS`, fused
 (`Qwen3NextDecoderLayer.forward_fused`: the zero-centred norms inside the first projections'
 prologues, their `prologue_weight` (the `scale`) as the norm weight, the residual adds inside
 the output projections and the MoE down kernel; two launches fewer a layer at batch 1).
@@ -28,7 +29,8 @@ model is built) the projections that read the same input are one Linear, filled 
 loader from the checkpoint's separate tensors (`packed_modules`) and split by views: a
 linear layer's in_proj_qkvz + in_proj_ba (Qwen3.5: in_proj_qkv, z, b, a) as `linear_attn.
 in_proj`, a MoE block's router + shared expert gate_up + shared_expert_gate as `mlp.in_proj`.
-With `FUSED_GLUE` (read at each forward, so at graph capture) the elementwise glue runs in
+With `FUSED_GLUE` (`qwen3_next_blocks.FUSED_GLUE`, beside the blocks that read it; read at
+each forward, so at graph capture) the elementwise glue runs in
 one kernel each (`kernels.hybrid_glue`: the attention's output gate, the shared expert's
 combine, which the MoE decode path folds into its down kernel: `kernels.moe.SHARED_IN_DOWN`)
 and each residual add goes into the next norm (`fused_add_rms_norm`). On the fused layer path
@@ -38,8 +40,6 @@ and each residual add goes into the next norm (`fused_add_rms_norm`). On the fus
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -47,13 +47,13 @@ from services.worker.kv_cache import PagedKVSpec
 from services.worker.layers.attention import AttentionBackend, AttentionSpec
 from services.worker.layers.embedding import LMHead, VocabEmbedding
 from services.worker.layers.gated_deltanet import GatedDeltaNet
-from services.worker.layers.glue import sigmoid_gate_mul
 from services.worker.layers.linear import Linear, weights_unquantized
-from services.worker.layers.moe import SparseMoeBlock
-from services.worker.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from services.worker.layers.norm import ZeroCenteredRMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.models import qwen3_next_blocks
 from services.worker.models.llama import LlamaArgs, LlamaMLP
-from services.worker.models.qwen3_moe import is_moe_layer, num_experts
+from services.worker.models.qwen3_moe import is_moe_layer
+from services.worker.models.qwen3_next_blocks import MOE_STACKED, GatedAttention, SharedExpertMoeBlock
 from services.worker.state_cache import StateSpec
 from shared.model_spec import FULL_ATTENTION, ModelSpec
 from services.worker.layers.module import Module
@@ -70,9 +70,6 @@ STACK_PROJECTIONS = True  # H200: stacked + glue 2.97 ms a token, apart 3.12 (do
 # False: `fusable_projections` is [] and every step runs the unfused path below. Read when the
 # runner chooses its FusionPlan (benchmarks/decode_latency.py --ab hybrid_unfused hybrid_fused).
 FUSE_LAYERS = True
-# The decode glue in fused kernels (module doc); read at each forward. 14-16% faster at batch 1
-# on the H200, its bf16 logits as close to fp32's as the torch glue's (docs/ARCHITECTURE.md §6.3).
-FUSED_GLUE = True
 
 
 def stacks_projections() -> bool:
@@ -88,133 +85,6 @@ def partial_rotary_factor(hf_config) -> float:
     files) or `rope_parameters.partial_rotary_factor` (transformers 5); 1.0 when absent."""
     rope = hf_config.get("rope_parameters") or {}
     return float(hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-
-
-class GatedAttention(Module):
-    """Qwen3-Next's full attention of the kv_index-th attention layer: qkv_proj stacks q_proj
-    [2 * heads * head_dim] (per head: q then its gate), k_proj and v_proj; zero-centred q/k
-    norms for the backend; output attn * sigmoid(gate) through o_proj. x [T, H] -> [T, H]."""
-
-    def __init__(self, a: LlamaArgs, kv_index: int):
-        super().__init__()
-        self.kv_index = kv_index
-        self.heads, self.kv_heads, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = Linear(a.hidden_size, [2 * self.q_size, self.kv_size, self.kv_size], a.attention_bias)
-        self.o_proj = Linear(self.q_size, a.hidden_size, a.attention_bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, a.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend,
-                norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. The fused layer path: norm, the layer's input norm, applied to
-        x inside qkv_proj (its `prologue_weight`); residual [T, H], added to the
-        o_proj output inside it. The q/gate split, the q/k norms and the partial rotary come
-        after the projection, so the prologue leaves them as they are."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj(x, norm_weight=norm.prologue_weight, eps=norm.eps)
-        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
-        qg = qg.view(t, self.heads, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim].contiguous(), qg[..., self.head_dim:]
-        o = attn.forward(self.kv_index, q, k.view(t, self.kv_heads, self.head_dim),
-                         v.view(t, self.kv_heads, self.head_dim), positions)
-        if FUSED_GLUE:  # one launch for the gate's copy, sigmoid and product
-            o = sigmoid_gate_mul(o, gate)
-        else:
-            o = o * torch.sigmoid(gate.reshape(t, self.q_size))
-        return self.o_proj(o) if residual is None else self.o_proj(o, residual=residual)
-
-    def spec(self, cos_sin: torch.Tensor) -> AttentionSpec:
-        """This layer's attention for the backend (after loading: the norms' scales)."""
-        return AttentionSpec(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, cos_sin,
-                             self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
-
-
-class _SharedExpertDown(Module):
-    """The shared expert of a stacked MoE block: its down projection only (its gate_up is
-    part of the block's `in_proj`); `mlp.shared_expert.down_proj.weight` as in LlamaMLP."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
-        super().__init__()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
-
-
-# a stacked MoE block's checkpoint tensors -> (`mlp.in_proj`, shard), for packed_modules
-MOE_STACKED: dict[str, tuple[str, int]] = {
-    "mlp.gate": ("mlp.in_proj", 0), "mlp.shared_expert.gate_proj": ("mlp.in_proj", 1),
-    "mlp.shared_expert.up_proj": ("mlp.in_proj", 2), "mlp.shared_expert_gate": ("mlp.in_proj", 3),
-}
-
-
-class SharedExpertMoeBlock(SparseMoeBlock):
-    """`SparseMoeBlock` plus a shared expert: out = moe(x) + sigmoid(shared_expert_gate(x)) *
-    shared_expert(x), the shared expert a SwiGLU MLP (`mlp.shared_expert.*`, gate
-    `mlp.shared_expert_gate.weight` [1, H]). stacked (with a shared expert): the router `gate`
-    [E, H], the shared expert's gate and up projections [I, H] each and shared_expert_gate
-    [1, H] are one Linear `in_proj` [E + 2I + 1, H] (shards in that order, `MOE_STACKED`;
-    kept in the model dtype, as the router is), its output split by views; the shared
-    expert keeps its down_proj. forward(x [T, H]) -> [T, H]."""
-
-    def __init__(self, a: LlamaArgs, hf_config, moe_intermediate_size: int, stacked: bool = False):
-        super().__init__(num_experts(hf_config), int(hf_config.get("num_experts_per_tok", 10)), a.hidden_size,
-                         moe_intermediate_size, bool(hf_config.get("norm_topk_prob", True)))
-        shared = int(hf_config.get("shared_expert_intermediate_size") or 0)
-        self.num_experts, self.shared_size = num_experts(hf_config), shared
-        self.in_proj: Linear | None = None
-        self.shared_expert: LlamaMLP | _SharedExpertDown | None = None
-        self.shared_expert_gate: Linear | None = None
-        if shared and stacked:
-            del self.gate
-            self.in_proj = Linear(a.hidden_size, [self.num_experts, shared, shared, 1], False, quantizable=False)
-            self.shared_expert = _SharedExpertDown(a.hidden_size, shared, a.mlp_bias)
-        elif shared:
-            self.shared_expert = LlamaMLP(dataclasses.replace(a, intermediate_size=shared))
-            self.shared_expert_gate = Linear(a.hidden_size, 1, False, quantizable=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, shared = self._project(x)
-        return self._experts(x, logits, shared)
-
-    def forward_fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """h + mlp(norm(h)) for the residual stream h [T, H] (the fused layer path,
-        `services.worker.fusion`; as `SparseMoeBlock.forward_fused`), with no norm or add
-        launch of its own: the first projection (`in_proj`, or the router `gate` when apart)
-        normalises h in its prologue and stores the normalised rows (xn_out) that the
-        experts, and apart the shared expert and its gate, read; the residual add runs in the
-        MoE decode path's down kernel, with the shared expert's combine (`FUSED_GLUE`,
-        `kernels.moe.moe_block`'s shared and residual). norm: the layer's
-        `ZeroCenteredRMSNorm` (its `prologue_weight`, the scale, in the prologue)."""
-        xn = torch.empty_like(h)
-        logits, shared = self._project(h, norm.prologue_weight, norm.eps, xn)
-        return self._experts(xn, logits, shared, h)
-
-    def _project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                 xn_out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The router's logits [T, E] and the shared expert's (gate [T, 1], output [T, H])
-        (None without a shared expert) of x [T, H]; with norm_weight, of rms_norm(x) *
-        norm_weight, the normalised x stored in xn_out by the first projection."""
-        fused = {} if norm_weight is None else {"norm_weight": norm_weight, "eps": eps, "xn_out": xn_out}
-        if self.in_proj is not None:  # one product, split by views
-            assert self.shared_expert is not None
-            e, i = self.num_experts, self.shared_size
-            y = self.in_proj(x, **fused)
-            shared = self.shared_expert.down_proj(y[:, e:e + 2 * i], silu_mul=True)
-            return y[:, :e], (y[:, e + 2 * i:], shared)
-        logits = self.gate(x, **fused)
-        xn = x if xn_out is None else xn_out
-        if self.shared_expert is None or self.shared_expert_gate is None:
-            return logits, None
-        return logits, (self.shared_expert_gate(xn), self.shared_expert(xn))
-
-    def _experts(self, x: torch.Tensor, logits: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts on x [T, H] plus the shared expert's sigmoid(gate) * output,
-        plus residual (or None)."""
-        if shared is None or FUSED_GLUE:  # the sigmoid, product and sums in one launch (the MoE decode path's down kernel)
-            return self.experts.routed(x, logits, self.top_k, self.norm_topk_prob, shared, residual)
-        gate, out = shared
-        y = self.experts.routed(x, logits, self.top_k, self.norm_topk_prob) + torch.sigmoid(gate) * out
-        return y if residual is None else residual + y
 
 
 class Qwen3NextDecoderLayer(Module):
@@ -246,9 +116,10 @@ class Qwen3NextDecoderLayer(Module):
 
     def forward_residual(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                          attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with the residual adds inside the norms (`FUSED_GLUE`): x is the layer
-        before's MLP output and residual its residual stream (None for the first layer: x
-        is the embedding); returns (this MLP's output, the residual stream before it).
+        """`forward` with the residual adds inside the norms (`qwen3_next_blocks.FUSED_GLUE`):
+        x is the layer before's MLP output and residual its residual stream (None for the
+        first layer: x is the embedding); returns (this MLP's output, the residual stream
+        before it).
         The sum is x + residual in the model dtype either way (`fused_add_rms_norm_ref`)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
@@ -306,7 +177,7 @@ class Qwen3NextModel(Module):
             for layer in self.decoder_layers:
                 x = layer.forward_fused(positions, x, attn)
             return self.norm(x)
-        if FUSED_GLUE:  # the residual adds inside the norms
+        if qwen3_next_blocks.FUSED_GLUE:  # the residual adds inside the norms
             residual: torch.Tensor | None = None
             for layer in self.decoder_layers:
                 x, residual = layer.forward_residual(positions, x, residual, attn)
