@@ -22,7 +22,6 @@ Skipped without CUDA. bash scripts/gpu_hybrid_fused.sh runs this file and the A/
 
 from __future__ import annotations
 
-import gc
 import json
 import pathlib
 
@@ -42,6 +41,7 @@ from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.models import qwen3_next  # noqa: E402
 from shared.config import build_config  # noqa: E402
 from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from tests.gpu.hybrid_runs import bf16_against_fp32  # noqa: E402
 from tests.hybrid_checkpoint import write_tiny_qwen3_next  # noqa: E402
 from tests.runner_driver import step_logits  # noqa: E402
 
@@ -52,14 +52,6 @@ GREEDY = SamplingParams(temperature=0.0)
 # points (once, in bf16); the norm's rstd sums its squares in other chunks, so a normalised
 # value may take the neighbouring bf16, which the recurrent state carries on
 REL = 5e-2
-
-
-def _release() -> None:
-    """Free a deleted runner's memory before the next is built (its graphs hold a bound method
-    of it; the next runner sizes its KV cache from what is in use)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def _tiny_runner(path, dtype: str, stacked: bool, fuse: bool, monkeypatch) -> ModelRunner:
@@ -75,14 +67,6 @@ def _tiny_runner(path, dtype: str, stacked: bool, fuse: bool, monkeypatch) -> Mo
     return r
 
 
-def _decode_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
-    """Logits of each token of prompt fed one a step (decode graphs of 1) on slot 0."""
-    table = list(range(4))
-    out = [step_logits(r, StepPlan(j, [ScheduledSeq("a", [tok], j, table, True, GREEDY, 0, state_slot=0)]))
-           for j, tok in enumerate(prompt)]
-    return torch.cat(out).float()
-
-
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
 def tiny(request, tmp_path_factory):
     """A tiny random hybrid whose weights are bf16 values (saved in fp32)."""
@@ -96,18 +80,10 @@ def tiny(request, tmp_path_factory):
 def test_tiny_hybrid_fused_decode_graphs_match_unfused_and_are_as_close_to_fp32(tiny, stacked, monkeypatch):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
-    truth_r = _tiny_runner(tiny, "float32", stacked, False, monkeypatch)
-    truth = [_decode_logits(truth_r, p) for p in prompts]
-    del truth_r
-    _release()
-    logits, err = {}, {}
-    for fuse in (False, True):
-        r = _tiny_runner(tiny, "bfloat16", stacked, fuse, monkeypatch)
-        logits[fuse] = [_decode_logits(r, p) for p in prompts]
-        err[fuse] = float(torch.cat([((x - t).abs().amax(-1) / t.abs().amax(-1))
-                                     for x, t in zip(logits[fuse], truth)]).mean())
-        del r
-        _release()
+    runs = bf16_against_fp32(lambda dtype, fuse: _tiny_runner(tiny, dtype, stacked, fuse, monkeypatch), False,
+                             (False, True), prompts)
+    logits = {fuse: run.logits for fuse, run in runs.items()}
+    err = {fuse: run.mean_error for fuse, run in runs.items()}
     rel = max(float((f - u).abs().max() / u.abs().max()) for f, u in zip(logits[True], logits[False]))
     print(f"stacked={stacked}: fused vs unfused {rel:.4f}; mean error against fp32 unfused {err[False]:.4f} "
           f"fused {err[True]:.4f}")

@@ -17,8 +17,6 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -30,14 +28,13 @@ from kernels import hybrid_glue  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.models import qwen3_next, qwen3_next_blocks  # noqa: E402
 from shared.config import build_config  # noqa: E402
-from shared.protocol import SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from tests.gpu.hybrid_runs import bf16_against_fp32, decode_logits, release  # noqa: E402
 from tests.hybrid_checkpoint import write_tiny_qwen3_next  # noqa: E402
-from tests.runner_driver import generate, step_logits  # noqa: E402
+from tests.runner_driver import generate  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ULP = {"float32": 2 ** -23, "float16": 2 ** -10, "bfloat16": 2 ** -7}  # relative spacing at 1
 VOCAB = 512
-GREEDY = SamplingParams(temperature=0.0)
 # max logit error over max |logit| against the default (projections apart, torch glue). H200,
 # 2026-12-03: stacked alone 0.0 in bf16 (the same products), fused glue 0.037 in bf16 (stacked or
 # not: where the residual sums are rounded), fp32 within 1e-4 with equal greedy tokens
@@ -118,41 +115,24 @@ def _runner(path, dtype: str, stack: bool, glue: bool, monkeypatch) -> ModelRunn
     return r
 
 
-def _release() -> None:
-    """Free a deleted runner's memory before the next is built: its graphs hold a bound
-    method of it (a reference cycle), and the next runner sizes its KV cache from
-    gpu_memory_utilization minus what is in use (services/worker/gpu_memory.py)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def _decode_logits(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
-    """Logits of each token of prompt fed one a step (decode graphs of 1) on slot 0."""
-    table = list(range(4))
-    out = [step_logits(r, StepPlan(j, [ScheduledSeq("a", [tok], j, table, True, GREEDY, 0, state_slot=0)]))
-           for j, tok in enumerate(prompt)]
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stacked_and_glue_paths_decode_as_the_default(tiny, dtype, monkeypatch):
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(1, VOCAB, (9,), generator=g).tolist()
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (6, 3, 9)]
     base = _runner(tiny, dtype, False, False, monkeypatch)  # the defaults' baseline: torch glue, apart
-    want, want_tokens = _decode_logits(base, prompt), generate(base, prompts, 12, chunk=1)
+    want, want_tokens = decode_logits(base, prompt), generate(base, prompts, 12, chunk=1)
     del base
-    _release()
+    release()
     rels, tokens_same = {}, {}
     for stack, glue in ((False, True), (True, False), (True, True)):
         r = _runner(tiny, dtype, stack, glue, monkeypatch)
-        got = _decode_logits(r, prompt)
+        got = decode_logits(r, prompt)
         assert torch.isfinite(got).all()
         rels[(stack, glue)] = float((got - want).abs().max() / want.abs().max())
         tokens_same[(stack, glue)] = generate(r, prompts, 12, chunk=1) == want_tokens
         del r
-        _release()
+        release()
     print("max-abs logit difference over max |logit| (stack, glue):", rels, "greedy equal:", tokens_same)
     assert all(v < REL[dtype] for v in rels.values()), rels
     if dtype == "float32":
@@ -177,18 +157,11 @@ def test_bf16_fused_glue_is_as_close_to_fp32_as_the_torch_glue(tiny_bf16w, monke
     positions (the weights' own rounding dominated), 0.537-0.539 apart."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB, (12,), generator=g).tolist() for _ in range(3)]
-    truth_r = _runner(tiny_bf16w, "float32", False, False, monkeypatch)
-    truth = [_decode_logits(truth_r, p) for p in prompts]
-    del truth_r
-    _release()
-    err: dict[tuple[bool, bool], float] = {}
-    for stack, glue in ((False, False), (False, True), (True, True)):
-        r = _runner(tiny_bf16w, "bfloat16", stack, glue, monkeypatch)
-        per_pos = [((_decode_logits(r, p).float() - t).abs().amax(-1) / t.abs().amax(-1)) for p, t in zip(prompts, truth)]
-        err[(stack, glue)] = float(torch.cat(per_pos).mean())
-        print((stack, glue), "per-position error of prompt 0:", [round(float(x), 4) for x in per_pos[0]])
-        del r
-        _release()
+    runs = bf16_against_fp32(lambda dtype, v: _runner(tiny_bf16w, dtype, *v, monkeypatch), (False, False),
+                             ((False, False), (False, True), (True, True)), prompts)
+    err = {v: run.mean_error for v, run in runs.items()}
+    for v, run in runs.items():
+        print(v, "per-position error of prompt 0:", [round(float(x), 4) for x in run.errors[0]])
     print("bf16 mean relative logit error against fp32 (stack, glue):", err)
     base = err[(False, False)]
     assert all(v <= 1.25 * base + 1e-3 for v in err.values()), err
