@@ -2,11 +2,12 @@
 # A real `docker compose up` of compose.yaml, offline (there is no image registry here):
 #   1. docker.io / docker-compose / debootstrap from apt when missing (needs root, Debian);
 #      dockerd started in the background when not running (and stopped at the end only then);
-#   2. a local base image: `debootstrap --variant=minbase bookworm` + `docker import`
+#   2. a local base image: `debootstrap --variant=minbase bookworm` (with g++ and python3-dev) + `docker import`
 #      (cached: skipped while the tag exists; the mirror is the host's own apt source);
 #   3. a wheelhouse of the runtime deps (CPU torch included) made on the host with
 #      `pip download` (cached in .cache/wheelhouse), so the image build needs no network;
-#   4. the stack up, /health through the published port, one chat completion,
+#   4. the stack up, /health through the published port, one chat completion, the worker's
+#      C++ CPU decode ops loaded (its log),
 #      `restart frontend` (the engine and kvstore containers must keep their start time) and a
 #      new request, then `down`, which must leave no container.
 # Prints PASS or FAIL with the time of each phase; exit status 0 only on PASS, 77 when this
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PROJECT=kestrel-e2e
 PORT=${KESTREL_E2E_PORT:-18000}
-BASE_TAG=${KESTREL_E2E_BASE:-kestrel-base:bookworm}
+BASE_TAG=${KESTREL_E2E_BASE:-kestrel-base:bookworm-cxx}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VENV=$ROOT/.venv
 WHEELS_CACHE=$ROOT/.cache/wheelhouse
@@ -105,7 +106,9 @@ else
   [ -n "$MIRROR" ] || fail "no Debian mirror found in the apt sources; set KESTREL_DEBIAN_MIRROR"
   ROOTFS=$(mktemp -d /tmp/kestrel-rootfs.XXXXXX)
   log "debootstrap bookworm into $ROOTFS"
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+  # g++ and python3-dev (Python.h): the image's C++ CPU kernels (Dockerfile CXX_TOOLCHAIN: no apt
+  # in the offline build, the base has them)
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,ca-certificates,g++ \
     bookworm "$ROOTFS" "$MIRROR" >/tmp/kestrel-compose-e2e-debootstrap.log 2>&1 \
     || { rm -rf "$ROOTFS"; fail "debootstrap failed (see /tmp/kestrel-compose-e2e-debootstrap.log)"; }
   rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb
@@ -184,6 +187,12 @@ phase "up + healthy"
 REPLY=$(chat) || fail "chat completion failed"
 log "reply: $REPLY"
 phase "first request"
+
+# The worker serves with Kestrel's C++ CPU decode ops (kernels/csrc/, built into the image by the
+# Dockerfile with its compiler), not the PyTorch fallback.
+dc logs --no-color worker 2>&1 | grep -Eq 'CPU decode ops \([a-z0-9]+\) loaded' \
+  || fail "the worker did not load the C++ CPU decode ops: $(dc logs --no-color worker 2>&1 | grep -i 'CPU decode ops' | tail -3)"
+log "worker: $(dc logs --no-color worker 2>&1 | grep -Eo 'CPU decode ops \([a-z0-9]+\) loaded' | head -1)"
 
 # Every service's own healthcheck (compose.yaml) reports healthy.
 end=$(( $(date +%s) + 90 ))
