@@ -221,7 +221,7 @@ class AnthropicServing:
             stream = self.engine.open_request(request_id, ids, sampling,
                                               merge=not req.stop_sequences)
             gen = generate(self.engine, self.tokenizer, self.ctx.metrics, stream, ids, [],
-                           tick_s=self.keepalive_s if req.stream else None)
+                           tick_s=self.keepalive_s if req.stream else None, stop_probe=parser.stop_probe)
             log.info("%s added: %d prompt tokens, max_tokens %d, stream %s", request_id, n,
                      max_tokens, req.stream)
             events = run_parsed(gen, parser)

@@ -198,14 +198,17 @@ class ChatServing:
             # else on the whole text in `generate` (the same, and the engine stops at once).
             parser_stops = sr.stop if reasons else []
 
+            parsers = [self.features.output_parser(prompt, parser_stops, req.thinking,
+                                                   tools.schemas if tools.active else None, tools.forced)
+                       for _ in range(sr.n)]
+
             def wrap(index: int, gen: Deltas) -> Deltas:
-                return parse_deltas(gen, self.features.output_parser(
-                    prompt, parser_stops, req.thinking,
-                    tools.schemas if tools.active else None, tools.forced))
+                return parse_deltas(gen, parsers[index])
 
             fan = fan_out(ctx, request_id, [
                 (prompt_ids, sr.to_params(max_tokens, i, logprobs=req.logprobs))
-                for i in range(sr.n)], sr, wrap=wrap, stop=[] if reasons else sr.stop)
+                for i in range(sr.n)], sr, wrap=wrap, stop=[] if reasons else sr.stop,
+                stop_probes=[p.stop_probe for p in parsers])
             log.info("%s added: %d prompt tokens, n %d, max_tokens %d, stream %s, tools %d "
                      "(%s)", request_id, len(prompt_ids), sr.n, max_tokens, sr.stream,
                      len(tools.tools), tools.choice)

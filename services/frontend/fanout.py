@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from services.frontend.context import ServingContext
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import APIError, InvalidRequest, engine_error
-from services.frontend.generation import TextDelta, generate
+from services.frontend.generation import StopProbe, TextDelta, generate
 from services.frontend.mailbox import Mailbox
 from services.frontend.openai_sampling import SamplingRequest
 from shared.protocol import FinishReason, SamplingParams, TokenLogprob
@@ -124,12 +124,14 @@ def check_choices(ctx: ServingContext, count: int, param: str) -> None:
 def fan_out(ctx: ServingContext, request_id: str,
             choices: list[tuple[list[int], SamplingParams]], sampling: SamplingRequest,
             wrap: Callable[[int, Deltas], Deltas] | None = None,
-            stop: list[str] | None = None) -> FanOut:
+            stop: list[str] | None = None,
+            stop_probes: Sequence[Callable[[], StopProbe | None]] | None = None) -> FanOut:
     """Open one engine request per choice (prompt token ids, engine sampling; ids
     `<request_id>-<index>` when several) and merge their text deltas. wrap(index, deltas):
     an iterator to merge instead of the choice's `generate` (the chat route's output
-    parsers). stop: the stop strings for `generate` (default sampling.stop). Raises
-    EngineUnavailable (aborting those already opened)."""
+    parsers). stop: the stop strings for `generate` (default sampling.stop). stop_probes: per
+    choice, `generate`'s stop_probe (the output parser's stop strings, when `wrap` applies
+    them). Raises EngineUnavailable (aborting those already opened)."""
     engine, keepalive_s = ctx.engine, ctx.limits.keepalive_s
     gens: list[Deltas] = []
     opened: list[str] = []
@@ -144,7 +146,8 @@ def fan_out(ctx: ServingContext, request_id: str,
             # one streamed choice ticks by itself (FanOut iterates it directly)
             tick = keepalive_s if sampling.stream and len(choices) == 1 else None
             gen = generate(engine, ctx.tokenizer, ctx.metrics, stream, prompt_ids, stop,
-                           sampling.skip_special_tokens, tick_s=tick)
+                           sampling.skip_special_tokens, tick_s=tick,
+                           stop_probe=stop_probes[i] if stop_probes is not None else None)
             gens.append(wrap(i, gen) if wrap is not None else gen)
     except EngineUnavailable:
         for rid in opened:

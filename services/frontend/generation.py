@@ -17,7 +17,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass, field
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient, RequestStream
@@ -96,15 +96,25 @@ class StopStringMatched(Exception):
         self.stop = stop
 
 
+StopProbe = Callable[[str], bool]  # feeds text to copies of a stop check: whether a stop string matched
+
+
+def matcher_probe(matcher: StopStringMatcher) -> StopProbe:
+    """A `StopProbe` over a copy of `matcher` (the matcher itself is left as it is)."""
+    m = copy.copy(matcher)
+    return lambda text: m.feed(text)[1]
+
+
 def _through_stop_string(ids: list[int], lps: list[TokenLogprob], detok: IncrementalDetokenizer,
-                         matcher: StopStringMatcher) -> tuple[list[int], list[TokenLogprob]]:
+                         probe: StopProbe) -> tuple[list[int], list[TokenLogprob]]:
     """The leading tokens of `ids` up to the one whose text completes a stop string (all of
-    them when none does), and their logprobs (aligned when given). Probes copies of the
-    detokenizer and matcher token by token; the caller then feeds the kept tokens as usual."""
-    d, m = detok.fork(), copy.copy(matcher)
+    them when none does), and their logprobs (aligned when given). Feeds a copy of the
+    detokenizer's text token by token to `probe` (copies of the stop check: the generator's
+    matcher, or an output parser's, `ChatOutputParser.stop_probe`); the caller then feeds the
+    kept tokens as usual."""
+    d = detok.fork()
     for i, tok in enumerate(ids[:-1]):
-        _, matched = m.feed(d.add([tok]))
-        if matched:
+        if probe(d.add([tok])):
             return ids[:i + 1], lps[:i + 1]
     return ids, lps
 
@@ -121,7 +131,8 @@ async def end_by_stop_string(gen: AsyncGenerator[TextDelta | None, None], stop: 
 
 async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestMetrics,
                    stream: RequestStream, prompt_ids: list[int], stop: list[str],
-                   skip_special_tokens: bool = True, tick_s: float | None = None
+                   skip_special_tokens: bool = True, tick_s: float | None = None,
+                   stop_probe: Callable[[], StopProbe | None] | None = None
                    ) -> AsyncGenerator[TextDelta | None, None]:
     """Follow one request opened with `engine.open_request`; yield TextDeltas, the last
     with a finish_reason. tokenizer: the model's (detokenizing). metrics: where the
@@ -133,6 +144,12 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestM
     StopStringMatched into it (`end_by_stop_string`), the request is aborted in the engine
     and finishes as "stop". The end is logged and recorded in the metrics once, when the
     iterator closes.
+
+    stop_probe: for a consumer that applies stop strings itself (an output parser, with `stop`
+    empty): returns a `StopProbe` of its state now (or None: no stop strings), so that an output
+    of several tokens (speculative decoding) is cut at the token that completes a stop string,
+    as with `stop`: the tokens after it are neither counted nor their logprobs returned. The
+    consumer has fed its parser every delta yielded before the next output is read.
     """
     started = time.monotonic()
     request_id = stream.request_id
@@ -156,11 +173,14 @@ async def generate(engine: EngineClient, tokenizer: Tokenizer, metrics: RequestM
                 continue
             ids = out.new_token_ids
             lps = out.logprobs
-            if matcher is not None and len(ids) > 1:
+            if len(ids) > 1:
                 # several tokens at once (speculative decoding, docs/ARCHITECTURE.md §5.5): a
                 # stop string inside them ends the output at the token that completes it, so
                 # the tokens after it are neither counted nor their logprobs returned
-                ids, lps = _through_stop_string(ids, lps, detok, matcher)
+                probe = (matcher_probe(matcher) if matcher is not None
+                         else stop_probe() if stop_probe is not None else None)
+                if probe is not None:
+                    ids, lps = _through_stop_string(ids, lps, detok, probe)
             n_out += len(ids)
             timer.tokens(len(ids))
             pending_lps.extend(lps)

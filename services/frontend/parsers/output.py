@@ -11,10 +11,11 @@ are applied here) and yields lists of events, None for keep-alive ticks, then a 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from services.frontend.generation import StopStringMatcher, TextDelta, end_by_stop_string
+from services.frontend.generation import StopProbe, StopStringMatcher, TextDelta, end_by_stop_string
 from services.frontend.parsers.reasoning import Qwen3ReasoningParser
 from services.frontend.parsers.tool_parsers import (Content, Event, ToolCallArgs, ToolCallStart,
                                                     ToolParser)
@@ -59,6 +60,20 @@ class ChatOutputParser:
         self._stop = _StopMatcher(stops) if stops else None
         self.stopped: str | None = None
         self._finished = False
+
+    def stop_probe(self) -> StopProbe | None:
+        """`generation.StopProbe` over copies of this parser's reasoning parser and stop matcher in
+        their state now (the tool parser does not decide stops): whether text fed after what
+        this parser has seen completes a stop string in the content. None without stop strings,
+        or once stopped or finished."""
+        if self._stop is None or self.stopped is not None or self._finished:
+            return None
+        reasoning, stop = copy.copy(self._reasoning), copy.copy(self._stop)
+
+        def probe(text: str) -> bool:
+            content = text if reasoning is None else reasoning.feed(text)[1]
+            return bool(content) and stop.feed(content)[1]
+        return probe
 
     def _content(self, text: str, final: bool) -> list[OutEvent]:
         out: list[OutEvent] = []
