@@ -25,10 +25,13 @@ One row on one thread: a worker that packs only because of speculation (one thre
 its plain decode steps (batch 1, one row, k = 0 whenever the policy turns speculation off)
 ~10-40% slower than a worker without speculation, which keeps MKL. With KEEP_DENSE_ONE_ROW
 (`keep_dense_one_row`: one thread and speculation) the dense column-major weight is kept
-beside the packed one and one-row products take it (`Linear`, an untied `LMHead`): the
-plain steps run exactly the plain worker's path, verify steps the packed one. Cost: a second
-copy of the linear weights in memory (SmolLM2-135M: +425 MB); at 2+ threads the packed layout
-is the faster one at every row count and no copy is kept.
+beside the packed one, and every product of a step without drafts takes it (`Linear`, an
+untied `LMHead`; `PACKED_STEP`, which the model runner sets per step): the plain steps
+(prefill and decode) run exactly the plain worker's path, so the prompt's KV and first token
+are the plain worker's bit for bit, and only verify steps take the packed one (an int8 KV
+cache had magnified the packed prefill's other rounding into other greedy tokens from the first
+one on). Cost: a second copy of the linear weights in memory (SmolLM2-135M: +425 MB); at 2+
+threads the packed layout is the faster one at every row count and no copy is kept.
 """
 
 from __future__ import annotations
@@ -36,8 +39,17 @@ from __future__ import annotations
 import torch
 
 PACK_WEIGHTS = True
-# with PACK_WEIGHTS: keep the dense column-major weight too, for one-row products (module doc)
+# with PACK_WEIGHTS: keep the dense column-major weight too, for the plain steps (module doc)
 KEEP_DENSE_ONE_ROW = False
+# with KEEP_DENSE_ONE_ROW: whether the step now running verifies drafts (its products of 2+ rows
+# take the packed weight; every other product the dense copy). Set by the model runner per step.
+PACKED_STEP = False
+
+
+def takes_dense(rows: int, has_dense: bool) -> bool:
+    """Whether a product of `rows` rows takes a layer's dense copy (kept beside a packed weight,
+    `has_dense`): one row, or any step that verifies no drafts (`PACKED_STEP` False)."""
+    return has_dense and (rows == 1 or not PACKED_STEP)
 # the row count oneDNN is told to expect when it picks the blocked layout; one layout serves
 # every row count (measured: hints 5 and 16 within noise of each other at 1..16 rows)
 PACK_BATCH_HINT = 16

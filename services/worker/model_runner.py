@@ -484,6 +484,9 @@ class ModelRunner:
         self._fill_pending(input_ids, seqs)
         if self.state_cache is not None:
             self._step_state = StepState.for_seqs(self.state_cache, seqs, self.device)
+        # a one-thread CPU worker with dense copies runs its plain steps on them, as a worker
+        # without speculation does, and only steps that verify drafts on the packed weights
+        cpu_linear.PACKED_STEP = any(s.num_draft for s in seqs)
         hidden = self.run_model(input_ids, positions, meta)
         drafts = any(seqs[i].num_draft for i in rows)
         offsets: list[int] = []

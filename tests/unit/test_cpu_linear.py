@@ -150,10 +150,14 @@ def _processed(seed: int, pack: bool, keep: bool, monkeypatch) -> Linear:
     return lin
 
 
+@pytest.mark.parametrize("verify", [True, False], ids=["verify_step", "plain_step"])
 @pytest.mark.parametrize("step", ["plain", "norm", "silu", "residual"])
-def test_one_row_takes_the_plain_workers_path_and_more_rows_the_packed_one(step, monkeypatch):
+def test_one_row_takes_the_plain_workers_path_and_more_rows_the_packed_one(step, verify, monkeypatch):
     """With the dense copy kept, one row gives bit for bit what an unpacked layer (a worker
-    without speculation) gives, several rows what a packed-only layer gives."""
+    without speculation) gives; several rows what a packed-only layer gives in a step that
+    verifies drafts (cpu_linear.PACKED_STEP), and what the unpacked layer gives in any other
+    step (a prefill: the plain worker's prompt KV and first token)."""
+    monkeypatch.setattr(cpu_linear, "PACKED_STEP", verify)
     both = _processed(5, True, True, monkeypatch)
     plain = _processed(5, False, False, monkeypatch)
     packed = _processed(5, True, False, monkeypatch)
@@ -172,7 +176,7 @@ def test_one_row_takes_the_plain_workers_path_and_more_rows_the_packed_one(step,
             kw = {"residual": torch.randn(m, 24, generator=g)}
         outs = {name: layer(x, **{k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()})
                 for name, layer in (("both", both), ("plain", plain), ("packed", packed))}
-        assert torch.equal(outs["both"], outs["plain" if m == 1 else "packed"])
+        assert torch.equal(outs["both"], outs["packed" if m > 1 and verify else "plain"])
         _close(outs["both"], linear_ref(x, cpu_linear.dense(packed.weight), packed.bias, **kw))
 
 
@@ -190,6 +194,7 @@ def test_the_dense_copy_follows_in_place_writes(monkeypatch):
 
 def test_untied_lm_head_one_row_takes_the_dense_copy(monkeypatch):
     monkeypatch.setattr(cpu_linear, "KEEP_DENSE_ONE_ROW", True)
+    monkeypatch.setattr(cpu_linear, "PACKED_STEP", True)
     head = LMHead(200, 32)
     g = torch.Generator().manual_seed(8)
     with torch.no_grad():
@@ -202,3 +207,5 @@ def test_untied_lm_head_one_row_takes_the_dense_copy(monkeypatch):
     assert torch.equal(head(h), F.linear(h, w).float())
     h5 = torch.randn(5, 32, generator=g)
     _close(head(h5), F.linear(h5, w))
+    monkeypatch.setattr(cpu_linear, "PACKED_STEP", False)  # a step without drafts: the dense copy
+    assert torch.equal(head(h5), F.linear(h5, w).float())

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from kernels.cpu_linear import dense_linear_onednn, packed_linear
 from kernels import cpu_quant_linear
 from kernels.cpu_quant_linear import QuantWeight
@@ -32,7 +33,8 @@ class LMHead(Module):
     is re-laid column-major after loading (see `to_cpu_gemm_layout`); a tied embedding then
     looks rows up with a strided gather, which costs little next to the matmuls. An untied
     fp32 weight is packed like `Linear`'s, with its dense copy `weight_dense` for one-row
-    products where `kernels.cpu_linear.KEEP_DENSE_ONE_ROW` keeps one (else None); with CPU
+    products and steps without drafts (`kernels.cpu_linear.takes_dense`) where
+    `kernels.cpu_linear.KEEP_DENSE_ONE_ROW` keeps one (else None); with CPU
     weight quantization (`kernels.cpu_quant_linear.QUANTIZATION`) an untied weight is
     quantized instead (`qweight`, as `Linear`'s); a tied one stays the embedding's (whose rows
     the lookups read in fp32) and the head's products take an int8 copy of it (`qweight_tied`,
@@ -57,7 +59,7 @@ class LMHead(Module):
         q = self.qweight if self.qweight is not None else self.qweight_tied
         if q is not None:
             return q.matmul(hidden).float()
-        if self.weight_dense is not None and hidden.shape[0] == 1:
+        if self.weight_dense is not None and cpu_linear.takes_dense(hidden.shape[0], True):
             return F.linear(hidden, self.weight_dense).float()
         if self.weight.is_mkldnn or (not hidden.is_cuda and dense_linear_onednn(hidden, self.weight)):
             return packed_linear(hidden, self.weight)

@@ -37,7 +37,8 @@ class Linear(Module):
     `kernels.linear.linear`): norm_weight / eps an RMSNorm of x, silu_mul a SiLU-and-mul of
     x [num_tokens, 2 * in_features], residual [num_tokens, out] an add to the output.
     weight_dense: on the CPU, the dense column-major weight kept beside a packed `weight` for
-    one-row products (`kernels.cpu_linear.KEEP_DENSE_ONE_ROW`), else None.
+    one-row products and every product of a step without drafts (`kernels.cpu_linear.takes_dense`,
+    `KEEP_DENSE_ONE_ROW`), else None.
     qweight: on the CPU with `kernels.cpu_quant_linear.QUANTIZATION` int8/int4/gguf, the weight-only
     quantized W (`QuantWeight`) set after loading (or by the GGUF loader from the file's blocks);
     with FP8 weights (`kernels.fp8_linear.MODE`, `services.worker.layers.fp8`) its `Fp8Weight`;
@@ -88,7 +89,8 @@ class Linear(Module):
                 x, norm_weight = xn_out, None
             return quant_forward(self.qweight, x, self.bias, norm_weight=norm_weight, eps=eps,
                                  silu_mul=silu_mul, residual=residual)
-        w = self.weight if self.weight_dense is None or x.shape[0] != 1 else self.weight_dense
+        dense = self.weight_dense
+        w = dense if dense is not None and cpu_linear.takes_dense(x.shape[0], True) else self.weight
         if norm_weight is None and residual is None and not silu_mul:
             return linear(x, w, self.bias)
         return linear(x, w, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
