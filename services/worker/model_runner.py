@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import attention as attn_kernels
-from kernels import cpu_linear, cpu_quant_linear, fp8_linear, w4a16_linear
+from kernels import cpu_decode, cpu_linear, cpu_quant_linear, fp8_linear, ref_fast, w4a16_linear
 from kernels.pending_ids import encode_pending
 from services.worker import jit_watch
 from services.worker.cuda_graphs import DecodeGraphs
@@ -309,7 +309,7 @@ class ModelRunner:
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
-            "attention": "torch reference" if self.use_ref_attention else "triton",
+            "attention": self._attention_report(),
             "weight_bytes": self.weight_bytes, "kv_bytes": self.kv.bytes,
             # the KV dtype in use and its scales' source (docs/ARCHITECTURE.md §4.6)
             "kv_cache_dtype": self.spec.kv_dtype, "kv_scales": self.kv_scales,
@@ -456,6 +456,15 @@ class ModelRunner:
         if reqs:
             result.draft_token_ids = propose(self.proposer, reqs, fwd.view, self.spec.vocab_size,
                                              self.max_model_len, self.draft_probs)
+
+    def _attention_report(self) -> str:
+        """The startup report's attention path: "triton", or "torch reference", plus Kestrel's C++ CPU
+        decode attention where its layers take it (`kernels.cpu_decode`, §6.4)."""
+        if not self.use_ref_attention:
+            return "triton"
+        if ref_fast.CPU_CXX_OPS and any(a.cxx for a in self.attn_layers) and cpu_decode.available():
+            return f"torch reference; decode steps C++ ({cpu_decode.flavour()})"
+        return "torch reference"
 
     def _forward(self, plan: StepPlan) -> StepLogits:
         """Forward a resolved plan (the KV cache written, nothing sampled); see `StepLogits`.

@@ -300,8 +300,13 @@ def test_an_fp8_runner_reads_the_checkpoints_scales_and_reports_them(tmp_path):
     assert rep["kv_cache_dtype"] == "fp8_e4m3" and "from the checkpoint (1 of 2 layers" in rep["kv_scales"]
     assert r.kv.k[0].dtype == torch.float8_e4m3fn
     # the scales are no parameter: an fp32-KV runner loads the same folder and ignores them
-    assert runner("auto").kv.layers[1].k_scale is None
+    plain = runner("auto")
+    assert plain.kv.layers[1].k_scale is None
     assert runner("int8").report()["kv_scales"].startswith("per token and head")
+    # the attention path reported: the C++ decode attention serves fp32 KV only (where it builds)
+    from kernels import cpu_decode
+    assert rep["attention"] == "torch reference"
+    assert ("decode steps C++" in plain.report()["attention"]) == cpu_decode.available()
 
 
 # ---------------------------------------------------------------- configuration
