@@ -10,7 +10,8 @@
 #      tile at the sweep's best plan for 5 rows (SKIP_SWEEP=1: ROWS_TUNING's defaults).
 # Everything lands under $OUT (default ./gpu_out): env.txt, bench.log, rows_sweep.json, svc_{skinny,tile}.json,
 # summary.txt. Run from the repo root:  bash scripts/gpu_rowstile.sh
-# Limits (seconds, environment): TEST_TIMEOUT 120, SWEEP_TIMEOUT 180, BENCH_TIMEOUT 120 each.
+# Limits (seconds, environment): TEST_TIMEOUT 120, SWEEP_TIMEOUT 180, BENCH_TIMEOUT 120 each. A shorter call
+# (environment): SHAPES, MS (the sweep's shapes and rows), KS, BATCHES, LENGTHS (spec_verify_cost's).
 set -u
 # shellcheck source=scripts/gpu_env.sh
 . "$(dirname "$0")/gpu_env.sh"  # $OUT, PYTHONPATH, the carried wheels, env.txt, run
@@ -18,8 +19,9 @@ run tests_rows "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -
   tests/gpu/test_decode_path_gpu.py
 best='{}'
 if [ -z "${SKIP_SWEEP:-}" ]; then
-  run sweep "${SWEEP_TIMEOUT:-180}" python3 benchmarks/kernel_sweep.py --only rows --shapes qwen3-0.6b llama-3.1-8b \
-    --ms 2 5 9 --out "$OUT/rows_sweep.json"
+  # shellcheck disable=SC2086
+  run sweep "${SWEEP_TIMEOUT:-180}" python3 benchmarks/kernel_sweep.py --only rows --shapes ${SHAPES:-qwen3-0.6b llama-3.1-8b} \
+    --ms ${MS:-2 5 9} --out "$OUT/rows_sweep.json"
   best=$(python3 - "$OUT/rows_sweep.json" <<'PY'
 import json, re, sys
 try:
@@ -32,7 +34,8 @@ PY
 )
 fi
 echo "tile plan: $best" | tee -a "$OUT/bench.log"
-common=(--config qwen3-0.6b --parts verify e2e --ks 1 2 4 8 --batches 1 8 --e2e-lengths 2 3 4)
+# shellcheck disable=SC2206
+common=(--config qwen3-0.6b --parts verify e2e --ks ${KS:-1 2 4 8} --batches ${BATCHES:-1 8} --e2e-lengths ${LENGTHS:-2 3 4})
 run svc_skinny "${BENCH_TIMEOUT:-120}" python3 benchmarks/spec_verify_cost.py "${common[@]}" \
   --out "$OUT/svc_skinny.json" --notes "scripts/gpu_rowstile.sh skinny"
 run svc_tile "${BENCH_TIMEOUT:-120}" python3 benchmarks/spec_verify_cost.py "${common[@]}" --gemv-rows 9 \
