@@ -76,8 +76,9 @@ def test_linear_dispatches_one_row_to_gemv_and_more_rows_elsewhere(monkeypatch):
 @pytest.mark.parametrize("n,k,plan", [(4096, 1024, {}), (1024, 3072, {}), (151, 577, {}),
                                       (6144, 1024, {"split": 4, "block_n": 2})])
 def test_gemv_rows_equal_one_row_launches_and_reference(dtype, m, n, k, plan):
-    """gemv over M rows (gemv.ROWS, verify steps at batch 1): every fused step, each row bit
-    for bit the one-row launch's, all within the float reference's tolerance, counters zeroed."""
+    """gemv over M rows one pass a row (rows_tile False; gemv.ROWS, verify steps at batch 1): every
+    fused step, each row bit for bit the one-row launch's, all within the float reference's
+    tolerance, counters zeroed."""
     torch.manual_seed(n + k + m)
     x = torch.randn(m, k + 8, device="cuda", dtype=dtype)[:, 4:k + 4]  # a row-strided view
     gu = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
@@ -87,7 +88,7 @@ def test_gemv_rows_equal_one_row_launches_and_reference(dtype, m, n, k, plan):
     nw = 1 + 0.3 * torch.randn(k, device="cuda", dtype=dtype)
     for xin, fused in ((x, {"bias": b}), (gu, {"silu_mul": True, "residual": res}),
                        (x, {"norm_weight": nw, "eps": 1e-6, "residual": res})):
-        y = gemv.gemv_triton(xin, w, **fused, pdl=True, **plan)
+        y = gemv.gemv_triton(xin, w, **fused, pdl=True, rows_tile=False, **plan)
         f32 = {a: (v.float() if torch.is_tensor(v) else v) for a, v in fused.items()}
         assert y.shape == (m, n) and rel(y, linear.linear_ref(xin.float(), w.float(), **f32)) < TOL[dtype]
         for i in range(m):
