@@ -83,6 +83,14 @@ def graph_time(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def layer_weights(layers: int, mats: list[tuple[int, int]]) -> tuple[list[list[torch.Tensor]], int]:
+    """Distinct random bf16 weights [N, K] of every projection (`mats`) of every layer (so a pass
+    streams them from HBM, as decode does, not from L2), and their bytes."""
+    ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
+          for _ in range(layers)]
+    return ws, sum(w.numel() * 2 for lw in ws for w in lw)
+
+
 def sweep_linear(quick: bool, shapes: list[str] | None = None, ms: tuple[int, ...] = (1, 4, 16),
                  save=None, limit: int | None = None) -> dict:
     """Part 1 (module doc) over the SHAPES named in `shapes` (default all) at `ms` rows; `save(res)`
@@ -109,9 +117,7 @@ def sweep_linear(quick: bool, shapes: list[str] | None = None, ms: tuple[int, ..
     for name, (layers, mats, head) in SHAPES.items():
         if shapes and name not in shapes:
             continue
-        ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
-              for _ in range(layers)]
-        wbytes = sum(w.numel() * 2 for lw in ws for w in lw)
+        ws, wbytes = layer_weights(layers, mats)
         lm = torch.randn(*head, device="cuda", dtype=torch.bfloat16) * head[1] ** -0.5
         for m in ms:
             xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in mats}
@@ -165,9 +171,7 @@ def sweep_rows(shapes: list[str] | None, ms: tuple[int, ...], save=None) -> dict
     for name, (layers, mats, _head) in SHAPES.items():
         if shapes and name not in shapes:
             continue
-        ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for n, k in mats]
-              for _ in range(layers)]
-        wbytes = sum(w.numel() * 2 for lw in ws for w in lw)
+        ws, wbytes = layer_weights(layers, mats)
 
         def stack(f, xs):
             def run():
