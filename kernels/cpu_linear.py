@@ -46,10 +46,12 @@ KEEP_DENSE_ONE_ROW = False
 PACKED_STEP = False
 
 
-def takes_dense(rows: int, has_dense: bool) -> bool:
-    """Whether a product of `rows` rows takes a layer's dense copy (kept beside a packed weight,
-    `has_dense`): one row, or any step that verifies no drafts (`PACKED_STEP` False)."""
-    return has_dense and (rows == 1 or not PACKED_STEP)
+def takes_dense(rows: int) -> bool:
+    """Whether a product of `rows` rows takes a layer's dense copy, where one is kept beside a
+    packed weight: one row, or any step that verifies no drafts (`PACKED_STEP` False)."""
+    return rows == 1 or not PACKED_STEP
+
+
 # the row count oneDNN is told to expect when it picks the blocked layout; one layout serves
 # every row count (measured: hints 5 and 16 within noise of each other at 1..16 rows)
 PACK_BATCH_HINT = 16

@@ -59,7 +59,7 @@ class LMHead(Module):
         q = self.qweight if self.qweight is not None else self.qweight_tied
         if q is not None:
             return q.matmul(hidden).float()
-        if self.weight_dense is not None and cpu_linear.takes_dense(hidden.shape[0], True):
+        if self.weight_dense is not None and cpu_linear.takes_dense(hidden.shape[0]):
             return F.linear(hidden, self.weight_dense).float()
         if self.weight.is_mkldnn or (not hidden.is_cuda and dense_linear_onednn(hidden, self.weight)):
             return packed_linear(hidden, self.weight)

@@ -90,7 +90,7 @@ class Linear(Module):
             return quant_forward(self.qweight, x, self.bias, norm_weight=norm_weight, eps=eps,
                                  silu_mul=silu_mul, residual=residual)
         dense = self.weight_dense
-        w = dense if dense is not None and cpu_linear.takes_dense(x.shape[0], True) else self.weight
+        w = dense if dense is not None and cpu_linear.takes_dense(x.shape[0]) else self.weight
         if norm_weight is None and residual is None and not silu_mul:
             return linear(x, w, self.bias)
         return linear(x, w, self.bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=residual,
