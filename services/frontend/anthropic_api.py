@@ -217,7 +217,8 @@ class AnthropicServing:
                 else req.output_format)
             parser = self.features.output_parser(
                 prompt, req.stop_sequences, req.thinking.on,
-                req.tool_schemas if req.tool_choice != "none" else None, forced)
+                req.tool_schemas if req.tool_choice != "none" else None, forced,
+                req.parallel_tool_use)
             stream = self.engine.open_request(request_id, ids, sampling,
                                               merge=not req.stop_sequences)
             gen = generate(self.engine, self.tokenizer, self.ctx.metrics, stream, ids, [],

@@ -17,8 +17,8 @@ field is a 400 "<field>: Extra inputs are not permitted", as Anthropic answers. 
 carry keys not read here (citations): they are ignored; a `cache_control` (top-level, on a
 block or a tool) is checked (an object of type "ephemeral", anthropic_fields'
 `check_cache_control`) and unused. A null optional field is the same as an absent one.
-As Anthropic's API rules: a message's content array is not empty unless it is the final
-assistant message's ("all messages must have non-empty content ..."), a text block's text
+As Anthropic's API rules: a message's content (array or string) is not empty unless it is
+the final assistant message's ("all messages must have non-empty content ..."), a text block's text
 (in messages, system and system messages) is not empty ("text content blocks must be
 non-empty"), a tool's name matches `^[a-zA-Z0-9_-]{1,128}$` and its `strict` is a boolean.
 
@@ -207,11 +207,12 @@ def _message(i: int, msg: Any, final: bool) -> list[dict[str, Any]]:
     content = msg.get("content")
     if role == "system":  # a mid-conversation system message: text only
         return [{"role": "system", "content": _text_of(content, f"{param}.content")}]
+    _need(content or (role == "assistant" and final) or not isinstance(content, (str, list)),
+          param, EMPTY_CONTENT)  # "" as [] (Anthropic refuses both)
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     _need(isinstance(content, list), f"{param}.content",
           f"Input should be a string or an array of content blocks, not {_type_name(content)}.")
-    _need(content or (role == "assistant" and final), param, EMPTY_CONTENT)
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []

@@ -199,7 +199,8 @@ class ChatServing:
             parser_stops = sr.stop if reasons else []
 
             parsers = [self.features.output_parser(prompt, parser_stops, req.thinking,
-                                                   tools.schemas if tools.active else None, tools.forced)
+                                                   tools.schemas if tools.active else None, tools.forced,
+                                                   tools.parallel)
                        for _ in range(sr.n)]
 
             def wrap(index: int, gen: Deltas) -> Deltas:

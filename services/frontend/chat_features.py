@@ -64,11 +64,14 @@ class ChatFeatures:
         return bool(self.reasoning_parser) and thinking and not forced
 
     def output_parser(self, prompt: str, stops: list[str], thinking: bool,
-                      tools: dict[str, dict[str, Any]] | None, forced: bool) -> ChatOutputParser:
+                      tools: dict[str, dict[str, Any]] | None, forced: bool,
+                      parallel: bool = True) -> ChatOutputParser:
         """The parser of one response. prompt: the rendered prompt (a prompt that ends with
         `<think>` starts the output inside the reasoning). thinking: enable_thinking.
         tools: name -> parameter schema of the request's tools (None: no tool parsing).
-        forced: the output is constrained to the forced-call JSON (tool_choice)."""
+        forced: the output is constrained to the forced-call JSON (tool_choice). parallel:
+        parallel tool calls allowed (False: only the first call is passed on, also when
+        the model writes more unforced)."""
         reasoning = None
         if self.reasoning_parser and self.reasons(thinking, forced):
             reasoning = REASONING_PARSERS[self.reasoning_parser](
@@ -78,4 +81,4 @@ class ChatFeatures:
             tool_parser = make_tool_parser("forced", tools)
         elif tools and self.tool_call_parser:
             tool_parser = make_tool_parser(self.tool_call_parser, tools)
-        return ChatOutputParser(reasoning, tool_parser, stops)
+        return ChatOutputParser(reasoning, tool_parser, stops, None if parallel else 1)

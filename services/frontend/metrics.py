@@ -42,6 +42,11 @@ frontend):
   position 0.. was accepted). Mean acceptance length = 1 + accepted_tokens / drafts
   (the engine also logs it periodically); acceptance rate = accepted_tokens / draft_tokens.
 
+Several frontends (`kestrel serve --frontends N`, N > 1): the supervisor sets
+`PROMETHEUS_MULTIPROC_DIR` for them, so the per-request metrics above are kept in
+prometheus_client's multiprocess files (made owner-only) and every frontend's /metrics
+answers their sum over all the frontends (a scrape reaches any one of them).
+
 Read from the supervisor (`<runtime_dir>/restarts.json`, `{"<process>": count}`, written by
 services/supervisor/restart.py at start and after every restart):
 - `kestrel:process_restarts_total{process}` (counter): restarts per supervised process.
@@ -50,6 +55,7 @@ services/supervisor/restart.py at start and after every restart):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -57,6 +63,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -119,6 +126,11 @@ class RequestMetrics:
 
 
 disable_created_metrics()  # no `*_created` series (as vLLM): they only add noise
+# set by the supervisor for several frontends: prometheus_client then keeps every value in
+# files there (read at its import); /metrics sums the files of all the frontends
+MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+if MULTIPROC_DIR:
+    os.umask(os.umask(0o077) | 0o077)  # the value files are owner-only, as the folder
 METRICS = RequestMetrics()  # one per frontend process (the serving context holds it)
 
 
@@ -282,5 +294,9 @@ class MetricsEndpoint:
         extra = CollectorRegistry(auto_describe=False)
         extra.register(_EngineCollector(self.metrics.model_name, self.last_stats, up,
                                         read_restarts(self.runtime_dir)))
-        body = generate_latest(self.metrics.registry) + generate_latest(extra)
+        requests = self.metrics.registry
+        if MULTIPROC_DIR:  # every frontend's request metrics, summed
+            requests = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(requests, MULTIPROC_DIR)
+        body = generate_latest(requests) + generate_latest(extra)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -6,7 +6,8 @@ Follows the OpenAI API reference (Chat Completions):
   schema object (default: any object).
 - `tool_choice`: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
   naming one of `tools`. Default "auto" when tools are given, "none" otherwise.
-- `parallel_tool_calls`: boolean, default true (with false, a forced answer has one call).
+- `parallel_tool_calls`: boolean, default true (with false, a forced answer has one call, and
+  an unforced one passes on only its first: the output parser's max_calls).
 - In `messages`: assistant `tool_calls` [{"id", "type": "function", "function": {"name",
   "arguments": JSON text}}] and role "tool" messages with `tool_call_id`.
 

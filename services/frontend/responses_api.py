@@ -123,7 +123,7 @@ class ResponsesServing:
             def wrap(index: int, gen: Deltas) -> Deltas:
                 return parse_deltas(gen, self.features.output_parser(
                     prompt, [], req.thinking, tools.schemas if tools.active else None,
-                    tools.forced))
+                    tools.forced, tools.parallel))
 
             fan = fan_out(ctx, response_id, [(ids, sr.to_params(max_tokens, 0))], sr,
                           wrap=wrap, stop=[])

@@ -2,8 +2,9 @@
 
 The Anthropic routes parse with Python's json module (a tool input's big integers stay
 exact, where orjson would refuse them) but as strictly as the OpenAI routes' orjson: not
-UTF-8, NaN / Infinity tokens, too deep nesting, or a lone surrogate in any string (a
-`\\ud800` escape) is a 400 "not valid JSON" (`load_json`); a body nested past the parser's
+UTF-8, NaN / Infinity tokens, a number too large for a double (`1e400`, which Python's json
+reads as infinity), too deep nesting, or a lone surrogate in any string (a `\\ud800`
+escape) is a 400 "not valid JSON" (`load_json`); a body nested past the parser's
 recursion limit is a 400 "nested too deeply".
 
 `loads` is the one parse of JSON text that a client (or the model) supplies inside a body:
@@ -51,6 +52,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent as a float; one past a double's range
+    (`1e400`: infinity) is refused, as orjson refuses it on the OpenAI routes."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of a double's range")
+    return value
+
+
 def _first_lone_surrogate(doc: Any) -> str | None:
     """The dotted path of a string (object key or value) of `doc` that holds a lone
     surrogate, or None. Iterative: the depth of `doc` is bounded by json's recursion only."""
@@ -73,13 +83,14 @@ def _first_lone_surrogate(doc: Any) -> str | None:
 
 
 def load_json(raw: bytes) -> Any:
-    """The body as JSON (RFC 8259): UTF-8, no NaN / Infinity, every string valid Unicode
+    """The body as JSON (RFC 8259): UTF-8, no NaN / Infinity (nor numbers past a double's
+    range), every string valid Unicode
     (no lone surrogates, escaped or not), as the OpenAI routes' parser (orjson) requires.
     Python's json module is used so that integers of any size stay exact. Raises
     InvalidRequest (400)."""
     try:
         text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are rejected here
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise InvalidRequest(None, BODY_TOO_DEEP) from None
     except ValueError:  # UnicodeDecodeError is a ValueError

@@ -8,7 +8,9 @@ print the URL. Every child asks the kernel for SIGTERM when the supervisor dies
 Policies (docs/ARCHITECTURE.md §8):
 - A frontend dies: only that frontend is restarted, under the same name (`frontend-<i>`),
   so the engine aborts the dead one's requests at its hello. `--frontends N` runs N of them
-  on one port (SO_REUSEPORT); the others keep serving.
+  on one port (SO_REUSEPORT); the others keep serving. With N > 1 the frontends keep their
+  request metrics in prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` =
+  `<runtime_dir>/metrics`, emptied at start), so the /metrics of any one of them sums all.
 - The engine or a worker dies: the rest of the engine group is stopped (the engine fails its
   requests in flight), stale segments are swept, and engine + workers start again. The
   frontends answer 503 + Retry-After meanwhile and re-attach to the new engine by themselves.
@@ -130,6 +132,22 @@ class Child:
             return False
 
 
+METRICS_DIR = "metrics"  # <runtime_dir>/metrics: the frontends' shared request metrics
+
+
+def _frontend_env(cfg: KestrelConfig, env: dict[str, str]) -> dict[str, str]:
+    """The frontends' environment. With several frontends on one port a scrape of /metrics
+    reaches any one of them, so they share their request metrics: prometheus_client's
+    multiprocess mode, in a private folder of the runtime folder emptied now (counts of a
+    restarted frontend stay, as the engine's do)."""
+    if cfg.frontends <= 1:
+        return env
+    folder = os.path.join(cfg.runtime_dir, METRICS_DIR)
+    shutil.rmtree(folder, ignore_errors=True)
+    private_dir(folder)
+    return dict(env, PROMETHEUS_MULTIPROC_DIR=folder)
+
+
 def _health_url(cfg: KestrelConfig) -> str:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "", "::") else cfg.host
     return f"http://{host}:{cfg.port}/health"
@@ -182,9 +200,10 @@ class Supervisor:
         ]
         self.group_started = time.monotonic()  # the engine group's last (re)start
         self.standby_gate = IdleGate(cfg.standby_idle_wait_s)  # spares wait for an idle group
+        fe_env = _frontend_env(cfg, env)
         self.frontends = [
             Child(f"frontend-{i}", base + ["frontend", "--frontend-index", str(i),
-                                           "--resolved-config", resolved], env)
+                                           "--resolved-config", resolved], fe_env)
             for i in range(max(cfg.frontends, 1))]
         self.kvstore = [Child("kvstore", base + ["kvstore", "--resolved-config", resolved], env)
                         ] if (cfg.kv_offload_cpu_gib or 0) > 0 else []

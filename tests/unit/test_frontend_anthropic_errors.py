@@ -59,6 +59,12 @@ NON_JSON_BODIES = {
     "nan": f'{{"model": "{MODEL}", "max_tokens": 4, "temperature": NaN, "messages": []}}',
     "infinity": f'{{"model": "{MODEL}", "max_tokens": Infinity, "messages": []}}',
     "neg_infinity": f'{{"model": "{MODEL}", "max_tokens": 4, "top_p": -Infinity, "messages": []}}',
+    # a number past a double's range: orjson (OpenAI routes) refuses it; Python's json read it
+    # as infinity, and this body was a 200 with "Infinity" in the rendered prompt
+    "overflow": (f'{{"model": "{MODEL}", "max_tokens": 4, "messages": [{{"role": "user", "content": "hi"}}, '
+                 '{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", '
+                 '"input": {"a": -1e400}}]}, {"role": "user", "content": [{"type": "tool_result", '
+                 '"tool_use_id": "t", "content": "x"}]}]}'),
     "deep_nesting": '{{"model": "{}", "metadata": {}}}'.format(MODEL, "[" * 100000 + "]" * 100000),
 }
 

@@ -331,6 +331,11 @@ TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
      "all messages must have non-empty content except for the optional final assistant message"),
     ({"messages": [*USER, {"role": "assistant", "content": []}, *USER]}, "messages.1",
      "all messages must have non-empty content"),
+    # an empty string is empty content too (it used to be sent to the model)
+    ({"messages": [{"role": "user", "content": ""}]}, "messages.0",
+     "all messages must have non-empty content except for the optional final assistant message"),
+    ({"messages": [*USER, {"role": "assistant", "content": ""}, *USER]}, "messages.1",
+     "all messages must have non-empty content"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
      "messages.0.content.0.text", "text content blocks must be non-empty"),
     ({"system": [{"type": "text", "text": ""}]}, "system.0.text", "text content blocks must be non-empty"),
@@ -346,7 +351,8 @@ TOOL = {"name": "get_weather", "input_schema": {"type": "object"}}
     # capped as OpenAI's `stop` (16 of at most 256 characters): they were unlimited
     ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences", "At most 16 stop sequences"),
     ({"stop_sequences": ["x" * 257]}, "stop_sequences", "of at most 256 characters"),
-], ids=["user content empty", "middle assistant content empty", "empty text block",
+], ids=["user content empty", "middle assistant content empty", "user content ''",
+        "middle assistant content ''", "empty text block",
         "empty system text block", "tool name with a space", "tool name of 129", "strict not a boolean",
         "cache_control a string", "cache_control of another type", "block cache_control a string",
         "tool cache_control a string", "17 stop sequences", "a stop sequence of 257 characters"])
@@ -401,3 +407,11 @@ def test_a_forced_tools_schema_that_does_not_compile_is_a_400_naming_it_before_t
     assert len(stack.engine.added) == n_added
     body = {k: v for k, v in OK.items() if k != "max_tokens"} | {"tools": tools, "tool_choice": choice}
     assert _post(stack, body, "/v1/messages/count_tokens").status_code == 200
+
+
+def test_a_final_assistant_message_may_be_empty_as_string_or_array(stack):
+    """Only the final assistant message may be empty: "" is accepted there, as []."""
+    for empty in ("", []):
+        body = OK | {"messages": [*USER, {"role": "assistant", "content": empty}]}
+        r = _post(stack, body)
+        assert r.status_code == 200, r.text

@@ -213,6 +213,43 @@ def test_parallel_tool_calls_false_allows_one_forced_call(client, stack):
     assert (schema["minItems"], schema["maxItems"]) == (1, 1)
 
 
+def test_parallel_calls_off_passes_on_only_the_first_unforced_call(client, stack):
+    """The scripted reply makes two calls without any constraint (tool_choice auto): with
+    parallel calls off only the first comes back, on every API, streamed or not (both came
+    back before, though OpenAI and Anthropic promise at most one)."""
+    kw = dict(messages=_msgs("please call"), tools=TOOLS, parallel_tool_calls=False)
+    r = client.chat.completions.create(model=MODEL, **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] \
+        == CALLED[:1]
+    s = _stream(client, **kw)
+    assert s["finish"] == "tool_calls" and list(s["calls"]) == [0]
+    assert s["calls"][0] == [CALLED[0][0], ch.message.tool_calls[0].function.arguments]
+
+    resp_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    out = client.responses.create(model=MODEL, input="please call", tools=resp_tools,
+                                  parallel_tool_calls=False).output
+    assert [(o.name, json.loads(o.arguments)) for o in out if o.type == "function_call"] \
+        == CALLED[:1]
+
+    a = anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0)
+    anth_tools = [{"name": t["function"]["name"],
+                   "input_schema": t["function"].get("parameters", {"type": "object"})}
+                  for t in TOOLS]
+    akw = dict(model=MODEL, max_tokens=1000, tools=anth_tools, messages=_msgs("please call"),
+               tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    m = a.messages.create(**akw)
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == CALLED[:1]
+    assert m.stop_reason == "tool_use"
+    with a.messages.stream(**akw) as st:
+        final = st.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == CALLED[:1]
+    # parallel calls on (the default): both
+    m = a.messages.create(**{**akw, "tool_choice": {"type": "auto"}})
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == CALLED
+
+
 BAD = [
     ("tools not a list", {"tools": {"type": "function"}}, "tools"),
     ("tool not an object", {"tools": ["f"]}, "tools[0]"),

@@ -124,3 +124,29 @@ def test_cut_call_with_arguments_before_the_name_keeps_what_was_parsed():
     assert calls(run("hermes", text)) == [("get_weather", {"city": "Par", "n": BIG})]
     assert calls(run("hermes", text + ', "x')) == [("get_weather", {"city": "Par", "n": BIG})]
     assert run("hermes", '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_w').calls == []
+
+
+# Hermes tags around text that is no call: the model's text comes back as content, the tag
+# included, whatever the split (it used to vanish, with all the text fed in the same piece).
+NOT_CALLS = [("a <tool_call> b, and more text.", "a <tool_call> b, and more text."),
+             ("x <tool_call>\n[1, 2]\n</tool_call> after", "x <tool_call>\n[1, 2]\n</tool_call> after"),
+             ('<tool_call>{"name": 5}</tool_call> z', '<tool_call>{"name": 5}</tool_call> z')]
+
+
+@pytest.mark.parametrize("text,content", NOT_CALLS)
+def test_hermes_text_that_is_no_call_is_content_at_every_split(text, content):
+    whole = run("hermes", text)
+    assert whole.content == content and whole.calls == []
+    for i in range(len(text) + 1):
+        assert run("hermes", text, [i]) == whole, i
+    assert run("hermes", text, list(range(len(text)))) == whole
+
+
+def test_hermes_text_after_a_malformed_call_body_is_kept_and_parsed_again():
+    text = ('<tool_call>{"name": "g", "arguments": {"s": "one"}} junk\n'
+            '<tool_call> nope <tool_call>{"name": "g", "arguments": {"s": "two"}}</tool_call>')
+    whole = run("hermes", text)
+    assert calls(whole) == [("g", {"s": "one"}), ("g", {"s": "two"})]
+    assert whole.content == " junk\n<tool_call> nope"
+    for i in range(len(text) + 1):
+        assert run("hermes", text, [i]) == whole, i

@@ -51,12 +51,16 @@ class _StopMatcher(StopStringMatcher):
 class ChatOutputParser:
     """reasoning: a reasoning parser or None. tools: a tool parser or None. stops: stop
     strings (applied to content). After a stop string matched, `stopped` holds it and the
-    rest of the output must be dropped (the caller aborts the request)."""
+    rest of the output must be dropped (the caller aborts the request). max_calls: the most
+    tool calls passed on (1: parallel calls off, `parallel_tool_calls: false` /
+    `disable_parallel_tool_use`); the events of later calls are dropped, the text around
+    them is still content. None: no limit."""
 
     def __init__(self, reasoning: Qwen3ReasoningParser | None, tools: ToolParser | None,
-                 stops: list[str]):
+                 stops: list[str], max_calls: int | None = None):
         self._reasoning = reasoning
         self._tools = tools
+        self._max_calls = max_calls
         self._stop = _StopMatcher(stops) if stops else None
         self.stopped: str | None = None
         self._finished = False
@@ -90,6 +94,9 @@ class ChatOutputParser:
             out += self._tools.feed(text) if text else []
             if final:
                 out += self._tools.finish()
+            if self._max_calls is not None:
+                out = [e for e in out if not isinstance(e, (ToolCallStart, ToolCallArgs))
+                       or e.index < self._max_calls]
         return out
 
     def feed(self, text: str) -> list[OutEvent]:

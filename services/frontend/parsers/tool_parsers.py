@@ -19,8 +19,10 @@ texts concatenate to one JSON value; a call cut off by the end of the output (ma
 is closed at its longest closable prefix (partial-json-parser completes the rest where it
 can). A hermes / forced call cut before its arguments began is still a call once its name
 is complete, with the arguments partial-json-parser reads from the cut body (`{}` if none);
-a call whose name was cut is dropped. Whitespace-only content between or after calls is
-dropped. Feeding the text in any split gives the same events, concatenated, as feeding it
+a call whose name was cut is dropped. A hermes body that is malformed before a call began
+(or a complete JSON value that names no call) is content, `<tool_call>` and all, up to its
+first malformed character; the text after it is parsed again. Whitespace-only content
+between or after calls is dropped. Feeding the text in any split gives the same events, concatenated, as feeding it
 whole.
 """
 
@@ -164,7 +166,9 @@ class _CallBody:
         """Consume text; return what follows the body once it is complete ('' before)."""
         start = len(self.text)
         self.body.feed(text)
-        used = (self.body.end - start) if self.body.done else len(text)
+        # a malformed body ends before its first malformed character, which is text again
+        used = (self.body.end if self.body.done else
+                self.body.pos if self.body.error else start + len(text)) - start
         self.text += text[:used]
         if self.args is None:
             m = self.HEAD.match(self.text)
@@ -263,7 +267,10 @@ class HermesToolParser(ToolParser):
                 self._buf = body.feed(self._buf, out)
                 if not body.done:
                     break
-                if body.body.error:
+                if body.index < 0:  # no call came of it: the text is content, tag and all
+                    self._content(TOOL_CALL_OPEN + body.text, out)
+                    self._state = "text"
+                elif body.body.error:
                     body.close(out)
                     self._state = "text"
                 else:
