@@ -19,7 +19,7 @@ import partial_json_parser
 
 from services.frontend import strict_json
 from services.frontend.parsers.output import OutEvent, Reasoning
-from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
+from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallCut, ToolCallStart
 
 
 def sse_event(event: str, data: dict[str, Any]) -> bytes:
@@ -51,6 +51,7 @@ class Blocks:
         self.blocks: list[dict[str, Any]] = []
         self._open = False
         self.omit_thinking = omit_thinking
+        self.cut = False  # the output ended inside a tool_use (`ToolCallCut`)
 
     def _start(self, block: dict[str, Any], out: list[bytes]) -> None:
         self.close(out)
@@ -96,6 +97,8 @@ class Blocks:
             elif isinstance(e, ToolCallArgs):
                 self.blocks[-1]["_args"] += e.text
                 self._delta({"type": "input_json_delta", "partial_json": e.text}, out)
+            elif isinstance(e, ToolCallCut):
+                self.cut = True
         return out
 
     def final(self) -> list[dict[str, Any]]:
@@ -108,4 +111,6 @@ class Blocks:
         return out
 
     def has_tool_use(self) -> bool:
-        return any(b["type"] == "tool_use" for b in self.blocks)
+        """Whether the answer is a finished tool use: it has a tool_use block and did not end
+        inside one (`ToolCallCut`: its input closed at a prefix)."""
+        return not self.cut and any(b["type"] == "tool_use" for b in self.blocks)

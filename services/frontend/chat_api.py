@@ -14,7 +14,8 @@ Response (OpenAI API reference): `chat.completion` with per choice `message` {"r
 "assistant", "content" (null when the message is only tool calls), "reasoning_content"
 (vLLM's field, present when there is reasoning), "tool_calls": [{"id", "type": "function",
 "function": {"name", "arguments": JSON text}}] (absent when empty)} and finish_reason
-"tool_calls" when an answer that ended by itself made calls ("length" when cut).
+"tool_calls" when an answer that ended by itself made calls ("length" when cut by max_tokens; "stop"
+when EOS or a stop string ended it inside a call, closed at a prefix: `ToolCallCut`).
 Streaming (`chat.completion.chunk`): a role chunk per choice, then deltas `reasoning_content`,
 `content` and `tool_calls: [{"index", "id", "type", "function": {"name", "arguments": ""}}]`
 at a call's start and `tool_calls: [{"index", "function": {"arguments": piece}}]` after;
@@ -49,7 +50,7 @@ from services.frontend.sse import SSE_DONE, sse, start_stream, stream_items
 from services.frontend.openai_protocol import ChatCompletionRequest, parse_chat_request
 from services.frontend.parsers.output import (ChatOutputParser, OutEvent, ParsedMessage,
                                               Reasoning)
-from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
+from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallCut, ToolCallStart
 from shared.protocol import FinishReason, TokenLogprob
 
 log = logging.getLogger("kestrel.frontend.chat")
@@ -94,9 +95,11 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _finish_reason(reason: FinishReason | None, has_calls: bool) -> str | None:
-    """OpenAI's finish_reason: "tool_calls" for an answer that ended by itself with calls."""
-    return "tool_calls" if reason == FinishReason.STOP and has_calls else reason
+def _finish_reason(reason: FinishReason | None, has_calls: bool, cut: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" for an answer that ended by itself with calls,
+    unless it ended inside its last call (cut: EOS or a stop string in the call's text; the
+    call is closed at a prefix, so the answer is no finished call: "stop")."""
+    return "tool_calls" if reason == FinishReason.STOP and has_calls and not cut else reason
 
 
 class ChatCollected(Collected):
@@ -239,7 +242,7 @@ class ChatServing:
                             "logprobs": self._logprobs(req, c.logprobs),
                             "finish_reason": _finish_reason(
                                 c.final.finish_reason if c.final else None,
-                                bool(c.message.calls))})
+                                bool(c.message.calls), c.message.cut)})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": completion,
@@ -275,6 +278,7 @@ class ChatServing:
         completion = 0
         calls: list[set[int]] = [set() for _ in range(sr.n)]  # indices of started calls
         args_seen: list[set[int]] = [set() for _ in range(sr.n)]
+        cut = [False] * sr.n  # the choice's output ended inside a call
 
         async for item in stream_items(first, fan):
             if item is None:  # a choice failed: its error event and [DONE] went out
@@ -286,6 +290,7 @@ class ChatServing:
             counts[i] = d.completion_tokens
             events = d.events if isinstance(d, ChatDelta) else []
             calls[i].update(e.index for e in events if isinstance(e, ToolCallStart))
+            cut[i] = cut[i] or any(isinstance(e, ToolCallCut) for e in events)
             deltas = _event_deltas(events, args_seen[i])
             if d.finish_reason is not None:  # a call with no argument text gets "{}"
                 deltas += [{"tool_calls": [{"index": k, "function": {"arguments": "{}"}}]}
@@ -297,7 +302,7 @@ class ChatServing:
                 yield chunk(i, delta, None, lps if k == 0 else None)
             if d.finish_reason is not None:
                 completion += d.completion_tokens
-                yield chunk(i, {}, _finish_reason(d.finish_reason, bool(calls[i])))
+                yield chunk(i, {}, _finish_reason(d.finish_reason, bool(calls[i]), cut[i]))
         if sr.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": model, "choices": [],

@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from services.frontend.parsers.output import OutEvent, Reasoning
-from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallStart
+from services.frontend.parsers.tool_parsers import Content, ToolCallArgs, ToolCallCut, ToolCallStart
 
 
 def _id(prefix: str) -> str:
@@ -55,6 +55,7 @@ class OutputItems:
         self._open: dict[str, Any] | None = None
         self._text = ""  # the open message's or reasoning item's text so far
         self._calls: dict[int, dict[str, Any]] = {}  # parser call index -> item
+        self._cut: dict[str, Any] | None = None  # the call item the output ended in (`ToolCallCut`)
         self._held = ""  # leading whitespace-only text, not yet a message
         self.reasoning = ""  # every reasoning text, for usage.output_tokens_details
         self._index: dict[str, int] = {}  # item id -> output_index
@@ -147,15 +148,20 @@ class OutputItems:
                 item["arguments"] += e.text
                 out.append({"type": "response.function_call_arguments.delta",
                             **self._where(item), "delta": e.text})
+            elif isinstance(e, ToolCallCut) and e.index in self._calls:
+                self._cut = self._calls[e.index]
         return out
 
     def finish(self, status: str) -> list[dict[str, Any]]:
         """Close the open item with `status` (an answer with no item gets a message of the
-        held-back text, maybe empty); return the stream events."""
+        held-back text, maybe empty; a call the output ended in, `ToolCallCut`, is
+        "incomplete" whatever the answer's status); return the stream events."""
         out: list[dict[str, Any]] = []
         if not self.items:
             out += self._text_delta("message", self._held)
             self._held = ""
+        if self._open is not None and self._open is self._cut:
+            status = "incomplete"
         return out + self._close(status)
 
     @property

@@ -176,6 +176,41 @@ def test_call_cut_before_its_arguments_is_returned_streaming_or_not(client, stac
                 ("get_weather", {})], n
 
 
+def test_stop_string_inside_a_call_is_no_finished_call_on_any_api(client, stack):
+    """A stop string that ends the output inside a call's arguments (the model never closed it)
+    leaves the call closed at a prefix, and the answer is not reported as a finished call:
+    finish_reason "stop" (it was "tool_calls"); Anthropic reports the matched stop_sequence
+    either way. A stop string after the first call, before the second's name, leaves one
+    finished call: "tool_calls"."""
+    kw = dict(messages=_msgs("please call"), tools=TOOLS, stop=["1234567890"])  # inside "n"
+    ch = client.chat.completions.create(model=MODEL, **kw).choices[0]
+    [call] = ch.message.tool_calls
+    assert ch.finish_reason == "stop"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": 'P"<b>'}
+    s = _stream(client, **kw)
+    assert s["finish"] == "stop" and s["calls"] == {0: ["get_weather", call.function.arguments]}
+
+    kw = dict(messages=_msgs("please call"), tools=TOOLS, stop=['"get_time'])
+    ch = client.chat.completions.create(model=MODEL, **kw).choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == CALLED[:1]
+    assert _stream(client, **kw)["finish"] == "tool_calls"
+
+    a = anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0)
+    anth_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    akw = dict(model=MODEL, max_tokens=1000, tools=anth_tools, messages=_msgs("please call"),
+               stop_sequences=["1234567890"])
+    m = a.messages.create(**akw)
+    with a.messages.stream(**akw) as st:
+        streamed = st.get_final_message()
+    for msg in (m, streamed):
+        assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "1234567890")
+        assert [(b.name, b.input) for b in msg.content if b.type == "tool_use"] == [("get_weather", {"city": 'P"<b>'})]
+    m = a.messages.create(**{**akw, "stop_sequences": ['"get_time']})  # Anthropic names the matched sequence
+    assert (m.stop_reason, [(b.name, b.input) for b in m.content if b.type == "tool_use"]) == (
+        "stop_sequence", CALLED[:1])
+
+
 @pytest.mark.parametrize("choice", ["none", None])
 def test_no_tool_calls_without_tools_or_with_tool_choice_none(client, choice):
     kw = {"tools": TOOLS, "tool_choice": choice} if choice else {}

@@ -94,6 +94,46 @@ def test_forced_parser_reads_the_constrained_json_array():
         assert run("forced", text, [i]) == whole
 
 
+def _ends_in(text: str, marker: str, offset: int = 0) -> str:
+    """text up to the first `marker` (plus offset characters)."""
+    return text[:text.index(marker) + offset]
+
+
+# (parser, output that ends inside a started call, output that ends after a finished one)
+ENDS = [
+    ("hermes", _ends_in(HERMES, "tag"), _ends_in(HERMES, "\n</tool_call>\n<tool_call>")),
+    ("hermes", _ends_in(HERMES, '"two"}'), _ends_in(HERMES, '"two"}}', 7)),  # JSON whole, no close tag
+    ("qwen3_coder", _ends_in(QWEN3_CODER, "says"), _ends_in(QWEN3_CODER, "</tool_call>", 12)),
+    ("qwen3_coder", _ends_in(QWEN3_CODER, "<parameter=b>"), QWEN3_CODER),
+    ("forced", '[{"name": "f", "arguments": {"n": 12', '[{"name": "f", "arguments": {"n": 12}}, '),
+]
+
+
+@pytest.mark.parametrize("name,inside,after", ENDS)
+def test_an_output_that_ends_inside_a_call_is_marked_cut_at_every_split(name, inside, after):
+    """`ToolCallCut` (ParsedMessage.cut) marks an output that ended inside a started call, whose
+    arguments the parser closed itself (the APIs then report no finished call); an output
+    that ended after a whole call, or inside a call whose name was not complete, is not cut."""
+    for text, cut in ((inside, True), (after, False)):
+        for i in range(len(text) + 1):
+            msg = run(name, text, [i])
+            assert msg.calls and msg.cut is cut, (text, i)
+    assert run("hermes", '<tool_call>{"name": "f"}</tool_call><tool_call>{"na').cut is False
+    assert run("hermes", '<tool_call>{"name": "f"}</tool_call><tool_call>{"name": "g", ').cut is True
+
+
+def test_responses_function_call_item_the_output_ended_in_is_incomplete():
+    from services.frontend.parsers.tool_parsers import ToolCallArgs, ToolCallCut, ToolCallStart
+    from services.frontend.responses_output import OutputItems
+    for cut, status in ((False, "completed"), (True, "incomplete")):
+        items = OutputItems()
+        items.add([ToolCallStart(0, "f"), ToolCallArgs(0, '{"n": 1}')])
+        items.add([ToolCallStart(1, "g"), ToolCallArgs(1, '{"s": "pa"}')] + ([ToolCallCut(1)] if cut else []))
+        events = items.finish("completed")
+        assert [i["status"] for i in items.items] == ["completed", status]
+        assert events[-1]["type"] == "response.output_item.done" and events[-1]["item"]["status"] == status
+
+
 # Outputs cut by max_tokens after the call's name is complete but before its arguments value
 # begins: the call is still returned, with {} as its arguments.
 CUT_BEFORE_ARGS = ['{"name": "get_weather", "argu', '{"name": "get_weather", "arguments"',

@@ -17,8 +17,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from services.frontend.generation import StopProbe, StopStringMatcher, TextDelta, end_by_stop_string
 from services.frontend.parsers.reasoning import Qwen3ReasoningParser
-from services.frontend.parsers.tool_parsers import (Content, Event, ToolCallArgs, ToolCallStart,
-                                                    ToolParser)
+from services.frontend.parsers.tool_parsers import (Content, Event, ToolCallArgs, ToolCallCut,
+                                                    ToolCallStart, ToolParser)
 from shared.protocol import ErrorKind, FinishReason
 
 # Finish.reason of a response a stop string of its parser ended (the engine saw "stop")
@@ -95,7 +95,7 @@ class ChatOutputParser:
             if final:
                 out += self._tools.finish()
             if self._max_calls is not None:
-                out = [e for e in out if not isinstance(e, (ToolCallStart, ToolCallArgs))
+                out = [e for e in out if not isinstance(e, (ToolCallStart, ToolCallArgs, ToolCallCut))
                        or e.index < self._max_calls]
         return out
 
@@ -125,11 +125,13 @@ class ChatOutputParser:
 
 @dataclass
 class ParsedMessage:
-    """The events of a whole response, gathered. calls: [name, arguments JSON text]."""
+    """The events of a whole response, gathered. calls: [name, arguments JSON text]. cut: the
+    output ended inside its last call (`ToolCallCut`)."""
 
     reasoning: str = ""
     content: str = ""
     calls: list[list[str]] = field(default_factory=list)
+    cut: bool = False
 
     def add(self, events: list[OutEvent]) -> None:
         for e in events:
@@ -141,6 +143,8 @@ class ParsedMessage:
                 self.calls.append([e.name, ""])
             elif isinstance(e, ToolCallArgs):
                 self.calls[e.index][1] += e.text
+            elif isinstance(e, ToolCallCut):
+                self.cut = True
 
 
 @dataclass

@@ -19,7 +19,8 @@ texts concatenate to one JSON value; a call cut off by the end of the output (ma
 is closed at its longest closable prefix (partial-json-parser completes the rest where it
 can). A hermes / forced call cut before its arguments began is still a call once its name
 is complete, with the arguments partial-json-parser reads from the cut body (`{}` if none);
-a call whose name was cut is dropped. A hermes body that is malformed before a call began
+a call whose name was cut is dropped. A call the output ended in (max_tokens, EOS, a stop
+string) is followed by a `ToolCallCut` event. A hermes body that is malformed before a call began
 (or a complete JSON value that names no call) is content, `<tool_call>` and all, up to its
 first malformed character; the text after it is parsed again. Whitespace-only content
 between or after calls is dropped. Feeding the text in any split gives the same events, concatenated, as feeding it
@@ -59,7 +60,17 @@ class ToolCallArgs:
     text: str
 
 
-Event = Content | ToolCallStart | ToolCallArgs
+@dataclass
+class ToolCallCut:
+    """Call `index` did not end by itself: the output ended (EOS, a stop string, max_tokens)
+    inside it, and its arguments were closed at their longest closable prefix. Its API
+    then does not report the answer as a finished tool call (finish_reason "tool_calls",
+    stop_reason "tool_use")."""
+
+    index: int
+
+
+Event = Content | ToolCallStart | ToolCallArgs | ToolCallCut
 
 
 def partial_prefix_len(buf: str, tag: str) -> int:
@@ -288,6 +299,8 @@ class HermesToolParser(ToolParser):
         elif self._state == "body":
             assert self._body is not None  # set with the "body" state
             self._body.cut(out)
+            if self._body.index >= 0:
+                out.append(ToolCallCut(self._body.index))
         self._buf = ""
         self._finish_content(out)
         return out
@@ -328,6 +341,8 @@ class ForcedToolParser(ToolParser):
         if self._state == "body":
             assert self._body is not None  # set with the "body" state
             self._body.cut(out)
+            if self._body.index >= 0:
+                out.append(ToolCallCut(self._body.index))
         return out
 
 
@@ -458,9 +473,9 @@ class Qwen3CoderToolParser(ToolParser):
                 self._emit_param(self._buf[:j], out)
             else:
                 self._emit_param(self._buf, out, partial=True)
-            out.append(ToolCallArgs(self._index, "}"))
+            out += [ToolCallArgs(self._index, "}"), ToolCallCut(self._index)]
         elif self._state == "params":
-            out.append(ToolCallArgs(self._index, "}"))
+            out += [ToolCallArgs(self._index, "}"), ToolCallCut(self._index)]
         self._buf = ""
         self._finish_content(out)
         return out
