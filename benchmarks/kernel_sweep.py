@@ -21,8 +21,8 @@
 4. The MLP's SiLU-and-mul in the down projection's kernel against its own kernel (--only
    silu), per shape at M = 1..16 rows: which row counts the dispatcher should fuse it at.
 5. (--only rows, not in the default run) the projections of 2..16 rows (verify steps at batch 1):
-   the one-tile skinny kernel, the gemv kernel a row at a time and as one tile (kernels/gemv.py
-   ROWS_TILE, a grid of ROWS_TUNING), the one-row gemv as the floor (`sweep_rows`).
+   the one-tile skinny kernel and the gemv kernel a row at a time, the one-row gemv as the floor
+   (`sweep_rows`).
 Copy bandwidth (device-to-device, read + write) is measured first, as the ceiling.
 Writes JSON to --out; prints the best variants last.
 
@@ -159,15 +159,12 @@ def sweep_linear(quick: bool, shapes: list[str] | None = None, ms: tuple[int, ..
 def sweep_rows(shapes: list[str] | None, ms: tuple[int, ...], save=None) -> dict:
     """Part 5 (--only rows): the projections of 2..16 rows (verify steps at batch 1), every projection of
     every layer of a shape at M rows in one CUDA graph (distinct weights per layer), on the one-tile
-    skinny kernel (`skinny`), the gemv kernel one row after another (`gemv_loop`) and the gemv kernel's
-    rows as one tile (`kernels.gemv.ROWS_TILE`) over a grid of ROWS_TUNING (`tile_te*_w*_pp*`), with the
-    one-row gemv of the same weights (`gemv_m1`) as the floor. Times in us a pass."""
+    skinny kernel (`skinny`) and the gemv kernel one row after another (`gemv_loop`), with the one-row
+    gemv of the same weights (`gemv_m1`) as the floor. Times in us a pass. (The gemv's rows as one
+    [rows, BLOCK_N, BLOCK_K] tile were also swept here and removed: slower at every row count but 2,
+    docs/ARCHITECTURE.md §5.5.)"""
     from kernels import gemv
     res: dict = {}
-    grid = [dict(tile_elems=te, num_warps=nw, programs_per_sm=pp)
-            for te, nw, pp in itertools.product((8192, 16384, 32768, 65536), (4, 8), (2,))]
-    grid += [dict(tile_elems=16384, num_warps=4, programs_per_sm=1), dict(tile_elems=16384, num_warps=4, programs_per_sm=4)]
-    default = dict(gemv.ROWS_TUNING)
     for name, (layers, mats, _head) in SHAPES.items():
         if shapes and name not in shapes:
             continue
@@ -185,16 +182,7 @@ def sweep_rows(shapes: list[str] | None, ms: tuple[int, ...], save=None) -> dict
             xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in mats}
             row: dict = {"gemv_m1": floor}
             row["skinny"] = graph_time(stack(linear.skinny_linear_triton, xs)) * 1e6
-            row["gemv_loop"] = graph_time(stack(lambda x, w: gemv.gemv_triton(x, w, rows_tile=False), xs)) * 1e6
-            for v in grid:
-                gemv.ROWS_TUNING.update(v)
-                key = "tile_te{tile_elems}_w{num_warps}_pp{programs_per_sm}".format(**v)
-                try:
-                    row[key] = graph_time(stack(lambda x, w: gemv.gemv_triton(x, w, rows_tile=True), xs)) * 1e6
-                except Exception as e:  # a variant that fails to compile is reported, not fatal
-                    row[key] = f"error: {type(e).__name__}: {str(e)[:120]}"
-            gemv.ROWS_TUNING.clear()
-            gemv.ROWS_TUNING.update(default)
+            row["gemv_loop"] = graph_time(stack(gemv.gemv_triton, xs)) * 1e6
             timed = {k: v for k, v in row.items() if isinstance(v, float) and k != "gemv_m1"}
             best = min(timed, key=timed.get)
             row.update(best=best, weight_bytes=wbytes, best_TBps=round(wbytes / row[best] / 1e6, 3),

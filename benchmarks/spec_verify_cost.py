@@ -61,8 +61,7 @@ so its warm-up and graphs take it; decode steps are unaffected; scripts/gpu_mqfu
 --gemv-rows N sends projections of 2..N rows (verify steps at batch 1 up to k = N - 1) to the
 one-row gemv kernel run over each row in turn (kernels/gemv.py ROWS, default the module's 2) in
 place of the one-tile skinny kernel; 1 keeps the skinny kernel; set before the runner loads, so
-its graphs take it (scripts/gpu_gemvrows.sh runs 1 and 8); --gemv-rows-tile JSON runs those rows as
-one tile (kernels/gemv.py ROWS_TILE) with the given ROWS_TUNING entries. --skinny-tuning JSON updates the
+its graphs take it (scripts/gpu_gemvrows.sh runs 1 and 8). --skinny-tuning JSON updates the
 one-tile kernel's plan knobs (kernels/linear.py SKINNY_PDL_TUNING) for the run.
 Prefill is included in the end-to-end tok/s (one --e2e-prompt-len prefill per request).
 JSON (settings, device, runner report, the three parts) to --out and stdout.
@@ -583,9 +582,6 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int, default=None,
                     help="projections of 2..N rows on the gemv kernel, each row over the loaded W tile "
                          "(kernels/gemv.py ROWS; default: the module's); 1: the skinny kernel")
-    ap.add_argument("--gemv-rows-tile", default=None,
-                    help="JSON: the gemv kernel's 2+ rows as one tile (kernels/gemv.py ROWS_TILE) with these "
-                         "ROWS_TUNING entries, e.g. '{}' or '{\"tile_elems\": 8192}'; with --gemv-rows")
     ap.add_argument("--notes", default="")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -601,9 +597,6 @@ def main() -> None:
     from kernels import gemv as gemv_kernels
     if a.gemv_rows is not None:
         gemv_kernels.ROWS = a.gemv_rows  # read by linear() at every call, before the warm-up and graphs
-    if a.gemv_rows_tile is not None:
-        gemv_kernels.ROWS_TILE = True
-        gemv_kernels.ROWS_TUNING.update(json.loads(a.gemv_rows_tile))
     tiny = a.tiny
     d = dict(config="tiny-qwen3", batches=[1, 4], ks=[1, 2, 4], context=64, reps=5, e2e_lengths=[1, 2, 3],
              e2e_prompt_len=32, e2e_tokens=40, e2e_reps=1, dm_batches=[1, 4]) if tiny else \
@@ -623,7 +616,6 @@ def main() -> None:
     res: dict = {"benchmark": "spec_verify_cost", "device": device_name() if cuda else "cpu", "config": a.config,
                  "weights": "dummy", "dtype": cli["dtype"], "torch": torch.__version__,
                  "mq_merge": a.mq_merge, "gemv_rows": gemv_kernels.ROWS,
-                 "gemv_rows_tile": dict(gemv_kernels.ROWS_TUNING) if gemv_kernels.ROWS_TILE else None,
                  "skinny_pdl_tuning": dict(linear_kernels.SKINNY_PDL_TUNING),
                  "settings": {k: v for k, v in vars(a).items() if k not in ("out", "notes")}, "notes": a.notes}
     def save_partial() -> None:  # a run cut short (a timeout) keeps the parts already done

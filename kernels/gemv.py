@@ -57,11 +57,6 @@ ENABLED = True  # the `linear` dispatcher takes this kernel for one-row CUDA inp
 # 5 rows (k = 4) 1.42 -> 1.99 and 8 rows (a batch-8 decode) 1.71 -> 2.97: so 2.
 ROWS = 2
 MAX_ROWS = 16  # rows gemv_triton takes at most (each a pass over the program's W tile)
-# 2..MAX_ROWS rows as one tile (`_rows_tile`: x [next_pow2(M), BLOCK_K] in one load, one product and
-# one reduction for every row) in place of the rows' passes one after the other; its plan is the
-# heuristic's with ROWS_TUNING, whose tile_elems counts products (rows x W elements) a program.
-ROWS_TILE = False
-ROWS_TUNING: dict = {"tile_elems": 16384, "max_block_k": 4096, "programs_per_sm": 2, "num_warps": 4}
 # heuristic plan: at most tile_elems W elements per program (registers), K ranges of at
 # most max_block_k, and at least programs_per_sm programs per SM (narrower row tiles first)
 TUNING: dict = {"tile_elems": 8192, "max_block_k": 4096, "programs_per_sm": 2, "num_warps": 4}
@@ -113,7 +108,7 @@ if triton is not None:
                      sy_m, sr_m, sxn_m, k_per_split, eps, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, XN_OUT: tl.constexpr, SPLIT: tl.constexpr,
                      USE_PDL: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ROW_K: tl.constexpr, TILE_ROWS: tl.constexpr):
+                     ROW_K: tl.constexpr):
         # x: [M, K] ([M, 2K] = gate | up with SILU; row stride sx_m), W: [N, K] (row stride sw_n;
         # FP8: e4m3 bytes as uint8, s: [N] fp32 row scales), y: [M, N] (row stride sy_m); ws:
         # [SPLIT programs, M, N] fp32 partials and cnt: int32 per row tile (SPLIT only); nw: [K]
@@ -122,9 +117,7 @@ if triton is not None:
         # programs of row tile 0 store the normalised x of their K range (the prologue's output, the
         # MoE experts' input: kernels.moe). M rows (MAX_ROWS at most) reuse the W tile held in
         # registers one after the other; M == 1 is specialised by Triton (an int argument of
-        # 1 is a constant), so the one-row kernel is the loop's single trip. TILE_ROWS > 0 (a
-        # power of two >= M; ROWS_TILE): all M rows at once instead, x as one [TILE_ROWS, BLOCK_K]
-        # load and one [TILE_ROWS, BLOCK_N, BLOCK_K] product summed along K (one reduction).
+        # 1 is a constant), so the one-row kernel is the loop's single trip.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,15 +134,9 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
-        else:
-            nw = kk  # unused
         pdl_wait(USE_PDL)
         pdl_release(USE_PDL)
-        if TILE_ROWS > 0:
-            _rows_tile(x_ptr, w, nw, s_ptr, b_ptr, y_ptr, ws_ptr, r_ptr, xn_ptr, M, N, K, sx_m, sy_m, sr_m, sxn_m,
-                       eps, rn, rk, nmask, kmask, pid_n, pid_k, HAS_BIAS, SILU, NORM, HAS_RES, XN_OUT, SPLIT, FP8,
-                       ROW_K, TILE_ROWS)
-        for m in range(0, M if TILE_ROWS == 0 else 0):
+        for m in range(0, M):
             x_row = x_ptr + m * sx_m
             x = tl.load(x_row + rk, mask=kmask, other=0.0)
             if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
@@ -184,48 +171,6 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
     @triton.jit
-    def _rows_tile(x_ptr, w, nw, s_ptr, b_ptr, y_ptr, ws_ptr, r_ptr, xn_ptr, M, N, K, sx_m, sy_m, sr_m, sxn_m, eps,
-                   rn, rk, nmask, kmask, pid_n, pid_k, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                   NORM: tl.constexpr, HAS_RES: tl.constexpr, XN_OUT: tl.constexpr, SPLIT: tl.constexpr,
-                   FP8: tl.constexpr, ROW_K: tl.constexpr, TILE_ROWS: tl.constexpr):
-        """`_gemv_kernel`'s M rows at once (ROWS_TILE): x [TILE_ROWS, BLOCK_K] in one load (rows past
-        M masked to 0), the prologue on the tile, acc [TILE_ROWS, BLOCK_N] = sum over K of the
-        [TILE_ROWS, BLOCK_N, BLOCK_K] fp32 product (every row summed in the same order, so a row's
-        result does not depend on the others), then y or the split partial stored as a tile."""
-        rm = tl.arange(0, TILE_ROWS)
-        mmask = rm < M
-        x_rows = x_ptr + rm[:, None] * sx_m
-        xmask = mmask[:, None] & kmask[None, :]
-        x = tl.load(x_rows + rk[None, :], mask=xmask, other=0.0)
-        if SILU:  # as silu_and_mul_ref: silu(gate) rounded, then the product rounded
-            u = tl.load(x_rows + K + rk[None, :], mask=xmask, other=0.0)
-            gf = x.to(tl.float32)
-            x = ((gf / (1.0 + tl.exp(-gf))).to(u.dtype).to(tl.float32) * u.to(tl.float32)).to(u.dtype)
-        if NORM:  # as rms_norm_ref, per row (padding rows: 0 * rsqrt(eps))
-            rowk = tl.arange(0, ROW_K)
-            xr = tl.load(x_rows + rowk[None, :], mask=mmask[:, None] & (rowk < K)[None, :], other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xr * xr, axis=1) / K + eps)
-            xn = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-            x = (xn.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
-            if XN_OUT:
-                if pid_n == 0:
-                    tl.store(xn_ptr + rm[:, None] * sxn_m + rk[None, :], x, mask=xmask)
-        acc = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-        omask = mmask[:, None] & nmask[None, :]
-        if SPLIT:
-            tl.store(ws_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=omask)
-        else:
-            if FP8:
-                acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            out = acc.to(y_ptr.dtype.element_ty)
-            if HAS_RES:
-                r = tl.load(r_ptr + rm[:, None] * sr_m + rn[None, :], mask=omask, other=0.0)
-                out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + rm[:, None] * sy_m + rn[None, :], out, mask=omask)
-
-    @triton.jit
     def _store_y(acc, s_ptr, b_ptr, r_ptr, y_ptr, rn, nmask, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_RES: tl.constexpr):
         """y = round(acc (* row scale) + bias), then + residual in fp32 and rounded again
@@ -245,8 +190,8 @@ if triton is not None:
                     residual: torch.Tensor | None = None, block_n: int | None = None,
                     split: int | None = None, num_warps: int | None = None,
                     pdl: bool | None = None, scale: torch.Tensor | None = None, n: int | None = None,
-                    plan: tuple[int, int, int] | None = None, xn_out: torch.Tensor | None = None,
-                    rows_tile: bool | None = None) -> torch.Tensor | None:
+                    plan: tuple[int, int, int] | None = None, xn_out: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
         """`linear_ref(x, weight, bias, norm_weight=, eps=, silu_mul=, residual=)` for 1..MAX_ROWS
         rows: x [M, K] ([M, 2K] = cat(gate, up) with silu_mul; unit column stride, any row
         stride), weight [N, K] (unit stride along K), bias [N] or None, norm_weight [K] or
@@ -266,9 +211,6 @@ if triton is not None:
         plan: (block_n, split, num_warps) in place of `gemv_plan`'s; block_n / split /
         num_warps override single entries (the sweep benchmarks); pdl overrides
         `kernels.pdl.use_pdl`.
-        rows_tile: 2+ rows as one tile (`_rows_tile`) or one pass a row; default ROWS_TILE. The
-        tile's plan (unless plan is given) is `heuristic_plan` with ROWS_TUNING, its tile_elems
-        divided by next_pow2(M).
         xn_out: with norm_weight, an [M, K] tensor of x's dtype (unit column stride) that
         receives the normalised rows (x * rstd rounded, times the weight rounded: the values the
         product used), stored by the programs of the first row tile; the MoE layers' experts
@@ -304,10 +246,6 @@ if triton is not None:
                 xn_out.copy_(rms_norm_ref(x, norm_weight, eps))
             return y.copy_(linear_ref(x, w, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                                       residual=residual))
-        tile_rows = _pow2(m) if m > 1 and (ROWS_TILE if rows_tile is None else rows_tile) else 0
-        if plan is None and tile_rows:
-            t = dict(ROWS_TUNING, tile_elems=max(2 * 16, ROWS_TUNING["tile_elems"] // tile_rows))
-            plan = heuristic_plan(n, k, x.device, t)
         bn, sp, warps = plan or gemv_plan(n, k, x.device)
         bn = block_n or bn
         k_per = -(-k // max(1, min(split or sp, k)))  # K columns per split program
@@ -332,6 +270,5 @@ if triton is not None:
                                     HAS_BIAS=bias is not None, SILU=silu_mul, NORM=norm_weight is not None,
                                     HAS_RES=residual is not None, XN_OUT=xn_out is not None, SPLIT=sp > 1, USE_PDL=pdl, FP8=scale is not None,
                                     BLOCK_N=bn, BLOCK_K=bk, ROW_K=_pow2(k) if norm_weight is not None else 1,
-                                    TILE_ROWS=tile_rows,
                                     num_warps=num_warps or warps, **launch_args(pdl))
         return y

@@ -71,57 +71,28 @@ def test_linear_dispatches_one_row_to_gemv_and_more_rows_elsewhere(monkeypatch):
     assert calls == [False, True]
 
 
-def _rows_inputs(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Inputs of the gemv-over-rows tests, seeded by the shape: x [m, k] (a row-strided view),
-    gate|up [m, 2k], W [n, k], bias [n], residual [m, n], norm weight [k]."""
-    torch.manual_seed(n + k + m)
-    x = torch.randn(m, k + 8, device="cuda", dtype=dtype)[:, 4:k + 4]
-    gu = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
-    b = torch.randn(n, device="cuda", dtype=dtype)
-    res = torch.randn(m, n, device="cuda", dtype=dtype)
-    nw = 1 + 0.3 * torch.randn(k, device="cuda", dtype=dtype)
-    return x, gu, w, b, res, nw
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [2, 5, 8, 16])
 @pytest.mark.parametrize("n,k,plan", [(4096, 1024, {}), (1024, 3072, {}), (151, 577, {}),
                                       (6144, 1024, {"split": 4, "block_n": 2})])
 def test_gemv_rows_equal_one_row_launches_and_reference(dtype, m, n, k, plan):
-    """gemv over M rows one pass a row (rows_tile False; gemv.ROWS, verify steps at batch 1): every
-    fused step, each row bit for bit the one-row launch's, all within the float reference's
-    tolerance, counters zeroed."""
-    x, gu, w, b, res, nw = _rows_inputs(m, n, k, dtype)
+    """gemv over M rows (gemv.ROWS, verify steps at batch 1): every fused step, each row bit
+    for bit the one-row launch's, all within the float reference's tolerance, counters zeroed."""
+    torch.manual_seed(n + k + m)
+    x = torch.randn(m, k + 8, device="cuda", dtype=dtype)[:, 4:k + 4]  # a row-strided view
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    res = torch.randn(m, n, device="cuda", dtype=dtype)
+    nw = 1 + 0.3 * torch.randn(k, device="cuda", dtype=dtype)
     for xin, fused in ((x, {"bias": b}), (gu, {"silu_mul": True, "residual": res}),
                        (x, {"norm_weight": nw, "eps": 1e-6, "residual": res})):
-        y = gemv.gemv_triton(xin, w, **fused, pdl=True, rows_tile=False, **plan)
+        y = gemv.gemv_triton(xin, w, **fused, pdl=True, **plan)
         f32 = {a: (v.float() if torch.is_tensor(v) else v) for a, v in fused.items()}
         assert y.shape == (m, n) and rel(y, linear.linear_ref(xin.float(), w.float(), **f32)) < TOL[dtype]
         for i in range(m):
             one = {a: (v[i:i + 1] if a == "residual" else v) for a, v in fused.items()}
             assert torch.equal(y[i:i + 1], gemv.gemv_triton(xin[i:i + 1], w, **one, pdl=True, **plan))
-    torch.cuda.synchronize()
-    assert all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [2, 3, 5, 9, 16])
-@pytest.mark.parametrize("n,k,plan", [(4096, 1024, {}), (1024, 3072, {}), (151, 577, {}),
-                                      (6144, 1024, {"split": 4, "block_n": 2})])
-def test_gemv_rows_tile_matches_reference_and_is_row_independent(dtype, m, n, k, plan):
-    """The gemv kernel's rows as one tile (gemv.ROWS_TILE): every fused step within the float
-    reference's tolerance, a row's output independent of the other rows (reversed rows give the
-    reversed output bit for bit), the split counters zeroed."""
-    x, gu, w, b, res, nw = _rows_inputs(m, n, k, dtype)
-    rev = torch.arange(m - 1, -1, -1, device="cuda")
-    for xin, fused in ((x, {"bias": b}), (gu, {"silu_mul": True, "residual": res}),
-                       (x, {"norm_weight": nw, "eps": 1e-6, "residual": res})):
-        y = gemv.gemv_triton(xin, w, **fused, pdl=True, rows_tile=True, **plan)
-        f32 = {a: (v.float() if torch.is_tensor(v) else v) for a, v in fused.items()}
-        assert y.shape == (m, n) and rel(y, linear.linear_ref(xin.float(), w.float(), **f32)) < TOL[dtype]
-        flipped = {a: (v[rev] if a == "residual" else v) for a, v in fused.items()}
-        assert torch.equal(gemv.gemv_triton(xin[rev], w, **flipped, pdl=True, rows_tile=True, **plan), y[rev])
     torch.cuda.synchronize()
     assert all(bool((c == 0).all()) for c in device_info.TILE_COUNTERS.values())
 

@@ -30,7 +30,7 @@ KERNELS = ["rms_norm", "fused_add_rms_norm", "rms_norm_strided", "silu_and_mul",
            "attn_decode_fused_merge", "attn_prefill_varlen_prefix", "attn_mixed_prefill_decode_hd24",
            "attn_multi_query_verify", "attn_multi_query_one_split", "attn_multi_query_graph_bound",
            "attn_multi_query_off",
-           "sample_gumbel", "sample_gumbel_chunked", "skinny_linear", "gemv", "gemv_rows", "gemv_rows_tile", "gemv_xn_out", "rotary_qk_norm", "rope_decode",
+           "sample_gumbel", "sample_gumbel_chunked", "skinny_linear", "gemv", "gemv_rows", "gemv_xn_out", "rotary_qk_norm", "rope_decode",
            "rope_decode_fused_merge", "decode_live_split_merge", "pending_ids"]
 
 
