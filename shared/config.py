@@ -307,7 +307,8 @@ def check_kv_offload(cfg: KestrelConfig) -> None:
     against the host when it starts: `services.kvstore.settings.resolve_setup`):
     kv_offload_cpu_gib >= 0 (0: no offload); the disk tier's folder and size limit given
     together, the limit positive, and only with a CPU tier (the disk tier sits behind it; the
-    kvstore does not run without one). Raises ValueError naming the setting."""
+    kvstore does not run without one); a CPU tier only with the prefix cache (the engine
+    connects no tier without it). Raises ValueError naming the setting."""
     if cfg.kv_offload_cpu_gib < 0:
         raise ValueError("setting kv_offload_cpu_gib: must be >= 0 GiB (0: no offload), got "
                          f"{cfg.kv_offload_cpu_gib!r}")
@@ -322,6 +323,11 @@ def check_kv_offload(cfg: KestrelConfig) -> None:
     if cfg.kv_offload_disk_dir and cfg.kv_offload_cpu_gib == 0:
         raise ValueError("setting kv_offload_disk_dir requires --kv-offload-cpu-gib: the disk "
                          "tier sits behind the kvstore's CPU tier, which is off (0)")
+    if cfg.kv_offload_cpu_gib > 0 and not cfg.enable_prefix_caching:
+        raise ValueError("setting kv_offload_cpu_gib requires --enable-prefix-caching: the KV "
+                         "tiers hold the prefix cache's evicted blocks, and the engine does not "
+                         "use them without it; drop --no-enable-prefix-caching, or set "
+                         "--kv-offload-cpu-gib 0 (no offload)")
 
 
 def check_max_model_len(cfg: KestrelConfig) -> None:

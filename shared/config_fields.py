@@ -42,6 +42,18 @@ def parse_bool(s: str | bool) -> bool:
     raise ValueError(f"not a boolean: {s!r}")
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # Python logging's and uvicorn's
+
+
+def parse_log_level(s: str) -> str:
+    """A logging level any process understands (Python logging and uvicorn, which the
+    frontend hands it to), in any case; returned upper-case. Raises ValueError otherwise."""
+    v = str(s).strip().upper()
+    if v not in LOG_LEVELS:
+        raise ValueError(f"{s!r} is not one of {', '.join(lv.lower() for lv in LOG_LEVELS)}")
+    return v
+
+
 FIELDS: list[Field] = [
     Field("model", str, "models/SmolLM2-135M-Instruct", "Hugging Face model folder"),
     Field("served_model_name", str, None, "model name shown by the API (default: folder name)"),
@@ -71,7 +83,7 @@ FIELDS: list[Field] = [
     Field("ring_chunks", int, 8, "chunks in the engine->worker plan ring"),
     Field("ring_chunk_bytes", int, 1 << 20, "bytes per ring chunk; larger plans go over ZMQ"),
     Field("keepalive_s", float, 10.0, "seconds between SSE keep-alive comments"),
-    Field("log_level", str, "INFO", "logging level"),
+    Field("log_level", parse_log_level, "INFO", "logging level: critical, error, warning, info or debug"),
     Field("startup_timeout_s", float, 300.0, "seconds the supervisor waits for readiness"),
     # --- API limits and behaviour (OpenAI / Anthropic issues)
     Field("max_num_waiting", int, 256, "waiting-queue bound; beyond it requests get 503 + Retry-After"),

@@ -34,6 +34,12 @@ REFUSED = [
      "setting kv_offload_disk_gib requires --kv-offload-disk-dir"),
     ({"kv_offload_disk_dir": "/tmp/kv-disk", "kv_offload_disk_gib": "2"},
      "setting kv_offload_disk_dir requires --kv-offload-cpu-gib"),
+    # a KV tier without the prefix cache was accepted: the kvstore and its shm pool started,
+    # and the engine never connected to them
+    ({"kv_offload_cpu_gib": "0.5", "enable_prefix_caching": "false"},
+     "setting kv_offload_cpu_gib requires --enable-prefix-caching"),
+    # an unknown level was accepted: the frontend crashed in uvicorn and restarted in a loop
+    ({"log_level": "bogus"}, "setting log_level: 'bogus' is not one of critical, error, warning, info, debug"),
     ({"served_model_name": ""}, "setting served_model_name: must not be empty"),
     ({"shutdown_timeout": "-1"}, "setting shutdown_timeout: must be >= 0 seconds"),
     ({"max_model_len": "8193"}, "setting max_model_len: 8193 is longer than the model's "
@@ -65,17 +71,24 @@ def test_what_is_still_accepted_next_to_those_refusals(tmp_path):
     cfg = build_config(base | {"kv_offload_cpu_gib": "0.5", "kv_offload_disk_dir": disk,
                                "kv_offload_disk_gib": "1"}, env={})
     assert (cfg.kv_offload_disk_dir, cfg.kv_offload_disk_gib) == (disk, 1.0)
+    assert build_config(base | {"kv_offload_cpu_gib": "0", "enable_prefix_caching": "false"},
+                        env={}).enable_prefix_caching is False
+    assert build_config(base | {"log_level": "debug"}, env={}).log_level == "DEBUG"
 
 
 SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_template: chat template "
                   "'no-such-template' is neither a file"),
                  (["--chat-template", "BROKEN"], "setting chat_template: chat template does not compile"),
                  (["--max-model-len", "9000"], "setting max_model_len: 9000 is longer than the model's "
-                  "max_position_embeddings (8192 in ")]
+                  "max_position_embeddings (8192 in "),
+                 (["--kv-offload-cpu-gib", "0.1", "--no-enable-prefix-caching"],
+                  "setting kv_offload_cpu_gib requires --enable-prefix-caching"),
+                 (["--log-level", "bogus"], "'bogus' is not one of critical, error, warning, info, debug")]
 
 
 @pytest.mark.parametrize("args,message", SERVE_REFUSED, ids=["unknown template", "template syntax error",
-                                                             "max_model_len"])
+                                                             "max_model_len", "kv offload without prefix cache",
+                                                             "log level"])
 def test_serve_refuses_them_with_exit_2_and_the_message_before_any_process_starts(tmp_path, args, message):
     """A broken --chat-template used to log an ERROR and serve, every chat request a 500."""
     runtime = tmp_path / "rt"
