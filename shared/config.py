@@ -265,7 +265,8 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     combinations, and sampling defaults that resolve. Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
                 "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib",
-                "header_timeout", "body_timeout", "max_incomplete_connections")
+                "header_timeout", "body_timeout", "max_incomplete_connections", "keepalive_s",
+                "startup_timeout_s", "restart_window_s", "watchdog_timeout_s", "worker_timeout_s")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"setting {name}: must be positive, got {getattr(cfg, name)!r}")
@@ -274,6 +275,9 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise ValueError("setting gpu_memory_utilization: must be in (0, 1], got "
                          f"{cfg.gpu_memory_utilization!r}")
+    if cfg.step_timeout_s < 0:
+        raise ValueError("setting step_timeout_s: must be >= 0 seconds (0: a multiple of "
+                         f"worker_timeout_s), got {cfg.step_timeout_s!r}")
     if cfg.standby_idle_wait_s < 0:
         raise ValueError(f"setting standby_idle_wait_s: must be >= 0, got {cfg.standby_idle_wait_s!r}")
     if cfg.num_threads <= 0:

@@ -40,6 +40,15 @@ REFUSED = [
      "setting kv_offload_cpu_gib requires --enable-prefix-caching"),
     # an unknown level was accepted: the frontend crashed in uvicorn and restarted in a loop
     ({"log_level": "bogus"}, "setting log_level: 'bogus' is not one of critical, error, warning, info, debug"),
+    # a negative worker timeout was accepted: every step with a wait timed out at once and the
+    # engine restarted ("no word from the workers for -1 s in step 1"); 0 became 10 silently
+    ({"worker_timeout_s": "-1"}, "setting worker_timeout_s: must be positive, got -1.0"),
+    ({"worker_timeout_s": "0"}, "setting worker_timeout_s: must be positive, got 0.0"),
+    ({"step_timeout_s": "-1"}, "setting step_timeout_s: must be >= 0 seconds"),
+    ({"watchdog_timeout_s": "0"}, "setting watchdog_timeout_s: must be positive, got 0.0"),
+    ({"keepalive_s": "0"}, "setting keepalive_s: must be positive"),
+    ({"startup_timeout_s": "-5"}, "setting startup_timeout_s: must be positive"),
+    ({"restart_window_s": "0"}, "setting restart_window_s: must be positive"),
     ({"served_model_name": ""}, "setting served_model_name: must not be empty"),
     ({"shutdown_timeout": "-1"}, "setting shutdown_timeout: must be >= 0 seconds"),
     ({"max_model_len": "8193"}, "setting max_model_len: 8193 is longer than the model's "
@@ -74,6 +83,7 @@ def test_what_is_still_accepted_next_to_those_refusals(tmp_path):
     assert build_config(base | {"kv_offload_cpu_gib": "0", "enable_prefix_caching": "false"},
                         env={}).enable_prefix_caching is False
     assert build_config(base | {"log_level": "debug"}, env={}).log_level == "DEBUG"
+    assert build_config(base | {"step_timeout_s": "0"}, env={}).step_timeout_s == 0  # 0: derived
 
 
 SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_template: chat template "
@@ -83,12 +93,13 @@ SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_templat
                   "max_position_embeddings (8192 in "),
                  (["--kv-offload-cpu-gib", "0.1", "--no-enable-prefix-caching"],
                   "setting kv_offload_cpu_gib requires --enable-prefix-caching"),
-                 (["--log-level", "bogus"], "'bogus' is not one of critical, error, warning, info, debug")]
+                 (["--log-level", "bogus"], "'bogus' is not one of critical, error, warning, info, debug"),
+                 (["--worker-timeout-s", "-1"], "setting worker_timeout_s: must be positive, got -1.0")]
 
 
 @pytest.mark.parametrize("args,message", SERVE_REFUSED, ids=["unknown template", "template syntax error",
                                                              "max_model_len", "kv offload without prefix cache",
-                                                             "log level"])
+                                                             "log level", "worker timeout"])
 def test_serve_refuses_them_with_exit_2_and_the_message_before_any_process_starts(tmp_path, args, message):
     """A broken --chat-template used to log an ERROR and serve, every chat request a 500."""
     runtime = tmp_path / "rt"
