@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -258,6 +259,10 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
     return cfg
 
 
+# names /dev/shm/kestrel-<id>-*, the runtime folder and the 32-byte field of every segment's preamble
+INSTANCE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
+
+
 def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     """Range checks of numeric settings, no int8 KV cache on CUDA (its kernels read the model
     dtype and fp8_e4m3 only), weight quantization where it runs (`check_quantization`; probe: the
@@ -284,6 +289,10 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
         raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
+    if not INSTANCE_ID.fullmatch(cfg.instance_id):
+        raise ValueError(f"setting instance_id: {cfg.instance_id!r} cannot name shared-memory segments "
+                         "and folders: use 1-32 letters, digits, '.', '_' or '-', starting with a "
+                         "letter or digit (default: 8 random hex digits)")
     if not cfg.served_model_name.strip():
         raise ValueError(f"setting served_model_name: must not be empty, got {cfg.served_model_name!r}")
     if cfg.shutdown_timeout < 0:

@@ -74,7 +74,8 @@ FIELDS: list[Field] = [
     Field("num_threads", int, 0, "torch intra-op threads of the worker (0: automatic, from the CPUs "
           "available to the process: one fewer on the CPU, capped at 32; at most 4 with a GPU)"),
     Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
-    Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
+    Field("instance_id", str, None, "id of this server instance (names shm segments and sockets; "
+          "1-32 letters, digits, '.', '_' or '-')"),
     Field("runtime_dir", str, None, "private folder (0700, refused otherwise) for the resolved config "
           "and ipc sockets (default: $XDG_RUNTIME_DIR/kestrel-<instance> when usable, else "
           "/tmp/kestrel-<instance>)"),

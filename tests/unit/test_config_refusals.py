@@ -49,6 +49,11 @@ REFUSED = [
     ({"keepalive_s": "0"}, "setting keepalive_s: must be positive"),
     ({"startup_timeout_s": "-5"}, "setting startup_timeout_s: must be positive"),
     ({"restart_window_s": "0"}, "setting restart_window_s: must be positive"),
+    # an instance id that cannot name a segment was accepted: "a/b" and one over 32 bytes
+    # crashed the engine at its ring in a restart loop (leaving /tmp/kestrel-a behind)
+    ({"instance_id": "a/b"}, "setting instance_id: 'a/b' cannot name shared-memory segments"),
+    ({"instance_id": "a" * 33}, "setting instance_id: '" + "a" * 33 + "' cannot name"),
+    ({"instance_id": ""}, "setting instance_id: '' cannot name"),
     ({"served_model_name": ""}, "setting served_model_name: must not be empty"),
     ({"shutdown_timeout": "-1"}, "setting shutdown_timeout: must be >= 0 seconds"),
     ({"max_model_len": "8193"}, "setting max_model_len: 8193 is longer than the model's "
@@ -84,6 +89,8 @@ def test_what_is_still_accepted_next_to_those_refusals(tmp_path):
                         env={}).enable_prefix_caching is False
     assert build_config(base | {"log_level": "debug"}, env={}).log_level == "DEBUG"
     assert build_config(base | {"step_timeout_s": "0"}, env={}).step_timeout_s == 0  # 0: derived
+    assert build_config(base | {"instance_id": "my-server_2.b" + "x" * 19}, env={}).instance_id.startswith("my-")
+    assert len(build_config(base, env={}).instance_id) == 8  # derived: 8 hex digits
 
 
 SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_template: chat template "
@@ -94,18 +101,19 @@ SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_templat
                  (["--kv-offload-cpu-gib", "0.1", "--no-enable-prefix-caching"],
                   "setting kv_offload_cpu_gib requires --enable-prefix-caching"),
                  (["--log-level", "bogus"], "'bogus' is not one of critical, error, warning, info, debug"),
-                 (["--worker-timeout-s", "-1"], "setting worker_timeout_s: must be positive, got -1.0")]
+                 (["--worker-timeout-s", "-1"], "setting worker_timeout_s: must be positive, got -1.0"),
+                 (["--instance-id", "a/b"], "setting instance_id: 'a/b' cannot name shared-memory segments")]
 
 
 @pytest.mark.parametrize("args,message", SERVE_REFUSED, ids=["unknown template", "template syntax error",
                                                              "max_model_len", "kv offload without prefix cache",
-                                                             "log level", "worker timeout"])
+                                                             "log level", "worker timeout", "instance id"])
 def test_serve_refuses_them_with_exit_2_and_the_message_before_any_process_starts(tmp_path, args, message):
     """A broken --chat-template used to log an ERROR and serve, every chat request a 500."""
     runtime = tmp_path / "rt"
     args = [_broken_template(tmp_path) if a == "BROKEN" else a for a in args]
     r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", SMOLLM2, "--device", "cpu",
-                        *args, "--runtime-dir", str(runtime), "--instance-id", "ref" + uuid.uuid4().hex[:6]],
+                        "--instance-id", "ref" + uuid.uuid4().hex[:6], *args, "--runtime-dir", str(runtime)],
                        cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if not k.startswith("KESTREL_")})
     assert r.returncode == 2, r.stdout + r.stderr
