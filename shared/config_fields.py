@@ -121,7 +121,8 @@ FIELDS: list[Field] = [
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
     Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
     Field("watchdog_dump_dir", str, None, "private folder (0700) for stack dumps, made at startup "
-          "(default: kestrel-<instance>-dumps beside the runtime folder)"),
+          "(default: kestrel-<instance>-dumps in $XDG_RUNTIME_DIR when usable, else /tmp, "
+          "whatever --runtime-dir is)"),
     Field("watchdog_py_spy", str, "auto", "py-spy binary for stack dumps: auto (beside the "
           "interpreter, else on PATH), off (faulthandler only) or a path"),
     Field("worker_timeout_s", float, None,
