@@ -119,3 +119,32 @@ def test_serve_refuses_them_with_exit_2_and_the_message_before_any_process_start
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr.strip().splitlines()[-1], r.stderr
     assert not runtime.exists(), "a process started: the runtime folder was created"
+
+
+@pytest.mark.parametrize("reuseport", [False, True], ids=["plain listener", "another Kestrel's frontends"])
+def test_serve_refuses_a_port_another_process_listens_on_before_any_process_starts(tmp_path, reuseport):
+    """A held port used to load the weights and then restart the frontend until the restart
+    policy gave up (exit 1, "frontend-0 failed 6 times"); a port held with SO_REUSEPORT (another
+    Kestrel with --frontends > 1) was joined silently by --frontends > 1, the two servers
+    splitting its connections."""
+    import socket
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuseport:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    runtime = tmp_path / "rt"
+    try:
+        r = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", SMOLLM2, "--device", "cpu",
+                            "--port", str(port), "--frontends", "2" if reuseport else "1",
+                            "--runtime-dir", str(runtime), "--instance-id", "ref" + uuid.uuid4().hex[:6]],
+                           cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("KESTREL_")})
+    finally:
+        holder.close()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr.strip().splitlines()[-1]
+    assert not runtime.exists(), "a process started: the runtime folder was created"
