@@ -30,7 +30,7 @@ from shared.config_generation import GenerationDefaults
 from shared.config_generation import resolve as resolve_generation_defaults
 from shared.cpu_budget import resolve_num_threads
 from shared.gguf_source import require_gguf
-from shared.model_spec import kv_dtype_in_use, load_model_spec
+from shared.model_spec import kv_dtype_in_use, load_model_spec, model_spec_for
 from shared.runtime_dir import runtime_base as runtime_dir_base
 from shared.spec_config import SpeculativeConfig, check_speculative
 from shared.weight_quant import check_fp8_setting, check_w4a16_setting, parse_capability
@@ -341,6 +341,30 @@ def check_kv_offload(cfg: KestrelConfig) -> None:
                          "tiers hold the prefix cache's evicted blocks, and the engine does not "
                          "use them without it; drop --no-enable-prefix-caching, or set "
                          "--kv-offload-cpu-gib 0 (no offload)")
+
+
+def check_cpu_kv_cache(cfg: KestrelConfig) -> None:
+    """On the CPU, a KV cache of kv_cache_gib that holds max_model_len tokens. The worker makes
+    floor(kv_cache_gib GiB / block bytes) blocks (`services.worker.kv_cache.num_blocks_for`;
+    a drafter's KV only adds to a block's bytes) and the engine refuses a max_model_len past
+    them, but only once the weights are loaded; `kestrel serve` calls this first (not the
+    config builder: a worker alone, as tests run it, needs no room for max_model_len). A
+    folder that cannot be read is left to its own checks. Raises ValueError naming both
+    numbers and the two ways out."""
+    if cfg.device != "cpu":  # on CUDA the cache is sized from free memory after the load
+        return
+    from shared.kv_layout import kv_layout_for
+
+    try:
+        layout = kv_layout_for(cfg)
+        max_len = model_spec_for(cfg).max_model_len
+    except (OSError, ValueError):
+        return
+    blocks = int(cfg.kv_cache_gib * (1 << 30)) // layout.block_bytes
+    if max_len > blocks * cfg.block_size:
+        raise ValueError(f"setting kv_cache_gib: {cfg.kv_cache_gib} GiB holds {blocks * cfg.block_size} "
+                         f"tokens of KV cache ({blocks} blocks of {layout.block_bytes} bytes), fewer than "
+                         f"max_model_len {max_len}; raise --kv-cache-gib or lower --max-model-len")
 
 
 def check_max_model_len(cfg: KestrelConfig) -> None:

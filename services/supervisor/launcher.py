@@ -72,7 +72,7 @@ from collections.abc import Callable
 from services.supervisor.restart import RestartPolicy
 from services.supervisor.standby import STANDBY_DELAY_S, IdleGate, Standby
 from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
-from shared.config import KestrelConfig
+from shared.config import KestrelConfig, check_cpu_kv_cache
 from shared.gguf_source import require_gguf
 from shared.model_spec import model_spec_for
 from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging,
@@ -411,7 +411,8 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
     """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code:
     0 after a signal, 1 when a process kept failing (restart policy gave up) or the server
     was not ready within cfg.startup_timeout_s, 2 for a bad model folder (under gguf: a GGUF
-    file cut short, `require_gguf(data=True)`), watchdog config or kvstore settings, a host:port
+    file cut short, `require_gguf(data=True)`), a CPU KV cache too small for max_model_len
+    (`check_cpu_kv_cache`), watchdog config or kvstore settings, a host:port
     the frontends could not listen on (`_port_refusal`), a runtime
     or dump folder that is not private (`_private_folders`), or a configuration the engine
     group refused (its reason is the last line on stderr). check_kvstore: the kvstore's check of its settings (a summary line;
@@ -424,6 +425,7 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
         log.info("%s", cfg.profile_detail)
     try:
         model_spec_for(cfg)
+        check_cpu_kv_cache(cfg)  # max_model_len in the CPU KV cache: before loading the weights
         if cfg.quantization == "gguf":  # the whole file, not only the config builder's header check
             require_gguf(cfg.model, data=True)
     except ValueError as e:  # a ModelFolderError, or the GGUF (shared.gguf_source)

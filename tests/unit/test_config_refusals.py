@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from shared.config import build_config
+from shared.config import build_config, check_cpu_kv_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOLLM2 = os.path.join(REPO, "models", "SmolLM2-135M-Instruct")  # max_position_embeddings 8192
@@ -91,6 +91,11 @@ def test_what_is_still_accepted_next_to_those_refusals(tmp_path):
     assert build_config(base | {"step_timeout_s": "0"}, env={}).step_timeout_s == 0  # 0: derived
     assert build_config(base | {"instance_id": "my-server_2.b" + "x" * 19}, env={}).instance_id.startswith("my-")
     assert len(build_config(base, env={}).instance_id) == 8  # derived: 8 hex digits
+    # a worker alone (tests, parity runs) may have a KV cache under max_model_len: only serve refuses it
+    small = build_config(base | {"kv_cache_gib": "0.01"}, env={})
+    with pytest.raises(ValueError, match="0.01 GiB holds 224 tokens"):
+        check_cpu_kv_cache(small)
+    check_cpu_kv_cache(build_config(base | {"kv_cache_gib": "0.01", "max_model_len": "224"}, env={}))
 
 
 SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_template: chat template "
@@ -102,12 +107,17 @@ SERVE_REFUSED = [(["--chat-template", "no-such-template"], "setting chat_templat
                   "setting kv_offload_cpu_gib requires --enable-prefix-caching"),
                  (["--log-level", "bogus"], "'bogus' is not one of critical, error, warning, info, debug"),
                  (["--worker-timeout-s", "-1"], "setting worker_timeout_s: must be positive, got -1.0"),
-                 (["--instance-id", "a/b"], "setting instance_id: 'a/b' cannot name shared-memory segments")]
+                 (["--instance-id", "a/b"], "setting instance_id: 'a/b' cannot name shared-memory segments"),
+                 # was refused by the engine only after the worker had loaded the weights
+                 (["--kv-cache-gib", "0.03"], "setting kv_cache_gib: 0.03 GiB holds 688 tokens of KV cache "
+                  "(43 blocks of 737280 bytes), fewer than max_model_len 8192; raise --kv-cache-gib or lower "
+                  "--max-model-len")]
 
 
 @pytest.mark.parametrize("args,message", SERVE_REFUSED, ids=["unknown template", "template syntax error",
                                                              "max_model_len", "kv offload without prefix cache",
-                                                             "log level", "worker timeout", "instance id"])
+                                                             "log level", "worker timeout", "instance id",
+                                                             "kv cache under max_model_len"])
 def test_serve_refuses_them_with_exit_2_and_the_message_before_any_process_starts(tmp_path, args, message):
     """A broken --chat-template used to log an ERROR and serve, every chat request a 500."""
     runtime = tmp_path / "rt"
