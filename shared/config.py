@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import uuid
@@ -236,6 +237,7 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
         key = "KESTREL_" + f.name.upper()
         if key in env and env[key] != "":
             explicit.append((f.name, _convert(f, env[key]), "env"))
+    _warn_unknown_env(env)
     for f in FIELDS:
         if cli.get(f.name) is not None:
             explicit.append((f.name, _convert(f, cli[f.name]), "cli"))
@@ -257,6 +259,29 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
                         threads_detail=threads_detail)
     _validate(cfg, probe)
     return cfg
+
+
+# KESTREL_* variables that are not settings: the supervisor's to its children, compose's build
+# arguments, the e2e scripts'
+OTHER_ENV = ("KESTREL_SUPERVISOR_PID", "KESTREL_BASE_IMAGE", "KESTREL_TORCH_SPEC", "KESTREL_PIP_ARGS",
+             "KESTREL_CXX_TOOLCHAIN", "KESTREL_DEBIAN_MIRROR", "KESTREL_E2E_")
+
+
+def _warn_unknown_env(env: Mapping[str, str]) -> list[str]:
+    """Log a warning for each KESTREL_* variable that names no setting (a typo such as
+    KESTREL_MAX_NUM_SEQ would otherwise be ignored without a word), with the closest
+    setting's variable when one is close. Returns the names warned about."""
+    import difflib
+
+    known = ["KESTREL_" + f.name.upper() for f in FIELDS]
+    unknown = sorted(k for k in env if k.startswith("KESTREL_") and k not in known
+                     and not k.startswith(OTHER_ENV))
+    for k in unknown:
+        close = difflib.get_close_matches(k, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        logging.getLogger("kestrel.config").warning(
+            "environment variable %s is not a Kestrel setting and is ignored%s", k, hint)
+    return unknown
 
 
 # names /dev/shm/kestrel-<id>-*, the runtime folder and the 32-byte field of every segment's preamble

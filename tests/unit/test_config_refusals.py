@@ -158,3 +158,16 @@ def test_serve_refuses_a_port_another_process_listens_on_before_any_process_star
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr.strip().splitlines()[-1]
     assert not runtime.exists(), "a process started: the runtime folder was created"
+
+
+def test_a_kestrel_variable_that_names_no_setting_is_warned_about_with_the_closest_one(caplog):
+    """KESTREL_MAX_NUM_SEQ=4 (for KESTREL_MAX_NUM_SEQS) was ignored without a word, where a
+    config file's unknown key is refused; the variables Kestrel itself sets are not flagged."""
+    env = {"KESTREL_MAX_NUM_SEQ": "4", "KESTREL_MAX_NUM_SEQS": "3", "KESTREL_SUPERVISOR_PID": "1",
+           "KESTREL_BASE_IMAGE": "x", "KESTREL_E2E_PORT": "1"}
+    with caplog.at_level("WARNING", logger="kestrel.config"):
+        cfg = build_config({"model": SMOLLM2, "device": "cpu"}, env=env)
+    assert cfg.max_num_seqs == 3
+    warned = [r.getMessage() for r in caplog.records if r.name == "kestrel.config"]
+    assert warned == ["environment variable KESTREL_MAX_NUM_SEQ is not a Kestrel setting and is "
+                      "ignored (did you mean KESTREL_MAX_NUM_SEQS?)"]
