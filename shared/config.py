@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +31,7 @@ from shared.config_generation import GenerationDefaults
 from shared.config_generation import resolve as resolve_generation_defaults
 from shared.cpu_budget import resolve_num_threads
 from shared.gguf_source import require_gguf
-from shared.model_spec import kv_dtype_in_use, load_model_spec
+from shared.model_spec import kv_dtype_in_use, load_model_spec, model_spec_for
 from shared.runtime_dir import runtime_base as runtime_dir_base
 from shared.spec_config import SpeculativeConfig, check_speculative
 from shared.weight_quant import check_fp8_setting, check_w4a16_setting, parse_capability
@@ -235,6 +237,7 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
         key = "KESTREL_" + f.name.upper()
         if key in env and env[key] != "":
             explicit.append((f.name, _convert(f, env[key]), "env"))
+    _warn_unknown_env(env)
     for f in FIELDS:
         if cli.get(f.name) is not None:
             explicit.append((f.name, _convert(f, cli[f.name]), "cli"))
@@ -258,6 +261,33 @@ def build_config(cli: dict[str, Any] | None = None, env: dict[str, str] | None =
     return cfg
 
 
+# KESTREL_* variables that are not settings: the supervisor's to its children, compose's build
+# arguments, the e2e scripts'
+OTHER_ENV = ("KESTREL_SUPERVISOR_PID", "KESTREL_BASE_IMAGE", "KESTREL_TORCH_SPEC", "KESTREL_PIP_ARGS",
+             "KESTREL_CXX_TOOLCHAIN", "KESTREL_DEBIAN_MIRROR", "KESTREL_E2E_")
+
+
+def _warn_unknown_env(env: Mapping[str, str]) -> list[str]:
+    """Log a warning for each KESTREL_* variable that names no setting (a typo such as
+    KESTREL_MAX_NUM_SEQ would otherwise be ignored without a word), with the closest
+    setting's variable when one is close. Returns the names warned about."""
+    import difflib
+
+    known = ["KESTREL_" + f.name.upper() for f in FIELDS]
+    unknown = sorted(k for k in env if k.startswith("KESTREL_") and k not in known
+                     and not k.startswith(OTHER_ENV))
+    for k in unknown:
+        close = difflib.get_close_matches(k, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        logging.getLogger("kestrel.config").warning(
+            "environment variable %s is not a Kestrel setting and is ignored%s", k, hint)
+    return unknown
+
+
+# names /dev/shm/kestrel-<id>-*, the runtime folder and the 32-byte field of every segment's preamble
+INSTANCE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
+
+
 def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     """Range checks of numeric settings, no int8 KV cache on CUDA (its kernels read the model
     dtype and fp8_e4m3 only), weight quantization where it runs (`check_quantization`; probe: the
@@ -265,7 +295,8 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     combinations, and sampling defaults that resolve. Raises ValueError naming the setting."""
     positive = ("port", "block_size", "max_num_seqs", "max_num_batched_tokens", "ring_chunks",
                 "ring_chunk_bytes", "frontends", "max_request_body_bytes", "kv_cache_gib",
-                "header_timeout", "body_timeout", "max_incomplete_connections")
+                "header_timeout", "body_timeout", "max_incomplete_connections", "keepalive_s",
+                "startup_timeout_s", "restart_window_s", "watchdog_timeout_s", "worker_timeout_s")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"setting {name}: must be positive, got {getattr(cfg, name)!r}")
@@ -274,12 +305,19 @@ def _validate(cfg: KestrelConfig, probe: Any = None) -> None:
     if not 0 < cfg.gpu_memory_utilization <= 1:
         raise ValueError("setting gpu_memory_utilization: must be in (0, 1], got "
                          f"{cfg.gpu_memory_utilization!r}")
+    if cfg.step_timeout_s < 0:
+        raise ValueError("setting step_timeout_s: must be >= 0 seconds (0: a multiple of "
+                         f"worker_timeout_s), got {cfg.step_timeout_s!r}")
     if cfg.standby_idle_wait_s < 0:
         raise ValueError(f"setting standby_idle_wait_s: must be >= 0, got {cfg.standby_idle_wait_s!r}")
     if cfg.num_threads <= 0:
         raise ValueError(f"setting num_threads: must be >= 0 (0: automatic), got {cfg.num_threads!r}")
     if cfg.max_model_len is not None and cfg.max_model_len <= 0:
         raise ValueError(f"setting max_model_len: must be positive, got {cfg.max_model_len!r}")
+    if not INSTANCE_ID.fullmatch(cfg.instance_id):
+        raise ValueError(f"setting instance_id: {cfg.instance_id!r} cannot name shared-memory segments "
+                         "and folders: use 1-32 letters, digits, '.', '_' or '-', starting with a "
+                         "letter or digit (default: 8 random hex digits)")
     if not cfg.served_model_name.strip():
         raise ValueError(f"setting served_model_name: must not be empty, got {cfg.served_model_name!r}")
     if cfg.shutdown_timeout < 0:
@@ -307,7 +345,8 @@ def check_kv_offload(cfg: KestrelConfig) -> None:
     against the host when it starts: `services.kvstore.settings.resolve_setup`):
     kv_offload_cpu_gib >= 0 (0: no offload); the disk tier's folder and size limit given
     together, the limit positive, and only with a CPU tier (the disk tier sits behind it; the
-    kvstore does not run without one). Raises ValueError naming the setting."""
+    kvstore does not run without one); a CPU tier only with the prefix cache (the engine
+    connects no tier without it). Raises ValueError naming the setting."""
     if cfg.kv_offload_cpu_gib < 0:
         raise ValueError("setting kv_offload_cpu_gib: must be >= 0 GiB (0: no offload), got "
                          f"{cfg.kv_offload_cpu_gib!r}")
@@ -322,6 +361,35 @@ def check_kv_offload(cfg: KestrelConfig) -> None:
     if cfg.kv_offload_disk_dir and cfg.kv_offload_cpu_gib == 0:
         raise ValueError("setting kv_offload_disk_dir requires --kv-offload-cpu-gib: the disk "
                          "tier sits behind the kvstore's CPU tier, which is off (0)")
+    if cfg.kv_offload_cpu_gib > 0 and not cfg.enable_prefix_caching:
+        raise ValueError("setting kv_offload_cpu_gib requires --enable-prefix-caching: the KV "
+                         "tiers hold the prefix cache's evicted blocks, and the engine does not "
+                         "use them without it; drop --no-enable-prefix-caching, or set "
+                         "--kv-offload-cpu-gib 0 (no offload)")
+
+
+def check_cpu_kv_cache(cfg: KestrelConfig) -> None:
+    """On the CPU, a KV cache of kv_cache_gib that holds max_model_len tokens. The worker makes
+    floor(kv_cache_gib GiB / block bytes) blocks (`services.worker.kv_cache.num_blocks_for`;
+    a drafter's KV only adds to a block's bytes) and the engine refuses a max_model_len past
+    them, but only once the weights are loaded; `kestrel serve` calls this first (not the
+    config builder: a worker alone, as tests run it, needs no room for max_model_len). A
+    folder that cannot be read is left to its own checks. Raises ValueError naming both
+    numbers and the two ways out."""
+    if cfg.device != "cpu":  # on CUDA the cache is sized from free memory after the load
+        return
+    from shared.kv_layout import kv_layout_for
+
+    try:
+        layout = kv_layout_for(cfg)
+        max_len = model_spec_for(cfg).max_model_len
+    except (OSError, ValueError):
+        return
+    blocks = int(cfg.kv_cache_gib * (1 << 30)) // layout.block_bytes
+    if max_len > blocks * cfg.block_size:
+        raise ValueError(f"setting kv_cache_gib: {cfg.kv_cache_gib} GiB holds {blocks * cfg.block_size} "
+                         f"tokens of KV cache ({blocks} blocks of {layout.block_bytes} bytes), fewer than "
+                         f"max_model_len {max_len}; raise --kv-cache-gib or lower --max-model-len")
 
 
 def check_max_model_len(cfg: KestrelConfig) -> None:

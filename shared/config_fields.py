@@ -42,6 +42,18 @@ def parse_bool(s: str | bool) -> bool:
     raise ValueError(f"not a boolean: {s!r}")
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")  # Python logging's and uvicorn's
+
+
+def parse_log_level(s: str) -> str:
+    """A logging level any process understands (Python logging and uvicorn, which the
+    frontend hands it to), in any case; returned upper-case. Raises ValueError otherwise."""
+    v = str(s).strip().upper()
+    if v not in LOG_LEVELS:
+        raise ValueError(f"{s!r} is not one of {', '.join(lv.lower() for lv in LOG_LEVELS)}")
+    return v
+
+
 FIELDS: list[Field] = [
     Field("model", str, "models/SmolLM2-135M-Instruct", "Hugging Face model folder"),
     Field("served_model_name", str, None, "model name shown by the API (default: folder name)"),
@@ -62,7 +74,8 @@ FIELDS: list[Field] = [
     Field("num_threads", int, 0, "torch intra-op threads of the worker (0: automatic, from the CPUs "
           "available to the process: one fewer on the CPU, capped at 32; at most 4 with a GPU)"),
     Field("seed", int, 0, "seed of dummy weights and of engine-chosen request seeds"),
-    Field("instance_id", str, None, "id of this server instance (names shm segments and sockets)"),
+    Field("instance_id", str, None, "id of this server instance (names shm segments and sockets; "
+          "1-32 letters, digits, '.', '_' or '-')"),
     Field("runtime_dir", str, None, "private folder (0700, refused otherwise) for the resolved config "
           "and ipc sockets (default: $XDG_RUNTIME_DIR/kestrel-<instance> when usable, else "
           "/tmp/kestrel-<instance>)"),
@@ -71,7 +84,7 @@ FIELDS: list[Field] = [
     Field("ring_chunks", int, 8, "chunks in the engine->worker plan ring"),
     Field("ring_chunk_bytes", int, 1 << 20, "bytes per ring chunk; larger plans go over ZMQ"),
     Field("keepalive_s", float, 10.0, "seconds between SSE keep-alive comments"),
-    Field("log_level", str, "INFO", "logging level"),
+    Field("log_level", parse_log_level, "INFO", "logging level: critical, error, warning, info or debug"),
     Field("startup_timeout_s", float, 300.0, "seconds the supervisor waits for readiness"),
     # --- API limits and behaviour (OpenAI / Anthropic issues)
     Field("max_num_waiting", int, 256, "waiting-queue bound; beyond it requests get 503 + Retry-After"),
@@ -108,7 +121,8 @@ FIELDS: list[Field] = [
     Field("watchdog_config", str, None, "JSON file: timeout_s, dump_dir, processes"),
     Field("watchdog_timeout_s", float, 30.0, "seconds without progress before a stack dump"),
     Field("watchdog_dump_dir", str, None, "private folder (0700) for stack dumps, made at startup "
-          "(default: kestrel-<instance>-dumps beside the runtime folder)"),
+          "(default: kestrel-<instance>-dumps in $XDG_RUNTIME_DIR when usable, else /tmp, "
+          "whatever --runtime-dir is)"),
     Field("watchdog_py_spy", str, "auto", "py-spy binary for stack dumps: auto (beside the "
           "interpreter, else on PATH), off (faulthandler only) or a path"),
     Field("worker_timeout_s", float, None,

@@ -200,6 +200,12 @@ def load_model_spec(path: str, *, dtype: str = "float32", kv_cache_dtype: str = 
     dtype_bytes(dtype)
     kv_dtype = kv_dtype_in_use(dtype, kv_cache_dtype)
     cfg_path = os.path.join(path, "config.json")
+    if os.path.isfile(path):  # e.g. a .gguf, as vLLM serves one: not how Kestrel reads GGUF
+        raise ModelFolderError(f"--model {path!r} is a file, not a model folder: pass a Hugging "
+                               "Face folder (config.json, *.safetensors, tokenizer.json); to serve a "
+                               "GGUF's quantized weights, pass the folder converted from it with "
+                               "--quantization gguf (`kestrel fetch-model` makes one for the default "
+                               "model and records its GGUF in it).")
     if not os.path.isfile(cfg_path):
         raise ModelFolderError(f"model folder {path!r} not found (no config.json). Run "
                                "`kestrel fetch-model` for the default model, or pass --model DIR.")

@@ -135,8 +135,23 @@ def format_inspect(h: RingHeader, now: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def format_pool(seg: SegmentInfo) -> str:
+    """A kvstore pool (kind kvpool: the KV blocks' or a hybrid's state checkpoints'): owner,
+    size and slots used/free (it has no readers or chunks)."""
+    return "\n".join([
+        f"{seg.name}  kind={seg.kind}  bytes={seg.size}",
+        f"  instance     {seg.instance_id}",
+        f"  owner        pid {seg.owner_pid} ({_state(seg)})",
+        f"  {seg.detail or 'slots        ?'}",
+    ])
+
+
 def _inspect(name: str, out: TextIO) -> int:
     try:
+        seg = _read_preamble(shm_path(name))
+        if seg.kind == "kvpool":
+            out.write(format_pool(seg) + "\n")
+            return 0
         out.write(format_inspect(read_header(shm_path(name))) + "\n")
     except FileNotFoundError:
         print(f"kestrel shm: no segment {shm_path(name)}", file=sys.stderr)
@@ -157,7 +172,8 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list segments, owner pid, liveness, size, stale flag")
     ls.add_argument("--instance", default=None, help="only this instance id")
-    ins = sub.add_parser("inspect", help="show a ring's header, reader lag, chunks in use")
+    ins = sub.add_parser("inspect", help="show a ring's header, reader lag, chunks in use "
+                         "(a kvstore pool's owner and slots)")
     ins.add_argument("name", help="segment name (kestrel-<instance>-<ring>) or path")
     w = sub.add_parser("watch", help="refresh `inspect` until Ctrl-C")
     w.add_argument("name")

@@ -26,6 +26,7 @@ import queue
 import time
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -36,6 +37,7 @@ from services.kvstore.settings import ConfigError, StoreSetup, resolve_setup
 from services.kvstore.store import Actions, BlockStore, Reservation
 from shared.config import KestrelConfig
 from shared.kv_pool import HEADER_SIZE, state_pool_name
+from shared.liveness import Beacon
 from shared.hashing import HASH_BYTES
 from shared.procutil import die_with_parent, on_stop_signals, set_title, setup_logging
 from shared.protocol import (PROTOCOL_VERSION, EngineToKVStore, KVAck, KVBye, KVCompleteLoad,
@@ -151,13 +153,16 @@ class KVStoreServer:
         return sp
 
     # ------------------------------------------------------------ main loop
-    def serve_forever(self) -> None:
-        """Serve until `stopping` is set (signal handler or another thread)."""
+    def serve_forever(self, beat: Callable[[], None] | None = None) -> None:
+        """Serve until `stopping` is set (signal handler or another thread). beat: called at
+        every turn of the loop (at least 5 times a second; the watchdog beacon's `beat`)."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         used = [-1] * len(self.spaces)
         while not self.stopping:
+            if beat is not None:
+                beat()
             events = dict(poller.poll(200))
             if self.router in events:
                 for _ in range(256):
@@ -455,6 +460,7 @@ def run_kvstore(cfg: KestrelConfig) -> int:
         log.error("%s", e)
         return 2
     try:
+        beacon = Beacon(cfg.runtime_dir, "kvstore")  # watchdog progress + stack dumps
         server = KVStoreServer(cfg, setup)
     except (FileExistsError, zmq.ZMQError, OSError, ValueError) as e:
         log.error("cannot start the kvstore: %s", e)
@@ -466,7 +472,7 @@ def run_kvstore(cfg: KestrelConfig) -> int:
     on_stop_signals(on_term)  # SIGTERM; SIGINT too unless supervised
     code = 0
     try:
-        server.serve_forever()
+        server.serve_forever(beacon.beat)
     except Exception:
         log.exception("kvstore failed")
         code = 1

@@ -61,6 +61,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,7 +72,7 @@ from collections.abc import Callable
 from services.supervisor.restart import RestartPolicy
 from services.supervisor.standby import STANDBY_DELAY_S, IdleGate, Standby
 from services.supervisor.watchdog import Watchdog, WatchdogConfig, load_watchdog_config
-from shared.config import KestrelConfig
+from shared.config import KestrelConfig, check_cpu_kv_cache
 from shared.gguf_source import require_gguf
 from shared.model_spec import model_spec_for
 from shared.procutil import (CONFIG_REFUSED, EXIT_CONFIG, set_title, setup_logging,
@@ -390,11 +391,29 @@ def _private_folders(cfg: KestrelConfig, wc: WatchdogConfig) -> bool | None:
         return None
 
 
+def _port_refusal(host: str, port: int) -> str | None:
+    """Why the frontends could not listen on host:port, or None. A test bind without
+    SO_REUSEPORT: it fails both for a plain listener and for another Kestrel whose frontends
+    share the port with SO_REUSEPORT (which ours would otherwise silently join)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        return (f"cannot listen on {host}:{port} ({e.strerror or e}): another process (perhaps "
+                "another Kestrel) holds that port, or the address is not this host's; stop it, "
+                "or choose another --port / --host")
+    return None
+
+
 def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> int:
     """Run the whole server on this host until SIGTERM/SIGINT. Returns the exit code:
     0 after a signal, 1 when a process kept failing (restart policy gave up) or the server
     was not ready within cfg.startup_timeout_s, 2 for a bad model folder (under gguf: a GGUF
-    file cut short, `require_gguf(data=True)`), watchdog config or kvstore settings, a runtime
+    file cut short, `require_gguf(data=True)`), a CPU KV cache too small for max_model_len
+    (`check_cpu_kv_cache`), watchdog config or kvstore settings, a host:port
+    the frontends could not listen on (`_port_refusal`), a runtime
     or dump folder that is not private (`_private_folders`), or a configuration the engine
     group refused (its reason is the last line on stderr). check_kvstore: the kvstore's check of its settings (a summary line;
     raises ValueError with the message when they cannot work), run when offload is on; the
@@ -406,6 +425,7 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
         log.info("%s", cfg.profile_detail)
     try:
         model_spec_for(cfg)
+        check_cpu_kv_cache(cfg)  # max_model_len in the CPU KV cache: before loading the weights
         if cfg.quantization == "gguf":  # the whole file, not only the config builder's header check
             require_gguf(cfg.model, data=True)
     except ValueError as e:  # a ModelFolderError, or the GGUF (shared.gguf_source)
@@ -425,6 +445,11 @@ def serve(cfg: KestrelConfig, check_kvstore: Callable[[KestrelConfig], str]) -> 
             print(f"kestrel serve: {e}", file=sys.stderr, flush=True)
             return 2
         log.info("kvstore: %s", summary)
+    why = _port_refusal(cfg.host, cfg.port)
+    if why:
+        log.error("%s", why)
+        print(f"kestrel serve: {why}", file=sys.stderr, flush=True)
+        return 2
     _sweep(None)
     _sweep_runtime_dirs(os.path.dirname(os.path.abspath(cfg.runtime_dir)))
     made_dumps = _private_folders(cfg, wc)

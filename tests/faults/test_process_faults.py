@@ -204,17 +204,21 @@ def test_supervisor_gives_up_on_a_worker_that_cannot_load(smollm2_dir, tmp_path)
         srv.stop(signal.SIGKILL)
 
 
-def test_an_engine_that_refuses_its_configuration_is_not_restarted(smollm2_dir):
-    # a max_model_len over the KV cache is refused at every start: the supervisor stops at
-    # once with EXIT_CONFIG (2, as a refusal before any process starts) instead of
-    # restarting the engine restart_max times
-    srv = KestrelServer(str(smollm2_dir), "--kv-cache-gib", "0.03", "--max-model-len", "8192")
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None,
+                    reason="needs a host without a GPU, where --device cuda is refused by the worker")
+def test_an_engine_group_that_refuses_its_configuration_is_not_restarted(smollm2_dir):
+    # a refusal of the engine group (here the worker's: --device cuda, and torch sees no GPU)
+    # comes back at every start: the supervisor stops at once with EXIT_CONFIG (2, as a
+    # refusal before any process starts) instead of restarting the engine restart_max times.
+    # (A max_model_len over the CPU KV cache, the engine's refusal, is now refused by serve
+    # before any process starts: tests/unit/test_config_refusals.py.)
+    srv = KestrelServer(str(smollm2_dir), "--device", "cuda")
     srv.proc = subprocess.Popen(srv.argv, stdout=srv.log, stderr=subprocess.STDOUT)
     try:
         code = srv.proc.wait(120)
         log = srv.log_tail(400)
         assert code == 2, log
-        assert "exceeds the KV cache" in log and "not restarting" in log, log
+        assert "torch sees no CUDA device" in log and "not restarting" in log, log
         assert "restarting engine" not in log and "giving up" not in log, log
         assert wait_for(lambda: not segments(srv.instance_id), 5) or not segments(srv.instance_id)
     finally:

@@ -105,3 +105,32 @@ def test_with_py_spy_off_a_hung_running_engine_gets_faulthandler_stacks(servers,
     assert "most recent call first" in text
     assert "process.py\", line " in text and "in _debug_sleep_in_step" in text
     assert find_pid(srv, "kestrel:engine") == engine  # the watchdog never kills
+
+
+def test_a_stopped_kvstore_beats_no_more_and_the_watchdog_dumps_it(tmp_path):
+    """docs/ARCHITECTURE.md §2.1: every process beats a watchdog beacon. The kvstore beat none,
+    so a hung kvstore was never dumped (a watchdog config naming "kvstore" watched nothing)."""
+    from services.supervisor.watchdog import Watchdog, WatchdogConfig
+    from shared.liveness import read_beat, watchdog_dir
+    from tests.kvstore_helpers import Store
+
+    store = Store(slots=4)
+    pid = store.proc.pid
+    try:
+        store.client()  # serving: the loop is running
+        beat = os.path.join(watchdog_dir(store.runtime_dir), f"kvstore-{pid}.beat")
+        first = wait_for(lambda: read_beat(beat), 30, step=0.05)
+        assert first, f"no beacon {beat}: {os.listdir(store.runtime_dir)}"
+        assert wait_for(lambda: (read_beat(beat) or first)[0] > first[0], 30, step=0.05)
+        dumps = tmp_path / "dumps"
+        wd = Watchdog(store.runtime_dir, WatchdogConfig(1.0, str(dumps), ["kvstore"], None))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wd.check()                            # sees the counter, now still
+            wd.check(time.monotonic() + 5.0)      # ... still 5 s later: one dump
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        (dump,) = dumps.glob(f"kvstore-{pid}-*.txt")
+        assert dump.read_text().startswith(f"# kestrel watchdog: kvstore (pid {pid}) made no progress")
+    finally:
+        store.close()

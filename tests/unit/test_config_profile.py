@@ -15,7 +15,7 @@ import typing
 import pytest
 
 from shared.config import KestrelConfig, add_cli_arguments, build_config
-from shared.config_fields import FIELDS, parse_bool
+from shared.config_fields import FIELDS, parse_bool, parse_log_level
 from shared.config_generation import normalize_override
 from shared.device import GIB, DeviceInfo
 from shared.model_size import estimate_model_size
@@ -210,7 +210,7 @@ def test_device_detection_without_a_gpu_does_not_import_torch():
 
 # the JSON settings' parsers return canonical JSON text
 _PARSED_TYPE = {str: str, int: int, float: float, parse_bool: bool, normalize_setting: str,
-                normalize_override: str}
+                normalize_override: str, parse_log_level: str}
 _PROVENANCE = ("sources", "profile_detail", "threads_detail")  # KestrelConfig's fields that are not settings
 
 

@@ -108,6 +108,17 @@ def test_a_bad_model_folder_is_a_typed_error_naming_the_folder(tmp_path, content
     assert str(d) in str(e.value)
 
 
+def test_a_file_given_as_the_model_folder_is_named_as_a_file_with_the_way_to_serve_a_gguf(tmp_path):
+    """`--model x.gguf` (how vLLM serves a GGUF) said "model folder 'x.gguf' not found"."""
+    f = tmp_path / "model.Q4_1.gguf"
+    f.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ModelFolderError) as e:
+        load_model_spec(str(f))
+    msg = str(e.value)
+    assert f"--model {str(f)!r} is a file, not a model folder" in msg
+    assert "--quantization gguf" in msg and "not found" not in msg
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
 def test_a_quantized_kv_cache_dtype_is_the_specs_kv_dtype_and_an_unknown_one_is_refused(tmp_path, kv):
     d = _folder(tmp_path, LLAMA)

@@ -374,3 +374,23 @@ def test_reattached_reader_resumes_after_its_last_message(env):
             assert [r.read(1), r.read(1)] == [b"m0", b"m1"]
         with ShmRingReader(name, 0, rdir) as r:
             assert [r.read(1), r.read(1)] == [b"m2", b"m3"]
+
+
+def test_inspect_and_watch_show_a_kvstore_pool_listed_by_ls(env):
+    """`kestrel shm ls` lists the kvstore's pool; `inspect` / `watch` on it used to fail with
+    "not a version-1 ring (magic b'KSTRPOOL', version 1)"."""
+    from services.kvstore.cpu_tier import OwnedPool
+    inst, _ = env
+    pool = OwnedPool.create(inst, 4, 128, bytes(32))
+    try:
+        name = f"kestrel-{inst}-kvpool"
+        out = io.StringIO()
+        assert shm_tool.main(["inspect", name], out) == 0
+        text = out.getvalue()
+        assert f"{name}  kind=kvpool" in text and f"pid {os.getpid()} (alive)" in text
+        assert "slots 0 used / 4 free of 4" in text
+        out = io.StringIO()
+        assert shm_tool.main(["watch", name, "--interval", "0.01", "--count", "2"], out) == 0
+        assert out.getvalue().count("slots 0 used / 4 free of 4") == 2
+    finally:
+        pool.close()
