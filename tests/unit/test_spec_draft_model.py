@@ -385,7 +385,11 @@ def test_configuration_refuses_what_the_draft_model_cannot_run(folders, spec, ex
         shutil.rmtree(other, ignore_errors=True)
 
 
-def test_configuration_accepts_the_tiers_without_prefix_caching_and_a_same_vocab_draft(folders):
+def test_configuration_accepts_a_same_vocab_draft_and_refuses_tiers_without_prefix_caching(folders):
+    """A draft of the target's vocabulary is accepted. Tiers with the prefix cache off are refused
+    for every method (the engine connects no tier without the prefix cache), the draft model
+    among them; before that refusal they were accepted here, and the tiers went unused."""
     spec = {"method": "draft_model", "model": folders["draft"], "num_speculative_tokens": 2}
-    assert _cfg(folders["target"], spec, kv_offload_cpu_gib=1.0, enable_prefix_caching=False).speculative
     assert _cfg(folders["target"], spec).speculative.model == folders["draft"]
+    with pytest.raises(ValueError, match="requires --enable-prefix-caching"):
+        _cfg(folders["target"], spec, kv_offload_cpu_gib=1.0, enable_prefix_caching=False)
