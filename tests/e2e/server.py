@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import httpx
 import psutil
 
 from shared.config import runtime_base
-from shared.runtime_dir import DUMPS_SUFFIX, remove_if_empty, sweep_dead_runtime_dirs
+from shared.runtime_dir import DUMPS_SUFFIX, sweep_dead_runtime_dirs
 from tests.runtime_guard import new_instance_id
 
 KESTREL = os.path.join(os.path.dirname(sys.executable), "kestrel")
@@ -109,11 +110,18 @@ class KestrelServer:
 
     def _remove_dead_folders(self) -> None:
         """The runtime folder of a dead supervisor (as the next `kestrel serve` would remove
-        it), and its dump folder when empty (also when another process swept the runtime
-        folder first)."""
+        it), and its dump folder (also when another process swept the runtime folder first).
+        `kestrel serve` keeps a dump folder that holds dumps, for its operator; a test server's
+        dumps (a watchdog dump of a stall no test asked for, e.g. a C++ extension built inside
+        a step) go to stderr, which pytest shows with a failure, and the folder is removed."""
         sweep_dead_runtime_dirs(self.instance_id, self.base)
-        if not os.path.exists(self.runtime_dir):
-            remove_if_empty(self.runtime_dir + DUMPS_SUFFIX)
+        if os.path.exists(self.runtime_dir):
+            return
+        dumps = self.runtime_dir + DUMPS_SUFFIX
+        for f in sorted(glob.glob(os.path.join(dumps, "*.txt"))):
+            with open(f, errors="replace") as fh:
+                print(f"--- watchdog dump {os.path.basename(f)} ---\n{fh.read()[:4000]}", file=sys.stderr)
+        shutil.rmtree(dumps, ignore_errors=True)
 
     def __enter__(self):
         return self.start()
