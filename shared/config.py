@@ -370,7 +370,7 @@ def check_kv_offload(cfg: KestrelConfig) -> None:
 
 def check_cpu_kv_cache(cfg: KestrelConfig) -> None:
     """On the CPU, a KV cache of kv_cache_gib that holds max_model_len tokens. The worker makes
-    floor(kv_cache_gib GiB / block bytes) blocks (`services.worker.kv_cache.num_blocks_for`;
+    floor(kv_cache_gib GiB / block bytes) blocks (`shared.kv_layout.num_blocks_for`;
     a drafter's KV only adds to a block's bytes) and the engine refuses a max_model_len past
     them, but only once the weights are loaded; `kestrel serve` calls this first (not the
     config builder: a worker alone, as tests run it, needs no room for max_model_len). A
@@ -378,14 +378,14 @@ def check_cpu_kv_cache(cfg: KestrelConfig) -> None:
     numbers and the two ways out."""
     if cfg.device != "cpu":  # on CUDA the cache is sized from free memory after the load
         return
-    from shared.kv_layout import kv_layout_for
+    from shared.kv_layout import kv_layout_for, num_blocks_for
 
     try:
         layout = kv_layout_for(cfg)
         max_len = model_spec_for(cfg).max_model_len
     except (OSError, ValueError):
         return
-    blocks = int(cfg.kv_cache_gib * (1 << 30)) // layout.block_bytes
+    blocks = num_blocks_for(cfg.kv_cache_gib, layout.block_bytes)
     if max_len > blocks * cfg.block_size:
         raise ValueError(f"setting kv_cache_gib: {cfg.kv_cache_gib} GiB holds {blocks * cfg.block_size} "
                          f"tokens of KV cache ({blocks} blocks of {layout.block_bytes} bytes), fewer than "

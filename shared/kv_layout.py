@@ -128,6 +128,16 @@ class KVLayout:
         return self.parallel.tp_rank * self.block_bytes
 
 
+def num_blocks_for(kv_cache_gib: float, bytes_per_block: int) -> int:
+    """floor(kv_cache_gib GiB / bytes_per_block): the KV blocks of a CPU worker's cache
+    (`services.worker.model_runner`), and what `kestrel serve` checks max_model_len against
+    (`shared.config.check_cpu_kv_cache`). Raises ValueError when that is 0."""
+    n = int(kv_cache_gib * (1 << 30)) // bytes_per_block
+    if n < 1:
+        raise ValueError(f"kv_cache_gib={kv_cache_gib} holds no KV block of {bytes_per_block} bytes")
+    return n
+
+
 def kv_layout_for(cfg: KestrelConfig, *, dtype: str | None = None,
                   parallel: ParallelLayout = ParallelLayout()) -> KVLayout:
     """The layout for a config (model, dtype, kv_cache_dtype, max_model_len, block_size).

@@ -31,14 +31,6 @@ from dataclasses import dataclass
 import torch
 
 
-def num_blocks_for(kv_cache_gib: float, bytes_per_block: int) -> int:
-    """floor(kv_cache_gib GiB / bytes_per_block). Raises ValueError when that is 0."""
-    n = int(kv_cache_gib * (1 << 30)) // bytes_per_block
-    if n < 1:
-        raise ValueError(f"kv_cache_gib={kv_cache_gib} holds no KV block of {bytes_per_block} bytes")
-    return n
-
-
 @dataclass(frozen=True)
 class PagedKVSpec:
     """What one attention layer caches per token: keys and values of num_kv_heads heads of

@@ -28,7 +28,7 @@ from services.worker import jit_watch
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.fusion import FusionPlan
 from services.worker.gpu_memory import profile_kv_budget
-from services.worker.kv_cache import KVCache, num_blocks_for
+from services.worker.kv_cache import KVCache
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionLayer, AttentionMetadata, bind_layers, select_backend
 from services.worker.state_cache import StateCache, StepState
@@ -47,7 +47,7 @@ from services.worker.step_inputs import prepare_step
 from services.worker.verify_graphs import VerifyGraphs, replay_verify
 from shared.config import KestrelConfig, state_checkpoint_slots
 from shared.gguf_source import require_gguf
-from shared.kv_layout import KVLayout
+from shared.kv_layout import KVLayout, num_blocks_for
 from shared.model_spec import model_spec_for, resolved_dtype
 from shared.plan_state import PlanState
 from shared.state_layout import StateLayout

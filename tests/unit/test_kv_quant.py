@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from kernels.attention import paged_attention_ref, store_kv_ref
 from kernels.kv_quant import (FP8_E4M3_MAX, dequantize_fp8, dequantize_int8, gather_dequantized,
                               quantize_fp8, quantize_int8)
-from services.worker.kv_cache import KVCache, PagedKVSpec, num_blocks_for
+from services.worker.kv_cache import KVCache, PagedKVSpec
+from shared.kv_layout import num_blocks_for
 from services.worker.kv_transfer import KVTransfer
 from shared.config import build_config
 from shared.kv_layout import KVLayout, kv_layout_for
